@@ -1,0 +1,270 @@
+"""The placement problem as the solver sees it: plain dataclasses, no torch.
+
+A :class:`Problem` has one :class:`Decision` per graph node. A decision picks
+exactly one of its options; each option has a unary cost (compute). An
+:class:`Edge` from a producer decision to a consumer decision carries a cost
+matrix ``costs[producer_option][consumer_option]`` (communication plus a
+transition tie-break). Infinite costs forbid an option or an option pair.
+
+Constraints each carry a user-facing ``name``; constraints sharing a name form
+one group, and infeasibility diagnosis reports groups by that name:
+
+* :class:`Pin` restricts a decision to a subset of its options.
+* :class:`Link` says two decisions take "the same" option, via an explicit
+  mapping between their option lists (repeated layers, forward/backward pairs).
+* :class:`ResourceConstraint` bounds a weighted sum over chosen options
+  (the parameter-memory budget).
+
+Example::
+
+    >>> p = Problem(
+    ...     decisions=[Decision("a", ["R", "S0"], [1.0, 0.5]),
+    ...                Decision("b", ["R", "S0"], [1.0, 0.5])],
+    ...     edges=[Edge("a", "b", 0, [[0.0, 0.0], [2.0, 0.0]])],
+    ... )
+    >>> p.validate()
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+INF = math.inf
+
+
+class ProblemError(ValueError):
+    """A problem is malformed (unknown decision, wrong matrix shape, ...)."""
+
+
+@dataclass
+class Decision:
+    """One graph node's choice among ``options`` (labels, used in dumps).
+
+    An option's id is its index in ``options``; ``costs[i]`` is its unary
+    cost, ``math.inf`` meaning the option is forbidden.
+    """
+
+    name: str
+    options: list[str]
+    costs: list[float]
+
+    @property
+    def num_options(self) -> int:
+        return len(self.options)
+
+
+@dataclass
+class Edge:
+    """Data flows from ``producer`` into argument ``arg_index`` of ``consumer``.
+
+    ``costs[i][j]`` is paid when the producer takes option ``i`` and the
+    consumer option ``j``; ``math.inf`` forbids the pair.
+    """
+
+    producer: str
+    consumer: str
+    arg_index: int
+    costs: list[list[float]]
+
+
+@dataclass
+class Pin:
+    """Decision ``decision`` may only take one of ``allowed`` (option ids)."""
+
+    name: str
+    decision: str
+    allowed: list[int]
+
+
+@dataclass
+class Link:
+    """Decisions ``a`` and ``b`` take corresponding options.
+
+    ``mapping[i]`` is the option of ``b`` that corresponds to option ``i`` of
+    ``a``, or ``None`` when option ``i`` of ``a`` has no counterpart (and is
+    therefore forbidden). Options of ``b`` outside the mapping's image are
+    forbidden too. The mapping must be injective.
+    """
+
+    name: str
+    a: str
+    b: str
+    mapping: list[int | None]
+
+
+@dataclass
+class ResourceConstraint:
+    """``low <= sum over terms of weights[chosen option] <= high``.
+
+    ``terms`` maps a decision name to one weight per option of that decision.
+    Either bound may be ``None`` (unbounded).
+    """
+
+    name: str
+    terms: dict[str, list[float]]
+    low: float | None = None
+    high: float | None = None
+
+
+@dataclass
+class Problem:
+    decisions: list[Decision]
+    edges: list[Edge] = field(default_factory=list)
+    pins: list[Pin] = field(default_factory=list)
+    links: list[Link] = field(default_factory=list)
+    resources: list[ResourceConstraint] = field(default_factory=list)
+    name: str = ""
+    # Free-form, JSON-serialisable context for dumps (model, mesh, ...).
+    metadata: dict = field(default_factory=dict)
+
+    def decision_index(self) -> dict[str, Decision]:
+        return {d.name: d for d in self.decisions}
+
+    def constraint_names(self) -> list[str]:
+        """User-facing constraint group names, in first-appearance order."""
+        names: dict[str, None] = {}
+        for c in [*self.pins, *self.links, *self.resources]:
+            names.setdefault(c.name, None)
+        return list(names)
+
+    def validate(self) -> None:
+        """Raise :class:`ProblemError` naming the first inconsistency found."""
+        by_name: dict[str, Decision] = {}
+        for i, d in enumerate(self.decisions):
+            where = f"decision {d.name!r} (#{i})"
+            if d.name in by_name:
+                raise ProblemError(f"{where}: duplicate decision name")
+            if not d.options:
+                raise ProblemError(f"{where}: has no options")
+            if len(d.costs) != len(d.options):
+                raise ProblemError(
+                    f"{where}: {len(d.costs)} costs for {len(d.options)} options"
+                )
+            for j, c in enumerate(d.costs):
+                _check_cost(c, f"{where}, option {j}")
+            by_name[d.name] = d
+
+        def lookup(name: str, where: str) -> Decision:
+            if name not in by_name:
+                raise ProblemError(f"{where}: unknown decision {name!r}")
+            return by_name[name]
+
+        for k, e in enumerate(self.edges):
+            where = f"edge #{k} ({e.producer!r} -> {e.consumer!r})"
+            p = lookup(e.producer, where)
+            c = lookup(e.consumer, where)
+            if e.producer == e.consumer:
+                raise ProblemError(f"{where}: self-loop")
+            if len(e.costs) != p.num_options:
+                raise ProblemError(
+                    f"{where}: cost matrix has {len(e.costs)} rows, "
+                    f"producer has {p.num_options} options"
+                )
+            for i, row in enumerate(e.costs):
+                if len(row) != c.num_options:
+                    raise ProblemError(
+                        f"{where}: row {i} has {len(row)} entries, "
+                        f"consumer has {c.num_options} options"
+                    )
+                for j, v in enumerate(row):
+                    _check_cost(v, f"{where}, entry [{i}][{j}]")
+
+        for pin in self.pins:
+            where = f"pin {pin.name!r} on {pin.decision!r}"
+            d = lookup(pin.decision, where)
+            for o in pin.allowed:
+                if not isinstance(o, int) or not 0 <= o < d.num_options:
+                    raise ProblemError(
+                        f"{where}: option {o!r} out of range 0..{d.num_options - 1}"
+                    )
+
+        for link in self.links:
+            where = f"link {link.name!r} ({link.a!r} ~ {link.b!r})"
+            a = lookup(link.a, where)
+            b = lookup(link.b, where)
+            if link.a == link.b:
+                raise ProblemError(f"{where}: links a decision to itself")
+            if len(link.mapping) != a.num_options:
+                raise ProblemError(
+                    f"{where}: mapping has {len(link.mapping)} entries, "
+                    f"{link.a!r} has {a.num_options} options"
+                )
+            seen: set[int] = set()
+            for i, o in enumerate(link.mapping):
+                if o is None:
+                    continue
+                if not isinstance(o, int) or not 0 <= o < b.num_options:
+                    raise ProblemError(
+                        f"{where}: mapping[{i}] = {o!r} out of range "
+                        f"0..{b.num_options - 1}"
+                    )
+                if o in seen:
+                    raise ProblemError(f"{where}: mapping is not injective ({o} twice)")
+                seen.add(o)
+
+        for r in self.resources:
+            where = f"resource constraint {r.name!r}"
+            for name, weights in r.terms.items():
+                d = lookup(name, where)
+                if len(weights) != d.num_options:
+                    raise ProblemError(
+                        f"{where}: {len(weights)} weights for {name!r}, "
+                        f"which has {d.num_options} options"
+                    )
+                for j, w in enumerate(weights):
+                    if not isinstance(w, (int, float)) or not math.isfinite(w):
+                        raise ProblemError(f"{where}: weight {w!r} for {name!r}[{j}]")
+            for bound in (r.low, r.high):
+                if bound is not None and (
+                    not isinstance(bound, (int, float)) or math.isnan(bound)
+                ):
+                    raise ProblemError(f"{where}: bound {bound!r} is not a number")
+
+
+def _check_cost(value: float, where: str) -> None:
+    if not isinstance(value, (int, float)) or math.isnan(value) or value == -INF:
+        raise ProblemError(f"{where}: cost {value!r} is not a number or +inf")
+
+
+@dataclass
+class PresolveStats:
+    """How much presolve shrank a problem."""
+
+    decisions_before: int = 0
+    decisions_after: int = 0
+    options_before: int = 0
+    options_after: int = 0
+    edges_before: int = 0
+    edges_after: int = 0
+    # Option pairs over all edge matrices (pairwise variables before encoding).
+    pairs_before: int = 0
+    pairs_after: int = 0
+    merged_by_links: int = 0
+    options_removed_forbidden: int = 0
+    options_removed_dominated: int = 0
+
+
+@dataclass
+class Solution:
+    """The solver's answer.
+
+    ``choice`` maps every decision name to its chosen option id. ``status`` is
+    ``"optimal"`` (proven) or ``"feasible"`` (time limit or gap reached with an
+    incumbent). ``gap`` is the relative optimality gap reported by the backend
+    (0.0 when proven optimal). ``timings`` maps phase names (``presolve``,
+    ``build``, ``solve``, ...) to seconds.
+    """
+
+    choice: dict[str, int]
+    objective: float
+    unary_cost: float
+    edge_cost: float
+    status: str
+    optimal: bool
+    gap: float | None = None
+    backend: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
+    num_variables: int = 0
+    num_constraints: int = 0
+    presolve: PresolveStats | None = None
