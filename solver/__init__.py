@@ -4,6 +4,10 @@ Nothing under ``solver/`` imports torch; it can be used and tested with
 hand-made problems.
 """
 
+from .api import solve
+from .backends import SolverError, available_backends
+from .diagnose import InfeasibleError
+from .evaluate import evaluate, violations
 from .problem import (
     INF,
     Decision,
@@ -28,4 +32,10 @@ __all__ = [
     "ProblemError",
     "ResourceConstraint",
     "Solution",
+    "InfeasibleError",
+    "SolverError",
+    "available_backends",
+    "evaluate",
+    "solve",
+    "violations",
 ]

@@ -1,0 +1,161 @@
+"""``solve``: the solver's one entry point.
+
+    problem --validate--> presolve --build--> ILP --backend--> columns
+            --decode--> reduced choice --expand--> choice --evaluate--> Solution
+
+The objective reported is :func:`solver.evaluate.evaluate` of the expanded
+choice on the original problem; the ILP's own objective only steers the
+search. An infeasible problem raises :class:`InfeasibleError` naming the
+conflicting constraints (diagnosed on the original problem, no presolve).
+
+Determinism: the same problem and options give the same solution. Both
+backends are deterministic (without a time limit), and the model is built in
+a fixed order, so ties between equally good choices are broken the same way
+every time, though not by any documented rule; cost models that care should
+add their own tie-break costs.
+
+Example::
+
+    >>> from solver.problem import Decision, Edge, Problem
+    >>> p = Problem(
+    ...     decisions=[Decision("a", ["R", "S0"], [1.0, 0.5]),
+    ...                Decision("b", ["R", "S0"], [1.0, 0.5])],
+    ...     edges=[Edge("a", "b", 0, [[0.0, 0.0], [2.0, 0.0]])],
+    ... )
+    >>> s = solve(p, presolve=False)
+    >>> s.choice, s.objective, s.status
+    ({'a': 1, 'b': 1}, 1.0, 'optimal')
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from .backends import SolverError, get_backend
+from .diagnose import InfeasibleError, diagnose
+from .evaluate import evaluate, violations
+from .ilp import build
+from .problem import Problem, Solution
+
+logger = logging.getLogger(__name__)
+
+
+def solve(
+    problem: Problem,
+    *,
+    backend: str | None = None,
+    time_limit: float | None = None,
+    rel_gap: float | None = None,
+    presolve: bool = True,
+) -> Solution:
+    """Find a minimum-cost choice for ``problem``.
+
+    ``backend``: a name from :func:`solver.available_backends` (default:
+    the first, fastest). ``time_limit`` (seconds) and ``rel_gap`` (e.g.
+    ``0.01``) let the backend stop early with ``status="feasible"``.
+    ``presolve``: shrink the problem first (links merged, dominated options
+    dropped) with :mod:`solver.presolve`.
+
+    Raises :class:`InfeasibleError` when no choice satisfies the problem,
+    :class:`~solver.problem.ProblemError` when it is malformed, and
+    :class:`SolverError` when the backend stops without any solution.
+    """
+    t_start = time.perf_counter()
+    problem.validate()
+    solver = get_backend(backend)
+    timings: dict[str, float] = {}
+
+    reduced, expand, stats = problem, None, None
+    if presolve:
+        t0 = time.perf_counter()
+        pre_mod = _presolve_module()
+        if pre_mod is not None:
+            try:
+                pre = pre_mod.presolve(problem)
+            except pre_mod.PresolveInfeasible as exc:
+                logger.info("presolve found the problem infeasible: %s", exc)
+                raise _infeasible(problem, solver.name) from None
+            reduced, expand, stats = pre.problem, pre.expand, pre.stats
+        timings["presolve"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    model = build(reduced)
+    timings["build"] = time.perf_counter() - t0
+    logger.info(
+        "ILP %r: %d variables (%d binary), %d constraints, built in %.3fs",
+        problem.name,
+        model.num_cols,
+        model.num_x,
+        model.num_rows,
+        timings["build"],
+    )
+    if model.infeasible is not None:
+        logger.info("infeasible before solving: %s", model.infeasible)
+        raise _infeasible(problem, solver.name)
+
+    result = solver.solve(model, time_limit=time_limit, rel_gap=rel_gap)
+    timings["build"] += result.timings.get("build", 0.0)
+    timings["solve"] = result.timings.get("solve", 0.0)
+    if result.status == "infeasible":
+        raise _infeasible(problem, solver.name)
+    if result.status == "unknown":
+        raise SolverError(
+            f"{solver.name} found no feasible solution within the time limit "
+            f"({time_limit} s)"
+        )
+
+    t0 = time.perf_counter()
+    choice = model.decode(result.values)
+    if expand is not None:
+        choice = expand(choice)
+    unary, edge = evaluate(problem, choice)
+    bad = violations(problem, choice)
+    if bad:
+        raise SolverError(f"internal error: solution violates {bad}")
+    timings["extract"] = result.timings.get("extract", 0.0) + time.perf_counter() - t0
+    timings["total"] = time.perf_counter() - t_start
+    logger.info(
+        "solved %r with %s: %s, objective %.6g, gap %s, %.3fs",
+        problem.name,
+        solver.name,
+        result.status,
+        unary + edge,
+        result.gap,
+        timings["total"],
+    )
+    return Solution(
+        choice=choice,
+        objective=unary + edge,
+        unary_cost=unary,
+        edge_cost=edge,
+        status=result.status,
+        optimal=result.status == "optimal",
+        gap=result.gap,
+        backend=solver.name,
+        timings=timings,
+        num_variables=model.num_cols,
+        num_constraints=model.num_rows,
+        presolve=stats,
+    )
+
+
+def _presolve_module():
+    try:
+        from . import presolve as pre_mod
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__package__}.presolve":
+            raise
+        logger.info("solver.presolve is not available; solving without presolve")
+        return None
+    return pre_mod
+
+
+def _infeasible(problem: Problem, backend: str) -> InfeasibleError:
+    err = diagnose(problem, backend=backend)
+    if err is None:  # should not happen: the reduced problem was infeasible
+        return InfeasibleError(
+            "Infeasible: the solver found no solution, but no conflicting "
+            "constraint set could be isolated"
+        )
+    return err
