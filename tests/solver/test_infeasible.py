@@ -1,0 +1,173 @@
+"""Infeasibility: the error names an irreducible set of conflicting groups."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+import solver
+from solver import InfeasibleError, solve
+from solver.diagnose import diagnose
+from solver.problem import INF, Decision, Edge, Link, Pin, Problem, ResourceConstraint
+
+from ilp_cases import brute_force, random_problem
+
+BACKENDS = solver.available_backends()
+HAS_PRESOLVE = importlib.util.find_spec("solver.presolve") is not None
+PRESOLVE = [False, pytest.param(True, marks=pytest.mark.skipif(not HAS_PRESOLVE, reason="no solver.presolve yet"))]
+
+
+def dec(name, n, costs=None):
+    return Decision(name, [f"o{i}" for i in range(n)], list(costs or [1.0] * n))
+
+
+def model_problem(extra_pins=(), extra_resources=()):
+    """input -> w1 -> w2 -> out; options 0 = replicate, 1/2 = shard.
+
+    Feasible: the budget affords one replicated weight, but w1 and w2 are
+    linked, so both get sharded.
+    """
+    decisions = [dec("input", 3), dec("w1", 3, [1, 3, 2]), dec("w2", 3, [1, 3, 2]), dec("out", 3)]
+    comm = [[0, 1, 1], [1, 0, 2], [1, 2, 0]]
+    edges = [Edge("input", "w1", 0, comm), Edge("w1", "w2", 0, comm), Edge("w2", "out", 0, comm)]
+    pins = [
+        Pin("input constraint 0", "input", [0]),
+        Pin("output constraint 0", "out", [0, 1, 2]),
+        *extra_pins,
+    ]
+    links = [Link("w1/w2 alike", "w1", "w2", [0, 1, 2])]
+    resources = [
+        ResourceConstraint("parameter memory budget", {"w1": [4, 1, 1], "w2": [4, 1, 1]}, high=6),
+        ResourceConstraint("activation memory", {"input": [2, 1, 1], "out": [2, 1, 1]}, high=10),
+        *extra_resources,
+    ]
+    return Problem(decisions, edges, pins, links, resources, name="toy")
+
+
+@pytest.mark.parametrize("presolve", PRESOLVE)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_feasible_problem_does_not_raise(backend, presolve):
+    s = solve(model_problem(), backend=backend, presolve=presolve)
+    assert s.status == "optimal"
+    assert s.choice["w1"] != 0 and s.choice["w2"] != 0
+    assert diagnose(model_problem()) is None
+
+
+@pytest.mark.parametrize("presolve", PRESOLVE)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_known_conflicting_pair_is_named_exactly(backend, presolve):
+    p = model_problem(
+        extra_resources=[ResourceConstraint("replicated input too big", {"input": [9, 0, 0]}, high=5)]
+    )
+    with pytest.raises(InfeasibleError) as info:
+        solve(p, backend=backend, presolve=presolve)
+    assert info.value.conflict == ["input constraint 0", "replicated input too big"]
+
+
+@pytest.mark.parametrize("presolve", PRESOLVE)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_known_conflicting_triple_is_named_exactly(backend, presolve):
+    # A replicated w1 fits the budget, but the link replicates w2 as well.
+    p = model_problem(extra_pins=[Pin("w1 replicated", "w1", [0])])
+    with pytest.raises(InfeasibleError) as info:
+        solve(p, backend=backend, presolve=presolve)
+    err = info.value
+    assert err.conflict == ["w1 replicated", "w1/w2 alike", "parameter memory budget"]
+    assert str(err) == (
+        "Infeasible: constraints conflict: 'w1 replicated', 'w1/w2 alike', "
+        "'parameter memory budget' (removing any one of them makes the problem feasible)"
+    )
+
+
+def test_conflicting_pair_message():
+    p = model_problem(
+        extra_resources=[ResourceConstraint("replicated input too big", {"input": [9, 0, 0]}, high=5)]
+    )
+    err = diagnose(p)
+    assert err.conflict == ["input constraint 0", "replicated input too big"]
+    assert str(err) == (
+        "Infeasible: constraints conflict: 'input constraint 0', 'replicated input too big' "
+        "(removing any one of them makes the problem feasible)"
+    )
+    assert isinstance(err, ValueError) and not isinstance(err, solver.ProblemError)
+
+
+def test_low_bound_conflict():
+    p = model_problem(
+        extra_resources=[ResourceConstraint("at least 7 params", {"w1": [4, 1, 1], "w2": [4, 1, 1]}, low=7)]
+    )
+    err = diagnose(p)
+    assert err.conflict == ["parameter memory budget", "at least 7 params"]
+
+
+def test_single_unsatisfiable_constraint():
+    p = Problem([dec("a", 2, [1, INF]), dec("b", 2)], pins=[Pin("want shard", "a", [1]), Pin("ok", "b", [0])])
+    with pytest.raises(InfeasibleError) as info:
+        solve(p, presolve=False)
+    assert info.value.conflict == ["want shard"]
+    assert str(info.value) == (
+        "Infeasible: constraint 'want shard' cannot be satisfied "
+        "(removing it makes the problem feasible)"
+    )
+
+
+def test_decision_with_all_options_forbidden_is_named():
+    p = Problem(
+        [dec("a", 2), dec("dead", 3, [INF, INF, INF])],
+        [Edge("a", "dead", 0, [[0, 1, 2], [1, 0, 2]])],
+        pins=[Pin("p", "a", [0])],
+    )
+    for presolve in [False] + [True] * HAS_PRESOLVE:
+        with pytest.raises(InfeasibleError) as info:
+            solve(p, presolve=presolve)
+        assert info.value.decisions == ["dead"] and info.value.conflict == []
+        assert "'dead'" in str(info.value)
+
+
+def test_edge_forbidding_every_pair_is_named():
+    p = Problem(
+        [dec("a", 2, [1, INF]), dec("b", 2), dec("c", 2)],
+        [Edge("a", "b", 0, [[INF, 0], [0, 0]]), Edge("b", "c", 0, [[0, INF], [INF, 0]]),
+         Edge("a", "c", 0, [[0, INF], [0, 0]])],
+    )
+    err = diagnose(p)
+    # a=0 forces c=0, c=0 forces b=0, but a=0 forbids b=0.
+    assert err.edges == ["'a' -> 'b'", "'b' -> 'c'", "'a' -> 'c'"]
+    assert err.conflict == []
+    q = Problem([dec("a", 2, [1, INF]), dec("b", 2)], [Edge("a", "b", 0, [[INF, INF], [0, 0]])])
+    err = diagnose(q)
+    assert err.edges == ["'a' -> 'b'"]
+    assert "forbids every pair" in str(err)
+
+
+def test_link_conflict():
+    p = Problem(
+        [dec("l0", 3), dec("l1", 3, [1, 1, INF]), dec("l2", 3)],
+        [Edge("l0", "l1", 0, [[0, 1, 1]] * 3), Edge("l1", "l2", 0, [[0, 1, 1]] * 3)],
+        pins=[Pin("last layer sharded", "l2", [2])],
+        links=[Link("layers", "l0", "l1", [0, 1, 2]), Link("layers", "l0", "l2", [0, 1, 2])],
+    )
+    err = diagnose(p)
+    assert err.conflict == ["last layer sharded", "layers"]
+
+
+def test_random_infeasible_problems_get_irreducible_conflicts():
+    """Against brute force: the named groups conflict on their own, and
+    dropping any one of them makes the problem feasible."""
+    checked = 0
+    for seed in range(400):
+        p = random_problem(seed)
+        if brute_force(p) is not None:
+            continue
+        err = diagnose(p)
+        assert err is not None
+        if err.decisions or err.edges:
+            assert brute_force(p, groups=set()) is None
+            continue
+        checked += 1
+        assert err.conflict
+        assert brute_force(p, groups=set(err.conflict)) is None
+        for g in err.conflict:
+            assert brute_force(p, groups=set(err.conflict) - {g}) is not None, (seed, g)
+    assert checked >= 10
