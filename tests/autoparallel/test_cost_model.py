@@ -1,0 +1,315 @@
+import dataclasses
+import math
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from autoparallel.cost_model import (
+    A100,
+    B200,
+    H100,
+    H200,
+    TRANSITION_TIEBREAK,
+    CommOverlapPolicy,
+    DeviceSpec,
+    TensorSig,
+    apply_discount,
+    collective_time,
+    compute_time,
+    is_free_op,
+    local_shape,
+    mesh_dim_topology,
+    node_compute_time,
+    op_compute_time,
+    op_cost_from_shapes,
+    op_flops_and_bytes,
+    redistribute_steps,
+    redistribute_time,
+)
+
+aten = torch.ops.aten
+WORLD = 128
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    """A 16x8 ("dp", "tp") mesh on a fake process group of 128 ranks."""
+    created = False
+    if dist.is_initialized() and dist.get_world_size() != WORLD:
+        dist.destroy_process_group()
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
+        created = True
+    yield init_device_mesh("cpu", (16, 8), mesh_dim_names=("dp", "tp"))
+    if created and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def spec(mesh, placements, shape=(4096, 4096), dtype=BF16):
+    t = torch.empty(shape, dtype=dtype, device="meta")
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(t.shape, t.stride(), dtype))
+
+
+# ---------------------------------------------------------------- devices
+
+
+def test_presets_and_get():
+    assert DeviceSpec.get("h100") is H100
+    assert DeviceSpec.get("B200") is B200
+    with pytest.raises(ValueError, match="A100, B200, H100, H200"):
+        DeviceSpec.get("TPUv5")
+    assert H100.peak_flops(BF16) == H100.peak_flops(torch.float16) == 989e12
+    assert H100.peak_flops(torch.float32) == 67e12  # PyTorch default: no TF32
+    assert dataclasses.replace(H100, fp32_uses_tf32=True).peak_flops(torch.float32) == 495e12
+    assert H100.peak_flops(torch.float8_e4m3fn) == 1979e12
+    assert A100.peak_flops(torch.float8_e4m3fn) == A100.peak_bf16  # no fp8 units
+
+
+def test_presets_ordered_for_big_matmul():
+    m = n = k = 8192
+    flops, nbytes = 2 * m * n * k, 3 * m * n * 2
+    t = {d.name: compute_time(flops, nbytes, BF16, d) for d in (A100, H100, H200, B200)}
+    assert t["B200"] < t["H100"] < t["A100"]
+    assert t["H200"] == pytest.approx(t["H100"])  # compute-bound: same SMs
+
+
+def test_h200_faster_for_memory_bound():
+    nbytes = 1 << 30
+    assert compute_time(0, nbytes, BF16, H200) < compute_time(0, nbytes, BF16, H100)
+
+
+# ---------------------------------------------------------------- compute
+
+
+def test_roofline_and_launch_floor():
+    assert compute_time(1e3, 1e3, BF16, H100) == H100.launch_floor
+    assert compute_time(0, 0, BF16, H100) == 0.0
+    big = 2 * 8192**3
+    assert compute_time(big, 1e3, BF16, H100) == pytest.approx(big / (989e12 * 0.7))
+    assert compute_time(1, 1e9, BF16, H100) == pytest.approx(1e9 / (3.35e12 * 0.8))
+
+
+def test_views_are_free():
+    for op in (aten.view.default, aten._unsafe_view.default, aten.t.default, aten.transpose.int,
+               aten.permute.default, aten.expand.default, aten.detach.default, aten.split.Tensor,
+               aten.slice.Tensor, aten.unsqueeze.default, aten.as_strided.default):
+        assert is_free_op(op), op
+    import operator
+
+    assert is_free_op(operator.getitem) and is_free_op("placeholder")
+    assert not is_free_op(aten.mm.default) and not is_free_op(aten.clone.default)
+    x = torch.empty(64, 64, device="meta")
+    assert op_compute_time(aten.view.default, (x, [4096]), {}, x.view(4096), None, None) == 0.0
+
+
+def test_mm_flops_and_bytes_local_shapes():
+    m, k, n = 256, 512, 128
+    a, b = torch.empty(m, k, dtype=BF16, device="meta"), torch.empty(k, n, dtype=BF16, device="meta")
+    flops, nbytes = op_flops_and_bytes(aten.mm.default, (a, b), {}, a @ b)
+    assert flops == 2 * m * n * k
+    assert nbytes == (m * k + k * n + m * n) * 2
+
+
+def test_pointwise_costs_by_bytes():
+    x = TensorSig((1024, 1024), BF16)
+    flops, nbytes = op_cost_from_shapes(aten.add.Tensor, (x, x), {}, x)
+    assert flops == 0 and nbytes == 3 * 1024 * 1024 * 2
+
+
+def test_embedding_reads_rows_not_table():
+    w, idx, out = TensorSig((128256, 4096), BF16), TensorSig((8, 128), torch.int64), TensorSig((8, 128, 4096), BF16)
+    _, nbytes = op_cost_from_shapes(aten.embedding.default, (w, idx), {}, out)
+    assert nbytes == 8 * 128 * 8 + 2 * 8 * 128 * 4096 * 2
+
+
+def test_sdpa_flops_and_causal_halving():
+    q = TensorSig((2, 8, 1024, 64), BF16)
+    lse = TensorSig((2, 8, 1024), torch.float32)
+    full = 2 * (2 * 2 * 8 * 1024 * 1024 * 64)
+    op = aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert op_cost_from_shapes(op, (q, q, q), {}, (q, lse))[0] == full
+    assert op_cost_from_shapes(op, (q, q, q, 0.0, True), {}, (q, lse))[0] == full / 2
+    assert op_cost_from_shapes(op, (q, q, q), {"is_causal": True}, (q, lse))[0] == full / 2
+
+
+def test_op_compute_time_uses_local_shapes(mesh):
+    m, k, n = 65536, 4096, 4096  # 16 x 4096 tokens through a 4096x4096 linear
+    a, b = torch.empty(m, k, dtype=BF16, device="meta"), torch.empty(k, n, dtype=BF16, device="meta")
+    out = torch.empty(m, n, dtype=BF16, device="meta")
+    rep = op_compute_time(aten.mm.default, (a, b), {}, out, None, None)
+    # Data parallel on dp, column-parallel on tp: 1/128 of the work.
+    a_s = spec(mesh, (Shard(0), Replicate()), (m, k))
+    b_s = spec(mesh, (Replicate(), Shard(1)), (k, n))
+    o_s = spec(mesh, (Shard(0), Shard(1)), (m, n))
+    sharded = op_compute_time(aten.mm.default, (a, b), {}, out, (a_s, b_s), o_s)
+    assert sharded == pytest.approx(rep / 128)
+    assert sharded == pytest.approx(2 * (m / 16) * (n / 8) * k / (989e12 * 0.7))
+
+
+def test_node_compute_time(mesh):
+    gm = torch.fx.symbolic_trace(lambda a, b: torch.mm(a, b))
+    a, b = torch.empty(512, 256, device="meta"), torch.empty(256, 128, device="meta")
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            node.meta["val"] = a if node.name == "a" else b
+        if node.op == "call_function":
+            node.target = aten.mm.default
+            node.meta["val"] = a @ b
+            mm = node
+    t = node_compute_time(mm, None, None, H100)
+    assert t == compute_time(2 * 512 * 256 * 128, (512 * 256 + 256 * 128 + 512 * 128) * 4, torch.float32, H100)
+
+
+def test_local_shape_matches_dtensor_rank0(mesh):
+    for shape, placements in [
+        ((4096, 4096), (Shard(0), Shard(1))),
+        ((10, 7), (Shard(0), Shard(0))),
+        ((13, 5, 3), (Replicate(), Shard(0))),
+        ((13, 5, 3), (Partial(), Shard(2))),
+    ]:
+        ref, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
+        assert local_shape(shape, (16, 8), placements) == tuple(ref)
+
+
+# ---------------------------------------------------------------- communication
+
+
+def test_mesh_topology(mesh):
+    dp, tp = mesh_dim_topology(mesh, 8)
+    assert (dp.group_size, dp.intra_node, dp.ranks_per_node) == (16, False, 1)
+    assert (tp.group_size, tp.intra_node, tp.ranks_per_node) == (8, True, 8)
+    (flat,) = mesh_dim_topology(DeviceMesh("cpu", torch.arange(WORLD)), 8)
+    assert (flat.intra_node, flat.ranks_per_node) == (False, 8)
+    a, b = mesh_dim_topology(DeviceMesh("cpu", torch.arange(WORLD).reshape(8, 16)), 8)
+    assert (a.intra_node, a.ranks_per_node, b.intra_node, b.ranks_per_node) == (False, 1, False, 8)
+
+
+def test_identical_spec_free(mesh):
+    s = spec(mesh, (Shard(0), Shard(1)))
+    assert redistribute_time(s, s) == 0.0
+    assert redistribute_time(s, spec(mesh, (Shard(0), Shard(1)))) == 0.0
+
+
+def test_allgather_intra_faster_than_inter(mesh):
+    # Same tensor, gathered once along tp (NVLink) and once along dp (IB).
+    intra = redistribute_time(spec(mesh, (Replicate(), Shard(0))), spec(mesh, (Replicate(), Replicate())))
+    inter = redistribute_time(spec(mesh, (Shard(0), Replicate())), spec(mesh, (Replicate(), Replicate())))
+    assert 0 < intra < inter
+    # Same bytes and group size, only the link differs.
+    assert collective_time("all_gather", 1e6, 8, True) < collective_time("all_gather", 1e6, 8, False)
+
+
+def test_allgather_matches_ring_formula(mesh):
+    t = redistribute_time(spec(mesh, (Replicate(), Shard(0))), spec(mesh, (Replicate(), Replicate())))
+    shard = 4096 * 4096 * 2 / 8
+    expect = H100.launch_floor + 7 * H100.intra_node_latency + 7 * shard / (450e9 * 0.8)
+    assert t == pytest.approx(expect)
+
+
+def test_allreduce_about_twice_reduce_scatter(mesh):
+    shape = (8192, 8192)
+    p = spec(mesh, (Replicate(), Partial()), shape)
+    ar = redistribute_time(p, spec(mesh, (Replicate(), Replicate()), shape))
+    rs = redistribute_time(p, spec(mesh, (Replicate(), Shard(0)), shape))
+    assert ar == pytest.approx(2 * rs, rel=0.02)
+    assert collective_time("all_reduce", 1e8, 16, False) == pytest.approx(
+        2 * collective_time("reduce_scatter", 1e8, 16, False), rel=0.01
+    )
+
+
+def test_all_to_all_cheaper_than_allgather(mesh):
+    a2a = redistribute_time(spec(mesh, (Replicate(), Shard(0))), spec(mesh, (Replicate(), Shard(1))))
+    ag = redistribute_time(spec(mesh, (Replicate(), Shard(0))), spec(mesh, (Replicate(), Replicate())))
+    assert 0 < a2a < ag
+    assert [s.kind for s in redistribute_steps(spec(mesh, (Replicate(), Shard(0))), spec(mesh, (Replicate(), Shard(1))))] == ["all_to_all"]
+
+
+def test_forbidden_transitions(mesh):
+    assert redistribute_time(spec(mesh, (Shard(0), Replicate())), spec(mesh, (Partial(), Replicate()))) == math.inf
+    assert redistribute_time(spec(mesh, (Partial("sum"), Replicate())), spec(mesh, (Partial("max"), Replicate()))) == math.inf
+
+
+def test_replicate_to_shard_is_cheap_local_copy(mesh):
+    src = spec(mesh, (Replicate(), Replicate()))
+    t = redistribute_time(src, spec(mesh, (Shard(0), Shard(1))))
+    assert 0 < t < TRANSITION_TIEBREAK * 1000
+    assert all(s.kind == "local_copy" for s in redistribute_steps(src, spec(mesh, (Shard(0), Partial()))))
+    # Cheaper than any collective on the same tensor.
+    assert t < redistribute_time(spec(mesh, (Replicate(), Shard(0))), src)
+
+
+def test_2d_redistribution_is_sum_of_steps(mesh):
+    src, dst = spec(mesh, (Shard(0), Shard(0))), spec(mesh, (Replicate(), Replicate()))
+    steps = redistribute_steps(src, dst)
+    assert [(s.mesh_dim, s.kind) for s in steps] == [(1, "all_gather"), (0, "all_gather")]
+    assert redistribute_time(src, dst) == pytest.approx(sum(s.time for s in steps))
+    full = 4096 * 4096 * 2
+    # tp all-gather of a 1/128 shard, then dp all-gather of a 1/16 shard.
+    expect = collective_time("all_gather", full / 128, 8, True) + collective_time(
+        "all_gather", full / 16, 16, False, ranks_per_node=1
+    )
+    assert redistribute_time(src, dst) == pytest.approx(expect)
+    assert steps[1].bytes_per_rank == full // 16  # the all-gather grew the local tensor
+
+
+def test_reduce_scatter_shrinks_bytes(mesh):
+    src, dst = spec(mesh, (Partial(), Partial())), spec(mesh, (Shard(0), Shard(1)))
+    steps = redistribute_steps(src, dst)
+    assert [s.kind for s in steps] == ["reduce_scatter", "reduce_scatter"]
+    assert steps[1].bytes_per_rank == steps[0].bytes_per_rank // 16
+
+
+def test_monotonic_in_size(mesh):
+    for src_p, dst_p in [
+        ((Shard(0), Replicate()), (Replicate(), Replicate())),
+        ((Partial(), Partial()), (Replicate(), Replicate())),
+        ((Replicate(), Shard(0)), (Replicate(), Shard(1))),
+    ]:
+        times = [redistribute_time(spec(mesh, src_p, (n, 1024)), spec(mesh, dst_p, (n, 1024))) for n in (256, 1024, 4096, 16384)]
+        assert times == sorted(times) and times[0] < times[-1], (src_p, dst_p, times)
+
+
+def test_multi_node_group_uses_all_nics():
+    # 128 ranks over 16 nodes drive 8 NICs per node; one rank per node only one.
+    rails = collective_time("all_gather", 1e8, 16, False, ranks_per_node=8)
+    single = collective_time("all_gather", 1e8, 16, False, ranks_per_node=1)
+    assert rails < single / 4
+
+
+def test_collective_edge_cases():
+    assert collective_time("all_reduce", 1e6, 1, True) == 0.0
+    assert collective_time("all_gather", 0, 8, True) == 0.0
+    with pytest.raises(ValueError):
+        collective_time("broadcast", 1e6, 8, True)
+
+
+def test_overlap_policy():
+    p = CommOverlapPolicy()
+    assert apply_discount(1.0, "param_all_gather", p) == p.param_allgather_discount
+    assert apply_discount(1.0, "grad_reduce_scatter", p) == p.grad_reduce_scatter_discount
+    assert apply_discount(1.0, "all_reduce", p) == 1.0
+    assert apply_discount(1.0, "param_all_gather", CommOverlapPolicy(enabled=False)) == 1.0
+
+
+def test_cached_redistribute_benchmark(mesh):
+    pairs = [
+        (spec(mesh, a), spec(mesh, b))
+        for a in [(Shard(0), Shard(1)), (Replicate(), Partial()), (Shard(1), Replicate())]
+        for b in [(Replicate(), Replicate()), (Shard(0), Shard(0)), (Replicate(), Shard(1))]
+    ]
+    expected = [redistribute_time(s, d) for s, d in pairs]
+    t0 = time.perf_counter()
+    for i in range(10_000):
+        s, d = pairs[i % len(pairs)]
+        redistribute_time(s, d)
+    dt = time.perf_counter() - t0
+    print(f"\n10k cached redistribute_time calls: {dt * 1e3:.1f} ms ({dt * 1e2:.2f} us/call)")
+    assert [redistribute_time(s, d) for s, d in pairs] == expected
