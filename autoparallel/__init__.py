@@ -1,0 +1,23 @@
+"""autoparallel: automatic parallelism planning for PyTorch training.
+
+``with AutoParallel(model, mesh, inputs) as autop:`` traces one training
+step, lists DTensor placement options for every node, and
+``autop.optimize_placement()`` picks one per node with an integer linear
+program (see README.md).
+"""
+
+from .api import AutoParallel, ConstraintError
+from .cost_model import CommOverlapPolicy, DeviceSpec
+from .plan import NodePlan, Plan, diff
+from .strategies import register_rule
+
+__all__ = [
+    "AutoParallel",
+    "CommOverlapPolicy",
+    "ConstraintError",
+    "DeviceSpec",
+    "NodePlan",
+    "Plan",
+    "diff",
+    "register_rule",
+]

@@ -1,0 +1,163 @@
+"""Stage 4: the solver's answer as a placement plan users can read and diff.
+
+A :class:`Plan` holds, per graph node, the chosen input and output
+placements and what they cost; :meth:`Plan.explain` tells why a node looks
+the way it does, :func:`diff` compares two plans, and :meth:`Plan.to_json`
+is the solver debug dump (per node: name, op, module path, phase, shape,
+dtype, placements, number of options, costs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import solver
+
+from . import cost_model
+
+PLAN_SCHEMA = "autoparallel.plan/1"
+
+
+@dataclass
+class NodePlan:
+    name: str
+    op: str
+    module_path: str | None
+    phase: str  # "forward" | "backward"
+    shape: list[int] | None
+    dtype: str | None
+    input_placements: list[str]
+    output_placements: str
+    num_options: int
+    compute_cost: float
+    comm_cost: float  # incoming redistributions, seconds
+    transition_cost: float  # tie-break part of comm_cost
+    option: int = 0
+    # (producer name, producer placement, seconds) for non-free transitions
+    incoming: list[tuple[str, str, float]] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    mesh_shape: list[int]
+    mesh_dim_names: list[str] | None
+    nodes: dict[str, NodePlan]
+    solution: solver.Solution
+    # name -> what the user asked for, for the dump
+    constraints: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    parameter_bytes_per_rank: float = 0.0
+    parameter_bytes_total: float = 0.0
+
+    # -- summaries --------------------------------------------------------
+    @property
+    def compute_cost(self) -> float:
+        return sum(n.compute_cost for n in self.nodes.values())
+
+    @property
+    def comm_cost(self) -> float:
+        return sum(n.comm_cost for n in self.nodes.values())
+
+    def placements(self, name: str) -> str:
+        return self.nodes[name].output_placements
+
+    def explain(self, node: Any) -> str:
+        """Why ``node`` (an FX node or its name) is placed the way it is."""
+        name = getattr(node, "name", node)
+        if name not in self.nodes:
+            raise KeyError(f"no node named {name!r} in the plan")
+        n = self.nodes[name]
+        lines = [
+            f"{n.name} = {n.op}  [{n.phase}, module {n.module_path or '-'}]",
+            f"  shape {n.shape} {n.dtype}; {n.num_options} options considered",
+            f"  chosen: inputs {', '.join(n.input_placements) or '-'} -> output {n.output_placements}",
+            f"  compute {_us(n.compute_cost)}, incoming communication {_us(n.comm_cost)}",
+        ]
+        for producer, placement, seconds in n.incoming:
+            lines.append(f"    from {producer} ({placement}): {_us(seconds)}")
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        s = self.solution
+        lines = [
+            f"plan for mesh {self.mesh_shape}: {len(self.nodes)} nodes, solver {s.status}"
+            f" ({s.backend}, gap {s.gap if s.gap is not None else 'n/a'})",
+            f"  estimated compute {_ms(self.compute_cost)}, communication {_ms(self.comm_cost)} per step",
+            f"  parameters per rank {self.parameter_bytes_per_rank / 2**30:.3f} GiB"
+            f" of {self.parameter_bytes_total / 2**30:.3f} GiB",
+        ]
+        if self.timings:
+            lines.append(
+                "  timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items())
+            )
+        return "\n".join(lines)
+
+    # -- JSON -----------------------------------------------------------------
+    def to_json(self) -> dict:
+        s = self.solution
+        return {
+            "schema": PLAN_SCHEMA,
+            "mesh_shape": self.mesh_shape,
+            "mesh_dim_names": self.mesh_dim_names,
+            "solver": {
+                "status": s.status,
+                "optimal": s.optimal,
+                "gap": s.gap,
+                "backend": s.backend,
+                "objective": s.objective,
+                "unary_cost": s.unary_cost,
+                "edge_cost": s.edge_cost,
+                "num_variables": s.num_variables,
+                "num_constraints": s.num_constraints,
+                "presolve": asdict(s.presolve) if s.presolve else None,
+            },
+            "totals": {
+                "compute_cost": self.compute_cost,
+                "comm_cost": self.comm_cost,
+                "parameter_bytes_per_rank": self.parameter_bytes_per_rank,
+                "parameter_bytes_total": self.parameter_bytes_total,
+            },
+            "constraints": self.constraints,
+            "nodes": [asdict(n) for n in self.nodes.values()],
+        }
+
+    def dump_json(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, indent=1, sort_keys=False, default=_json_default)
+            f.write("\n")
+
+
+def diff(a: Plan, b: Plan) -> list[str]:
+    """Human-readable differences between two plans, node by node."""
+    out = []
+    for name in a.nodes.keys() | b.nodes.keys():
+        na, nb = a.nodes.get(name), b.nodes.get(name)
+        if na is None or nb is None:
+            out.append(f"{name}: only in {'first' if nb is None else 'second'} plan")
+        elif (na.output_placements, na.input_placements) != (nb.output_placements, nb.input_placements):
+            out.append(
+                f"{name}: {','.join(na.input_placements)}->{na.output_placements}"
+                f"  vs  {','.join(nb.input_placements)}->{nb.output_placements}"
+            )
+    return sorted(out)
+
+
+def _us(seconds: float) -> str:
+    return "inf" if math.isinf(seconds) else f"{seconds * 1e6:.1f}us"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f}ms"
+
+
+def _json_default(o):
+    if isinstance(o, float) and math.isinf(o):
+        return "inf"
+    return str(o)
+
+
+def tiebreak_part(seconds: float) -> float:
+    return seconds if seconds <= cost_model.TRANSITION_TIEBREAK else 0.0

@@ -1,0 +1,347 @@
+"""Stage 3: turn node options + the cost model + user constraints into a
+torch-free :class:`solver.Problem`.
+
+* one decision per node (named after the FX node), one option per
+  :class:`~autoparallel.strategies.Option`, unary cost = compute time;
+* one edge per (producer, consumer, argument): redistribution time from the
+  producer's output spec to the consumer's required input spec, plus a tiny
+  tie-break for any non-identical transition;
+* parameter all-gathers in forward and gradient reductions in backward get
+  the overlap discount of :class:`~autoparallel.cost_model.CommOverlapPolicy`;
+* structural constraints as infinite-cost pairs: a gradient is laid out like
+  its parameter, a tangent like its output;
+* user constraints as named pins, the parameter-memory budget as a named
+  resource constraint, and repeated layers as links.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.placement_types import Partial, Shard
+
+import solver
+
+from . import cost_model
+from .repeated_layers import RepeatedLayers
+from .strategies import NodeStrategy, Option
+from .tracing import TracedStep
+
+logger = logging.getLogger(__name__)
+
+# Nodes that only reinterpret or convert a tensor: a parameter's all-gather
+# may happen before or after them and is still "the parameter's all-gather".
+_PASS_THROUGH_OPS = {
+    torch.ops.aten.t.default,
+    torch.ops.aten.transpose.int,
+    torch.ops.aten.permute.default,
+    torch.ops.aten.view.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.reshape.default,
+    torch.ops.aten.expand.default,
+    torch.ops.aten.alias.default,
+    torch.ops.aten.detach.default,
+    torch.ops.aten._to_copy.default,
+    torch.ops.prims.convert_element_type.default,
+}
+
+
+@dataclass
+class Constraints:
+    """What the user asked for, in node terms (validated by the API)."""
+
+    # decision name -> (constraint name, allowed placements)
+    pins: dict[str, tuple[str, tuple]] = field(default_factory=dict)
+    # parameter memory budget as fractions of replicated parameter bytes;
+    # None high = fully sharded (smallest achievable per parameter).
+    memory_low: float | None = None
+    memory_high: float | None = None
+    memory_set: bool = False
+
+
+@dataclass
+class BuiltProblem:
+    problem: solver.Problem
+    nodes: list[torch.fx.Node]
+    strategies: dict[torch.fx.Node, NodeStrategy]
+    # decision name -> per-option compute seconds
+    compute: dict[str, list[float]]
+    seconds: float = 0.0
+
+
+def placements_of(specs) -> tuple:
+    if specs is None:
+        return ()
+    if isinstance(specs, (tuple, list)):
+        return tuple(placements_of(s) for s in specs)
+    return tuple(specs.placements)
+
+
+def local_numel(shape, placements, mesh: DeviceMesh) -> int:
+    sizes = list(shape)
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, Shard):
+            sizes[p.dim] //= mesh.size(mesh_dim)
+    return math.prod(sizes)
+
+
+def _forward_param_chain(traced: TracedStep) -> set[torch.fx.Node]:
+    """Parameters and the layout/cast ops applied to them in forward."""
+    chain: set[torch.fx.Node] = set(traced.param_nodes.values())
+    for node in traced.gm.graph.nodes:
+        if (
+            node.op == "call_function"
+            and node.target in _PASS_THROUGH_OPS
+            and node.meta.get("partitioner_tag") != "is_backward"
+            and node.args
+            and node.args[0] in chain
+        ):
+            chain.add(node)
+    return chain
+
+
+def _grad_tail(traced: TracedStep) -> set[torch.fx.Node]:
+    """Gradient outputs, the layout/cast ops leading to them, and the op
+    computing the gradient: where gradient reductions happen."""
+    tail: set[torch.fx.Node] = set()
+    for grad in traced.grad_nodes.values():
+        node = grad
+        while node is not None and node.op == "call_function":
+            tail.add(node)
+            if node.target not in _PASS_THROUGH_OPS:
+                break
+            node = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    return tail
+
+
+class _EdgeCache:
+    def __init__(self, device, overlap):
+        self.device = device
+        self.overlap = overlap
+        self._cache: dict = {}
+
+    def _pair(self, src, dst, kind) -> float:
+        t = cost_model.redistribute_time(src, dst, self.device)
+        if t != 0.0 and math.isfinite(t):
+            if kind is not None:
+                t = cost_model.apply_discount(t, kind, self.overlap)
+            t += cost_model.TRANSITION_TIEBREAK
+        elif t == 0.0 and src.placements != dst.placements:
+            t = cost_model.TRANSITION_TIEBREAK
+        return t
+
+    def matrix(self, prod: list[Option], cons: list[Option], arg: int, kind: str | None):
+        key = (id(prod), id(cons), arg, kind)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit[0]
+        # Costs depend only on (source placements, target placements): compute
+        # each distinct pair once, then expand to the option grid.
+        src_specs, row_class = _spec_classes([po.output_spec for po in prod])
+        dst_specs, col_class = _spec_classes([co.input_specs[arg] for co in cons])
+        class_costs = [[self._pair(s, d, kind) for d in dst_specs] for s in src_specs]
+        rows = [[class_costs[r][c] for c in col_class] for r in row_class]
+        # keep prod/cons alive so their ids stay unique while cached
+        self._cache[key] = (rows, prod, cons)
+        return rows
+
+
+def _spec_classes(specs: list) -> tuple[list, list[int]]:
+    """Distinct specs (by placements) and, per input spec, its class index."""
+    index: dict = {}
+    distinct: list = []
+    classes: list[int] = []
+    for spec in specs:
+        cls = index.setdefault(spec.placements, len(index))
+        if cls == len(distinct):
+            distinct.append(spec)
+        classes.append(cls)
+    return distinct, classes
+
+
+def _equal_placement_matrix(a: list[Option], b: list[Option]) -> list[list[float]]:
+    return [
+        [0.0 if placements_of(x.output_specs) == placements_of(y.output_specs) else math.inf for y in b]
+        for x in a
+    ]
+
+
+def build_problem(
+    traced: TracedStep,
+    strategies: dict[torch.fx.Node, NodeStrategy],
+    mesh: DeviceMesh,
+    constraints: Constraints,
+    *,
+    device: cost_model.DeviceSpec,
+    overlap: cost_model.CommOverlapPolicy,
+    repeats: RepeatedLayers | None = None,
+) -> BuiltProblem:
+    t0 = time.perf_counter()
+    nodes = list(strategies)
+    decisions: list[solver.Decision] = []
+    compute: dict[str, list[float]] = {}
+    unary_cache: dict = {}
+    for node in nodes:
+        strat = strategies[node]
+        key = (id(strat.options), node.target, _node_key(node))
+        costs = unary_cache.get(key)
+        if costs is None:
+            costs = [
+                cost_model.node_compute_time(node, o.input_specs, o.output_specs, device)
+                if node.op == "call_function" and strat.getitem_index is None
+                else 0.0
+                for o in strat.options
+            ]
+            unary_cache[key] = costs
+        compute[node.name] = costs
+        labels = [_label(o) for o in strat.options]
+        decisions.append(solver.Decision(node.name, labels, list(costs)))
+
+    param_chain = _forward_param_chain(traced)
+    grad_tail = _grad_tail(traced)
+    edge_cache = _EdgeCache(device, overlap)
+    edges: list[solver.Edge] = []
+    for node in nodes:
+        strat = strategies[node]
+        if strat.getitem_index is not None:
+            parent = strat.inputs[0]
+            idx = strat.getitem_index
+            matrix = [
+                [0.0 if po.output_specs[idx] == co.output_specs else math.inf for co in strat.options]
+                for po in strategies[parent].options
+            ]
+            edges.append(solver.Edge(parent.name, node.name, 0, matrix))
+            continue
+        for k, producer in enumerate(strat.inputs):
+            kind = None
+            if producer in param_chain and node.meta.get("partitioner_tag") != "is_backward":
+                kind = cost_model.PARAM_ALL_GATHER
+            elif node in grad_tail:
+                kind = cost_model.GRAD_REDUCE_SCATTER
+            matrix = edge_cache.matrix(strategies[producer].options, strat.options, k, kind)
+            edges.append(solver.Edge(producer.name, node.name, k, matrix))
+
+    # A gradient is laid out like its parameter; a tangent like its output.
+    for fqn, grad in traced.grad_nodes.items():
+        param = traced.param_nodes.get(fqn)
+        if grad is None or param is None or grad not in strategies:
+            continue
+        matrix = _equal_placement_matrix(strategies[param].options, strategies[grad].options)
+        edges.append(solver.Edge(param.name, grad.name, -1, matrix))
+    for out_idx, tangent in traced.tangent_nodes.items():
+        out = traced.output_nodes[out_idx]
+        if out in strategies and tangent in strategies:
+            matrix = _equal_placement_matrix(strategies[out].options, strategies[tangent].options)
+            edges.append(solver.Edge(out.name, tangent.name, -1, matrix))
+
+    pins = []
+    for name, (cname, placements) in constraints.pins.items():
+        node = next(n for n in nodes if n.name == name)
+        allowed = [
+            i
+            for i, o in enumerate(strategies[node].options)
+            if placements_of(o.output_specs) == tuple(placements)
+        ]
+        pins.append(solver.Pin(cname, name, allowed))
+
+    resources = []
+    if constraints.memory_set or True:
+        resources.append(_memory_constraint(traced, strategies, mesh, constraints))
+
+    links = []
+    if repeats is not None:
+        for node, ref in repeats.reference.items():
+            if node in strategies and ref in strategies:
+                mapping = _option_mapping(strategies[ref].options, strategies[node].options)
+                links.append(solver.Link(f"repeated layer {_layer_name(node)}", ref.name, node.name, mapping))
+
+    problem = solver.Problem(
+        decisions=decisions,
+        edges=edges,
+        pins=pins,
+        links=links,
+        resources=resources,
+        name="autoparallel",
+        metadata={"mesh_shape": list(mesh.shape), "device": device.name},
+    )
+    seconds = time.perf_counter() - t0
+    logger.info(
+        "built problem: %d decisions, %d edges, %d links in %.2fs",
+        len(decisions),
+        len(edges),
+        len(links),
+        seconds,
+    )
+    return BuiltProblem(problem, nodes, strategies, compute, seconds)
+
+
+def _layer_name(node: torch.fx.Node) -> str:
+    from .tracing import module_path
+
+    return module_path(node) or node.name
+
+
+def _option_mapping(ref: list[Option], other: list[Option]) -> list[int | None]:
+    if ref is other:
+        return list(range(len(ref)))
+    index = {(placements_of(o.output_specs), placements_of(o.input_specs)): j for j, o in enumerate(other)}
+    return [index.get((placements_of(o.output_specs), placements_of(o.input_specs))) for o in ref]
+
+
+def _memory_constraint(traced, strategies, mesh, constraints: Constraints) -> solver.ResourceConstraint:
+    terms: dict[str, list[float]] = {}
+    total = 0.0
+    smallest = 0.0
+    for fqn, node in traced.param_nodes.items():
+        val = node.meta["val"]
+        itemsize = val.element_size()
+        weights = [
+            float(local_numel(val.shape, o.output_spec.placements, mesh) * itemsize)
+            for o in strategies[node].options
+        ]
+        terms[node.name] = weights
+        total += float(val.numel() * itemsize)
+        smallest += min(weights)
+    high = smallest if constraints.memory_high is None else constraints.memory_high * total
+    low = None if constraints.memory_low is None else constraints.memory_low * total
+    # Bytes are exact integers; a relative slack keeps float round-off from
+    # turning "exactly fully sharded" into infeasible.
+    return solver.ResourceConstraint(
+        "parameter memory budget",
+        terms,
+        low=None if low is None else low * (1 - 1e-9),
+        high=high * (1 + 1e-9),
+    )
+
+
+def _label(o: Option) -> str:
+    def fmt(specs):
+        if specs is None:
+            return "-"
+        if isinstance(specs, (tuple, list)):
+            return "(" + ",".join(fmt(s) for s in specs) + ")"
+        return "".join(_short(p) for p in specs.placements)
+
+    ins = ",".join(fmt(s) for s in o.input_specs)
+    return f"{ins}->{fmt(o.output_specs)}" if ins else fmt(o.output_specs)
+
+
+def _short(p) -> str:
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Partial):
+        return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
+    return "R"
+
+
+def _node_key(node: torch.fx.Node):
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return (tuple(val.shape), val.dtype)
+    return None

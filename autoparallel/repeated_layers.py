@@ -1,0 +1,132 @@
+"""Find structurally identical layers (transformer blocks) in the joint graph.
+
+Nodes are grouped by the first numbered component of their module path
+(``layers.3.attention.wq`` -> group ``("layers", 3)``); parameters by their
+FQN. Two groups with the same prefix are *repeats* when their nodes, in graph
+order, have the same op, the same output shape/dtype and the same argument
+structure (in-group producers referenced by position, parameters by their
+FQN inside the layer). Each node of a repeat is then paired with the node at
+the same position in the first group, so the solver can link their decisions.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from .tracing import TracedStep, module_path
+
+logger = logging.getLogger(__name__)
+
+
+def layer_of(path: str | None) -> tuple[tuple[str, int], str] | None:
+    """``"layers.3.attention.wq"`` -> ``(("layers", 3), "attention.wq")``."""
+    if not path:
+        return None
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return (".".join(parts[:i]), int(part)), ".".join(parts[i + 1 :])
+    return None
+
+
+@dataclass
+class RepeatedLayers:
+    # (prefix, index) -> nodes of that layer in graph order
+    groups: dict[tuple[str, int], list[torch.fx.Node]] = field(default_factory=dict)
+    # node -> the node at the same position in the reference layer
+    reference: dict[torch.fx.Node, torch.fx.Node] = field(default_factory=dict)
+    # layers whose structure no other layer shares (not linked)
+    mismatched: list[tuple[str, int]] = field(default_factory=list)
+
+    @property
+    def num_linked_layers(self) -> int:
+        linked = {k for k, nodes in self.groups.items() if nodes and nodes[0] in self.reference}
+        return len(linked)
+
+
+def find_repeated_layers(traced: TracedStep) -> RepeatedLayers:
+    groups: dict[tuple[str, int], list[torch.fx.Node]] = defaultdict(list)
+    local_name: dict[torch.fx.Node, str] = {}
+    param_of_node = {n: fqn for fqn, n in traced.param_nodes.items()}
+    param_of_node.update({n: fqn for fqn, n in traced.buffer_nodes.items()})
+    for node in traced.gm.graph.nodes:
+        if node.op == "placeholder":
+            fqn = param_of_node.get(node)
+            found = layer_of(fqn) if fqn else None
+            if found is None:
+                continue
+            key, rest = found
+            groups[key].append(node)
+            local_name[node] = "param:" + rest
+        elif node.op == "call_function":
+            found = layer_of(module_path(node))
+            if found is None:
+                continue
+            groups[found[0]].append(node)
+
+    result = RepeatedLayers(groups=dict(groups))
+    by_prefix: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    for key in groups:
+        by_prefix[key[0]].append(key)
+    for prefix, keys in by_prefix.items():
+        keys.sort(key=lambda k: k[1])
+        # Layers can differ at the edges of the stack (the first layer computes
+        # no gradient for a model input that needs none), so link each layer
+        # to the first layer of identical structure, not just to layer 0.
+        buckets: dict[tuple, list[tuple[str, int]]] = defaultdict(list)
+        for key in keys:
+            buckets[tuple(_signatures(groups[key], local_name))].append(key)
+        for same in buckets.values():
+            if len(same) < 2:
+                result.mismatched.extend(same)
+                continue
+            ref_nodes = groups[same[0]]
+            for key in same[1:]:
+                for node, ref in zip(groups[key], ref_nodes):
+                    result.reference[node] = ref
+    if result.mismatched:
+        logger.info("layers not linked (structure differs): %s", result.mismatched)
+    logger.info(
+        "repeated layers: %d groups, %d nodes linked to a reference layer",
+        len(groups),
+        len(result.reference),
+    )
+    return result
+
+
+def _val_sig(val):
+    if isinstance(val, torch.Tensor):
+        return (tuple(val.shape), val.dtype)
+    if isinstance(val, (tuple, list)):
+        return tuple(_val_sig(v) for v in val)
+    return type(val).__name__
+
+
+def _signatures(nodes: list[torch.fx.Node], local_name: dict) -> list:
+    position = {n: i for i, n in enumerate(nodes)}
+
+    def arg_sig(a):
+        if isinstance(a, torch.fx.Node):
+            if a in position:
+                return ("in", position[a])
+            if a in local_name:
+                return ("p", local_name[a])
+            return ("ext", _val_sig(a.meta.get("val")))
+        if isinstance(a, (list, tuple)):
+            return tuple(arg_sig(x) for x in a)
+        if isinstance(a, dict):
+            return tuple(sorted((k, arg_sig(v)) for k, v in a.items()))
+        return repr(a)
+
+    sigs = []
+    for n in nodes:
+        if n.op == "placeholder":
+            sigs.append(("placeholder", local_name.get(n), _val_sig(n.meta.get("val"))))
+        else:
+            sigs.append((str(n.target), _val_sig(n.meta.get("val")), arg_sig(n.args), arg_sig(n.kwargs)))
+    return sigs

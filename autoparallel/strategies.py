@@ -1,0 +1,522 @@
+"""Stage 2: placement options for every node of the joint graph.
+
+An :class:`Option` of a node is one DTensor sharding of the op: the specs its
+tensor inputs must have and the spec(s) of its output. Options come from
+PyTorch's own DTensor sharding propagation (strategy functions, single-mesh-dim
+strategies expanded over the mesh, decomposition-based strategies), called
+with every candidate placement of every input at once. Rules DTensor lacks,
+or that a user wants to override, go in :data:`RULES` via
+:func:`register_rule`. Ops without any rule fall back to replicate-only, with
+one warning listing them.
+
+Options that shard a tensor dim unevenly, or use ``_StridedShard``, are
+dropped at planning time so that planning and apply always agree.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import (
+    OpSchema,
+    OpSpec,
+    OpStrategy,
+    TupleStrategy,
+)
+from torch.distributed.tensor.placement_types import (
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+)
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
+
+logger = logging.getLogger(__name__)
+
+Specs = Any  # DTensorSpec | tuple[DTensorSpec | None, ...] | None
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to run a node: required input specs and resulting output spec(s).
+
+    ``input_specs[k]`` belongs to the node's k-th tensor input (the order of
+    :func:`tensor_inputs`). ``output_specs`` is a DTensorSpec, or a tuple of
+    them for multi-output ops.
+    """
+
+    output_specs: Specs
+    input_specs: tuple[DTensorSpec, ...]
+
+    @property
+    def output_spec(self) -> DTensorSpec:
+        if not isinstance(self.output_specs, DTensorSpec):
+            raise TypeError("multi-output option has no single output spec")
+        return self.output_specs
+
+
+@dataclass
+class NodeStrategy:
+    node: torch.fx.Node
+    inputs: list[torch.fx.Node]
+    options: list[Option]
+    # How the options were obtained: "dtensor", "rule", "placeholder",
+    # "factory", "getitem", "fallback".
+    source: str = "dtensor"
+    # For getitem nodes: which element of the parent's output tuple. The
+    # parent is then ``inputs[0]`` and options carry no input specs.
+    getitem_index: int | None = None
+
+
+RuleFn = Callable[[torch.fx.Node, list[list[DTensorSpec]], DeviceMesh], list[Option]]
+RULES: dict[Any, RuleFn] = {}
+
+
+def register_rule(*ops: Any) -> Callable[[RuleFn], RuleFn]:
+    """Register ``fn(node, input_candidates, mesh) -> list[Option]`` for ``ops``.
+
+    ``input_candidates[k]`` lists the distinct specs the node's k-th tensor
+    input may arrive with. A registered rule takes precedence over DTensor's.
+    """
+
+    def wrap(fn: RuleFn) -> RuleFn:
+        for op in ops:
+            RULES[op] = fn
+        return fn
+
+    return wrap
+
+
+def tensor_meta_of(val: torch.Tensor) -> TensorMeta:
+    return TensorMeta(shape=val.shape, stride=val.stride(), dtype=val.dtype)
+
+
+def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The node's tensor-valued inputs, flattened in argument order (dups kept)."""
+    leaves = tree_leaves((node.args, node.kwargs))
+    return [
+        a
+        for a in leaves
+        if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+    ]
+
+
+def is_evenly_sharded(shape: torch.Size, placements: tuple[Placement, ...], mesh: DeviceMesh) -> bool:
+    """Every sharded tensor dim divides by the product of mesh sizes sharding it."""
+    ways = [1] * len(shape)
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, Shard):
+            if type(p) is not Shard:  # _StridedShard and friends
+                return False
+            d = p.dim
+            if d < 0 or d >= len(shape):
+                return False
+            ways[d] *= mesh.size(mesh_dim)
+    return all(ways[d] == 1 or shape[d] % ways[d] == 0 for d in range(len(shape)))
+
+
+def all_placements(shape: torch.Size, mesh: DeviceMesh) -> list[tuple[Placement, ...]]:
+    """Every Replicate/Shard(d) combination over the mesh that shards evenly.
+
+    Order: Replicate first, then shard dims ascending, mesh dim 0 outermost;
+    the order is the deterministic tie-break rule for equal-cost options.
+    """
+    per_dim: list[Placement] = [Replicate()] + [Shard(d) for d in range(len(shape))]
+    return [
+        combo
+        for combo in itertools.product(per_dim, repeat=mesh.ndim)
+        if is_evenly_sharded(shape, combo, mesh)
+    ]
+
+
+def _spec(mesh: DeviceMesh, placements, meta: TensorMeta) -> DTensorSpec:
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
+
+
+def placeholder_options(val: torch.Tensor, mesh: DeviceMesh) -> list[Option]:
+    meta = tensor_meta_of(val)
+    return [Option(_spec(mesh, p, meta), ()) for p in all_placements(val.shape, mesh)]
+
+
+def _specs_ok(specs: Specs, mesh: DeviceMesh) -> bool:
+    if specs is None:
+        return True
+    if isinstance(specs, DTensorSpec):
+        meta = specs.tensor_meta
+        if meta is None:
+            return True
+        return is_evenly_sharded(meta.shape, specs.placements, mesh)
+    return all(_specs_ok(s, mesh) for s in specs)
+
+
+# --------------------------------------------------------------------------
+# Calling DTensor's sharding propagation with all candidates at once.
+
+
+def _propagator():
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+def _out_meta(node: torch.fx.Node):
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return tensor_meta_of(val)
+    if isinstance(val, (tuple, list)):
+        return tuple(tensor_meta_of(v) if isinstance(v, torch.Tensor) else None for v in val)
+    return None
+
+
+def _build_schema(
+    node: torch.fx.Node,
+    candidates: dict[torch.fx.Node, OpStrategy],
+) -> OpSchema:
+    op = node.target
+    prop = _propagator()
+
+    def convert(a):
+        if isinstance(a, torch.fx.Node):
+            if a in candidates:
+                return candidates[a]
+            return a.meta.get("val")
+        return a
+
+    args = tree_map(convert, node.args)
+    kwargs = tree_map(convert, node.kwargs)
+
+    # Lists of tensors become TupleStrategy, as DTensor expects.
+    def tuple_wrap(a):
+        if isinstance(a, (list, tuple)) and a and all(isinstance(x, OpStrategy) for x in a):
+            return TupleStrategy(list(a) if isinstance(a, list) else tuple(a))
+        return a
+
+    args = tuple(tuple_wrap(a) for a in args)
+    kwargs = {k: tuple_wrap(v) for k, v in kwargs.items()}
+    return OpSchema(op, args, kwargs, schema_info=prop.op_to_schema_info.get(op))
+
+
+def _dtensor_strategy(node: torch.fx.Node, schema: OpSchema, mesh: DeviceMesh):
+    """OpStrategy/TupleStrategy from DTensor for ``schema``, or None if no rule."""
+    from torch.distributed.tensor._ops.single_dim_strategy import (
+        _expand_single_dim_strategy_to_mesh,
+    )
+
+    prop = _propagator()
+    op = node.target
+    single = prop.op_single_dim_strategy_funcs.get(op)
+    if single is not None:
+        # Single-dim strategies are expanded over the whole mesh independently
+        # of the input placements; DTensor only looks at the inputs to learn
+        # which shard types exist. Give it one representative spec per input,
+        # with a plain Shard so that sharding placeholders expand to Shard.
+        schema = _representative_schema(schema, mesh)
+        fn = _expand_single_dim_strategy_to_mesh(mesh, schema, single, _out_meta(node))
+        return fn(op, schema.args_meta, schema.kwargs_meta)
+    func = prop.op_strategy_funcs.get(op)
+    if func is not None:
+        return func(schema)
+    return _decomp_strategy(node, schema, mesh)
+
+
+def _representative_schema(schema: OpSchema, mesh: DeviceMesh) -> OpSchema:
+    marked = False
+
+    def rep(a):
+        nonlocal marked
+        if isinstance(a, OpStrategy):
+            spec = a.strategies[0].output_spec
+            placements = [Replicate()] * mesh.ndim
+            if not marked and spec.tensor_meta is not None and len(spec.tensor_meta.shape) > 0:
+                placements[0] = Shard(0)
+                marked = True
+            return OpStrategy([OpSpec(DTensorSpec(mesh, tuple(placements), tensor_meta=spec.tensor_meta))])
+        if isinstance(a, TupleStrategy):
+            return TupleStrategy([rep(c) for c in a.children])
+        return a
+
+    return OpSchema(
+        schema.op,
+        tuple(rep(a) for a in schema.args_schema),
+        {k: rep(v) for k, v in schema.kwargs_schema.items()},
+        schema_info=schema.schema_info,
+    )
+
+
+def _decomp_strategy(node: torch.fx.Node, schema: OpSchema, mesh: DeviceMesh):
+    from torch.distributed.tensor._decompositions import DecompShardingStrategy
+
+    prop = _propagator()
+    op = node.target
+    if not DecompShardingStrategy.has_decomp(op):
+        return None
+    prop.decomp_strategy.ensure_schema_info(op)
+
+    # The decomposition path wants one concrete spec per input: give it the
+    # first candidate (it enumerates placements itself).
+    def first_spec(a):
+        if isinstance(a, OpStrategy):
+            return a.strategies[0].output_spec
+        if isinstance(a, TupleStrategy):
+            return [c.strategies[0].output_spec for c in a.children]
+        return a
+
+    spec_schema = OpSchema(
+        op,
+        tuple(first_spec(a) for a in schema.args_schema),
+        {k: first_spec(v) for k, v in schema.kwargs_schema.items()},
+        schema_info=prop.op_to_schema_info.get(op),
+    )
+    try:
+        return prop.decomp_strategy.propagate_strategy(spec_schema)
+    except Exception as e:  # noqa: BLE001 - any failure means "no rule"
+        logger.debug("decomposition strategy failed for %s: %s", op, e)
+        return None
+
+
+def _fill_meta(specs: Specs, meta) -> Specs:
+    """Attach output tensor metas (DTensor strategies may leave them unset)."""
+    if isinstance(specs, DTensorSpec):
+        if specs.tensor_meta is None and isinstance(meta, TensorMeta):
+            return DTensorSpec(specs.mesh, specs.placements, tensor_meta=meta)
+        return specs
+    if isinstance(specs, (tuple, list)):
+        metas = meta if isinstance(meta, (tuple, list)) else [None] * len(specs)
+        return tuple(_fill_meta(s, m) for s, m in zip(specs, metas))
+    return specs
+
+
+def _options_from_op_strategy(
+    node: torch.fx.Node,
+    strategy,
+    inputs: list[torch.fx.Node],
+    mesh: DeviceMesh,
+) -> list[Option]:
+    out_meta = _out_meta(node)
+    in_metas = [tensor_meta_of(n.meta["val"]) for n in inputs]
+    if isinstance(strategy, TupleStrategy):
+        # Ops over lists of tensors (e.g. foreach): one child per element; we
+        # only support the case where all children agree on a common option
+        # index, which is how DTensor builds them for list inputs.
+        raise NotImplementedError("TupleStrategy")
+    options: list[Option] = []
+    seen: set = set()
+    for op_spec in strategy.strategies:
+        out_specs = _fill_meta(op_spec.output_specs, out_meta)
+        if op_spec.input_specs is None:
+            in_specs = tuple(
+                DTensorSpec(mesh, op_spec.output_spec.placements, tensor_meta=m) for m in in_metas
+            )
+        else:
+            in_specs = tuple(
+                DTensorSpec(mesh, s.placements, tensor_meta=m)
+                for s, m in zip(op_spec.input_specs, in_metas)
+            )
+            if len(in_specs) != len(inputs):
+                continue
+        if not (_specs_ok(out_specs, mesh) and _specs_ok(in_specs, mesh)):
+            continue
+        key = (_placements_key(out_specs), tuple(s.placements for s in in_specs))
+        if key in seen:
+            continue
+        seen.add(key)
+        options.append(Option(out_specs, in_specs))
+    return options
+
+
+def _placements_key(specs: Specs):
+    if isinstance(specs, DTensorSpec):
+        return specs.placements
+    if isinstance(specs, (tuple, list)):
+        return tuple(_placements_key(s) for s in specs)
+    return None
+
+
+def replicate_options(node: torch.fx.Node, inputs: list[torch.fx.Node], mesh: DeviceMesh) -> list[Option]:
+    rep = tuple(Replicate() for _ in range(mesh.ndim))
+    out_meta = _out_meta(node)
+
+    def out(meta):
+        if isinstance(meta, TensorMeta):
+            return DTensorSpec(mesh, rep, tensor_meta=meta)
+        if isinstance(meta, tuple):
+            return tuple(out(m) for m in meta)
+        return None
+
+    ins = tuple(_spec(mesh, rep, tensor_meta_of(n.meta["val"])) for n in inputs)
+    return [Option(out(out_meta), ins)]
+
+
+# --------------------------------------------------------------------------
+# Rules DTensor does not have (or that the graph needs differently).
+
+
+def _factory_options(node: torch.fx.Node, mesh: DeviceMesh) -> list[Option]:
+    val = node.meta["val"]
+    return placeholder_options(val, mesh)
+
+
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class StrategyStats:
+    nodes: int = 0
+    options: int = 0
+    cache_hits: int = 0
+    fallback_ops: dict[str, int] = field(default_factory=dict)
+
+
+class StrategyEnumerator:
+    """Computes :class:`NodeStrategy` for all nodes, caching by structure.
+
+    Nodes of repeated layers have the same op, shapes and input candidate
+    sets, so their options are computed once (the cache key is built from
+    those, not from node identity).
+    """
+
+    def __init__(self, mesh: DeviceMesh):
+        self.mesh = mesh
+        self._cache: dict[Any, tuple[list[Option], str]] = {}
+        self._interned: dict[Any, int] = {}
+        # Options of multi-output nodes, for their getitem users.
+        self._multi_output_options: dict[torch.fx.Node, list[Option]] = {}
+        self.stats = StrategyStats()
+
+    def _intern(self, specs: tuple) -> int:
+        return self._interned.setdefault(specs, len(self._interned))
+
+    def enumerate(
+        self,
+        gm: torch.fx.GraphModule,
+        placeholder_overrides: dict[torch.fx.Node, list[Option]] | None = None,
+    ) -> dict[torch.fx.Node, NodeStrategy]:
+        overrides = placeholder_overrides or {}
+        result: dict[torch.fx.Node, NodeStrategy] = {}
+        # Distinct output spec(s) each node can produce, per output index.
+        produced: dict[torch.fx.Node, tuple[DTensorSpec, ...]] = {}
+        for node in gm.graph.nodes:
+            if node.op == "output":
+                continue
+            val = node.meta.get("val")
+            if node.op == "placeholder":
+                if not isinstance(val, torch.Tensor):
+                    continue
+                opts = overrides.get(node) or placeholder_options(val, self.mesh)
+                result[node] = NodeStrategy(node, [], opts, "placeholder")
+            elif node.op == "call_function":
+                if not _produces_tensors(val):
+                    continue
+                result[node] = self._node_strategy(node, produced)
+            else:
+                raise NotImplementedError(f"unsupported node kind {node.op} ({node.name})")
+            self.stats.nodes += 1
+            self.stats.options += len(result[node].options)
+            if isinstance(val, torch.Tensor):
+                produced[node] = _dedup(o.output_specs for o in result[node].options)
+        if self.stats.fallback_ops:
+            logger.warning(
+                "no sharding rule for %d op(s); they will run replicated: %s "
+                "(register one with autoparallel.strategies.register_rule)",
+                len(self.stats.fallback_ops),
+                ", ".join(f"{k} x{v}" for k, v in sorted(self.stats.fallback_ops.items())),
+            )
+        return result
+
+    def _node_strategy(self, node, produced) -> NodeStrategy:
+        inputs = tensor_inputs(node)
+        if node.target is operator.getitem:
+            # Options are the distinct specs the parent's options give this
+            # element; the edge from the parent forbids mismatched pairs.
+            parent, idx = node.args
+            specs = _dedup(o.output_specs[idx] for o in self._multi_output_options[parent])
+            return NodeStrategy(
+                node, [parent], [Option(s, ()) for s in specs], "getitem", getitem_index=idx
+            )
+        candidates = [produced[n] for n in inputs]
+        key = (
+            node.target,
+            _arg_key(node.args),
+            _arg_key(node.kwargs),
+            _val_key(node.meta.get("val")),
+            tuple(self._intern(c) for c in candidates),
+        )
+        hit = self._cache.get(key)
+        if hit is not None:
+            self.stats.cache_hits += 1
+            opts, source = hit
+        else:
+            opts, source = self._compute(node, inputs, candidates)
+            self._cache[key] = (opts, source)
+        strat = NodeStrategy(node, inputs, opts, source)
+        if not isinstance(node.meta.get("val"), torch.Tensor):
+            self._multi_output_options[node] = opts
+        return strat
+
+    def _compute(self, node, inputs, candidates) -> tuple[list[Option], str]:
+        op = node.target
+        if op in RULES:
+            return RULES[op](node, candidates, self.mesh), "rule"
+        if not inputs:
+            return _factory_options(node, self.mesh), "factory"
+        cand_strategies = {
+            n: OpStrategy([OpSpec(s) for s in c]) for n, c in zip(inputs, candidates)
+        }
+        options: list[Option] = []
+        try:
+            schema = _build_schema(node, cand_strategies)
+            strategy = _dtensor_strategy(node, schema, self.mesh)
+            if strategy is not None:
+                options = _options_from_op_strategy(node, strategy, inputs, self.mesh)
+        except NotImplementedError as e:
+            logger.debug("no DTensor strategy for %s: %s", op, e)
+        except Exception as e:  # noqa: BLE001 - DTensor rules assert on odd inputs
+            logger.debug("DTensor strategy for %s (%s) failed: %r", op, node.name, e, exc_info=True)
+        if options:
+            return options, "dtensor"
+        name = str(op)
+        self.stats.fallback_ops[name] = self.stats.fallback_ops.get(name, 0) + 1
+        return replicate_options(node, inputs, self.mesh), "fallback"
+
+
+def _produces_tensors(val) -> bool:
+    if isinstance(val, torch.Tensor):
+        return True
+    if isinstance(val, (tuple, list)):
+        return any(isinstance(v, torch.Tensor) for v in val)
+    return False
+
+
+def _dedup(items) -> tuple:
+    out: dict = {}
+    for it in items:
+        out.setdefault(it, None)
+    return tuple(out)
+
+
+def _val_key(val):
+    if isinstance(val, torch.Tensor):
+        return (tuple(val.shape), tuple(val.stride()), val.dtype)
+    if isinstance(val, (tuple, list)):
+        return tuple(_val_key(v) for v in val)
+    return None
+
+
+def _arg_key(a):
+    """Hashable structure of non-tensor arguments; tensor args become markers."""
+    if isinstance(a, torch.fx.Node):
+        return "T"
+    if isinstance(a, (list, tuple)):
+        return tuple(_arg_key(x) for x in a)
+    if isinstance(a, dict):
+        return tuple(sorted((k, _arg_key(v)) for k, v in a.items()))
+    if isinstance(a, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
+        return str(a)
+    return a
