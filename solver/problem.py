@@ -243,6 +243,11 @@ class PresolveStats:
     merged_by_links: int = 0
     options_removed_forbidden: int = 0
     options_removed_dominated: int = 0
+    # Decisions decided by presolve: one option left (fixed), or folded into
+    # their neighbours (eliminated); edges folded into unary costs.
+    decisions_fixed: int = 0
+    decisions_eliminated: int = 0
+    edges_folded: int = 0
 
 
 @dataclass
