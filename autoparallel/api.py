@@ -25,7 +25,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 import solver
 
-from . import cost_model
+from . import cost_model, rules  # noqa: F401 - rules register on import
 from .plan import NodePlan, Plan
 from .problem_builder import BuiltProblem, Constraints, build_problem, placements_of
 from .repeated_layers import RepeatedLayers, find_repeated_layers

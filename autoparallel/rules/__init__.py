@@ -1,0 +1,6 @@
+"""Sharding rules DTensor lacks, one op family per module.
+
+Importing this package registers them in :data:`autoparallel.strategies.RULES`.
+"""
+
+from . import attention  # noqa: F401
