@@ -185,83 +185,71 @@ def build(problem: Problem, *, objective: bool = True) -> IlpModel:
     n = len(decisions)
 
     # ---- allowed options, propagated to a fixpoint ------------------------
-    allowed = [[c != INF for c in d.costs] for d in decisions]
+    # Domains are bitmasks (bit o set: option o allowed).
+    allowed = [
+        sum(1 << o for o, c in enumerate(d.costs) if c != INF) for d in decisions
+    ]
     for pin in problem.pins:
-        keep = set(pin.allowed)
-        a = allowed[index[pin.decision]]
-        for o in range(len(a)):
-            if o not in keep:
-                a[o] = False
+        k = index[pin.decision]
+        allowed[k] &= sum(1 << o for o in set(pin.allowed))
 
-    # Constraints that can remove options: links and edges holding an inf.
-    # ("E", p, c, costs) / ("L", a, b, mapping, inverse)
-    props: list[tuple] = []
+    # Constraints that can remove options: links, and edges holding an inf.
+    # (u, v, support_u, support_v): support_u[i] is the mask of v's options
+    # compatible with u's option i, and vice versa.
+    props: list[tuple[int, int, list[int], list[int]]] = []
     incident: list[list[int]] = [[] for _ in range(n)]
     for link in problem.links:
         a, b = index[link.a], index[link.b]
-        inverse: list[int | None] = [None] * decisions[b].num_options
+        sup_a = [0 if j is None else 1 << j for j in link.mapping]
+        sup_b = [0] * decisions[b].num_options
         for i, j in enumerate(link.mapping):
             if j is not None:
-                inverse[j] = i
-        props.append(("L", a, b, link.mapping, inverse))
-        incident[a].append(len(props) - 1)
-        incident[b].append(len(props) - 1)
+                sup_b[j] = 1 << i
+        props.append((a, b, sup_a, sup_b))
     for e in problem.edges:
-        if any(INF in row for row in e.costs):
+        costs = e.costs
+        if any(INF in row for row in costs):
             p, c = index[e.producer], index[e.consumer]
-            props.append(("E", p, c, e.costs))
-            incident[p].append(len(props) - 1)
-            incident[c].append(len(props) - 1)
-
-    def revise(k: int) -> tuple[int, ...]:
-        """Drop unsupported options; return the decisions that changed."""
-        kind, u, v, data, extra = (*props[k], None)[:5]
-        au, av = allowed[u], allowed[v]
-        changed = []
-        if kind == "L":
-            mapping, inverse = data, extra
-            for i, j in enumerate(mapping):
-                if au[i] and (j is None or not av[j]):
-                    au[i] = False
-                    if u not in changed:
-                        changed.append(u)
-            for j, i in enumerate(inverse):
-                if av[j] and (i is None or not au[i]):
-                    av[j] = False
-                    if v not in changed:
-                        changed.append(v)
-        else:
-            costs = data
-            cols = [j for j, ok in enumerate(av) if ok]
-            for i, ok in enumerate(au):
-                if ok:
-                    row = costs[i]
-                    if all(row[j] == INF for j in cols):
-                        au[i] = False
-                        if u not in changed:
-                            changed.append(u)
-            rows = [i for i, ok in enumerate(au) if ok]
-            for j in cols:
-                if all(costs[i][j] == INF for i in rows):
-                    av[j] = False
-                    if v not in changed:
-                        changed.append(v)
-        return tuple(changed)
+            # Rows are mostly finite: only the inf entries cost any work.
+            full_p, full_c = (1 << len(costs[0])) - 1, (1 << len(costs)) - 1
+            sup_p = [full_p] * len(costs)
+            sup_c = [full_c] * len(costs[0])
+            for i, row in enumerate(costs):
+                if INF in row:
+                    for j, v in enumerate(row):
+                        if v == INF:
+                            sup_p[i] &= ~(1 << j)
+                            sup_c[j] &= ~(1 << i)
+            props.append((p, c, sup_p, sup_c))
+    for k, (u, v, _, _) in enumerate(props):
+        incident[u].append(k)
+        incident[v].append(k)
 
     pending = list(range(len(props)))
     queued = [True] * len(props)
-    empty = [k for k in range(n) if not any(allowed[k])]
+    empty = [k for k in range(n) if not allowed[k]]
     while pending and not empty:
         k = pending.pop()
         queued[k] = False
-        for d in revise(k):
-            if not any(allowed[d]):
-                empty.append(d)
-                break
-            for k2 in incident[d]:
-                if not queued[k2]:
-                    queued[k2] = True
-                    pending.append(k2)
+        u, v, sup_u, sup_v = props[k]
+        au, av = allowed[u], allowed[v]
+        nu = 0
+        for i, s in enumerate(sup_u):
+            if s & av and au >> i & 1:
+                nu |= 1 << i
+        nv = 0
+        for j, s in enumerate(sup_v):
+            if s & nu and av >> j & 1:
+                nv |= 1 << j
+        for d, old, new in ((u, au, nu), (v, av, nv)):
+            if new != old:
+                allowed[d] = new
+                if not new:
+                    empty.append(d)
+                for k2 in incident[d]:
+                    if not queued[k2]:
+                        queued[k2] = True
+                        pending.append(k2)
     if empty:
         name = decisions[empty[0]].name
         model.infeasible = f"decision {name!r} has no allowed option left"
@@ -280,14 +268,18 @@ def build(problem: Problem, *, objective: bool = True) -> IlpModel:
             u = parent[u]
         return u
 
-    for kind, a, b, mapping, _ in (p for p in props if p[0] == "L"):
-        for i, j in enumerate(mapping):
-            if allowed[a][i]:
+    for link in problem.links:
+        a, b = index[link.a], index[link.b]
+        for i, j in enumerate(link.mapping):
+            if allowed[a] >> i & 1:
                 ra, rb = find(base[a] + i), find(base[b] + j)
                 if ra != rb:
                     parent[max(ra, rb)] = min(ra, rb)
 
-    domain = [[o for o, ok in enumerate(a) if ok] for a in allowed]
+    domain = [
+        [o for o in range(d.num_options) if allowed[k] >> o & 1]
+        for k, d in enumerate(decisions)
+    ]
     fixed: list[int | None] = [dom[0] if len(dom) == 1 else None for dom in domain]
     col_of_root: dict[int, int] = {}
     option_cols: list[list[int | None]] = []
