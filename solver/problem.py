@@ -141,8 +141,9 @@ class Problem:
                 raise ProblemError(
                     f"{where}: {len(d.costs)} costs for {len(d.options)} options"
                 )
-            for j, c in enumerate(d.costs):
-                _check_cost(c, f"{where}, option {j}")
+            if not _all_costs(d.costs):
+                for j, c in enumerate(d.costs):
+                    _check_cost(c, f"{where}, option {j}")
             by_name[d.name] = d
 
         def lookup(name: str, where: str) -> Decision:
@@ -161,12 +162,17 @@ class Problem:
                     f"{where}: cost matrix has {len(e.costs)} rows, "
                     f"producer has {p.num_options} options"
                 )
+            n_c = c.num_options
+            if set(map(len, e.costs)) == {n_c} and _all_costs(e.costs, nested=True):
+                continue  # fast path: big problems have millions of entries
             for i, row in enumerate(e.costs):
-                if len(row) != c.num_options:
+                if len(row) != n_c:
                     raise ProblemError(
                         f"{where}: row {i} has {len(row)} entries, "
-                        f"consumer has {c.num_options} options"
+                        f"consumer has {n_c} options"
                     )
+                if _all_costs(row):
+                    continue
                 for j, v in enumerate(row):
                     _check_cost(v, f"{where}, entry [{i}][{j}]")
 
@@ -190,6 +196,16 @@ class Problem:
                     f"{where}: mapping has {len(link.mapping)} entries, "
                     f"{link.a!r} has {a.num_options} options"
                 )
+            vals = link.mapping
+            if None in vals:
+                vals = [o for o in vals if o is not None]
+            if not vals or (
+                set(map(type, vals)) == {int}
+                and 0 <= min(vals)
+                and max(vals) < b.num_options
+                and len(set(vals)) == len(vals)
+            ):
+                continue  # fast path
             seen: set[int] = set()
             for i, o in enumerate(link.mapping):
                 if o is None:
@@ -220,6 +236,23 @@ class Problem:
                     not isinstance(bound, (int, float)) or math.isnan(bound)
                 ):
                     raise ProblemError(f"{where}: bound {bound!r} is not a number")
+
+
+def _all_costs(values: list, nested: bool = False) -> bool:
+    """Fast path of :func:`_check_cost` over a list (of lists), at C speed.
+
+    True when the sum is a plain float or int that is neither NaN nor -inf:
+    then no entry is NaN or -inf (they would propagate) and no entry is a
+    string or None (summing would fail). Otherwise check one by one.
+    """
+    try:
+        total = sum(map(sum, values)) if nested else sum(values)
+    except (TypeError, OverflowError):
+        return False
+    return type(total) in _PLAIN_NUMBERS and total == total and total != -INF
+
+
+_PLAIN_NUMBERS = (float, int)
 
 
 def _check_cost(value: float, where: str) -> None:
