@@ -694,34 +694,110 @@ def _transform_steps(src: DTensorSpec, dst: DTensorSpec) -> list[tuple[int, Plac
         return steps
 
 
-# (mesh_dim, src placement, dst placement, kinds, placements after the step)
-_Plan = tuple[tuple[int, Placement, Placement, tuple[str, ...], tuple[Placement, ...]], ...]
-_PLAN_CACHE: dict[tuple, _Plan] = {}
+def _greedy_steps(
+    mesh_shape: tuple[int, ...], src: tuple[Placement, ...], dst: tuple[Placement, ...]
+) -> list[tuple[int, Placement, Placement]]:
+    """DTensor's greedy redistribution planner
+    (``DTensorRedistributePlanner.generate_greedy_transform_infos``) over
+    placements alone, for default shard order and plain Shards: ~50x faster
+    than building specs and asking torch; tests check it step for step.
+
+    First, inner to outer mesh dims, a Shard target whose tensor dim is
+    sharded differently on the outer mesh dims goes to Replicate (nested
+    sharding must be undone from the inside); then, outer to inner, every
+    mesh dim still off target moves to it.
+    """
+    if len(mesh_shape) == 1:
+        return [(0, src[0], dst[0])] if src[0] != dst[0] else []
+    current, steps = list(src), []
+    if math.prod(n for n, p in zip(mesh_shape, src) if p.is_shard()) > 1:
+        for mesh_dim in reversed(range(len(current))):
+            cur, tgt = current[mesh_dim], dst[mesh_dim]
+            if tgt.is_shard():
+                d = tgt.dim
+                if [i for i in range(mesh_dim) if current[i].is_shard(d)] != [
+                    i for i in range(mesh_dim) if dst[i].is_shard(d)
+                ]:
+                    tgt = Replicate()
+            if cur != tgt:
+                steps.append((mesh_dim, cur, tgt))
+                current[mesh_dim] = tgt
+    for mesh_dim, (cur, tgt) in enumerate(zip(current, dst)):
+        if cur != tgt:
+            steps.append((mesh_dim, cur, tgt))
+            current[mesh_dim] = tgt
+    return steps
+
+
+def _transform_steps(src: DTensorSpec, dst: DTensorSpec) -> list[tuple[int, Placement, Placement]]:
+    """DTensor's own plan for src -> dst (graph-based for _StridedShard or
+    non-default shard orders)."""
+    from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
+
+    try:
+        infos = _gen_transform_infos_non_cached(src, dst)
+        return [(i.mesh_dim, *i.src_dst_placements) for i in infos]
+    except Exception as e:
+        # Fall back to an upper bound: everything to Replicate (inner mesh dims
+        # first), then out to the target.
+        logger.debug("DTensor planner failed for %s -> %s (%s); costing via Replicate", src, dst, e)
+        steps = [(d, p, Replicate()) for d, p in reversed(list(enumerate(src.placements))) if not p.is_replicate()]
+        steps += [(d, Replicate(), p) for d, p in enumerate(dst.placements) if not p.is_replicate()]
+        return steps
+
+
+# A plan: the shard divisors of the source, then per step (mesh_dim, src
+# placement, dst placement, kinds, shard divisors after the step). Divisors
+# are (tensor dim, mesh dim size) pairs: all a local shape needs.
+_Divs = tuple[tuple[int, int], ...]
+_Plan = tuple[_Divs, tuple[tuple[int, Placement, Placement, tuple[str, ...], _Divs], ...]]
+_PLAN_CACHE: dict[tuple, Any] = {}
+_SHAPE_DEPENDENT = object()
+
+
+def _divisors(mesh_shape: tuple[int, ...], placements: Sequence[Placement]) -> _Divs:
+    return tuple((p.dim, n) for n, p in zip(mesh_shape, placements) if _is_shard_like(p))
+
+
+def _local_bytes(shape: tuple[int, ...], divs: _Divs, itemsize: int) -> int:
+    if not divs:
+        return math.prod(shape) * itemsize
+    local = list(shape)
+    for d, n in divs:
+        d %= len(local)
+        local[d] = -(-local[d] // n)  # ceil: rank 0 holds the largest shard
+    return math.prod(local) * itemsize
 
 
 def _plan(src: DTensorSpec, dst: DTensorSpec) -> _Plan:
-    """DTensor's step list for src -> dst. Its greedy planner looks only at
-    placements, so the plan is cached per placements and tensor rank; the
-    graph-based planner (non-default shard order, _StridedShard) may look at
-    the shape, so those plans are cached per shape."""
-    layout = (src.mesh, src.placements, src.shard_order, dst.placements, dst.shard_order)
-    shape = src.tensor_meta.shape
-    key = (layout, shape) if _plan_needs_shape(*layout[1:]) else (layout, len(shape))
+    """The redistribution steps, cached per placements: DTensor's greedy
+    planner looks at nothing else. The graph-based planner (non-default
+    shard order, _StridedShard) may look at the shape; those plans are
+    cached per shape."""
+    mesh_shape = _mesh_shape(src.mesh)
+    key = (mesh_shape, src.placements, src.shard_order, dst.placements, dst.shard_order)
     plan = _PLAN_CACHE.get(key)
-    if plan is None:
-        current = list(src.placements)
-        steps = []
-        for mesh_dim, a, b in _transform_steps(src, dst):
-            current[mesh_dim] = b
-            steps.append((mesh_dim, a, b, _step_kinds(a, b), tuple(current)))
-        plan = _PLAN_CACHE[key] = tuple(steps)
+    if plan is _SHAPE_DEPENDENT:
+        key = (key, src.mesh, tuple(src.tensor_meta.shape))
+        plan = _PLAN_CACHE.get(key)
+    if plan is not None:
+        return plan
+    default = DTensorSpec.is_default_device_order(src.shard_order) and DTensorSpec.is_default_device_order(
+        dst.shard_order
+    )
+    strided = any(type(p) is not Shard and _is_shard_like(p) for p in (*src.placements, *dst.placements))
+    if default and not strided:
+        raw = _greedy_steps(mesh_shape, src.placements, dst.placements)
+    else:
+        _PLAN_CACHE[key] = _SHAPE_DEPENDENT
+        key = (key, src.mesh, tuple(src.tensor_meta.shape))
+        raw = _transform_steps(src, dst)
+    current, steps = list(src.placements), []
+    for mesh_dim, a, b in raw:
+        current[mesh_dim] = b
+        steps.append((mesh_dim, a, b, _step_kinds(a, b), _divisors(mesh_shape, current)))
+    plan = _PLAN_CACHE[key] = (_divisors(mesh_shape, src.placements), tuple(steps))
     return plan
-
-
-@lru_cache(maxsize=None)
-def _plan_needs_shape(src_placements: tuple, src_order: Any, dst_placements: tuple, dst_order: Any) -> bool:
-    default = DTensorSpec.is_default_device_order(src_order) and DTensorSpec.is_default_device_order(dst_order)
-    return not default or any(type(p) is not Shard and _is_shard_like(p) for p in (*src_placements, *dst_placements))
 
 
 def _costed_steps(src: DTensorSpec, dst: DTensorSpec, device: DeviceSpec):
@@ -729,16 +805,15 @@ def _costed_steps(src: DTensorSpec, dst: DTensorSpec, device: DeviceSpec):
     meta = src.tensor_meta
     if meta is None:
         raise ValueError("redistribute cost needs src.tensor_meta (global shape and dtype)")
-    plan = _plan(src, dst)
+    src_divs, plan = _plan(src, dst)
     if not plan:
         return
-    mesh_shape = _mesh_shape(src.mesh)
     topo = _mesh_dim_topology(src.mesh, device.gpus_per_node)
     shape = tuple(meta.shape)
     itemsize = meta.dtype.itemsize
-    cur_bytes = math.prod(_local_shape(shape, mesh_shape, src.placements)) * itemsize
-    for mesh_dim, a, b, kinds, after in plan:
-        new_bytes = math.prod(_local_shape(shape, mesh_shape, after)) * itemsize
+    cur_bytes = _local_bytes(shape, src_divs, itemsize)
+    for mesh_dim, a, b, kinds, divs in plan:
+        new_bytes = _local_bytes(shape, divs, itemsize)
         t = topo[mesh_dim]
         time = 0.0
         if t.group_size > 1:
@@ -837,7 +912,6 @@ def clear_caches() -> None:
     """Drop all memoised costs (e.g. after building a new mesh)."""
     _REDISTRIBUTE_CACHE.clear()
     _PLAN_CACHE.clear()
-    _plan_needs_shape.cache_clear()
     _mesh_shape.cache_clear()
     _spec_sig.cache_clear()
     _flops_and_bytes_cached.cache_clear()

@@ -55,6 +55,7 @@ Example::
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import math
@@ -62,7 +63,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import networkx as nx
 import numpy as np
 
 from .problem import Decision, Edge, PresolveStats, Problem, ResourceConstraint
@@ -179,13 +179,21 @@ def presolve(problem: Problem) -> Presolved:
     resource bound cannot be met).
     """
     t0 = time.perf_counter()
-    r = _Reducer(problem)
-    r.merge()
-    t1 = time.perf_counter()
-    r.reduce()
-    t2 = time.perf_counter()
-    out = r.emit()
-    t3 = time.perf_counter()
+    # Presolve creates no reference cycles; a full collection over a big
+    # problem's millions of cost rows would cost more than presolve itself.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        r = _Reducer(problem)
+        r.merge()
+        t1 = time.perf_counter()
+        r.reduce()
+        t2 = time.perf_counter()
+        out = r.emit()
+        t3 = time.perf_counter()
+    finally:
+        if gc_was_enabled:
+            gc.enable()
     out.timings = {"merge": t1 - t0, "reduce": t2 - t1, "emit": t3 - t2}
     s = out.stats
     logger.info(
@@ -333,19 +341,29 @@ class _Reducer:
         p = self.p
         if not p.links:
             return []
-        graph = nx.Graph()
+        decs = p.decisions
+        ranges: dict[int, list[int]] = {}
         adj: dict[int, list] = {}
         for k, link in enumerate(p.links):
             a, b = index[link.a], index[link.b]
-            graph.add_edge(a, b)
-            mp = np.array([-1 if o is None else o for o in link.mapping], dtype=np.int64)
+            na = len(decs[a].options)
+            ident = ranges.get(na) or ranges.setdefault(na, list(range(na)))
+            if na == len(decs[b].options) and link.mapping == ident:
+                mp = None  # identity: the common case (repeated layers)
+            else:
+                mp = np.array([-1 if o is None else o for o in link.mapping], dtype=np.int64)
             adj.setdefault(a, []).append((k, b, mp, True))
             adj.setdefault(b, []).append((k, a, mp, False))
         out = []
-        for comp in nx.connected_components(graph):
-            members = sorted(comp)
-            root = members[0]
-            n_root = len(p.decisions[root].options)
+        seen: set[int] = set()
+        # Connected components by BFS over links (networkx would cost 0.3 s to
+        # import); starting from the lowest index makes it the component's root.
+        for root in sorted(adj):
+            if root in seen:
+                continue
+            n_root = len(decs[root].options)
+            # omap[m][r]: option of m corresponding to root option r (-1: none).
+            # Identity links share their parent's array.
             omap: dict[int, np.ndarray] = {root: np.arange(n_root)}
             tree: set[int] = set()
             queue = deque([root])
@@ -355,29 +373,36 @@ class _Reducer:
                 for k, y, mp, forward in adj[x]:
                     if y in omap:
                         continue
-                    if forward:
+                    if mp is None:
+                        oy = ox
+                    elif forward:
                         oy = np.where(ox >= 0, mp[ox], -1)
                     else:
-                        inv = np.full(len(p.decisions[x].options), -1, dtype=np.int64)
+                        inv = np.full(len(decs[x].options), -1, dtype=np.int64)
                         ok = mp >= 0
                         inv[mp[ok]] = np.flatnonzero(ok)
                         oy = np.where(ox >= 0, inv[ox], -1)
                     omap[y] = oy
                     tree.add(k)
                     queue.append(y)
+            members = sorted(omap)
+            seen.update(members)
             valid = np.ones(n_root, dtype=bool)
-            for m in members:
-                valid &= omap[m] >= 0
+            for arr in {id(o): o for o in omap.values()}.values():
+                valid &= arr >= 0
             names = []
             for m in members:
                 for k, y, mp, forward in adj[m]:
                     if not forward:
                         continue
                     names.append(p.links[k].name)
-                    if k in tree:
-                        continue
                     oa, ob = omap[m], omap[y]
-                    valid &= (oa >= 0) & (mp[np.maximum(oa, 0)] == ob)
+                    if k in tree or (mp is None and oa is ob):
+                        continue
+                    if mp is None:
+                        valid &= oa == ob
+                    else:
+                        valid &= (oa >= 0) & (mp[np.maximum(oa, 0)] == ob)
             names = list(dict.fromkeys(names))
             cause = (
                 f"links {', '.join(map(repr, names))} leave no consistent "
@@ -385,7 +410,12 @@ class _Reducer:
                 f"{', '.join(repr(p.decisions[m].name) for m in members[:4])}"
                 + (f" and {len(members) - 4} more" if len(members) > 4 else "")
             )
-            out.append((members, [None] + [omap[m] for m in members[1:]], valid, cause))
+            base = omap[root]
+            omaps = [
+                None if omap[m] is base and len(decs[m].options) == n_root else omap[m]
+                for m in members
+            ]
+            out.append((members, omaps, valid, cause))
         return out
 
     def _merge_edges(self, index, group_of, sel) -> None:
@@ -393,7 +423,9 @@ class _Reducer:
         buckets: dict[tuple[int, int], dict[tuple, list]] = {}
         first: dict[tuple[int, int], Edge] = {}
         diags: dict[int, np.ndarray] = {}  # group -> summed diagonals
-        sig = [None if s is None else s.tobytes() for s in sel]
+        sigs: dict[int, bytes] = {}
+        sig = [None if s is None else sigs.get(id(s)) or sigs.setdefault(id(s), s.tobytes())
+               for s in sel]
         for e in self.p.edges:
             ip, ic = index[e.producer], index[e.consumer]
             gp, gc = group_of[ip], group_of[ic]
@@ -406,8 +438,8 @@ class _Reducer:
                 diags[gp] = diags[gp] + diag if gp in diags else diag
                 continue
             key = (gp, gc) if gp < gc else (gc, gp)
-            sub = (ip if sel[ip] is None else sig[ip], len(e.costs),
-                   ic if sel[ic] is None else sig[ic], len(e.costs[0]), gp > gc)
+            # Edges re-indexed the same way (identity: None) can be compared as is.
+            sub = (sig[ip], len(e.costs), sig[ic], len(e.costs[0]), gp > gc)
             buckets.setdefault(key, {}).setdefault(sub, []).append((e, ip, ic))
             first.setdefault(key, e)
         for key, subs in buckets.items():
@@ -531,31 +563,58 @@ class _Reducer:
         self._push(g)
 
     def _dominance(self, g: int) -> None:
-        cols = [self.unary[g][:, None]]
+        """Drop options of ``g`` that another option beats whatever the neighbours choose.
+
+        Switching ``g`` from ``i`` to ``k`` changes the cost by at most
+        ``u[k] - u[i] + sum over edges of max_j (M[k][j] - M[i][j])`` (pairs
+        forbidden for ``i`` can be ignored: no solution uses them); when that
+        is ``<= 0`` and the switch cannot break a resource bound, some optimum
+        avoids ``i``.
+        """
+        u = self.unary[g]
+        n = len(u)
+        gain = u[:, None] - u[None, :]  # gain[k, i]: worst cost change from i to k
+        mats = []
         for eid in self.adj[g].values():
             e = self.edges[eid]
-            cols.append(e.M if e.u == g else e.M.T)
+            mats.append(e.M if e.u == g else e.M.T)
+        if mats:
+            C = np.hstack(mats) if len(mats) > 1 else mats[0]
+            starts = np.cumsum([0] + [m.shape[1] for m in mats[:-1]])
+            # A pair forbidden for i must not count: with +inf in C[i] and a
+            # huge finite value for inf in C[k], C[k] - C[i] is -inf there,
+            # and still ~+inf where only k's pair is forbidden.
+            Ck = np.where(np.isinf(C), 1e300, C)
+            if n * n * C.shape[1] <= 4_000_000:
+                D = Ck[:, None, :] - C[None, :, :]  # D[k, i, j]
+                gain += np.maximum.reduceat(D, starts, axis=2).sum(2)
+            else:
+                for k in range(n):
+                    D = Ck[k][None, :] - C
+                    gain[k] += np.maximum.reduceat(D, starts, axis=1).sum(1)
+        ok = gain <= 0.0  # nan (inf - inf across edges): not comparable
         for res in self.res_of[g]:
-            w = res.terms[g][:, None]
-            # Swapping to k must not raise a sum bounded above, nor lower one
+            w = res.terms[g]
+            # Switching to k must not raise a sum bounded above, nor lower one
             # bounded below.
             if res.high is not None:
-                cols.append(w)
+                ok &= w[:, None] <= w[None, :]
             if res.low is not None:
-                cols.append(-w)
-        C = np.hstack(cols) if len(cols) > 1 else cols[0]
-        n, width = C.shape
-        if n * n * width <= 4_000_000:
-            le = (C[:, None, :] <= C[None, :, :]).all(2)  # le[k, i]: k dominates i
-        else:
-            le = np.empty((n, n), dtype=bool)
+                ok &= w[:, None] >= w[None, :]
+        np.fill_diagonal(ok, False)
+        if not ok.any():
+            return
+        # Remove i when an option still kept beats it strictly, or ties with it
+        # and has a lower id. One at a time: float rounding may break
+        # transitivity, and every removed option must keep a kept dominator.
+        le = ok.tolist()
+        keep = [True] * n
+        for i in np.flatnonzero(ok.any(0)).tolist():
             for k in range(n):
-                le[k] = (C[k][None, :] <= C).all(1)
-        np.fill_diagonal(le, False)
-        # Remove i when strictly dominated, or tied with a lower id.
-        removed = (le & ~le.T).any(0) | np.triu(le & le.T, 1).any(0)
-        if removed.any():
-            self._restrict(g, ~removed, "dominated", dominated=True)
+                if keep[k] and le[k][i] and (k < i or not le[i][k]):
+                    keep[i] = False
+                    break
+        self._restrict(g, np.array(keep), "dominated", dominated=True)
 
     def _fix(self, g: int, t: int) -> None:
         """Decide ``g`` as its alive option ``t``; fold everything it touches."""

@@ -1,4 +1,5 @@
 import dataclasses
+import itertools
 import math
 import time
 
@@ -230,6 +231,31 @@ def test_all_to_all_cheaper_than_allgather(mesh):
     ag = redistribute_time(spec(mesh, (Replicate(), Shard(0))), spec(mesh, (Replicate(), Replicate())))
     assert 0 < a2a < ag
     assert [s.kind for s in redistribute_steps(spec(mesh, (Replicate(), Shard(0))), spec(mesh, (Replicate(), Shard(1))))] == ["all_to_all"]
+
+
+def _dtensor_plan(src, dst):
+    from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
+
+    return [(i.mesh_dim, *i.src_dst_placements) for i in _gen_transform_infos_non_cached(src, dst)]
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, choices",
+    [
+        ((16, 8), [Replicate(), Partial(), Partial("avg"), Shard(0), Shard(1), Shard(2)]),
+        ((2, 8, 8), [Replicate(), Partial(), Shard(0), Shard(1)]),
+    ],
+)
+def test_greedy_plan_matches_dtensor(mesh, mesh_shape, choices):
+    from autoparallel.cost_model import _greedy_steps
+
+    m = mesh if mesh_shape == (16, 8) else init_device_mesh("cpu", mesh_shape)
+    shape = (64, 64, 64)
+    combos = list(itertools.product(choices, repeat=len(mesh_shape)))
+    specs = [spec(m, c, shape) for c in combos]
+    for s in specs:
+        for d in specs:
+            assert _greedy_steps(mesh_shape, s.placements, d.placements) == _dtensor_plan(s, d), (s, d)
 
 
 def test_forbidden_transitions(mesh):

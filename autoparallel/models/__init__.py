@@ -1,0 +1,28 @@
+"""Models for planning and tests."""
+
+from autoparallel.activation_checkpointing import apply_ac
+from autoparallel.models.llama3 import (
+    LLAMA3_CONFIGS,
+    Attention,
+    FeedForward,
+    ModelArgs,
+    RMSNorm,
+    Transformer,
+    TransformerBlock,
+    count_params,
+)
+from autoparallel.models.simple import FFN, BlockModel
+
+__all__ = [
+    "LLAMA3_CONFIGS",
+    "Attention",
+    "BlockModel",
+    "FFN",
+    "FeedForward",
+    "ModelArgs",
+    "RMSNorm",
+    "Transformer",
+    "TransformerBlock",
+    "apply_ac",
+    "count_params",
+]

@@ -1,0 +1,511 @@
+"""JSON dumps of problems and solutions: versioned, lossless, no pickle.
+
+A dump is a JSON object with ``"schema": "autoparallel.solver/1"`` and
+``"kind"``: ``"problem"``, ``"solution"`` or ``"bundle"`` (a problem and a
+solution of it, under the keys ``"problem"`` and ``"solution"``).
+
+Numbers are written as JSON numbers, except the non-finite floats JSON lacks:
+``math.inf`` is written as the string ``"inf"`` (``-inf`` as ``"-inf"`` and
+NaN as ``"nan"``, which only some fields accept on load). Unmapped link
+entries are ``null``. Non-finite floats inside ``metadata`` are written as
+``{"$float": "inf"}``; tuples in metadata come back as lists (JSON has none).
+
+Loading checks the shape of the document and reports the first problem with
+its JSON path, as in ``$.decisions[3].costs[1]: expected a number or "inf",
+got "abc"``, then runs :meth:`Problem.validate`; both raise
+:class:`DumpError`.
+
+Example::
+
+    >>> from solver.problem import Decision, Problem
+    >>> p = Problem([Decision("a", ["R", "S0"], [1.0, float("inf")])])
+    >>> d = problem_to_json(p)
+    >>> d["decisions"][0]["costs"]
+    [1.0, 'inf']
+    >>> problem_from_json(d) == p
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Union
+
+from .problem import (
+    Decision,
+    Edge,
+    Link,
+    Pin,
+    PresolveStats,
+    Problem,
+    ProblemError,
+    ResourceConstraint,
+    Solution,
+)
+
+__all__ = [
+    "SCHEMA",
+    "Bundle",
+    "DumpError",
+    "dump",
+    "dumps",
+    "from_json",
+    "load",
+    "problem_from_json",
+    "problem_to_json",
+    "solution_from_json",
+    "solution_to_json",
+    "to_json",
+]
+
+SCHEMA = "autoparallel.solver/1"
+
+_NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+
+
+class DumpError(ValueError):
+    """A dump is malformed; the message gives the JSON path of the fault."""
+
+
+@dataclass
+class Bundle:
+    """A problem together with a solution of it (one dump file)."""
+
+    problem: Problem
+    solution: Solution
+
+
+# ------------------------------------------------------------------ encoding
+
+
+def _num(x: float) -> float | int | str:
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    return x
+
+
+def _nums(xs) -> list:
+    # Fast path: most cost rows are all finite.
+    if all(map(math.isfinite, xs)):
+        return list(xs)
+    return [_num(x) for x in xs]
+
+
+def _meta(obj: Any, path: str) -> Any:
+    if obj is None or isinstance(obj, (bool, str, int)):
+        return obj
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else {"$float": _num(obj)}
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise DumpError(f"{path}: metadata keys must be strings, got {k!r}")
+            out[k] = _meta(v, _key(path, k))
+        return out
+    if isinstance(obj, (list, tuple)):
+        return [_meta(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+    raise DumpError(f"{path}: cannot write a {type(obj).__name__} to JSON metadata")
+
+
+def problem_to_json(p: Problem) -> dict:
+    """A JSON-ready dict (only JSON types; non-finite floats as strings)."""
+    return {
+        "schema": SCHEMA,
+        "kind": "problem",
+        "name": p.name,
+        "metadata": _meta(p.metadata, "$.metadata"),
+        "decisions": [
+            {"name": d.name, "options": list(d.options), "costs": _nums(d.costs)}
+            for d in p.decisions
+        ],
+        "edges": [
+            {
+                "producer": e.producer,
+                "consumer": e.consumer,
+                "arg_index": e.arg_index,
+                "costs": [_nums(row) for row in e.costs],
+            }
+            for e in p.edges
+        ],
+        "pins": [
+            {"name": pin.name, "decision": pin.decision, "allowed": list(pin.allowed)}
+            for pin in p.pins
+        ],
+        "links": [
+            {"name": link.name, "a": link.a, "b": link.b, "mapping": list(link.mapping)}
+            for link in p.links
+        ],
+        "resources": [
+            {
+                "name": r.name,
+                "terms": {name: _nums(w) for name, w in r.terms.items()},
+                "low": None if r.low is None else _num(r.low),
+                "high": None if r.high is None else _num(r.high),
+            }
+            for r in p.resources
+        ],
+    }
+
+
+def solution_to_json(s: Solution) -> dict:
+    """A JSON-ready dict for ``s``."""
+    return {
+        "schema": SCHEMA,
+        "kind": "solution",
+        "choice": dict(s.choice),
+        "objective": _num(s.objective),
+        "unary_cost": _num(s.unary_cost),
+        "edge_cost": _num(s.edge_cost),
+        "status": s.status,
+        "optimal": s.optimal,
+        "gap": None if s.gap is None else _num(s.gap),
+        "backend": s.backend,
+        "timings": {k: _num(v) for k, v in s.timings.items()},
+        "num_variables": s.num_variables,
+        "num_constraints": s.num_constraints,
+        "presolve": None if s.presolve is None else dataclasses.asdict(s.presolve),
+    }
+
+
+def to_json(obj: Problem | Solution | Bundle | tuple) -> dict:
+    """Problem, Solution, Bundle or ``(problem, solution)`` to a JSON-ready dict."""
+    if isinstance(obj, tuple) and len(obj) == 2:
+        obj = Bundle(*obj)
+    if isinstance(obj, Problem):
+        return problem_to_json(obj)
+    if isinstance(obj, Solution):
+        return solution_to_json(obj)
+    if isinstance(obj, Bundle):
+        return {
+            "schema": SCHEMA,
+            "kind": "bundle",
+            "problem": problem_to_json(obj.problem),
+            "solution": solution_to_json(obj.solution),
+        }
+    raise TypeError(f"cannot dump a {type(obj).__name__}")
+
+
+def dumps(obj: Problem | Solution | Bundle | tuple, *, indent: int | None = None) -> str:
+    """The JSON text of a dump (strict JSON: no NaN/Infinity literals)."""
+    separators = (",", ":") if indent is None else None
+    return json.dumps(to_json(obj), allow_nan=False, indent=indent, separators=separators)
+
+
+def dump(obj: Problem | Solution | Bundle | tuple, path: str | os.PathLike) -> None:
+    """Write ``obj`` (see :func:`to_json`) to ``path`` as JSON."""
+    text = dumps(obj)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.write("\n")
+
+
+# ------------------------------------------------------------------ decoding
+
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def _key(path: str, key: str) -> str:
+    return f"{path}.{key}" if _IDENT.match(key) else f"{path}[{json.dumps(key)}]"
+
+
+def _show(v: Any) -> str:
+    text = json.dumps(v) if isinstance(v, (str, int, float, bool, type(None))) else None
+    if text is None:
+        text = {dict: "an object", list: "an array"}.get(type(v), type(v).__name__)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _fail(path: str, expected: str, got: Any) -> DumpError:
+    return DumpError(f"{path}: expected {expected}, got {_show(got)}")
+
+
+def _obj(v: Any, path: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict:
+    if not isinstance(v, dict):
+        raise _fail(path, "an object", v)
+    for k in required:
+        if k not in v:
+            raise DumpError(f"{path}: missing key {k!r}")
+    allowed = set(required) | set(optional)
+    for k in v:
+        if k not in allowed:
+            raise DumpError(f"{path}: unexpected key {k!r} (allowed: {', '.join(sorted(allowed))})")
+    return v
+
+
+def _list(v: Any, path: str) -> list:
+    if not isinstance(v, list):
+        raise _fail(path, "an array", v)
+    return v
+
+
+def _str(v: Any, path: str) -> str:
+    if not isinstance(v, str):
+        raise _fail(path, "a string", v)
+    return v
+
+
+def _int(v: Any, path: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _fail(path, "an integer", v)
+    return v
+
+
+def _bool(v: Any, path: str) -> bool:
+    if not isinstance(v, bool):
+        raise _fail(path, "true or false", v)
+    return v
+
+
+def _number(v: Any, path: str, special: tuple[str, ...] = ()) -> float | int:
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v in special:
+        return _NONFINITE[v]
+    expected = "a number" + "".join(f' or "{s}"' for s in special)
+    raise _fail(path, expected, v)
+
+
+def _numbers(v: Any, path: str, special: tuple[str, ...] = ()) -> list:
+    v = _list(v, path)
+    types = set(map(type, v))
+    if types <= {float, int}:  # fast path: plain numbers (bool is not int here)
+        return list(v)
+    return [_number(x, f"{path}[{i}]", special) for i, x in enumerate(v)]
+
+
+def _unmeta(v: Any) -> Any:
+    if isinstance(v, dict):
+        if len(v) == 1 and "$float" in v and v["$float"] in _NONFINITE:
+            return _NONFINITE[v["$float"]]
+        return {k: _unmeta(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_unmeta(x) for x in v]
+    return v
+
+
+def _header(d: Any, kind: str, path: str, nested: bool = False) -> None:
+    if not isinstance(d, dict):
+        raise _fail(path, "an object", d)
+    if "schema" not in d and not nested:
+        raise DumpError(f"{path}: missing key 'schema' (expected {SCHEMA!r})")
+    if "schema" in d and d["schema"] != SCHEMA:
+        raise DumpError(
+            f"{path}.schema: unsupported schema {_show(d['schema'])}, expected {SCHEMA!r}"
+        )
+    if "kind" not in d and not nested:
+        raise DumpError(f"{path}: missing key 'kind'")
+    if "kind" in d and d["kind"] != kind:
+        raise DumpError(f"{path}.kind: expected {kind!r}, got {_show(d['kind'])}")
+
+
+_HEADER = ("schema", "kind")
+
+
+def _problem(d: Any, path: str, nested: bool = False) -> Problem:
+    _header(d, "problem", path, nested)
+    _obj(d, path, ("decisions",), (*_HEADER, "name", "metadata", "edges", "pins", "links",
+                                    "resources"))
+    decisions = []
+    for i, x in enumerate(_list(d["decisions"], f"{path}.decisions")):
+        where = f"{path}.decisions[{i}]"
+        _obj(x, where, ("name", "options", "costs"))
+        options = [
+            _str(o, f"{where}.options[{j}]") for j, o in enumerate(_list(x["options"], f"{where}.options"))
+        ]
+        costs = _numbers(x["costs"], f"{where}.costs", ("inf",))
+        decisions.append(Decision(_str(x["name"], f"{where}.name"), options, costs))
+    edges = []
+    for k, x in enumerate(_list(d.get("edges", []), f"{path}.edges")):
+        where = f"{path}.edges[{k}]"
+        _obj(x, where, ("producer", "consumer", "arg_index", "costs"))
+        rows = _list(x["costs"], f"{where}.costs")
+        costs = [_numbers(r, f"{where}.costs[{i}]", ("inf",)) for i, r in enumerate(rows)]
+        edges.append(
+            Edge(
+                _str(x["producer"], f"{where}.producer"),
+                _str(x["consumer"], f"{where}.consumer"),
+                _int(x["arg_index"], f"{where}.arg_index"),
+                costs,
+            )
+        )
+    pins = []
+    for k, x in enumerate(_list(d.get("pins", []), f"{path}.pins")):
+        where = f"{path}.pins[{k}]"
+        _obj(x, where, ("name", "decision", "allowed"))
+        allowed = [
+            _int(o, f"{where}.allowed[{j}]")
+            for j, o in enumerate(_list(x["allowed"], f"{where}.allowed"))
+        ]
+        pins.append(Pin(_str(x["name"], f"{where}.name"), _str(x["decision"], f"{where}.decision"), allowed))
+    links = []
+    for k, x in enumerate(_list(d.get("links", []), f"{path}.links")):
+        where = f"{path}.links[{k}]"
+        _obj(x, where, ("name", "a", "b", "mapping"))
+        mapping = [
+            None if o is None else _int(o, f"{where}.mapping[{j}]")
+            for j, o in enumerate(_list(x["mapping"], f"{where}.mapping"))
+        ]
+        links.append(
+            Link(
+                _str(x["name"], f"{where}.name"),
+                _str(x["a"], f"{where}.a"),
+                _str(x["b"], f"{where}.b"),
+                mapping,
+            )
+        )
+    resources = []
+    for k, x in enumerate(_list(d.get("resources", []), f"{path}.resources")):
+        where = f"{path}.resources[{k}]"
+        _obj(x, where, ("name", "terms"), ("low", "high"))
+        terms_in = x["terms"]
+        if not isinstance(terms_in, dict):
+            raise _fail(f"{where}.terms", "an object", terms_in)
+        terms = {name: _numbers(w, _key(f"{where}.terms", name)) for name, w in terms_in.items()}
+        bounds = []
+        for b in ("low", "high"):
+            v = x.get(b)
+            bounds.append(None if v is None else _number(v, f"{where}.{b}", ("inf", "-inf")))
+        resources.append(ResourceConstraint(_str(x["name"], f"{where}.name"), terms, *bounds))
+    metadata = d.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise _fail(f"{path}.metadata", "an object", metadata)
+    p = Problem(
+        decisions=decisions,
+        edges=edges,
+        pins=pins,
+        links=links,
+        resources=resources,
+        name=_str(d.get("name", ""), f"{path}.name"),
+        metadata=_unmeta(metadata),
+    )
+    try:
+        p.validate()
+    except ProblemError as exc:
+        raise DumpError(f"{path}: invalid problem: {exc}") from None
+    return p
+
+
+_STATS = {f.name for f in dataclasses.fields(PresolveStats)}
+
+
+def _solution(d: Any, path: str, nested: bool = False) -> Solution:
+    _header(d, "solution", path, nested)
+    _obj(
+        d,
+        path,
+        ("choice", "objective", "unary_cost", "edge_cost", "status", "optimal"),
+        (*_HEADER, "gap", "backend", "timings", "num_variables", "num_constraints", "presolve"),
+    )
+    choice_in = d["choice"]
+    if not isinstance(choice_in, dict):
+        raise _fail(f"{path}.choice", "an object", choice_in)
+    choice = {k: _int(v, _key(f"{path}.choice", k)) for k, v in choice_in.items()}
+    special = ("inf", "-inf", "nan")
+    timings_in = d.get("timings", {})
+    if not isinstance(timings_in, dict):
+        raise _fail(f"{path}.timings", "an object", timings_in)
+    stats = None
+    if d.get("presolve") is not None:
+        where = f"{path}.presolve"
+        x = _obj(d["presolve"], where, (), tuple(sorted(_STATS)))
+        stats = PresolveStats(**{k: _int(v, f"{where}.{k}") for k, v in x.items()})
+    gap = d.get("gap")
+    return Solution(
+        choice=choice,
+        objective=_number(d["objective"], f"{path}.objective", special),
+        unary_cost=_number(d["unary_cost"], f"{path}.unary_cost", special),
+        edge_cost=_number(d["edge_cost"], f"{path}.edge_cost", special),
+        status=_str(d["status"], f"{path}.status"),
+        optimal=_bool(d["optimal"], f"{path}.optimal"),
+        gap=None if gap is None else _number(gap, f"{path}.gap", special),
+        backend=_str(d.get("backend", ""), f"{path}.backend"),
+        timings={
+            k: _number(v, _key(f"{path}.timings", k), special) for k, v in timings_in.items()
+        },
+        num_variables=_int(d.get("num_variables", 0), f"{path}.num_variables"),
+        num_constraints=_int(d.get("num_constraints", 0), f"{path}.num_constraints"),
+        presolve=stats,
+    )
+
+
+def _bundle(d: Any, path: str) -> Bundle:
+    _header(d, "bundle", path)
+    _obj(d, path, ("problem", "solution"), _HEADER)
+    p = _problem(d["problem"], f"{path}.problem", nested=True)
+    s = _solution(d["solution"], f"{path}.solution", nested=True)
+    by = p.decision_index()
+    where = f"{path}.solution.choice"
+    for name, o in s.choice.items():
+        if name not in by:
+            raise DumpError(f"{_key(where, name)}: no decision {name!r} in the problem")
+        if not 0 <= o < by[name].num_options:
+            raise DumpError(
+                f"{_key(where, name)}: option {o} out of range 0..{by[name].num_options - 1}"
+            )
+    missing = [d.name for d in p.decisions if d.name not in s.choice]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise DumpError(
+            f"{where}: no option for decision(s) {', '.join(map(repr, missing[:3]))}{more}"
+        )
+    return Bundle(p, s)
+
+
+def problem_from_json(d: Any) -> Problem:
+    """Rebuild a problem from :func:`problem_to_json` output; :class:`DumpError` if malformed."""
+    return _problem(d, "$")
+
+
+def solution_from_json(d: Any) -> Solution:
+    """Rebuild a solution from :func:`solution_to_json` output; :class:`DumpError` if malformed."""
+    return _solution(d, "$")
+
+
+def from_json(d: Any) -> Union[Problem, Solution, Bundle]:
+    """Rebuild whatever the dump holds, dispatching on its ``kind``."""
+    if not isinstance(d, dict):
+        raise _fail("$", "an object", d)
+    if "schema" not in d:
+        raise DumpError(f"$: missing key 'schema' (expected {SCHEMA!r}); not a solver dump?")
+    if d["schema"] != SCHEMA:
+        raise DumpError(f"$.schema: unsupported schema {_show(d['schema'])}, expected {SCHEMA!r}")
+    kind = d.get("kind")
+    if kind == "problem":
+        return _problem(d, "$")
+    if kind == "solution":
+        return _solution(d, "$")
+    if kind == "bundle":
+        return _bundle(d, "$")
+    if "kind" not in d:
+        raise DumpError("$: missing key 'kind'")
+    raise DumpError(f'$.kind: expected "problem", "solution" or "bundle", got {_show(kind)}')
+
+
+def load(path: str | os.PathLike) -> Union[Problem, Solution, Bundle]:
+    """Read a dump written by :func:`dump`.
+
+    Raises :class:`DumpError` when the file is not valid JSON or not a valid
+    dump (the message names the file and the JSON path of the fault).
+    """
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        d = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise DumpError(f"{os.fspath(path)}: not valid JSON: {exc}") from None
+    except DumpError as exc:
+        raise DumpError(f"{os.fspath(path)}: {exc}") from None
+    try:
+        return from_json(d)
+    except DumpError as exc:
+        raise DumpError(f"{os.fspath(path)}: {exc}") from None
+
+
+def _reject_constant(name: str):
+    raise DumpError(f'non-standard JSON constant {name} (write infinity as the string "inf")')
