@@ -151,12 +151,13 @@ class _Group:
 
 
 class _Edge:
-    __slots__ = ("u", "v", "M", "arg", "flip", "clean")
+    __slots__ = ("u", "v", "M", "arg", "flip", "clean", "has_inf")
 
     def __init__(self, u: int, v: int, M: np.ndarray, arg: int, flip: bool):
         self.u, self.v, self.M = u, v, M  # M[i][j]: option i of u, j of v
         self.arg, self.flip = arg, flip  # emitted as v -> u when flip
         self.clean = False  # checked (arc consistency, separability) since last change
+        self.has_inf: bool | None = None  # None: unknown
 
 
 class _Resource:
@@ -244,6 +245,8 @@ class _Reducer:
         self.steps: list[tuple] = []
         self.queue: deque[int] = deque()
         self.queued: list[bool] = []
+        self.dom_queue: deque[int] = deque()
+        self.dom_queued: list[bool] = []
         self.res_dirty: dict[int, _Resource] = {}
 
     # ------------------------------------------------------------------ merge
@@ -319,6 +322,7 @@ class _Reducer:
         self.adj = [{} for _ in range(n)]
         self.res_of = [[] for _ in range(n)]
         self.queued = [False] * n
+        self.dom_queued = [False] * n
 
         for rc in p.resources:
             terms: dict[int, np.ndarray] = {}
@@ -481,26 +485,40 @@ class _Reducer:
     # ----------------------------------------------------------------- reduce
 
     def reduce(self) -> None:
+        """Apply the reductions to a fixpoint.
+
+        Cheap ones (arc consistency, separable edges, fixing, elimination)
+        run first; dominance, the costly test, only once they have settled.
+        """
         for g in range(len(self.groups)):
             self._push(g)
         while True:
-            while self.queue:
+            if self.queue:
                 g = self.queue.popleft()
                 self.queued[g] = False
                 if self.active[g]:
                     self._process(g)
-            if not self.res_dirty:
+            elif self.res_dirty:
+                dirty = list(self.res_dirty.values())
+                self.res_dirty.clear()
+                for res in dirty:
+                    if res in self.resources:
+                        self._propagate_resource(res)
+            elif self.dom_queue:
+                g = self.dom_queue.popleft()
+                self.dom_queued[g] = False
+                if self.active[g] and len(self.alive[g]) > 1:
+                    self._dominance(g)
+            else:
                 break
-            dirty = list(self.res_dirty.values())
-            self.res_dirty.clear()
-            for res in dirty:
-                if res in self.resources:
-                    self._propagate_resource(res)
 
     def _push(self, g: int) -> None:
         if not self.queued[g]:
             self.queued[g] = True
             self.queue.append(g)
+        if not self.dom_queued[g]:
+            self.dom_queued[g] = True
+            self.dom_queue.append(g)
 
     def _process(self, g: int) -> None:
         for nb, eid in list(self.adj[g].items()):
@@ -508,8 +526,10 @@ class _Reducer:
             if e is None or e.clean:
                 continue
             M = e.M
-            finite = np.isfinite(M)
-            if not finite.all():
+            if e.has_inf is not False:
+                finite = np.isfinite(M)
+                e.has_inf = not finite.all()
+            if e.has_inf:
                 # Arc consistency: an option with no finite pair is forbidden.
                 why = (
                     f"edge {self._name(e.u)!r} ~ {self._name(e.v)!r} forbids "
@@ -520,20 +540,15 @@ class _Reducer:
                 if eid in self.edges:
                     e.clean = True
                 continue
-            a = M[:, 0]
-            b = M[0, :] - M[0, 0]
-            scale = max(1.0, float(np.abs(M).max()))
-            if float(np.abs(M - a[:, None] - b[None, :]).max()) <= SEPARABLE_RTOL * scale:
+            if _separable(M):
                 self._drop_edge(eid)
                 self.stats.edges_folded += 1
-                self._add_unary(e.u, a)
-                self._add_unary(e.v, b)
+                self._add_unary(e.u, M[:, 0])
+                self._add_unary(e.v, M[0, :] - M[0, 0])
             else:
                 e.clean = True
         if not self.active[g]:
             return
-        if len(self.alive[g]) > 1:
-            self._dominance(g)
         if len(self.alive[g]) == 1:
             self._fix(g, 0)
         elif not self.res_of[g] and len(self.adj[g]) <= 2:
@@ -556,6 +571,8 @@ class _Reducer:
             e = self.edges[eid]
             e.M = e.M[keep] if e.u == g else e.M[:, keep]
             e.clean = False
+            if e.has_inf:
+                e.has_inf = None  # may have lost its inf entries
             self._push(nb)
         for res in self.res_of[g]:
             res.terms[g] = res.terms[g][keep]
@@ -575,16 +592,18 @@ class _Reducer:
         n = len(u)
         gain = u[:, None] - u[None, :]  # gain[k, i]: worst cost change from i to k
         mats = []
+        has_inf = False
         for eid in self.adj[g].values():
             e = self.edges[eid]
             mats.append(e.M if e.u == g else e.M.T)
+            has_inf = has_inf or e.has_inf is not False
         if mats:
             C = np.hstack(mats) if len(mats) > 1 else mats[0]
             starts = np.cumsum([0] + [m.shape[1] for m in mats[:-1]])
             # A pair forbidden for i must not count: with +inf in C[i] and a
             # huge finite value for inf in C[k], C[k] - C[i] is -inf there,
             # and still ~+inf where only k's pair is forbidden.
-            Ck = np.where(np.isinf(C), 1e300, C)
+            Ck = np.where(np.isinf(C), 1e300, C) if has_inf else C
             if n * n * C.shape[1] <= 4_000_000:
                 D = Ck[:, None, :] - C[None, :, :]  # D[k, i, j]
                 gain += np.maximum.reduceat(D, starts, axis=2).sum(2)
@@ -684,6 +703,7 @@ class _Reducer:
             e = self.edges[existing]
             e.M = e.M + (best if e.u == a else best.T)
             e.clean = False
+            e.has_inf = None
         else:
             self._add_edge(a, b, best, 0, False)
         self._push(a)
@@ -822,6 +842,20 @@ class _Reducer:
 def _matrix(rows: list[list[float]], n: int, m: int) -> np.ndarray:
     # fromiter over the flattened rows is ~3x faster than np.array(rows).
     return np.fromiter(_chain(rows), float, n * m).reshape(n, m)
+
+
+def _separable(M: np.ndarray) -> bool:
+    """``M[i][j] == a[i] + b[j]`` for all i, j (up to rounding)?"""
+    n, m = M.shape
+    if n == 1 or m == 1:
+        return True
+    # Quick rejection on one 2x2 minor (most matrices are not separable).
+    c00, c0m, cn0, cnm = M[0, 0], M[0, -1], M[-1, 0], M[-1, -1]
+    corner = max(abs(c00), abs(c0m), abs(cn0), abs(cnm))
+    if abs(cnm - cn0 - c0m + c00) > SEPARABLE_RTOL * corner:
+        return False
+    tol = SEPARABLE_RTOL * float(np.abs(M).max())
+    return float(np.abs(M - M[:, :1] - M[:1, :] + c00).max()) <= tol
 
 
 def _slack(bound: float) -> float:

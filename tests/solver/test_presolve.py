@@ -317,11 +317,14 @@ def test_dominance_drops_options_and_keeps_lowest_id_among_equals():
         [Edge("a", "b", 0, [[0.0, 2.0], [0.0, 2.0], [0.0, 2.0], [0.0, 1.0]]),
          Edge("a", "c", 0, [[1.0, 0.0], [1.0, 0.0], [1.0, 0.0], [0.0, 3.0]]),
          Edge("b", "c", 0, [[0.0, 5.0], [5.0, 0.0]])],
-        resources=[ResourceConstraint("mem", {"b": [1.0, 2.0], "c": [1.0, 1.0]}, high=10.0)],
+        # In a resource constraint (equal weights): not eliminated, only dominated.
+        resources=[ResourceConstraint("mem", {"a": [1.0] * 4, "b": [1.0, 2.0], "c": [0.0, 0.0]},
+                                      high=10.0)],
     )
     pre = check_exact(p)
     # y equals x (higher id goes), z is worse than x; w is not comparable.
     assert pre.stats.options_removed_dominated >= 2
+    assert [d.options for d in pre.problem.decisions if d.name == "a"] == [["x", "w"]]
 
 
 def test_dominance_respects_resource_weights():
