@@ -110,7 +110,7 @@ def _meta(obj: Any, path: str) -> Any:
         return out
     if isinstance(obj, (list, tuple)):
         return [_meta(v, f"{path}[{i}]") for i, v in enumerate(obj)]
-    raise DumpError(f"{path}: cannot write a {type(obj).__name__} to JSON metadata")
+    raise DumpError(f"{path}: cannot write a value of type {type(obj).__name__} to JSON")
 
 
 def problem_to_json(p: Problem) -> dict:
