@@ -11,6 +11,12 @@ Build on the meta device, then materialise::
     >>> model.to_empty(device="cpu")  # doctest: +SKIP
     >>> torch.manual_seed(0); model.init_weights()  # doctest: +SKIP
 
+Tracing note: with parameters on the meta device, SDPA takes its math path
+(bmm + softmax + bmm) in traced graphs. Parameters that are fake tensors on
+"cpu" (``with FakeTensorMode(allow_non_fake_inputs=True):
+model.to_empty(device="cpu")``) keep the
+fused ``_scaled_dot_product_flash_attention_for_cpu`` op.
+
 RoPE convention: "rotate half" (the first and second halves of each head
 dimension form the rotated pairs), as in HF transformers. Meta's original
 checkpoints use the interleaved-pair convention; loading them needs the usual
@@ -45,8 +51,11 @@ __all__ = [
 ]
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelArgs:
+    """Hyper-parameters; frozen so the shared presets can't be edited in
+    place (derive variants with ``dataclasses.replace``)."""
+
     dim: int = 4096
     n_layers: int = 32
     n_heads: int = 32
