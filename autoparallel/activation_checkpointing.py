@@ -11,7 +11,7 @@ Two ways the wrapped forward runs:
   selective mode adds ``create_selective_checkpoint_contexts`` with the
   torchtitan op policy (``SACPolicy``).
 * Graph AC, inside ``graph_ac_tracing()``: the block runs plainly under
-  ``torch.fx.traceback.annotate({"ac_region": id, "ac_mode": mode})``. The
+  ``torch.fx.traceback.annotate({"ac_region": id, "ac_mode": mode, ...})``. The
   annotation lands in ``node.meta["custom"]`` of every node the block emits
   in a joint graph from ``aot_export_joint_with_descriptors``, and
   ``tag_recompute(joint_gm)`` then turns it into the tags the min-cut
@@ -30,7 +30,7 @@ Example::
     >>> with graph_ac_tracing():                              # doctest: +SKIP
     ...     jd = aot_export_joint_with_descriptors(stack, model, args)
     >>> tag_recompute(jd.graph_module)                        # doctest: +SKIP
-    ACTagStats(regions=2, must_save=8, prefer_recompute=90, backward_cleared=0)
+    ACTagStats(regions=2, must_save=14, prefer_recompute=161, backward_cleared=0, region_ids=[0, 1])
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ __all__ = [
     "forward_nodes",
     "AC_REGION_KEY",
     "AC_MODE_KEY",
+    "AC_POLICY_KEY",
 ]
 
 aten = torch.ops.aten
@@ -75,35 +76,34 @@ ACMode = Literal["full", "selective", "none"]
 # Keys under node.meta["custom"] written by the wrapped forward in graph mode.
 AC_REGION_KEY = "ac_region"
 AC_MODE_KEY = "ac_mode"
+AC_POLICY_KEY = "ac_policy"  # selective only: SACPolicy.to_annotation()
 # node.meta keys read by torch._functorch.partitioners.
 _RECOMPUTE = "recompute"
 _AC_GRAPH_ID = "ac_graph_id"
 
 
-def _maybe_op(namespace: str, name: str, overload: str = "default"):
-    # Some ops only exist in builds with the right backend / after import of
-    # torch.distributed; a missing one just can't appear in a graph.
-    try:
-        return getattr(getattr(getattr(torch.ops, namespace), name), overload)
-    except (AttributeError, RuntimeError):
-        return None
+def _op_name(op: Any) -> str:
+    # "aten.mm.default"; also what str() gives for higher-order ops. Names,
+    # not op objects, so a policy can travel in node.meta["custom"] and be
+    # dumped as JSON.
+    return op if isinstance(op, str) else str(op)
 
 
 # torchtitan's save list: compute-heavy ops whose outputs are worth keeping.
+# Listed by name: some only exist in some builds or once torch.distributed is
+# imported.
 _DEFAULT_SAVE_OPS = frozenset(
-    op
-    for op in (
-        aten.mm.default,
-        aten._scaled_dot_product_flash_attention.default,
-        aten._scaled_dot_product_efficient_attention.default,
-        aten._scaled_dot_product_cudnn_attention.default,
-        aten._scaled_dot_product_flash_attention_for_cpu.default,
+    {
+        "aten.mm.default",
+        "aten._scaled_dot_product_flash_attention.default",
+        "aten._scaled_dot_product_efficient_attention.default",
+        "aten._scaled_dot_product_cudnn_attention.default",
+        "aten._scaled_dot_product_flash_attention_for_cpu.default",
         # for low-precision training, max feeds the scale computation
-        aten.max.default,
-        _maybe_op("_c10d_functional", "reduce_scatter_tensor"),
-        _maybe_op("c10d", "reduce_scatter_"),
-    )
-    if op is not None
+        "aten.max.default",
+        "_c10d_functional.reduce_scatter_tensor.default",
+        "c10d.reduce_scatter_.default",
+    }
 )
 
 
@@ -115,15 +115,20 @@ class SACPolicy:
     except that every ``recompute_every``-th call of a ``counted_ops`` op in a
     region (counting from 1, so the 2nd, 4th, ... mm by default) is
     recomputed to halve the matmul memory. ``recompute_every=0`` saves all.
+    Ops may be given as OpOverloads or names ("aten.mm.default").
 
     >>> decide = SACPolicy().decider()
     >>> [decide(aten.mm.default).name for _ in range(3)]
     ['MUST_SAVE', 'PREFER_RECOMPUTE', 'MUST_SAVE']
     """
 
-    save_ops: frozenset = _DEFAULT_SAVE_OPS
-    counted_ops: frozenset = frozenset({aten.mm.default})
+    save_ops: frozenset[str] = _DEFAULT_SAVE_OPS
+    counted_ops: frozenset[str] = frozenset({"aten.mm.default"})
     recompute_every: int = 2
+
+    def __post_init__(self):
+        object.__setattr__(self, "save_ops", frozenset(map(_op_name, self.save_ops)))
+        object.__setattr__(self, "counted_ops", frozenset(map(_op_name, self.counted_ops)))
 
     def decider(self) -> Callable[[Any], CheckpointPolicy]:
         """A fresh stateful decision function for one run of one region."""
@@ -131,11 +136,12 @@ class SACPolicy:
 
         def decide(op: Any) -> CheckpointPolicy:
             nonlocal count
-            if op in self.counted_ops:
+            name = _op_name(op)
+            if name in self.counted_ops:
                 count += 1
                 if self.recompute_every and count % self.recompute_every == 0:
                     return CheckpointPolicy.PREFER_RECOMPUTE
-            if op in self.save_ops:
+            if name in self.save_ops:
                 return CheckpointPolicy.MUST_SAVE
             return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -151,6 +157,22 @@ class SACPolicy:
             return (recompute if ctx.is_recompute else forward)(op)
 
         return create_selective_checkpoint_contexts(policy_fn)
+
+    def to_annotation(self) -> dict[str, Any]:
+        """Plain-data form stored in ``node.meta["custom"]["ac_policy"]``."""
+        return {
+            "save_ops": tuple(sorted(self.save_ops)),
+            "counted_ops": tuple(sorted(self.counted_ops)),
+            "recompute_every": self.recompute_every,
+        }
+
+    @classmethod
+    def from_annotation(cls, data: dict[str, Any]) -> SACPolicy:
+        return cls(
+            frozenset(data["save_ops"]),
+            frozenset(data["counted_ops"]),
+            int(data["recompute_every"]),
+        )
 
 
 DEFAULT_SAC_POLICY = SACPolicy()
@@ -205,8 +227,12 @@ class _ACBlock:
     def forward(self, *args, **kwargs):
         cfg: ACConfig = getattr(self, _AC_ATTR)
         inner = super().forward  # the original class's forward
+        policy = cfg.policy or DEFAULT_SAC_POLICY
         if _graph_ac:
-            with fx_traceback.annotate({AC_REGION_KEY: cfg.region_id, AC_MODE_KEY: cfg.mode}):
+            annotation = {AC_REGION_KEY: cfg.region_id, AC_MODE_KEY: cfg.mode}
+            if cfg.mode == "selective":
+                annotation[AC_POLICY_KEY] = policy.to_annotation()
+            with fx_traceback.annotate(annotation):
                 return inner(*args, **kwargs)
         if _tracing_with_proxy_mode():
             warnings.warn(
@@ -217,7 +243,6 @@ class _ACBlock:
             )
         if cfg.mode == "full":
             return checkpoint(inner, *args, use_reentrant=False, **kwargs)
-        policy = cfg.policy or DEFAULT_SAC_POLICY
         return checkpoint(
             inner, *args, use_reentrant=False, context_fn=policy.context_fn, **kwargs
         )
@@ -245,10 +270,16 @@ def _default_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def _unwrap_class(module: nn.Module) -> None:
-    if isinstance(module, _ACBlock):
-        # The AC subclass's direct base after the mixin is the original class.
-        module.__class__ = type(module).__mro__[2]
-        delattr(module, _AC_ATTR)
+    if not isinstance(module, _ACBlock):
+        return
+    cls = type(module)
+    if cls.__bases__[0] is not _ACBlock:
+        raise RuntimeError(
+            f"cannot remove AC from a {cls.__name__}: its class was swapped again "
+            "after apply_ac (e.g. by fully_shard)"
+        )
+    module.__class__ = cls.__bases__[1]
+    delattr(module, _AC_ATTR)
 
 
 def apply_ac(
@@ -270,10 +301,11 @@ def apply_ac(
         raise ValueError("policy only applies to mode='selective'")
     blocks = _default_blocks(model) if blocks is None else list(blocks)
     for region_id, block in enumerate(blocks):
-        _unwrap_class(block)
         if mode == "none":
+            _unwrap_class(block)
             continue
-        block.__class__ = _ac_class(type(block))
+        if not isinstance(block, _ACBlock):
+            block.__class__ = _ac_class(type(block))
         setattr(block, _AC_ATTR, ACConfig(mode, region_id, policy))
     return model
 
@@ -329,20 +361,19 @@ def forward_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     return {n for n in nodes if n not in backward and n.op != "output"}
 
 
-def tag_recompute(
-    joint_gm: fx.GraphModule, policy: SACPolicy | None = None
-) -> ACTagStats:
+def tag_recompute(joint_gm: fx.GraphModule) -> ACTagStats:
     """Set ``meta["recompute"]``/``meta["ac_graph_id"]`` on annotated forward nodes.
 
-    Full regions: PREFER_RECOMPUTE on every op. Selective regions: ``policy``
-    (default ``DEFAULT_SAC_POLICY``, the eager default) evaluated on
+    Full regions: PREFER_RECOMPUTE on every op. Selective regions: the
+    region's ``SACPolicy`` (carried in the annotation) evaluated on
     ``node.target`` in graph order with a per-region counter, so the decisions
     match eager selective AC. A getitem inherits the tag of the multi-output
-    op it reads.
+    op it reads. Random ops are recomputed like any other (SDPA is one: it
+    carries the ``nondeterministic_seeded`` tag); the partitioner then saves
+    and replays their RNG state (``functionalize_rng_ops``), as eager AC does.
     Backward nodes lose any recompute tag (their annotation is copied from the
     forward node they differentiate). Mutates ``joint_gm`` in place.
     """
-    policy = policy or DEFAULT_SAC_POLICY
     fwd = forward_nodes(joint_gm)
     deciders: dict[int, Callable[[Any], CheckpointPolicy]] = {}
     stats = ACTagStats()
@@ -361,6 +392,8 @@ def tag_recompute(
             decision = node.args[0].meta[_RECOMPUTE]
         elif mode == "selective":
             if region not in deciders:
+                data = custom.get(AC_POLICY_KEY)
+                policy = SACPolicy.from_annotation(data) if data else DEFAULT_SAC_POLICY
                 deciders[region] = policy.decider()
             decision = deciders[region](node.target)
         else:
