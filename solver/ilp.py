@@ -354,7 +354,7 @@ def build(problem: Problem, *, objective: bool = True) -> IlpModel:
                 for t, v in enumerate(mrow):
                     arow[t] += v
 
-    n_sep = n_diag = n_pair = n_conflict = 0
+    n_sep = n_diag = n_pair = n_conflict = n_blocks = n_pairs_full = 0
     for (pkey, ckey), m in groups.items():
         has_inf = any(INF in row for row in m)
         if not objective:
@@ -392,7 +392,8 @@ def build(problem: Problem, *, objective: bool = True) -> IlpModel:
                     cost[col] += v
                 continue
         n_pair += 1
-        _add_pairwise(model, pkey, ckey, m, cost, upper)
+        n_blocks += _add_pairwise(model, pkey, ckey, m, cost)
+        n_pairs_full += sum(v != INF for row in m for v in row)
 
     # ---- resources ----------------------------------------------------------
     for res in problem.resources:
@@ -456,6 +457,10 @@ def build(problem: Problem, *, objective: bool = True) -> IlpModel:
         "edges_separable": n_sep,
         "edges_diagonal": n_diag,
         "edges_pairwise": n_pair,
+        # finite pairs of pairwise edges, and pair columns after merging
+        # interchangeable options (equal rows or columns)
+        "finite_pairs": n_pairs_full,
+        "pair_blocks": n_blocks,
         "conflict_rows": n_conflict,
     }
     logger.debug("build: %s", model.stats)
@@ -486,25 +491,47 @@ def _separable(m: list[list[float]]) -> tuple[list[float], list[float]] | None:
     return r, s
 
 
-def _add_pairwise(model, pkey, ckey, m, cost, upper) -> None:
-    """Pair columns for finite entries, tied to both sides' one-hots."""
+def _classes(vectors) -> list[list[int]]:
+    """Indices grouped by equal vector, in order of first appearance."""
+    groups: dict[tuple, list[int]] = {}
+    for t, vec in enumerate(vectors):
+        groups.setdefault(tuple(vec), []).append(t)
+    return list(groups.values())
+
+
+def _add_pairwise(model, pkey, ckey, m, cost) -> int:
+    """Pair columns for finite entries, tied to both sides' one-hots.
+
+    Options with equal rows (columns) of ``m`` are interchangeable for this
+    edge: ``m`` is constant on each block (row class x column class), so one
+    pair variable per block, with marginals over the classes' summed
+    one-hots, is exact and has the same LP relaxation (the local polytope
+    projected onto block sums). Returns the number of pair columns added.
+    """
+    rows = _classes(m)
+    cols = _classes(zip(*m))
     # Pair columns are numbered after the x columns: they live at the end of
     # model.col_cost (which holds only pair columns until build() finishes).
     first = len(cost) + len(model.col_cost)
     pair_cost = model.col_cost
-    col_members: list[list[int]] = [[] for _ in ckey]
+    col_members: list[list[int]] = [[] for _ in cols]
     y = first
-    for a, row in enumerate(m):
+    for members_a in rows:
+        row = m[members_a[0]]
         members = []
-        for b, v in enumerate(row):
+        for b, members_b in enumerate(cols):
+            v = row[members_b[0]]
             if v != INF:
                 pair_cost.append(v)
                 members.append(y)
                 col_members[b].append(y)
                 y += 1
-        _add_summed_row(model, members + [pkey[a]], [1.0] * len(members) + [-1.0], 0.0, 0.0)
+        xs = [pkey[a] for a in members_a]
+        _add_summed_row(model, members + xs, [1.0] * len(members) + [-1.0] * len(xs), 0.0, 0.0)
     model.col_upper.extend([1.0] * (y - first))
     # The last consumer marginal is implied by the others plus both one-hots.
-    for b in range(len(ckey) - 1):
+    for b in range(len(cols) - 1):
         members = col_members[b]
-        _add_summed_row(model, members + [ckey[b]], [1.0] * len(members) + [-1.0], 0.0, 0.0)
+        xs = [ckey[j] for j in cols[b]]
+        _add_summed_row(model, members + xs, [1.0] * len(members) + [-1.0] * len(xs), 0.0, 0.0)
+    return y - first

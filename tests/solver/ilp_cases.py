@@ -8,7 +8,7 @@ import random
 
 from solver.problem import INF, Decision, Edge, Link, Pin, Problem, ResourceConstraint
 
-MATRIX_KINDS = ("random", "zero", "separable", "constant", "comm", "inf")
+MATRIX_KINDS = ("random", "zero", "separable", "constant", "comm", "inf", "blocks")
 
 
 def random_matrix(rng: random.Random, rows: int, cols: int, kind: str) -> list[list[float]]:
@@ -26,6 +26,13 @@ def random_matrix(rng: random.Random, rows: int, cols: int, kind: str) -> list[l
             [0.0 if i == j else rng.choice([1.0, 2.0, 4.0]) for j in range(cols)]
             for i in range(rows)
         ]
+    if kind == "blocks":  # interchangeable options: repeated rows and columns
+        block = [[0.0, rng.choice([1.0, 3.5, INF])], [rng.choice([2.0, 6.0]), 0.0]]
+        rclass = ([0, 1] + [rng.randrange(2) for _ in range(rows)])[:rows]
+        cclass = ([0, 1] + [rng.randrange(2) for _ in range(cols)])[:cols]
+        rng.shuffle(rclass)
+        rng.shuffle(cclass)
+        return [[block[rclass[i]][cclass[j]] for j in range(cols)] for i in range(rows)]
     m = [[round(rng.uniform(0, 10), 3) for _ in range(cols)] for _ in range(rows)]
     if kind == "inf":
         for row in m:

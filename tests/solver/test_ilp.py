@@ -52,7 +52,7 @@ def test_random_problems_match_brute_force(backend, presolve, chunk):
 def test_random_problems_cover_every_case():
     """The random suite really exercises what it claims to."""
     seen = {"infeasible": 0, "separable": 0, "pairwise": 0, "fixed": 0, "links": 0,
-            "resources": 0, "pins": 0, "inf pairs": 0, "diagonal": 0}
+            "resources": 0, "pins": 0, "inf pairs": 0, "diagonal": 0, "blocks": 0}
     for seed in range(240):
         p = random_problem(seed)
         m = build(p)
@@ -62,6 +62,7 @@ def test_random_problems_cover_every_case():
         seen["separable"] += m.stats["edges_separable"] > 0
         seen["pairwise"] += m.stats["edges_pairwise"] > 0
         seen["diagonal"] += m.stats["edges_diagonal"] > 0
+        seen["blocks"] += m.stats["pair_blocks"] < m.stats["finite_pairs"]
         seen["fixed"] += m.stats["fixed_decisions"] > 0
         seen["links"] += bool(p.links)
         seen["resources"] += bool(p.resources)
@@ -100,6 +101,21 @@ def test_pairwise_variables_skip_forbidden_pairs():
     assert m.num_cols - m.num_x == 6
     # 3 producer marginals + 2 consumer marginals (one is implied) + 2 one-hots
     assert m.num_rows == 7
+    for b in BACKENDS:
+        check_against_brute_force(p, b, False)
+
+
+def test_interchangeable_options_share_pair_variables():
+    # Consumer options 0/2 and 1/3 read the same input placement; producer
+    # options 0 and 1 look the same to this edge.
+    m = [[0, 4, 0, 4], [0, 4, 0, 4], [2, INF, 2, INF]]
+    p = Problem(
+        [two("a", [1, 2, 3]), two("b", [3, 1, 2, 0]), two("c", [1, 2])],
+        [Edge("a", "b", 0, m), Edge("b", "c", 0, [[0, 1], [1, 0], [2, 0], [0, 3]])],
+    )
+    model = build(p)
+    assert model.stats["finite_pairs"] == 10 + 8
+    assert model.stats["pair_blocks"] == 3 + 8
     for b in BACKENDS:
         check_against_brute_force(p, b, False)
 
@@ -194,9 +210,7 @@ def test_backend_selection():
 
 
 def test_solution_report_fields():
-    p = random_problem(3)
-    while brute_force(p) is None:
-        p = random_problem(random.randrange(10**6))
+    p = transformer_problem(layers=2, per_layer=10, seed=0, merged=True)
     for b in BACKENDS:
         s = solve(p, backend=b, presolve=False)
         assert s.backend == b
