@@ -132,6 +132,14 @@ class Problem:
         """Raise :class:`ProblemError` naming the first inconsistency found."""
         by_name: dict[str, Decision] = {}
         for i, d in enumerate(self.decisions):
+            if (
+                d.name not in by_name
+                and d.options
+                and len(d.costs) == len(d.options)
+                and _all_costs(d.costs)
+            ):
+                by_name[d.name] = d
+                continue  # fast path: the checks below, without building messages
             where = f"decision {d.name!r} (#{i})"
             if d.name in by_name:
                 raise ProblemError(f"{where}: duplicate decision name")
@@ -152,6 +160,17 @@ class Problem:
             return by_name[name]
 
         for k, e in enumerate(self.edges):
+            p = by_name.get(e.producer)
+            c = by_name.get(e.consumer)
+            if (
+                p is not None
+                and c is not None
+                and p is not c
+                and len(e.costs) == len(p.options)
+                and set(map(len, e.costs)) == {len(c.options)}
+                and _all_costs(e.costs, nested=True)
+            ):
+                continue  # fast path: big problems have millions of entries
             where = f"edge #{k} ({e.producer!r} -> {e.consumer!r})"
             p = lookup(e.producer, where)
             c = lookup(e.consumer, where)
@@ -163,8 +182,6 @@ class Problem:
                     f"producer has {p.num_options} options"
                 )
             n_c = c.num_options
-            if set(map(len, e.costs)) == {n_c} and _all_costs(e.costs, nested=True):
-                continue  # fast path: big problems have millions of entries
             for i, row in enumerate(e.costs):
                 if len(row) != n_c:
                     raise ProblemError(
@@ -186,6 +203,22 @@ class Problem:
                     )
 
         for link in self.links:
+            a = by_name.get(link.a)
+            b = by_name.get(link.b)
+            if a is not None and b is not None and a is not b:
+                vals = link.mapping
+                if None in vals:
+                    vals = [o for o in vals if o is not None]
+                if len(link.mapping) == len(a.options) and (
+                    not vals
+                    or (
+                        set(map(type, vals)) == {int}
+                        and 0 <= min(vals)
+                        and max(vals) < len(b.options)
+                        and len(set(vals)) == len(vals)
+                    )
+                ):
+                    continue  # fast path
             where = f"link {link.name!r} ({link.a!r} ~ {link.b!r})"
             a = lookup(link.a, where)
             b = lookup(link.b, where)
@@ -196,16 +229,6 @@ class Problem:
                     f"{where}: mapping has {len(link.mapping)} entries, "
                     f"{link.a!r} has {a.num_options} options"
                 )
-            vals = link.mapping
-            if None in vals:
-                vals = [o for o in vals if o is not None]
-            if not vals or (
-                set(map(type, vals)) == {int}
-                and 0 <= min(vals)
-                and max(vals) < b.num_options
-                and len(set(vals)) == len(vals)
-            ):
-                continue  # fast path
             seen: set[int] = set()
             for i, o in enumerate(link.mapping):
                 if o is None:
@@ -281,6 +304,8 @@ class PresolveStats:
     decisions_fixed: int = 0
     decisions_eliminated: int = 0
     edges_folded: int = 0
+    # Option pairs forbidden because no optimum uses them (presolve).
+    pairs_removed_dominated: int = 0
 
 
 @dataclass
