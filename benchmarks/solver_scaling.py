@@ -267,10 +267,10 @@ def worker(cfg: dict) -> dict:
         "edges": len(problem.edges),
         "pairs": sum(len(e.costs) * len(e.costs[0]) for e in problem.edges),
     }
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu()
     sol = solve(problem, backend=cfg["backend"], presolve=cfg["presolve"],
                 time_limit=cfg["time_limit"])
-    t_solve = time.perf_counter() - t0
+    t_solve, c_solve = time.perf_counter() - t0, _cpu() - c0
     rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     s = sol.presolve
     return {
@@ -289,9 +289,16 @@ def worker(cfg: dict) -> dict:
         "t_ilp": sol.timings.get("build", 0.0),
         "t_solve": sol.timings.get("solve", 0.0),
         "t_total": t_solve,  # solve() end to end (validate, presolve, ILP, backend, evaluate)
+        "cpu_total": c_solve,  # CPU seconds of the same (all threads, CBC included)
         "rss_mb": rss1 / 1024,
         "rss_delta_mb": (rss1 - rss0) / 1024,
     }
+
+
+def _cpu() -> float:
+    """CPU seconds of this process and its finished children (CBC runs as one)."""
+    child = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + child.ru_utime + child.ru_stime
 
 
 def run(cfg: dict, timeout: float) -> dict:
@@ -330,6 +337,9 @@ def main() -> None:
         print(json.dumps(worker(json.loads(args.worker))))
         return
 
+    load = os.getloadavg()[0]
+    print(f"{os.cpu_count()} CPUs, load average {load:.2f} before starting"
+          + (" (busy machine: wall times inflated, see cpu)" if load > 0.5 * (os.cpu_count() or 1) else ""))
     results = []
     for presolve in ([True] if args.no_off else [True, False]):
         for backend in args.backends:
@@ -342,8 +352,17 @@ def main() -> None:
                 print(_row(r), flush=True) if len(results) > 1 else print(
                     _header() + "\n" + _row(r), flush=True)
 
-    print("\nsizes are decisions/options/edges/pairs; times in seconds; "
-          "'problem' = building the Problem, 'total' = solve() end to end")
+    print("\nsizes are decisions/options/edges/pairs (pairs: matrix entries, inf included); "
+          "times in seconds; 'problem' = building the Problem, 'total' = solve() end to end "
+          "(validate, presolve, ILP build, backend, evaluate), 'cpu' = its CPU time")
+    for layers in args.layers:
+        objs = [r["objective"] for r in results if r["layers"] == layers and "error" not in r
+                and r["status"] == "optimal"]
+        if len(objs) > 1:
+            spread = max(objs) - min(objs)
+            agree = spread <= 1e-6 * max(1.0, abs(max(objs)))
+            print(f"{layers} layers: optimal objectives of all configurations "
+                  f"{'agree' if agree else 'DIFFER'} (spread {spread:.3g})")
     for presolve in (True, False):
         for backend in args.backends:
             rs = {r["layers"]: r for r in results
@@ -353,7 +372,8 @@ def main() -> None:
                 print(
                     f"{backend:5s} presolve {'on ' if presolve else 'off'}: "
                     f"{b['layers']}/{a['layers']} layers time ratio: "
-                    f"solve() {b['t_total'] / a['t_total']:.2f}x, "
+                    f"solve() {b['t_total'] / a['t_total']:.2f}x "
+                    f"(cpu {b['cpu_total'] / a['cpu_total']:.2f}x), "
                     f"problem+solve() {(b['t_total'] + b['t_problem']) / (a['t_total'] + a['t_problem']):.2f}x"
                 )
 
@@ -361,7 +381,7 @@ def main() -> None:
 def _header() -> str:
     return (f"{'layers':>6} {'backend':7} {'pre':3} {'size in':>28} {'size after presolve':>22} "
             f"{'vars':>7} {'cons':>7} {'problem':>7} {'presolve':>8} {'ilp':>6} {'solve':>6} "
-            f"{'total':>6} {'status':8} {'objective':>11} {'peakMB':>7}")
+            f"{'total':>6} {'cpu':>6} {'status':8} {'objective':>11} {'peakMB':>7}")
 
 
 def _row(r: dict) -> str:
@@ -370,7 +390,7 @@ def _row(r: dict) -> str:
         return f"{head} error: {r['error']}"
     return (f"{head} {fmt_size(r['in']):>28} {fmt_size(r['out']):>22} {r['variables']:>7} "
             f"{r['constraints']:>7} {r['t_problem']:7.2f} {r['t_presolve']:8.3f} {r['t_ilp']:6.2f} "
-            f"{r['t_solve']:6.2f} {r['t_total']:6.2f} {r['status']:8} {r['objective']:11.6g} "
+            f"{r['t_solve']:6.2f} {r['t_total']:6.2f} {r['cpu_total']:6.2f} {r['status']:8} {r['objective']:11.6g} "
             f"{r['rss_mb']:7.0f}")
 
 

@@ -15,10 +15,14 @@ is exact:
 2. **Forbidden options are dropped**: infinite unary cost, pinned out, no
    finite pair left on some edge (arc consistency), or unable to meet a
    resource bound whatever the others choose; to a fixpoint.
-3. **Dominated options are dropped**: option ``i`` goes when some option
-   ``k`` costs no more, on its own and paired with every option of every
-   neighbour, and swapping ``i`` for ``k`` cannot break a resource bound
-   (among identical options the lowest id stays).
+3. **Dominated options and pairs are dropped.** Switching a decision from
+   option ``i`` to ``k`` changes the cost by at most
+   ``u[k] - u[i] + sum over its edges of max_j (M[k][j] - M[i][j])``. When
+   that bound is ``<= 0`` and the switch cannot break a resource bound,
+   ``i`` goes (among equivalent options the lowest id stays). When the bound
+   with one edge's ``max_j`` replaced by the entry of the neighbour's option
+   ``j`` is ``< 0``, no optimum pairs ``i`` with ``j``: that pair becomes
+   ``inf`` (the ILP creates no variable for it).
 4. **Small pieces are folded away**: separable edge matrices
    (``c[i][j] == r[i] + s[j]``, zero matrices included) become unary costs;
    a decision with one option left is fixed and its edges folded into its

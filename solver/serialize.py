@@ -29,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -89,10 +90,20 @@ def _num(x: float) -> float | int | str:
     return x
 
 
+_ENCODE = {math.inf: "inf", -math.inf: "-inf"}
+
+
 def _nums(xs) -> list:
-    # Fast path: most cost rows are all finite.
-    if all(map(math.isfinite, xs)):
+    # C-speed paths: rows are all finite, or hold +-inf but no NaN (NaN is
+    # not equal to itself, so dict lookups miss it; a NaN makes the sum NaN).
+    try:
+        if all(map(math.isfinite, xs)):
+            return list(xs)
+        total = sum(xs)
+    except TypeError:  # not numbers: leave them to json (and its error)
         return list(xs)
+    if total == total or math.inf in xs and -math.inf in xs and not any(map(math.isnan, xs)):
+        return list(map(_ENCODE.get, xs, xs))
     return [_num(x) for x in xs]
 
 
@@ -271,12 +282,43 @@ def _number(v: Any, path: str, special: tuple[str, ...] = ()) -> float | int:
     raise _fail(path, expected, v)
 
 
+_DECODERS: dict[tuple[str, ...], dict] = {}
+
+
 def _numbers(v: Any, path: str, special: tuple[str, ...] = ()) -> list:
     v = _list(v, path)
     types = set(map(type, v))
-    if types <= {float, int}:  # fast path: plain numbers (bool is not int here)
+    if types <= _PLAIN:  # fast path: plain numbers (bool is not int here)
         return list(v)
+    if special and types <= _PLAIN_OR_STR:  # "inf" among numbers: decode at C speed
+        dec = _DECODERS.get(special) or _DECODERS.setdefault(
+            special, {k: _NONFINITE[k] for k in special}
+        )
+        out = list(map(dec.get, v, v))
+        if set(map(type, out)) <= _PLAIN:
+            return out
     return [_number(x, f"{path}[{i}]", special) for i, x in enumerate(v)]
+
+
+def _matrix(v: Any, path: str, special: tuple[str, ...]) -> list:
+    """A list of number rows; whole-matrix checks at C speed, per row on error."""
+    rows = _list(v, path)
+    if set(map(type, rows)) <= {list}:
+        types = set(map(type, itertools.chain.from_iterable(rows)))
+        if types <= _PLAIN:
+            return [r[:] for r in rows]
+        if special and types <= _PLAIN_OR_STR:
+            dec = _DECODERS.get(special) or _DECODERS.setdefault(
+                special, {k: _NONFINITE[k] for k in special}
+            )
+            out = [list(map(dec.get, r, r)) for r in rows]
+            if set(map(type, itertools.chain.from_iterable(out))) <= _PLAIN:
+                return out
+    return [_numbers(r, f"{path}[{i}]", special) for i, r in enumerate(rows)]
+
+
+_PLAIN = {float, int}
+_PLAIN_OR_STR = {float, int, str}
 
 
 def _unmeta(v: Any) -> Any:
@@ -324,8 +366,7 @@ def _problem(d: Any, path: str, nested: bool = False) -> Problem:
     for k, x in enumerate(_list(d.get("edges", []), f"{path}.edges")):
         where = f"{path}.edges[{k}]"
         _obj(x, where, ("producer", "consumer", "arg_index", "costs"))
-        rows = _list(x["costs"], f"{where}.costs")
-        costs = [_numbers(r, f"{where}.costs[{i}]", ("inf",)) for i, r in enumerate(rows)]
+        costs = _matrix(x["costs"], f"{where}.costs", ("inf",))
         edges.append(
             Edge(
                 _str(x["producer"], f"{where}.producer"),

@@ -395,3 +395,34 @@ def test_many_linked_layers_shrink_to_one_layer():
     choice = pre.expand({d.name: 0 for d in pre.problem.decisions})
     assert len(choice) == len(p.decisions)
     assert len({choice[f"l{i}.attn"] for i in range(32)}) == 1
+
+
+def test_conditional_dominance_forbids_pairs_no_optimum_uses():
+    # Unbounded resource terms keep every decision (no elimination), so only
+    # dominance can act. Given b = x, a prefers x; given b = y, a prefers y:
+    # neither option of a dominates the other, but pairs (x, y), (y, x) go.
+    free = ResourceConstraint("tag", {n: [0.0, 0.0] for n in "abc"})
+    p = Problem(
+        [Decision("a", ["x", "y"], [0.0, 0.0]),
+         Decision("b", ["x", "y"], [0.0, 1.0]),
+         Decision("c", ["x", "y"], [1.0, 0.0])],
+        [Edge("a", "b", 0, [[0.0, 5.0], [5.0, 0.0]]),
+         Edge("a", "c", 0, [[0.0, 1.0], [1.0, 0.0]]),
+         Edge("b", "c", 0, [[0.0, 2.0], [2.0, 0.0]])],
+        resources=[free],
+    )
+    pre = check_exact(p)
+    assert pre.stats.pairs_removed_dominated >= 2
+    assert pre.stats.options_removed_dominated == 0
+    ab = next(e for e in pre.problem.edges if {e.producer, e.consumer} == {"a", "b"})
+    assert ab.costs == [[0.0, INF], [INF, 0.0]]
+
+
+@pytest.mark.parametrize("seed", range(150))
+def test_random_problems_without_elimination(seed):
+    """Every decision in an unbounded resource constraint: dominance does the work."""
+    rng = random.Random(30_000 + seed)
+    p = random_problem(rng, n=rng.randint(3, 6), links=rng.random() < 0.3, pins=False,
+                       resources=False, p_inf=rng.choice([0.0, 0.05]))
+    p.resources = [ResourceConstraint("tag", {d.name: [0.0] * d.num_options for d in p.decisions})]
+    check_exact(p)
