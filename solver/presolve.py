@@ -49,11 +49,11 @@ Example::
     ...     links=[Link("layers", "l0", "l1", [0, 1])],
     ... )
     >>> pre = presolve(p)
-    >>> pre.stats.merged_by_links, pre.stats.decisions_after
-    (1, 1)
+    >>> pre.stats.merged_by_links, pre.stats.decisions_after  # all decided
+    (1, 0)
     >>> pre.expand({d.name: 0 for d in pre.problem.decisions})
     {'l0': 1, 'l1': 1, 'x': 1}
-    >>> pre.problem.decisions[0].costs  # everything decided: the optimum is a constant
+    >>> pre.problem.decisions[0].costs  # a stand-in carrying the constant optimum
     [1.0]
 """
 
@@ -88,8 +88,8 @@ PAIR_RTOL = 1e-9
 # Relative slack when a resource bound rules an option out: only options that
 # miss the bound clearly are dropped, leaving borderline ones to the ILP.
 RESOURCE_RTOL = 1e-9
-# Name of the stand-in decision carrying the constant cost when presolve
-# decides everything.
+# Name of the stand-in decision (one option) carrying the constant cost when
+# presolve decides everything; not counted in PresolveStats.decisions_after.
 CONSTANT_DECISION = "__presolve_constant__"
 
 _chain = itertools.chain.from_iterable
@@ -899,6 +899,10 @@ class _Reducer:
                 Decision(name, [labels[r] for r in self.alive[g].tolist()], unary.tolist())
             )
             final[name] = (g, self.alive[g])
+        s = self.stats
+        # Counted before the stand-in below: it decides nothing.
+        s.decisions_after = len(decisions)
+        s.options_after = sum(len(d.options) for d in decisions)
         if not decisions:
             name = CONSTANT_DECISION
             existing = {d.name for d in p.decisions}
@@ -923,9 +927,6 @@ class _Reducer:
             name=p.name,
             metadata=dict(p.metadata),
         )
-        s = self.stats
-        s.decisions_after = len(decisions)
-        s.options_after = sum(len(d.options) for d in decisions)
         s.edges_after = len(edges)
         s.pairs_after = sum(e.M.size for e in self.edges.values())
         return Presolved(

@@ -355,11 +355,16 @@ def test_everything_decided_leaves_one_constant_decision():
     pre = check_exact(p)
     (d,) = pre.problem.decisions
     assert d.name == CONSTANT_DECISION and d.costs == [5.5]
+    assert pre.stats.decisions_after == 0 and pre.stats.options_after == 0
     assert pre.expand({}) == {"a": 1, "b": 0}
 
 
-def test_stats_are_consistent():
+@pytest.mark.parametrize("keep", [False, True])
+def test_stats_are_consistent(keep):
     p = layered(4)
+    if keep:  # unbounded resource terms keep decisions from being eliminated
+        p.resources = [ResourceConstraint("tag", {d.name: [0.0] * d.num_options
+                                                  for d in p.decisions})]
     pre = presolve(p)
     s = pre.stats
     assert isinstance(s, PresolveStats)
@@ -367,11 +372,15 @@ def test_stats_are_consistent():
     assert s.options_before == sum(d.num_options for d in p.decisions)
     assert s.edges_before == len(p.edges)
     assert s.pairs_before == sum(len(e.costs) * len(e.costs[0]) for e in p.edges)
-    assert s.decisions_after == len(pre.problem.decisions)
-    assert s.options_after == sum(d.num_options for d in pre.problem.decisions)
+    real = [d for d in pre.problem.decisions if d.name != CONSTANT_DECISION]
+    assert s.decisions_after == len(real)
+    assert (s.decisions_after > 0) == keep
+    assert s.options_after == sum(d.num_options for d in real)
     assert s.edges_after == len(pre.problem.edges)
     assert s.pairs_after == sum(len(e.costs) * len(e.costs[0]) for e in pre.problem.edges)
-    assert 0 <= s.decisions_after <= s.decisions_before
+    assert s.merged_by_links == 6  # 4 layers x 2 decisions -> 2 groups
+    assert s.decisions_after + s.decisions_fixed + s.decisions_eliminated + s.merged_by_links \
+        == s.decisions_before
     assert s.pairs_after <= s.pairs_before
     assert set(pre.timings) == {"merge", "reduce", "emit"}
 
