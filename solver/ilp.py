@@ -393,7 +393,7 @@ def build(problem: Problem, *, objective: bool = True) -> IlpModel:
                 continue
         n_pair += 1
         n_blocks += _add_pairwise(model, pkey, ckey, m, cost)
-        n_pairs_full += sum(v != INF for row in m for v in row)
+        n_pairs_full += sum(len(row) - row.count(INF) for row in m)
 
     # ---- resources ----------------------------------------------------------
     for res in problem.resources:
