@@ -42,10 +42,12 @@ from typing import Any, NamedTuple, Sequence
 import torch
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import (
+    Partial,
     Placement,
     Replicate,
     Shard,
     _is_shard_like,
+    _StridedShard,
 )
 from torch.utils import flop_counter
 
@@ -656,42 +658,55 @@ class CommStep:
     time: float
 
 
+def _kind(p: Placement) -> str:
+    """Placement kind: "R" replicate, "P" partial, "S" plain shard, "X"
+    strided shard. Exact type checks first: isinstance on the C++-backed
+    placements is slow."""
+    t = type(p)
+    if t is Replicate:
+        return "R"
+    if t is Shard:
+        return "S"
+    if t is Partial:
+        return "P"
+    if t is _StridedShard:
+        return "X"
+    if p.is_partial():
+        return "P"
+    if p.is_replicate():
+        return "R"
+    if _is_shard_like(p):
+        return "S" if p.is_shard() else "X"
+    return "?"
+
+
+# What DTensor's ``redistribute_local_tensor`` runs for one mesh dim, by
+# (src kind, dst kind) of two different placements. Strided shards go
+# through Replicate; Shard -> Partial and Partial(op1) -> Partial(op2) are
+# unsupported. Replicate -> anything is a local slice or scale.
+_STEP_KINDS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("P", "R"): ("all_reduce",),
+    ("P", "S"): ("reduce_scatter",),
+    ("P", "X"): ("all_reduce", "local_copy"),
+    ("P", "P"): ("forbidden",),
+    ("S", "R"): ("all_gather",),
+    ("S", "S"): ("all_to_all",),
+    ("S", "X"): ("all_gather", "local_copy"),
+    ("S", "P"): ("forbidden",),
+    ("X", "R"): ("all_gather", "local_copy"),
+    ("X", "S"): ("all_gather", "local_copy"),
+    ("X", "X"): ("all_gather", "local_copy"),
+    ("X", "P"): ("forbidden",),
+    ("R", "S"): ("local_copy",),
+    ("R", "X"): ("local_copy",),
+    ("R", "P"): ("local_copy",),
+}
+
+
 def _step_kinds(a: Placement, b: Placement) -> tuple[str, ...]:
-    """What DTensor's ``redistribute_local_tensor`` runs for ``a -> b``."""
     if a == b:
         return ()
-    if a.is_partial():
-        if b.is_replicate():
-            return ("all_reduce",)
-        if type(b) is Shard:
-            return ("reduce_scatter",)
-        if _is_shard_like(b):  # _StridedShard: reduce fully, then slice
-            return ("all_reduce", "local_copy")
-        return ("forbidden",)  # Partial(op1) -> Partial(op2)
-    if _is_shard_like(a):
-        if b.is_partial():
-            return ("forbidden",)
-        if b.is_replicate():
-            return ("all_gather",) if type(a) is Shard else ("all_gather", "local_copy")
-        if type(a) is Shard and type(b) is Shard:
-            return ("all_to_all",)
-        return ("all_gather", "local_copy")  # via Replicate when strided
-    return ("local_copy",)  # Replicate -> Shard/Partial: local slice / scale
-
-
-def _transform_steps(src: DTensorSpec, dst: DTensorSpec) -> list[tuple[int, Placement, Placement]]:
-    from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
-
-    try:
-        infos = _gen_transform_infos_non_cached(src, dst)
-        return [(i.mesh_dim, *i.src_dst_placements) for i in infos]
-    except Exception as e:
-        # Fall back to an upper bound: everything to Replicate (inner mesh dims
-        # first), then out to the target.
-        logger.debug("DTensor planner failed for %s -> %s (%s); costing via Replicate", src, dst, e)
-        steps = [(d, p, Replicate()) for d, p in reversed(list(enumerate(src.placements))) if not p.is_replicate()]
-        steps += [(d, Replicate(), p) for d, p in enumerate(dst.placements) if not p.is_replicate()]
-        return steps
+    return _STEP_KINDS.get((_kind(a), _kind(b)), ("forbidden",))
 
 
 def _greedy_steps(
@@ -699,8 +714,8 @@ def _greedy_steps(
 ) -> list[tuple[int, Placement, Placement]]:
     """DTensor's greedy redistribution planner
     (``DTensorRedistributePlanner.generate_greedy_transform_infos``) over
-    placements alone, for default shard order and plain Shards: ~50x faster
-    than building specs and asking torch; tests check it step for step.
+    placements alone, for default shard order and plain Shards; much faster
+    than building specs and asking torch, and tested step for step against it.
 
     First, inner to outer mesh dims, a Shard target whose tensor dim is
     sharded differently on the outer mesh dims goes to Replicate (nested
@@ -709,19 +724,22 @@ def _greedy_steps(
     """
     if len(mesh_shape) == 1:
         return [(0, src[0], dst[0])] if src[0] != dst[0] else []
+    # Tensor dim of each plain Shard (DTensor's is_shard(); not strided).
+    cur_dims = [p.dim if _kind(p) == "S" else None for p in src]
+    dst_dims = [p.dim if _kind(p) == "S" else None for p in dst]
     current, steps = list(src), []
-    if math.prod(n for n, p in zip(mesh_shape, src) if p.is_shard()) > 1:
+    if math.prod(n for n, p in zip(mesh_shape, src) if _kind(p) in ("S", "X")) > 1:  # src.num_shards
         for mesh_dim in reversed(range(len(current))):
             cur, tgt = current[mesh_dim], dst[mesh_dim]
-            if tgt.is_shard():
-                d = tgt.dim
-                if [i for i in range(mesh_dim) if current[i].is_shard(d)] != [
-                    i for i in range(mesh_dim) if dst[i].is_shard(d)
-                ]:
-                    tgt = Replicate()
+            d = dst_dims[mesh_dim]
+            if d is not None and [i for i in range(mesh_dim) if cur_dims[i] == d] != [
+                i for i in range(mesh_dim) if dst_dims[i] == d
+            ]:
+                tgt = Replicate()
             if cur != tgt:
                 steps.append((mesh_dim, cur, tgt))
                 current[mesh_dim] = tgt
+                cur_dims[mesh_dim] = tgt.dim if _kind(tgt) == "S" else None
     for mesh_dim, (cur, tgt) in enumerate(zip(current, dst)):
         if cur != tgt:
             steps.append((mesh_dim, cur, tgt))
@@ -729,21 +747,43 @@ def _greedy_steps(
     return steps
 
 
+def _strided_steps(
+    mesh_shape: tuple[int, ...], src: tuple[Placement, ...], dst: tuple[Placement, ...]
+) -> list[tuple[int, Placement, Placement]]:
+    """Plan with _StridedShard: DTensor has no direct strided collective, so
+    source strided dims are gathered first (inner to outer), then the greedy
+    plan runs from there (a strided target is sliced out of a replica).
+    DTensor's graph planner costs ~ms a call here, and upstream
+    ``redistribute_cost`` gives up with inf."""
+    steps, current = [], list(src)
+    for d in reversed(range(len(src))):
+        p = src[d]
+        if p != dst[d] and _kind(p) == "X":
+            steps.append((d, p, Replicate()))
+            current[d] = Replicate()
+    return steps + _greedy_steps(mesh_shape, tuple(current), dst)
+
+
+def _via_replicate_steps(
+    src: tuple[Placement, ...], dst: tuple[Placement, ...]
+) -> list[tuple[int, Placement, Placement]]:
+    """Upper bound: differing mesh dims go to Replicate (inner first), then
+    to the target (outer first)."""
+    steps = [(d, a, Replicate()) for d, (a, b) in reversed(list(enumerate(zip(src, dst)))) if a != b and not a.is_replicate()]
+    steps += [(d, Replicate(), b) for d, (a, b) in enumerate(zip(src, dst)) if a != b and not b.is_replicate()]
+    return steps
+
+
 def _transform_steps(src: DTensorSpec, dst: DTensorSpec) -> list[tuple[int, Placement, Placement]]:
-    """DTensor's own plan for src -> dst (graph-based for _StridedShard or
-    non-default shard orders)."""
+    """DTensor's own (graph-based) plan, for non-default shard orders."""
     from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
 
     try:
         infos = _gen_transform_infos_non_cached(src, dst)
         return [(i.mesh_dim, *i.src_dst_placements) for i in infos]
     except Exception as e:
-        # Fall back to an upper bound: everything to Replicate (inner mesh dims
-        # first), then out to the target.
         logger.debug("DTensor planner failed for %s -> %s (%s); costing via Replicate", src, dst, e)
-        steps = [(d, p, Replicate()) for d, p in reversed(list(enumerate(src.placements))) if not p.is_replicate()]
-        steps += [(d, Replicate(), p) for d, p in enumerate(dst.placements) if not p.is_replicate()]
-        return steps
+        return _via_replicate_steps(src.placements, dst.placements)
 
 
 # A plan: the shard divisors of the source, then per step (mesh_dim, src
@@ -756,7 +796,7 @@ _SHAPE_DEPENDENT = object()
 
 
 def _divisors(mesh_shape: tuple[int, ...], placements: Sequence[Placement]) -> _Divs:
-    return tuple((p.dim, n) for n, p in zip(mesh_shape, placements) if _is_shard_like(p))
+    return tuple((p.dim, n) for n, p in zip(mesh_shape, placements) if _kind(p) in ("S", "X"))
 
 
 def _local_bytes(shape: tuple[int, ...], divs: _Divs, itemsize: int) -> int:
@@ -770,10 +810,14 @@ def _local_bytes(shape: tuple[int, ...], divs: _Divs, itemsize: int) -> int:
 
 
 def _plan(src: DTensorSpec, dst: DTensorSpec) -> _Plan:
-    """The redistribution steps, cached per placements: DTensor's greedy
-    planner looks at nothing else. The graph-based planner (non-default
-    shard order, _StridedShard) may look at the shape; those plans are
-    cached per shape."""
+    """The redistribution steps, cached per placements.
+
+    * Default shard order, plain Shards: DTensor's greedy planner, which
+      looks at placements only (reimplemented in :func:`_greedy_steps`).
+    * Any _StridedShard: :func:`_strided_steps`.
+    * Explicit non-default shard order: DTensor's graph planner, which may
+      look at the shape, so cached per shape.
+    """
     mesh_shape = _mesh_shape(src.mesh)
     key = (mesh_shape, src.placements, src.shard_order, dst.placements, dst.shard_order)
     plan = _PLAN_CACHE.get(key)
@@ -782,11 +826,11 @@ def _plan(src: DTensorSpec, dst: DTensorSpec) -> _Plan:
         plan = _PLAN_CACHE.get(key)
     if plan is not None:
         return plan
-    default = DTensorSpec.is_default_device_order(src.shard_order) and DTensorSpec.is_default_device_order(
+    if any(_kind(p) == "X" for p in (*src.placements, *dst.placements)):
+        raw = _strided_steps(mesh_shape, src.placements, dst.placements)
+    elif DTensorSpec.is_default_device_order(src.shard_order) and DTensorSpec.is_default_device_order(
         dst.shard_order
-    )
-    strided = any(type(p) is not Shard and _is_shard_like(p) for p in (*src.placements, *dst.placements))
-    if default and not strided:
+    ):
         raw = _greedy_steps(mesh_shape, src.placements, dst.placements)
     else:
         _PLAN_CACHE[key] = _SHAPE_DEPENDENT

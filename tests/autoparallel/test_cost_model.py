@@ -258,6 +258,22 @@ def test_greedy_plan_matches_dtensor(mesh, mesh_shape, choices):
             assert _greedy_steps(mesh_shape, s.placements, d.placements) == _dtensor_plan(s, d), (s, d)
 
 
+def test_strided_shard_costs_via_gather(mesh, monkeypatch):
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    import autoparallel.cost_model as cm
+
+    # DTensor's graph planner (~ms per call) must not be consulted.
+    monkeypatch.setattr(cm, "_transform_steps", lambda *a: pytest.fail("graph planner called"))
+    cm.clear_caches()
+    src = spec(mesh, (Replicate(), _StridedShard(0, split_factor=32)))
+    steps = redistribute_steps(src, spec(mesh, (Replicate(), Replicate())))
+    assert [s.kind for s in steps] == ["all_gather+local_copy"]
+    to_shard = redistribute_time(src, spec(mesh, (Shard(1), Shard(0))))
+    assert math.isfinite(to_shard) and to_shard > steps[0].time
+    cm.clear_caches()
+
+
 def test_forbidden_transitions(mesh):
     assert redistribute_time(spec(mesh, (Shard(0), Replicate())), spec(mesh, (Partial(), Replicate()))) == math.inf
     assert redistribute_time(spec(mesh, (Partial("sum"), Replicate())), spec(mesh, (Partial("max"), Replicate()))) == math.inf
