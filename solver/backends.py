@@ -205,26 +205,22 @@ class HighsBackend(Backend):
         import highspy
         import numpy as np
 
-        inf = highspy.kHighsInf
         lp = highspy.HighsLp()
         lp.num_col_ = model.num_cols
         lp.num_row_ = model.num_rows
-        lp.col_cost_ = np.asarray(model.col_cost, dtype=np.float64)
+        lp.col_cost_ = model.col_cost
         lp.col_lower_ = np.zeros(model.num_cols)
-        lp.col_upper_ = np.asarray(model.col_upper, dtype=np.float64)
-        lp.row_lower_ = np.array(
-            [-inf if v is None else v for v in model.row_lower], dtype=np.float64
-        )
-        lp.row_upper_ = np.array(
-            [inf if v is None else v for v in model.row_upper], dtype=np.float64
-        )
+        lp.col_upper_ = model.col_upper
+        # kHighsInf is IEEE inf, as in the model's bounds.
+        lp.row_lower_ = model.row_lower
+        lp.row_upper_ = model.row_upper
         a = lp.a_matrix_
         a.format_ = highspy.MatrixFormat.kRowwise
         a.num_col_ = model.num_cols
         a.num_row_ = model.num_rows
-        a.start_ = np.asarray(model.row_start, dtype=np.int32)
-        a.index_ = np.asarray(model.row_index, dtype=np.int32)
-        a.value_ = np.asarray(model.row_value, dtype=np.float64)
+        a.start_ = model.row_start.astype(np.int32)
+        a.index_ = model.row_index.astype(np.int32)
+        a.value_ = model.row_value
         return lp
 
 

@@ -34,8 +34,15 @@ Formulation
     relaxation (integral on trees).
 * Resource constraints: ``low <= sum w * x <= high`` over non-fixed
   decisions; fixed ones shift the bounds; rows are scaled to unit max weight.
+  Options whose rows (columns) of the matrix are equal are interchangeable
+  for the edge: one pair variable per block of them (see
+  :func:`_add_pairwise`).
 * The objective is scaled to unit max coefficient (HiGHS' tolerances are
   absolute); the choice is re-evaluated on the problem by the caller.
+
+Matrices are handled as numpy arrays and the constraint matrix is assembled
+from whole blocks, so the Python work per option pair is a few C-level
+operations.
 
 With ``objective=False`` (feasibility checks for diagnosis) no edge costs are
 encoded: edges only contribute ``x[p][i] + x[c][j] <= 1`` per forbidden pair.
@@ -60,6 +67,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
+
 from .problem import INF, Problem
 
 logger = logging.getLogger(__name__)
@@ -68,27 +77,31 @@ logger = logging.getLogger(__name__)
 SEPARABLE_RTOL = 1e-12
 
 
+def _empty(dtype=np.float64) -> np.ndarray:
+    return np.zeros(0, dtype=dtype)
+
+
 @dataclass
 class IlpModel:
-    """An ILP in sparse row-wise form, plus how to read a choice back.
+    """An ILP in sparse row-wise (CSR) form, plus how to read a choice back.
 
     Columns ``[0, num_x)`` are the binary option variables, the rest are
-    continuous pair variables; every column has bounds ``[0, col_upper]``.
-    Row ``r`` is ``row_lower[r] <= sum(value * col) <= row_upper[r]`` over
-    ``row_index/row_value[row_start[r]:row_start[r + 1]]`` (``None`` bounds
-    are infinite). The true objective is
-    ``objective_scale * (col_cost . x) + objective_offset``.
+    continuous pair variables; column ``c`` has bounds
+    ``[0, col_upper[c]]``. Row ``r`` is ``row_lower[r] <= sum(value * col)
+    <= row_upper[r]`` (bounds may be infinite) over
+    ``row_index/row_value[row_start[r]:row_start[r + 1]]``. The true
+    objective is ``objective_scale * (col_cost . x) + objective_offset``.
     """
 
     problem: Problem
     num_x: int = 0
-    col_cost: list[float] = field(default_factory=list)
-    col_upper: list[float] = field(default_factory=list)
-    row_start: list[int] = field(default_factory=lambda: [0])
-    row_index: list[int] = field(default_factory=list)
-    row_value: list[float] = field(default_factory=list)
-    row_lower: list[float | None] = field(default_factory=list)
-    row_upper: list[float | None] = field(default_factory=list)
+    col_cost: np.ndarray = field(default_factory=_empty)
+    col_upper: np.ndarray = field(default_factory=_empty)
+    row_start: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64))
+    row_index: np.ndarray = field(default_factory=lambda: _empty(np.int64))
+    row_value: np.ndarray = field(default_factory=_empty)
+    row_lower: np.ndarray = field(default_factory=_empty)
+    row_upper: np.ndarray = field(default_factory=_empty)
     objective_scale: float = 1.0
     objective_offset: float = 0.0
     # Decoding: per decision, one column (or None: forbidden) per option;
@@ -107,23 +120,10 @@ class IlpModel:
     def num_rows(self) -> int:
         return len(self.row_lower)
 
-    def add_row(
-        self,
-        cols: Sequence[int],
-        values: Sequence[float],
-        lower: float | None,
-        upper: float | None,
-    ) -> None:
-        self.row_index.extend(cols)
-        self.row_value.extend(values)
-        self.row_start.append(len(self.row_index))
-        self.row_lower.append(lower)
-        self.row_upper.append(upper)
-
     def objective_value(self, values: Sequence[float]) -> float:
         """The true (unscaled) objective of column values."""
-        s = math.fsum(c * v for c, v in zip(self.col_cost, values) if c)
-        return self.objective_scale * s + self.objective_offset
+        x = np.asarray(values, dtype=np.float64)[: self.num_cols]
+        return self.objective_scale * float(self.col_cost @ x) + self.objective_offset
 
     def decode(self, values: Sequence[float]) -> dict[str, int]:
         """Choice per decision from (near-)integral column values."""
@@ -143,38 +143,115 @@ class IlpModel:
 
         lp = pulp.LpProblem(self.problem.name or "placement", pulp.LpMinimize)
         cols = []
-        for c in range(self.num_cols):
+        for c, ub in enumerate(self.col_upper.tolist()):
             binary = c < self.num_x
             cols.append(
                 lp.add_variable(
                     f"{'x' if binary else 'y'}{c}",
                     0,
-                    self.col_upper[c],
+                    ub,
                     pulp.LpInteger if binary else pulp.LpContinuous,
                 )
             )
         lp.setObjective(
             pulp.LpAffineExpression(
-                [(cols[c], v) for c, v in enumerate(self.col_cost) if v]
+                [(cols[c], v) for c, v in enumerate(self.col_cost.tolist()) if v]
             )
         )
         EQ, LE, GE = pulp.LpConstraintEQ, pulp.LpConstraintLE, pulp.LpConstraintGE
-        for r in range(self.num_rows):
-            lo, hi = self.row_lower[r], self.row_upper[r]
-            a, b = self.row_start[r], self.row_start[r + 1]
-            terms = [(cols[c], v) for c, v in zip(self.row_index[a:b], self.row_value[a:b])]
-            bounds = (
-                [(EQ, lo)]
-                if lo is not None and lo == hi
-                else [(s, v) for s, v in ((GE, lo), (LE, hi)) if v is not None]
-            )
+        start = self.row_start.tolist()
+        index = self.row_index.tolist()
+        value = self.row_value.tolist()
+        for r, (lo, hi) in enumerate(zip(self.row_lower.tolist(), self.row_upper.tolist())):
+            terms = [(cols[c], v) for c, v in zip(index[start[r]:start[r + 1]], value[start[r]:start[r + 1]])]
+            if lo == hi:
+                bounds = [(EQ, lo)]
+            else:
+                bounds = [(s, v) for s, v in ((GE, lo), (LE, hi)) if math.isfinite(v)]
             for k, (sense, rhs) in enumerate(bounds):
                 lp.addConstraint(
-                    pulp.LpConstraint(
-                        pulp.LpAffineExpression(terms), sense, f"r{r}_{k}", rhs
-                    )
+                    pulp.LpConstraint(pulp.LpAffineExpression(terms), sense, f"r{r}_{k}", rhs)
                 )
         return lp, cols
+
+
+class _Assembler:
+    """Collects rows (single ones, or whole blocks as COO arrays) and pair
+    columns, then lays them out as an :class:`IlpModel`."""
+
+    def __init__(self, num_x: int):
+        self.num_x = num_x
+        self.num_rows = 0
+        self.num_pairs = 0
+        self.lower: list[float] = []
+        self.upper: list[float] = []
+        self.entries: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self.single: tuple[list[int], list[int], list[float]] = ([], [], [])
+        self.pair_costs: list[np.ndarray] = []
+
+    def row(self, cols: Sequence[int], values: Sequence[float], lower, upper) -> None:
+        r, c, v = self.single
+        r.extend([self.num_rows] * len(cols))
+        c.extend(cols)
+        v.extend(values)
+        self.lower.append(-INF if lower is None else lower)
+        self.upper.append(INF if upper is None else upper)
+        self.num_rows += 1
+
+    def new_rows(self, n: int, lower: float, upper: float) -> int:
+        """Reserve ``n`` rows with the same bounds; returns the first id."""
+        first = self.num_rows
+        self.lower.extend([lower] * n)
+        self.upper.extend([upper] * n)
+        self.num_rows += n
+        return first
+
+    def add(self, rows: np.ndarray, cols: np.ndarray, values: np.ndarray) -> None:
+        self.entries.append((rows, cols, values))
+
+    def new_pairs(self, costs: np.ndarray) -> int:
+        """Add pair columns; returns the first one's id."""
+        first = self.num_x + self.num_pairs
+        self.pair_costs.append(costs)
+        self.num_pairs += len(costs)
+        return first
+
+    def finish(self, model: IlpModel, x_cost: list[float], x_upper: list[float]) -> None:
+        model.col_cost = np.concatenate([np.asarray(x_cost, dtype=np.float64), *self.pair_costs])
+        model.col_upper = np.concatenate(
+            [np.asarray(x_upper, dtype=np.float64), np.ones(self.num_pairs)]
+        )
+        r0, c0, v0 = self.single
+        rows = np.concatenate([np.asarray(r0, dtype=np.int64), *(e[0] for e in self.entries)])
+        cols = np.concatenate([np.asarray(c0, dtype=np.int64), *(e[1] for e in self.entries)])
+        vals = np.concatenate([np.asarray(v0, dtype=np.float64), *(e[2] for e in self.entries)])
+        order = np.lexsort((cols, rows))
+        rows, cols, vals = rows[order], cols[order], vals[order]
+        # Aliased (linked) options can put one column twice in a row.
+        dup = (rows[1:] == rows[:-1]) & (cols[1:] == cols[:-1])
+        if dup.any():
+            starts = np.flatnonzero(np.concatenate(([True], ~dup)))
+            vals = np.add.reduceat(vals, starts)
+            rows, cols = rows[starts], cols[starts]
+        keep = vals != 0
+        rows, cols, vals = rows[keep], cols[keep], vals[keep]
+        model.row_start = np.concatenate(
+            ([0], np.cumsum(np.bincount(rows, minlength=self.num_rows)))
+        ).astype(np.int64)
+        model.row_index = cols
+        model.row_value = vals
+        model.row_lower = np.asarray(self.lower, dtype=np.float64)
+        model.row_upper = np.asarray(self.upper, dtype=np.float64)
+
+
+def _bitmasks(finite: np.ndarray) -> list[int]:
+    """Per row of a boolean matrix, the int with bit ``j`` set when True."""
+    n = finite.shape[1]
+    if n <= 62:
+        weights = np.left_shift(np.int64(1), np.arange(n, dtype=np.int64))
+        return (finite.astype(np.int64) @ weights).tolist()
+    packed = np.packbits(finite, axis=1, bitorder="little")
+    return [int.from_bytes(row.tobytes(), "little") for row in packed]
 
 
 def build(problem: Problem, *, objective: bool = True) -> IlpModel:
@@ -183,6 +260,13 @@ def build(problem: Problem, *, objective: bool = True) -> IlpModel:
     decisions = problem.decisions
     index = {d.name: k for k, d in enumerate(decisions)}
     n = len(decisions)
+    arrays: dict[int, np.ndarray] = {}  # edge number -> cost matrix
+
+    def array(k: int) -> np.ndarray:
+        a = arrays.get(k)
+        if a is None:
+            a = arrays[k] = np.asarray(problem.edges[k].costs, dtype=np.float64)
+        return a
 
     # ---- allowed options, propagated to a fixpoint ------------------------
     # Domains are bitmasks (bit o set: option o allowed).
@@ -206,21 +290,12 @@ def build(problem: Problem, *, objective: bool = True) -> IlpModel:
             if j is not None:
                 sup_b[j] = 1 << i
         props.append((a, b, sup_a, sup_b))
-    for e in problem.edges:
-        costs = e.costs
-        if any(INF in row for row in costs):
-            p, c = index[e.producer], index[e.consumer]
-            # Rows are mostly finite: only the inf entries cost any work.
-            full_p, full_c = (1 << len(costs[0])) - 1, (1 << len(costs)) - 1
-            sup_p = [full_p] * len(costs)
-            sup_c = [full_c] * len(costs[0])
-            for i, row in enumerate(costs):
-                if INF in row:
-                    for j, v in enumerate(row):
-                        if v == INF:
-                            sup_p[i] &= ~(1 << j)
-                            sup_c[j] &= ~(1 << i)
-            props.append((p, c, sup_p, sup_c))
+    for k, e in enumerate(problem.edges):
+        if any(INF in row for row in e.costs):
+            finite = np.isfinite(array(k))
+            props.append(
+                (index[e.producer], index[e.consumer], _bitmasks(finite), _bitmasks(finite.T))
+            )
     for k, (u, v, _, _) in enumerate(props):
         incident[u].append(k)
         incident[v].append(k)
@@ -294,6 +369,7 @@ def build(problem: Problem, *, objective: bool = True) -> IlpModel:
     cost = [0.0] * num_x
     upper = [1.0] * num_x
     offset = 0.0
+    asm = _Assembler(num_x)
 
     # ---- one-hot rows and unary costs -------------------------------------
     seen_onehots: set[tuple[int, ...]] = set()
@@ -306,7 +382,7 @@ def build(problem: Problem, *, objective: bool = True) -> IlpModel:
         key = tuple(sorted(cols[o] for o in domain[k]))
         if key not in seen_onehots:
             seen_onehots.add(key)
-            _add_summed_row(model, key, [1.0] * len(key), 1.0, 1.0)
+            asm.row(key, [1.0] * len(key), 1.0, 1.0)
         if objective:
             dc = d.costs
             for o in domain[k]:
@@ -315,9 +391,9 @@ def build(problem: Problem, *, objective: bool = True) -> IlpModel:
     # ---- edges --------------------------------------------------------------
     # Group edges over the same columns: key (producer cols, consumer cols),
     # both sorted, matrix permuted to match and summed.
-    groups: dict[tuple, list[list[float]]] = {}
+    groups: dict[tuple, np.ndarray] = {}
     n_folded_fixed = 0
-    for e in problem.edges:
+    for k, e in enumerate(problem.edges):
         p, c = index[e.producer], index[e.consumer]
         fp, fc = fixed[p], fixed[c]
         costs = e.costs
@@ -336,50 +412,57 @@ def build(problem: Problem, *, objective: bool = True) -> IlpModel:
                 for i in domain[p]:
                     cost[cols[i]] += costs[i][fc]
             continue
+        if not objective and k not in arrays:
+            continue  # no inf anywhere: irrelevant to feasibility
         pdom = sorted(domain[p], key=option_cols[p].__getitem__)
         cdom = sorted(domain[c], key=option_cols[c].__getitem__)
         pkey = tuple(option_cols[p][i] for i in pdom)
         ckey = tuple(option_cols[c][j] for j in cdom)
+        m = array(k)  # never modified in place: shared with the cache
+        if pdom != list(range(m.shape[0])):
+            m = m[pdom]
+        if cdom != list(range(m.shape[1])):
+            m = m[:, cdom]
         if pkey <= ckey:
             key = (pkey, ckey)
-            m = [[row[j] for j in cdom] for row in (costs[i] for i in pdom)]
         else:
             key = (ckey, pkey)
-            m = [[costs[i][j] for i in pdom] for j in cdom]
+            m = m.T
         acc = groups.get(key)
-        if acc is None:
-            groups[key] = m
-        else:
-            for arow, mrow in zip(acc, m):
-                for t, v in enumerate(mrow):
-                    arow[t] += v
+        groups[key] = m if acc is None else acc + m
 
     n_sep = n_diag = n_pair = n_conflict = n_blocks = n_pairs_full = 0
     for (pkey, ckey), m in groups.items():
-        has_inf = any(INF in row for row in m)
+        finite = np.isfinite(m)
+        has_inf = not finite.all()
+        diagonal = pkey == ckey and len(set(pkey)) == len(pkey)
         if not objective:
             if not has_inf:
                 continue
-            if pkey == ckey and len(set(pkey)) == len(pkey):
-                for t, col in enumerate(pkey):
-                    if m[t][t] == INF:
-                        upper[col] = 0.0
-                continue
-            for a, row in enumerate(m):
-                for b, v in enumerate(row):
+            if diagonal:
+                for t, v in enumerate(np.diagonal(m).tolist()):
                     if v == INF:
-                        n_conflict += 1
-                        _add_summed_row(model, (pkey[a], ckey[b]), (1.0, 1.0), None, 1.0)
+                        upper[pkey[t]] = 0.0
+                continue
+            aa, bb = np.nonzero(~finite)
+            n_conflict += len(aa)
+            first = asm.new_rows(len(aa), -INF, 1.0)
+            ids = np.arange(first, first + len(aa))
+            asm.add(
+                np.concatenate([ids, ids]),
+                np.concatenate([np.asarray(pkey)[aa], np.asarray(ckey)[bb]]),
+                np.ones(2 * len(aa)),
+            )
             continue
 
-        if pkey == ckey and len(set(pkey)) == len(pkey):
+        if diagonal:
             # Same columns on both sides: only the diagonal can be chosen.
             n_diag += 1
-            for t, col in enumerate(pkey):
-                if m[t][t] == INF:
-                    upper[col] = 0.0
+            for t, v in enumerate(np.diagonal(m).tolist()):
+                if v == INF:
+                    upper[pkey[t]] = 0.0
                 else:
-                    cost[col] += m[t][t]
+                    cost[pkey[t]] += v
             continue
         if not has_inf:
             sep = _separable(m)
@@ -392,8 +475,8 @@ def build(problem: Problem, *, objective: bool = True) -> IlpModel:
                     cost[col] += v
                 continue
         n_pair += 1
-        n_blocks += _add_pairwise(model, pkey, ckey, m, cost)
-        n_pairs_full += sum(len(row) - row.count(INF) for row in m)
+        n_pairs_full += int(finite.sum())
+        n_blocks += _add_pairwise(asm, pkey, ckey, m)
 
     # ---- resources ----------------------------------------------------------
     for res in problem.resources:
@@ -427,7 +510,7 @@ def build(problem: Problem, *, objective: bool = True) -> IlpModel:
             continue
         scale = max(abs(w) for w in terms.values())
         cols = sorted(terms)
-        model.add_row(
+        asm.row(
             cols,
             [terms[col] / scale for col in cols],
             None if lo is None else lo / scale,
@@ -435,12 +518,11 @@ def build(problem: Problem, *, objective: bool = True) -> IlpModel:
         )
 
     # ---- objective ----------------------------------------------------------
-    model.col_cost = cost + model.col_cost
-    model.col_upper = upper + model.col_upper
-    big = max((abs(v) for v in model.col_cost), default=0.0)
+    asm.finish(model, cost, upper)
+    big = float(np.abs(model.col_cost).max()) if model.num_cols else 0.0
     if big > 0 and math.isfinite(big):
         model.objective_scale = big
-        model.col_cost = [v / big for v in model.col_cost]
+        model.col_cost = model.col_cost / big
     model.objective_offset = offset
     model.option_cols = {
         d.name: option_cols[k] for k, d in enumerate(decisions) if fixed[k] is None
@@ -467,28 +549,15 @@ def build(problem: Problem, *, objective: bool = True) -> IlpModel:
     return model
 
 
-def _add_summed_row(model, cols, values, lower, upper) -> None:
-    """Add a row, merging repeated columns (aliased options)."""
-    if len(set(cols)) != len(cols):
-        acc: dict[int, float] = {}
-        for c, v in zip(cols, values):
-            acc[c] = acc.get(c, 0.0) + v
-        cols, values = list(acc), list(acc.values())
-    model.add_row(cols, values, lower, upper)
-
-
-def _separable(m: list[list[float]]) -> tuple[list[float], list[float]] | None:
-    """``(r, s)`` with ``m[i][j] == r[i] + s[j]`` if the matrix is separable."""
-    first = m[0]
-    r = [row[0] for row in m]
-    s = [v - first[0] for v in first]
-    big = max(max(map(abs, row)) for row in m)
-    tol = SEPARABLE_RTOL * big
-    for ri, row in zip(r, m):
-        for sj, v in zip(s, row):
-            if abs(v - ri - sj) > tol:
-                return None
-    return r, s
+def _separable(m: np.ndarray) -> tuple[list[float], list[float]] | None:
+    """``(r, s)`` with ``m[i][j] == r[i] + s[j]`` if the (finite) matrix is
+    separable."""
+    r = m[:, 0]
+    s = m[0, :] - m[0, 0]
+    tol = SEPARABLE_RTOL * float(np.abs(m).max())
+    if float(np.abs(m - r[:, None] - s[None, :]).max()) > tol:
+        return None
+    return r.tolist(), s.tolist()
 
 
 def _classes(vectors) -> list[list[int]]:
@@ -499,39 +568,44 @@ def _classes(vectors) -> list[list[int]]:
     return list(groups.values())
 
 
-def _add_pairwise(model, pkey, ckey, m, cost) -> int:
+_SIGNS = np.array([1.0, -1.0, 1.0, -1.0])
+
+
+def _add_pairwise(asm: _Assembler, pkey, ckey, m: np.ndarray) -> int:
     """Pair columns for finite entries, tied to both sides' one-hots.
 
     Options with equal rows (columns) of ``m`` are interchangeable for this
     edge: ``m`` is constant on each block (row class x column class), so one
-    pair variable per block, with marginals over the classes' summed
+    pair variable per finite block, with marginals over the classes' summed
     one-hots, is exact and has the same LP relaxation (the local polytope
-    projected onto block sums). Returns the number of pair columns added.
+    projected onto block sums). Rows: one marginal per producer class, one
+    per consumer class but the last (implied by the others plus both
+    one-hots). Returns the number of pair columns added.
     """
-    rows = _classes(m)
-    cols = _classes(zip(*m))
-    # Pair columns are numbered after the x columns: they live at the end of
-    # model.col_cost (which holds only pair columns until build() finishes).
-    first = len(cost) + len(model.col_cost)
-    pair_cost = model.col_cost
-    col_members: list[list[int]] = [[] for _ in cols]
-    y = first
-    for members_a in rows:
-        row = m[members_a[0]]
-        members = []
-        for b, members_b in enumerate(cols):
-            v = row[members_b[0]]
-            if v != INF:
-                pair_cost.append(v)
-                members.append(y)
-                col_members[b].append(y)
-                y += 1
-        xs = [pkey[a] for a in members_a]
-        _add_summed_row(model, members + xs, [1.0] * len(members) + [-1.0] * len(xs), 0.0, 0.0)
-    model.col_upper.extend([1.0] * (y - first))
-    # The last consumer marginal is implied by the others plus both one-hots.
-    for b in range(len(cols) - 1):
-        members = col_members[b]
-        xs = [ckey[j] for j in cols[b]]
-        _add_summed_row(model, members + xs, [1.0] * len(members) + [-1.0] * len(xs), 0.0, 0.0)
-    return y - first
+    listed = m.tolist()
+    rows = _classes(listed)
+    cols = _classes(zip(*listed))
+    s, t = len(rows), len(cols)
+    block = m[[g[0] for g in rows]][:, [g[0] for g in cols]] if s * t < m.size else m
+    kk, ll = np.nonzero(np.isfinite(block))
+    n = len(kk)
+    y = np.arange(n, dtype=np.int64) + asm.new_pairs(block[kk, ll])
+    rclass = np.empty(len(pkey), dtype=np.int64)
+    for k, g in enumerate(rows):
+        rclass[g] = k
+    cclass = np.empty(len(ckey), dtype=np.int64)
+    for k, g in enumerate(cols):
+        cclass[g] = k
+    prow = asm.new_rows(s + t - 1, 0.0, 0.0)
+    crow = prow + s
+    last_y = ll < t - 1
+    last_x = cclass < t - 1
+    asm.add(
+        np.concatenate([prow + kk, prow + rclass, crow + ll[last_y], crow + cclass[last_x]]),
+        np.concatenate([y, np.asarray(pkey, dtype=np.int64), y[last_y],
+                        np.asarray(ckey, dtype=np.int64)[last_x]]),
+        np.repeat(
+            _SIGNS, [n, len(pkey), int(np.count_nonzero(last_y)), int(np.count_nonzero(last_x))]
+        ),
+    )
+    return n
