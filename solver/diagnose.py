@@ -4,9 +4,10 @@ Constraints sharing a ``name`` form a group (pins, links, resources).
 :func:`diagnose` first looks for causes that involve no constraint at all (a
 decision whose unary costs are all ``inf``; edges whose forbidden pairs leave
 no assignment), then runs a deletion filter over the groups: starting from
-all of them, each group in turn is dropped for good if the problem stays
-infeasible without it. What remains is irreducible: removing any one of the
-remaining groups makes the problem feasible.
+all of them, groups are dropped for good while the problem stays infeasible
+without them (in chunks of halving size, then one by one). What remains is
+irreducible: removing any one of the remaining groups makes the problem
+feasible.
 
 Each step is a feasibility check (:func:`solver.ilp.build` with
 ``objective=False``), most of them settled by domain propagation alone.
@@ -71,13 +72,22 @@ def diagnose(problem: Problem, *, backend=None) -> InfeasibleError | None:
     t0 = time.perf_counter()
     checks = 0
 
+    cache: dict = {}  # edge matrices, converted once for all checks
+
     def feasible(p: Problem) -> bool:
         nonlocal checks
         checks += 1
-        model = build(p, objective=False)
+        t = time.perf_counter()
+        model = build(p, objective=False, cache=cache)
         if model.infeasible is not None:
-            return False
-        return solver.solve(model).status != "infeasible"
+            ok = False
+        else:
+            ok = solver.solve(model).status != "infeasible"
+        logger.debug(
+            "diagnose: check %d (%d x columns): %s in %.3fs",
+            checks, model.num_x, "feasible" if ok else "infeasible", time.perf_counter() - t,
+        )
+        return ok
 
     try:
         dead = [d.name for d in problem.decisions if all(math.isinf(c) for c in d.costs)]
@@ -90,8 +100,12 @@ def diagnose(problem: Problem, *, backend=None) -> InfeasibleError | None:
                 decisions=dead,
             )
 
-        bare = dataclasses.replace(problem, pins=[], links=[], resources=[])
-        if not feasible(bare):
+        groups = problem.constraint_names()
+        if feasible(problem):
+            return None
+        keep = _deletion_filter(groups, lambda kept: feasible(_with_groups(problem, set(kept))))
+        if not keep:  # infeasible without any constraint: forbidden pairs
+            bare = dataclasses.replace(problem, pins=[], links=[], resources=[])
             edges = _edge_conflict(bare, feasible)
             names = ", ".join(edges)
             if len(edges) == 1:
@@ -103,15 +117,6 @@ def diagnose(problem: Problem, *, backend=None) -> InfeasibleError | None:
                     "any one of them makes the problem feasible)"
                 )
             return InfeasibleError(msg, edges=edges)
-
-        groups = problem.constraint_names()
-        if feasible(problem):
-            return None
-        keep = list(groups)
-        for g in groups:
-            trial = [k for k in keep if k != g]
-            if not feasible(_with_groups(problem, set(trial))):
-                keep = trial
         names = ", ".join(repr(g) for g in keep)
         if len(keep) == 1:
             msg = f"Infeasible: constraint {names} cannot be satisfied (removing it makes the problem feasible)"
@@ -127,6 +132,38 @@ def diagnose(problem: Problem, *, backend=None) -> InfeasibleError | None:
         )
 
 
+def _deletion_filter(items: list, feasible) -> list:
+    """An irreducible infeasible subset of ``items`` (all infeasible together).
+
+    Drops chunks of halving size while the rest stays infeasible, ending
+    with single items, so a small conflict among many groups costs about
+    ``k log n`` checks instead of ``n``. Each survivor was tested alone
+    against a superset of the result: dropping it made that superset
+    feasible, so it makes the result feasible too.
+    """
+    seen: dict[tuple, bool] = {}
+
+    def check(kept: list) -> bool:
+        key = tuple(kept)
+        if key not in seen:
+            seen[key] = feasible(kept)
+        return seen[key]
+
+    keep = list(items)
+    chunk = max(1, len(keep) // 2)
+    while True:
+        i = 0
+        while i < len(keep):
+            trial = keep[:i] + keep[i + chunk:]
+            if not check(trial):
+                keep = trial
+            else:
+                i += chunk
+        if chunk == 1:
+            return keep
+        chunk = max(1, min(chunk // 2, len(keep) // 2))
+
+
 def _with_groups(problem: Problem, keep: set[str]) -> Problem:
     return dataclasses.replace(
         problem,
@@ -140,9 +177,8 @@ def _edge_conflict(bare: Problem, feasible) -> list[str]:
     """Deletion filter over the edges holding forbidden pairs."""
     candidates = [k for k, e in enumerate(bare.edges) if any(math.inf in r for r in e.costs)]
     others = [e for e in bare.edges if not any(math.inf in r for r in e.costs)]
-    keep = list(candidates)
-    for k in candidates:
-        trial = [j for j in keep if j != k]
-        if not feasible(dataclasses.replace(bare, edges=others + [bare.edges[j] for j in trial])):
-            keep = trial
+    keep = _deletion_filter(
+        candidates,
+        lambda kept: feasible(dataclasses.replace(bare, edges=others + [bare.edges[j] for j in kept])),
+    )
     return [f"{bare.edges[k].producer!r} -> {bare.edges[k].consumer!r}" for k in keep]

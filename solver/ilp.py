@@ -45,7 +45,8 @@ from whole blocks, so the Python work per option pair is a few C-level
 operations.
 
 With ``objective=False`` (feasibility checks for diagnosis) no edge costs are
-encoded: edges only contribute ``x[p][i] + x[c][j] <= 1`` per forbidden pair.
+encoded: an edge with forbidden pairs only says that choosing an option
+requires one of its allowed partners (:func:`_add_support_rows`).
 
 Example::
 
@@ -254,19 +255,29 @@ def _bitmasks(finite: np.ndarray) -> list[int]:
     return [int.from_bytes(row.tobytes(), "little") for row in packed]
 
 
-def build(problem: Problem, *, objective: bool = True) -> IlpModel:
-    """Build the ILP of a (validated) problem; see the module docstring."""
+def build(problem: Problem, *, objective: bool = True, cache: dict | None = None) -> IlpModel:
+    """Build the ILP of a (validated) problem; see the module docstring.
+
+    ``cache``: a dict kept across calls on problems sharing ``Edge``
+    objects (diagnosis builds many), to convert each matrix once.
+    """
     model = IlpModel(problem)
     decisions = problem.decisions
     index = {d.name: k for k, d in enumerate(decisions)}
     n = len(decisions)
-    arrays: dict[int, np.ndarray] = {}  # edge number -> cost matrix
+    if cache is None:
+        cache = {}
 
-    def array(k: int) -> np.ndarray:
-        a = arrays.get(k)
-        if a is None:
-            a = arrays[k] = np.asarray(problem.edges[k].costs, dtype=np.float64)
-        return a
+    def edge_data(k: int) -> tuple:
+        """(cost array, support masks of both ends or None if no inf)."""
+        e = problem.edges[k]
+        hit = cache.get(id(e))
+        if hit is None or hit[0] is not e:
+            a = np.asarray(e.costs, dtype=np.float64)
+            finite = np.isfinite(a)
+            masks = None if finite.all() else (_bitmasks(finite), _bitmasks(finite.T))
+            hit = cache[id(e)] = (e, a, masks)
+        return hit[1], hit[2]
 
     # ---- allowed options, propagated to a fixpoint ------------------------
     # Domains are bitmasks (bit o set: option o allowed).
@@ -291,11 +302,9 @@ def build(problem: Problem, *, objective: bool = True) -> IlpModel:
                 sup_b[j] = 1 << i
         props.append((a, b, sup_a, sup_b))
     for k, e in enumerate(problem.edges):
-        if any(INF in row for row in e.costs):
-            finite = np.isfinite(array(k))
-            props.append(
-                (index[e.producer], index[e.consumer], _bitmasks(finite), _bitmasks(finite.T))
-            )
+        masks = edge_data(k)[1]
+        if masks is not None:
+            props.append((index[e.producer], index[e.consumer], *masks))
     for k, (u, v, _, _) in enumerate(props):
         incident[u].append(k)
         incident[v].append(k)
@@ -412,13 +421,14 @@ def build(problem: Problem, *, objective: bool = True) -> IlpModel:
                 for i in domain[p]:
                     cost[cols[i]] += costs[i][fc]
             continue
-        if not objective and k not in arrays:
+        array, masks = edge_data(k)
+        if not objective and masks is None:
             continue  # no inf anywhere: irrelevant to feasibility
         pdom = sorted(domain[p], key=option_cols[p].__getitem__)
         cdom = sorted(domain[c], key=option_cols[c].__getitem__)
         pkey = tuple(option_cols[p][i] for i in pdom)
         ckey = tuple(option_cols[c][j] for j in cdom)
-        m = array(k)  # never modified in place: shared with the cache
+        m = array  # never modified in place: shared with the cache
         if pdom != list(range(m.shape[0])):
             m = m[pdom]
         if cdom != list(range(m.shape[1])):
@@ -431,7 +441,7 @@ def build(problem: Problem, *, objective: bool = True) -> IlpModel:
         acc = groups.get(key)
         groups[key] = m if acc is None else acc + m
 
-    n_sep = n_diag = n_pair = n_conflict = n_blocks = n_pairs_full = 0
+    n_sep = n_diag = n_pair = n_support = n_blocks = n_pairs_full = 0
     for (pkey, ckey), m in groups.items():
         finite = np.isfinite(m)
         has_inf = not finite.all()
@@ -444,15 +454,7 @@ def build(problem: Problem, *, objective: bool = True) -> IlpModel:
                     if v == INF:
                         upper[pkey[t]] = 0.0
                 continue
-            aa, bb = np.nonzero(~finite)
-            n_conflict += len(aa)
-            first = asm.new_rows(len(aa), -INF, 1.0)
-            ids = np.arange(first, first + len(aa))
-            asm.add(
-                np.concatenate([ids, ids]),
-                np.concatenate([np.asarray(pkey)[aa], np.asarray(ckey)[bb]]),
-                np.ones(2 * len(aa)),
-            )
+            n_support += _add_support_rows(asm, pkey, ckey, finite)
             continue
 
         if diagonal:
@@ -543,7 +545,7 @@ def build(problem: Problem, *, objective: bool = True) -> IlpModel:
         # interchangeable options (equal rows or columns)
         "finite_pairs": n_pairs_full,
         "pair_blocks": n_blocks,
-        "conflict_rows": n_conflict,
+        "support_rows": n_support,
     }
     logger.debug("build: %s", model.stats)
     return model
@@ -566,6 +568,25 @@ def _classes(vectors) -> list[list[int]]:
     for t, vec in enumerate(vectors):
         groups.setdefault(tuple(vec), []).append(t)
     return list(groups.values())
+
+
+def _add_support_rows(asm: _Assembler, pkey, ckey, finite: np.ndarray) -> int:
+    """Feasibility only: choosing an option of one end requires choosing one
+    of its finite partners at the other, ``sum x[class] <= sum x[partners]``
+    per class of options with the same partners (exact for binary x).
+    Returns the number of rows added."""
+    added = 0
+    for mine, theirs, fin in ((pkey, ckey, finite), (ckey, pkey, finite.T)):
+        listed = fin.tolist()
+        for members in _classes(listed):
+            support = listed[members[0]]
+            if all(support):
+                continue
+            cols = [mine[i] for i in members] + [theirs[j] for j, ok in enumerate(support) if ok]
+            vals = [1.0] * len(members) + [-1.0] * (len(cols) - len(members))
+            asm.row(cols, vals, None, 0.0)
+            added += 1
+    return added
 
 
 _SIGNS = np.array([1.0, -1.0, 1.0, -1.0])

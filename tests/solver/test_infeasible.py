@@ -8,7 +8,7 @@ import pytest
 
 import solver
 from solver import InfeasibleError, solve
-from solver.diagnose import diagnose
+from solver.diagnose import _deletion_filter, diagnose
 from solver.problem import INF, Decision, Edge, Link, Pin, Problem, ResourceConstraint
 
 from ilp_cases import brute_force, random_problem
@@ -171,3 +171,23 @@ def test_random_infeasible_problems_get_irreducible_conflicts():
         for g in err.conflict:
             assert brute_force(p, groups=set(err.conflict) - {g}) is not None, (seed, g)
     assert checked >= 10
+
+
+@pytest.mark.parametrize(
+    "conflicts",
+    [[{5, 40}], [{63}], [{0}], [{1, 2}, {3}], [{10, 20, 30}, {20, 50}], [set(range(64))]],
+)
+def test_deletion_filter_is_irreducible_with_few_checks(conflicts):
+    calls = []
+
+    def feasible(kept):
+        calls.append(tuple(kept))
+        return not any(c <= set(kept) for c in conflicts)
+
+    result = _deletion_filter(list(range(64)), feasible)
+    assert len(set(calls)) == len(calls)  # no check repeated
+    if len(conflicts[0]) <= 2:
+        assert len(calls) <= 30  # versus 64 for one-by-one deletion
+    assert not feasible(result)
+    for g in result:
+        assert feasible([k for k in result if k != g])
