@@ -247,7 +247,7 @@ def _dtensor_plan(src, dst):
     ],
 )
 def test_greedy_plan_matches_dtensor(mesh, mesh_shape, choices):
-    from autoparallel.cost_model import _greedy_steps
+    from autoparallel.cost_model.comm import _greedy_steps
 
     m = mesh if mesh_shape == (16, 8) else init_device_mesh("cpu", mesh_shape)
     shape = (64, 64, 64)
@@ -262,9 +262,10 @@ def test_strided_shard_costs_via_gather(mesh, monkeypatch):
     from torch.distributed.tensor.placement_types import _StridedShard
 
     import autoparallel.cost_model as cm
+    from autoparallel.cost_model import comm
 
     # DTensor's graph planner (~ms per call) must not be consulted.
-    monkeypatch.setattr(cm, "_transform_steps", lambda *a: pytest.fail("graph planner called"))
+    monkeypatch.setattr(comm, "_transform_steps", lambda *a: pytest.fail("graph planner called"))
     cm.clear_caches()
     src = spec(mesh, (Replicate(), _StridedShard(0, split_factor=32)))
     steps = redistribute_steps(src, spec(mesh, (Replicate(), Replicate())))
