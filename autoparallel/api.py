@@ -21,15 +21,15 @@ import torch.fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, Shard
 
 import solver
 
 from . import cost_model, rules  # noqa: F401 - rules register on import
 from .plan import NodePlan, Plan
-from .problem_builder import BuiltProblem, Constraints, build_problem, placements_of
+from .problem_builder import BuiltProblem, Constraints, build_problem
 from .repeated_layers import RepeatedLayers, find_repeated_layers
-from .strategies import NodeStrategy, StrategyEnumerator
+from .strategies import NodeStrategy, StrategyEnumerator, format_specs
 from .tracing import TracedStep, module_path, trace_training_step
 
 logger = logging.getLogger(__name__)
@@ -237,7 +237,6 @@ class AutoParallel:
             raise ConstraintError(f"parameter memory constraint: low={low} > high={high}")
         self._constraints.memory_low = low
         self._constraints.memory_high = high
-        self._constraints.memory_set = True
         self._constraint_log["parameter memory budget"] = {"low": low, "high": high}
 
     # -- solving -------------------------------------------------------------------
@@ -298,6 +297,7 @@ class AutoParallel:
                 incoming.setdefault(e.consumer, []).append((e.producer, c))
         nodes: dict[str, NodePlan] = {}
         by_name = {n.name: n for n in built.nodes}
+        param_fqn = {n: fqn for fqn, n in self.traced.param_nodes.items()}
         for node in built.nodes:
             strat = built.strategies[node]
             opt = strat.options[choice[node.name]]
@@ -305,12 +305,12 @@ class AutoParallel:
             nodes[node.name] = NodePlan(
                 name=node.name,
                 op=str(node.target),
-                module_path=module_path(node) or _param_fqn(self.traced, node),
+                module_path=module_path(node) or param_fqn.get(node),
                 phase="backward" if node.meta.get("partitioner_tag") == "is_backward" else "forward",
                 shape=list(val.shape) if isinstance(val, torch.Tensor) else None,
                 dtype=str(val.dtype).replace("torch.", "") if isinstance(val, torch.Tensor) else None,
-                input_placements=[_fmt(s.placements) for s in opt.input_specs],
-                output_placements=_fmt_specs(opt.output_specs),
+                input_placements=[format_specs(s) for s in opt.input_specs],
+                output_placements=format_specs(opt.output_specs),
                 num_options=len(strat.options),
                 compute_cost=built.compute[node.name][choice[node.name]],
                 comm_cost=comm.get(node.name, 0.0),
@@ -340,32 +340,3 @@ class AutoParallel:
             "apply_placement is not implemented yet (tracked by the apply issue); "
             "optimize_placement() returns the plan"
         )
-
-
-def _param_fqn(traced: TracedStep, node: torch.fx.Node) -> str | None:
-    for fqn, n in traced.param_nodes.items():
-        if n is node:
-            return fqn
-    return None
-
-
-def _fmt(placements) -> str:
-    out = []
-    for p in placements:
-        if isinstance(p, Shard):
-            out.append(f"S({p.dim})")
-        elif isinstance(p, Partial):
-            out.append("P")
-        elif isinstance(p, Replicate):
-            out.append("R")
-        else:
-            out.append(str(p))
-    return "".join(out)
-
-
-def _fmt_specs(specs) -> str:
-    if specs is None:
-        return "-"
-    if isinstance(specs, (tuple, list)):
-        return "(" + ", ".join(_fmt_specs(s) for s in specs) + ")"
-    return _fmt(specs.placements)

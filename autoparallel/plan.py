@@ -16,7 +16,6 @@ from typing import Any
 
 import solver
 
-from . import cost_model
 
 PLAN_SCHEMA = "autoparallel.plan/1"
 
@@ -154,10 +153,5 @@ def _ms(seconds: float) -> str:
 
 
 def _json_default(o):
-    if isinstance(o, float) and math.isinf(o):
-        return "inf"
+    # Placements, dtypes and the like: their readable form.
     return str(o)
-
-
-def tiebreak_part(seconds: float) -> float:
-    return seconds if seconds <= cost_model.TRANSITION_TIEBREAK else 0.0

@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.placement_types import Partial, Shard
+from torch.distributed.tensor.placement_types import Shard
 
 import solver
 
 from . import cost_model
 from .repeated_layers import RepeatedLayers
-from .strategies import NodeStrategy, Option
+from .strategies import NodeStrategy, Option, placements_of
 from .tracing import TracedStep
 
 logger = logging.getLogger(__name__)
@@ -58,11 +58,11 @@ class Constraints:
 
     # decision name -> (constraint name, allowed placements)
     pins: dict[str, tuple[str, tuple]] = field(default_factory=dict)
-    # parameter memory budget as fractions of replicated parameter bytes;
-    # None high = fully sharded (smallest achievable per parameter).
+    # Parameter memory budget as fractions of replicated parameter bytes;
+    # None high = fully sharded (smallest achievable per parameter). The
+    # budget always applies: by default it is what makes FSDP emerge.
     memory_low: float | None = None
     memory_high: float | None = None
-    memory_set: bool = False
 
 
 @dataclass
@@ -73,14 +73,6 @@ class BuiltProblem:
     # decision name -> per-option compute seconds
     compute: dict[str, list[float]]
     seconds: float = 0.0
-
-
-def placements_of(specs) -> tuple:
-    if specs is None:
-        return ()
-    if isinstance(specs, (tuple, list)):
-        return tuple(placements_of(s) for s in specs)
-    return tuple(specs.placements)
 
 
 def local_numel(shape, placements, mesh: DeviceMesh) -> int:
@@ -189,7 +181,9 @@ def build_problem(
     unary_cache: dict = {}
     for node in nodes:
         strat = strategies[node]
-        key = (id(strat.options), node.target, _node_key(node))
+        # Structurally identical nodes (repeated layers) share one option
+        # list object; their compute costs are computed once.
+        key = id(strat.options)
         costs = unary_cache.get(key)
         if costs is None:
             costs = [
@@ -200,7 +194,7 @@ def build_problem(
             ]
             unary_cache[key] = costs
         compute[node.name] = costs
-        labels = [_label(o) for o in strat.options]
+        labels = [o.label for o in strat.options]
         decisions.append(solver.Decision(node.name, labels, list(costs)))
 
     param_chain = _forward_param_chain(traced)
@@ -250,9 +244,7 @@ def build_problem(
         ]
         pins.append(solver.Pin(cname, name, allowed))
 
-    resources = []
-    if constraints.memory_set or True:
-        resources.append(_memory_constraint(traced, strategies, mesh, constraints))
+    resources = [_memory_constraint(traced, strategies, mesh, constraints)]
 
     links = []
     if repeats is not None:
@@ -318,30 +310,3 @@ def _memory_constraint(traced, strategies, mesh, constraints: Constraints) -> so
         low=None if low is None else low * (1 - 1e-9),
         high=high * (1 + 1e-9),
     )
-
-
-def _label(o: Option) -> str:
-    def fmt(specs):
-        if specs is None:
-            return "-"
-        if isinstance(specs, (tuple, list)):
-            return "(" + ",".join(fmt(s) for s in specs) + ")"
-        return "".join(_short(p) for p in specs.placements)
-
-    ins = ",".join(fmt(s) for s in o.input_specs)
-    return f"{ins}->{fmt(o.output_specs)}" if ins else fmt(o.output_specs)
-
-
-def _short(p) -> str:
-    if isinstance(p, Shard):
-        return f"S({p.dim})"
-    if isinstance(p, Partial):
-        return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
-    return "R"
-
-
-def _node_key(node: torch.fx.Node):
-    val = node.meta.get("val")
-    if isinstance(val, torch.Tensor):
-        return (tuple(val.shape), val.dtype)
-    return None

@@ -43,11 +43,6 @@ class RepeatedLayers:
     # layers whose structure no other layer shares (not linked)
     mismatched: list[tuple[str, int]] = field(default_factory=list)
 
-    @property
-    def num_linked_layers(self) -> int:
-        linked = {k for k, nodes in self.groups.items() if nodes and nodes[0] in self.reference}
-        return len(linked)
-
 
 def find_repeated_layers(traced: TracedStep) -> RepeatedLayers:
     groups: dict[tuple[str, int], list[torch.fx.Node]] = defaultdict(list)

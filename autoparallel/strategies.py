@@ -38,7 +38,7 @@ from torch.distributed.tensor.placement_types import (
     Replicate,
     Shard,
 )
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,14 @@ class Option:
 
     output_specs: Specs
     input_specs: tuple[DTensorSpec, ...]
+
+    @property
+    def label(self) -> str:
+        """``inputs->output`` placements, e.g. ``S(0)R,RR->S(0)R``."""
+        out = format_specs(self.output_specs)
+        if not self.input_specs:
+            return out
+        return ",".join(format_specs(s) for s in self.input_specs) + "->" + out
 
     @property
     def output_spec(self) -> DTensorSpec:
@@ -323,7 +331,7 @@ def _options_from_op_strategy(
                 continue
         if not (_specs_ok(out_specs, mesh) and _specs_ok(in_specs, mesh)):
             continue
-        key = (_placements_key(out_specs), tuple(s.placements for s in in_specs))
+        key = (placements_of(out_specs), tuple(s.placements for s in in_specs))
         if key in seen:
             continue
         seen.add(key)
@@ -331,12 +339,33 @@ def _options_from_op_strategy(
     return options
 
 
-def _placements_key(specs: Specs):
+def placements_of(specs: Specs):
+    """The placements of a spec, or a tuple of them for multi-output specs."""
     if isinstance(specs, DTensorSpec):
         return specs.placements
     if isinstance(specs, (tuple, list)):
-        return tuple(_placements_key(s) for s in specs)
+        return tuple(placements_of(s) for s in specs)
     return None
+
+
+def format_placement(p: Placement) -> str:
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Partial):
+        return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
+    if isinstance(p, Replicate):
+        return "R"
+    return str(p)
+
+
+def format_specs(specs: Specs) -> str:
+    """``S(0)R`` for a spec on a 2-D mesh, ``(S(0)R, RR)`` for several, ``-``
+    for none."""
+    if specs is None:
+        return "-"
+    if isinstance(specs, (tuple, list)):
+        return "(" + ", ".join(format_specs(s) for s in specs) + ")"
+    return "".join(format_placement(p) for p in specs.placements)
 
 
 def replicate_options(node: torch.fx.Node, inputs: list[torch.fx.Node], mesh: DeviceMesh) -> list[Option]:
@@ -356,11 +385,6 @@ def replicate_options(node: torch.fx.Node, inputs: list[torch.fx.Node], mesh: De
 
 # --------------------------------------------------------------------------
 # Rules DTensor does not have (or that the graph needs differently).
-
-
-def _factory_options(node: torch.fx.Node, mesh: DeviceMesh) -> list[Option]:
-    val = node.meta["val"]
-    return placeholder_options(val, mesh)
 
 
 # --------------------------------------------------------------------------
@@ -390,15 +414,19 @@ class StrategyEnumerator:
         self._multi_output_options: dict[torch.fx.Node, list[Option]] = {}
         self.stats = StrategyStats()
 
+    def _placeholder_options(self, val: torch.Tensor) -> list[Option]:
+        # One list per shape: the same parameter in every layer then shares
+        # one option list, which is what downstream caches key on.
+        key = ("placeholder", _val_key(val))
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = (placeholder_options(val, self.mesh), "placeholder")
+        return hit[0]
+
     def _intern(self, specs: tuple) -> int:
         return self._interned.setdefault(specs, len(self._interned))
 
-    def enumerate(
-        self,
-        gm: torch.fx.GraphModule,
-        placeholder_overrides: dict[torch.fx.Node, list[Option]] | None = None,
-    ) -> dict[torch.fx.Node, NodeStrategy]:
-        overrides = placeholder_overrides or {}
+    def enumerate(self, gm: torch.fx.GraphModule) -> dict[torch.fx.Node, NodeStrategy]:
         result: dict[torch.fx.Node, NodeStrategy] = {}
         # Distinct output spec(s) each node can produce, per output index.
         produced: dict[torch.fx.Node, tuple[DTensorSpec, ...]] = {}
@@ -409,8 +437,7 @@ class StrategyEnumerator:
             if node.op == "placeholder":
                 if not isinstance(val, torch.Tensor):
                     continue
-                opts = overrides.get(node) or placeholder_options(val, self.mesh)
-                result[node] = NodeStrategy(node, [], opts, "placeholder")
+                result[node] = NodeStrategy(node, [], self._placeholder_options(val), "placeholder")
             elif node.op == "call_function":
                 if not _produces_tensors(val):
                     continue
@@ -436,10 +463,13 @@ class StrategyEnumerator:
             # Options are the distinct specs the parent's options give this
             # element; the edge from the parent forbids mismatched pairs.
             parent, idx = node.args
-            specs = _dedup(o.output_specs[idx] for o in self._multi_output_options[parent])
-            return NodeStrategy(
-                node, [parent], [Option(s, ()) for s in specs], "getitem", getitem_index=idx
-            )
+            parent_options = self._multi_output_options[parent]
+            key = ("getitem", id(parent_options), idx)
+            hit = self._cache.get(key)
+            if hit is None:
+                specs = _dedup(o.output_specs[idx] for o in parent_options)
+                hit = self._cache[key] = ([Option(s, ()) for s in specs], "getitem")
+            return NodeStrategy(node, [parent], hit[0], "getitem", getitem_index=idx)
         candidates = [produced[n] for n in inputs]
         key = (
             node.target,
@@ -465,7 +495,8 @@ class StrategyEnumerator:
         if op in RULES:
             return RULES[op](node, candidates, self.mesh), "rule"
         if not inputs:
-            return _factory_options(node, self.mesh), "factory"
+            # Factories (zeros, full, arange, ...) may produce any layout.
+            return placeholder_options(node.meta["val"], self.mesh), "factory"
         cand_strategies = {
             n: OpStrategy([OpSpec(s) for s in c]) for n, c in zip(inputs, candidates)
         }
