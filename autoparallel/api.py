@@ -52,7 +52,8 @@ class AutoParallel:
             args, a dict of keyword args, or a callable returning one of
             these. DTensor leaves fix their input's placements.
         mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy``; parameters
-            are cast to ``param_dtype`` inside the traced step.
+            are cast to ``param_dtype`` inside the traced step and gradients
+            are reduced in ``reduce_dtype``.
         device: a :class:`~autoparallel.cost_model.DeviceSpec` or a preset
             name ("H100", "A100", "H200", "B200").
         gpus_per_node: decides which mesh dims communicate inside a node.
@@ -140,9 +141,14 @@ class AutoParallel:
 
     def _trace(self) -> None:
         t0 = time.perf_counter()
-        param_dtype = getattr(self.mp_policy, "param_dtype", None)
         self.traced = trace_training_step(
-            self.model, self.inputs, self.mesh.device_type, param_dtype=param_dtype, stack=self._stack
+            self.model,
+            self.inputs,
+            self.mesh.device_type,
+            param_dtype=getattr(self.mp_policy, "param_dtype", None),
+            reduce_dtype=getattr(self.mp_policy, "reduce_dtype", None),
+            cast_inputs=getattr(self.mp_policy, "cast_forward_inputs", True),
+            stack=self._stack,
         )
         t1 = time.perf_counter()
         self.timings["tracing"] = t1 - t0

@@ -148,23 +148,67 @@ def make_fake_inputs(
     return tree_map(to_fake, args), tree_map(to_fake, kwargs), placements
 
 
+class _MixedPrecisionCast(torch.autograd.Function):
+    """Cast a parameter to ``param_dtype`` for compute; in backward, bring its
+    gradient to ``reduce_dtype`` first, then to the parameter's dtype.
+
+    The two backward casts put a node of dtype ``reduce_dtype`` on the
+    gradient's path: the planner reduces partial gradients there or after it,
+    never before, so the reduction runs in ``reduce_dtype`` (FSDP's
+    ``MixedPrecisionPolicy.reduce_dtype`` semantics).
+    """
+
+    @staticmethod
+    def forward(ctx, param, param_dtype, reduce_dtype):
+        ctx.storage_dtype = param.dtype
+        ctx.reduce_dtype = reduce_dtype
+        return param.to(param_dtype or param.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.reduce_dtype is not None and ctx.reduce_dtype != grad.dtype:
+            grad = grad.to(ctx.reduce_dtype)
+            # A view after the cast gives the reduction a place in
+            # reduce_dtype even when no cast to the storage dtype follows.
+            grad = grad.to(ctx.storage_dtype) if grad.dtype != ctx.storage_dtype else grad.view(grad.shape)
+        return grad.to(ctx.storage_dtype), None, None
+
+
 class _ParamCastWrapper(nn.Module):
     """Runs the model with parameters cast to ``param_dtype`` (mixed precision).
 
     The cast happens inside the traced graph, so parameters stay in their
-    storage dtype as graph inputs and gradients flow back through the cast.
-    Registered as a plain attribute-free wrapper so FQNs are unchanged
-    (``module.`` prefix stripped by the tracer).
+    storage dtype as graph inputs and gradients flow back through the cast
+    (in ``reduce_dtype`` when given). Registered as a plain attribute-free
+    wrapper so FQNs are unchanged (``module.`` prefix stripped by the tracer).
     """
 
-    def __init__(self, module: nn.Module, param_dtype: torch.dtype):
+    def __init__(
+        self,
+        module: nn.Module,
+        param_dtype: torch.dtype | None,
+        reduce_dtype: torch.dtype | None,
+        cast_inputs: bool = True,
+    ):
         super().__init__()
         self.module = module
         self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
+        self.cast_inputs = cast_inputs
+
+    def _cast_input(self, x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return x.to(self.param_dtype)
+        return x
 
     def forward(self, *args, **kwargs):
+        if self.cast_inputs and self.param_dtype is not None:
+            # FSDP's cast_forward_inputs: floating inputs run in param_dtype.
+            args, kwargs = tree_map(self._cast_input, (args, kwargs))
         params = {
-            name: p.to(self.param_dtype) if p.is_floating_point() else p
+            name: _MixedPrecisionCast.apply(p, self.param_dtype, self.reduce_dtype)
+            if p.is_floating_point()
+            else p
             for name, p in self.module.named_parameters(remove_duplicate=False)
         }
         return torch.func.functional_call(
@@ -224,6 +268,8 @@ def trace_training_step(
     device_type: str,
     *,
     param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    cast_inputs: bool = True,
     stack: contextlib.ExitStack,
 ) -> TracedStep:
     """Trace forward+backward of ``model(*inputs)`` into a joint FX graph.
@@ -238,8 +284,8 @@ def trace_training_step(
 
     to_trace: nn.Module = fake_model
     prefix = ""
-    if param_dtype is not None:
-        to_trace = _ParamCastWrapper(fake_model, param_dtype)
+    if param_dtype is not None or reduce_dtype is not None:
+        to_trace = _ParamCastWrapper(fake_model, param_dtype, reduce_dtype, cast_inputs)
         prefix = "module."
 
     with fake_mode, activation_checkpointing.graph_ac_tracing(), _module_path_annotations(

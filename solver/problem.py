@@ -159,18 +159,23 @@ class Problem:
                 raise ProblemError(f"{where}: unknown decision {name!r}")
             return by_name[name]
 
+        # Matrices already found well-formed, by id, with their shape: repeated
+        # layers share one matrix object, read once instead of once per layer.
+        checked: dict[int, tuple[int, int]] = {}
         for k, e in enumerate(self.edges):
             p = by_name.get(e.producer)
             c = by_name.get(e.consumer)
-            if (
-                p is not None
-                and c is not None
-                and p is not c
-                and len(e.costs) == len(p.options)
-                and set(map(len, e.costs)) == {len(c.options)}
-                and _all_costs(e.costs, nested=True)
-            ):
-                continue  # fast path: big problems have millions of entries
+            if p is not None and c is not None and p is not c:
+                shape = (len(p.options), len(c.options))
+                if checked.get(id(e.costs)) == shape:
+                    continue
+                if (
+                    len(e.costs) == shape[0]
+                    and set(map(len, e.costs)) == {shape[1]}
+                    and _all_costs(e.costs, nested=True)
+                ):
+                    checked[id(e.costs)] = shape
+                    continue  # fast path: big problems have millions of entries
             where = f"edge #{k} ({e.producer!r} -> {e.consumer!r})"
             p = lookup(e.producer, where)
             c = lookup(e.consumer, where)
