@@ -341,8 +341,11 @@ class AutoParallel:
             parameter_bytes_total=total,
         )
 
-    def apply_placement(self, plan: Plan) -> nn.Module:
-        raise NotImplementedError(
-            "apply_placement is not implemented yet (tracked by the apply issue); "
-            "optimize_placement() returns the plan"
-        )
+    def apply_placement(self, plan: Plan, *, partitioner: str = "min_cut") -> nn.Module:
+        """A copy of the model whose parameters are DTensors laid out as ``plan``
+        says and whose forward runs the plan on per-rank local inputs (see
+        :mod:`autoparallel.apply`)."""
+        self._require_open()
+        from .apply import apply_placement
+
+        return apply_placement(self, plan, partitioner=partitioner)

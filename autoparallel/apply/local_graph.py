@@ -1,0 +1,400 @@
+"""Apply stage 1: the plan's joint graph, rewritten to run on local shards.
+
+``build_local_joint`` interprets the traced joint forward+backward graph once
+under ``make_fx`` on fake local tensors. Every op runs on the shard its plan
+option says; where a producer's layout differs from what the consumer's
+option needs, the redistribution (functional collectives) is traced in
+between; shape arguments of views and ``new_*`` factories are made local the
+way DTensor's dispatcher does it; factories are computed and then split.
+
+The result is an ordinary joint graph (``primals_*``, ``tangents_*``
+placeholders; forward outputs, then one gradient per parameter) that
+PyTorch's partitioners split into forward and backward.
+
+Graph inputs, in order: parameters (``param_fqns``), buffers
+(``buffer_fqns``), user tensor inputs, ``coords`` (this rank's mesh
+coordinates, int64 ``[mesh.ndim]``), then one tangent per differentiable
+forward output.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import operator
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+import torch.fx.traceback as fx_traceback
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._op_schema import OpSchema
+from torch.distributed.tensor.placement_types import Shard
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from .. import activation_checkpointing
+from ..strategies import NodeStrategy, format_specs
+from ..tracing import TracedStep
+from .redistribute import redistribute, replicate_spec, user_spec
+
+logger = logging.getLogger(__name__)
+
+# node.meta keys written by apply (the only ones; see DESIGN.md "Style").
+SOURCE_KEY = "autoparallel_source"  # name of the joint-graph node a local node implements
+REDISTRIBUTE_KEY = "autoparallel_redistribute"  # (producer, src placements, dst placements)
+
+
+class ApplyError(RuntimeError):
+    """The plan cannot be applied to the graph (names the node)."""
+
+
+@dataclass
+class LocalJoint:
+    """The rank-local joint graph and what its inputs and outputs are."""
+
+    gm: torch.fx.GraphModule
+    mesh: DeviceMesh
+    param_fqns: list[str]
+    buffer_fqns: list[str]
+    # Planned layout of each parameter/buffer (gradients match parameters).
+    param_specs: dict[str, DTensorSpec]
+    buffer_specs: dict[str, DTensorSpec]
+    # Per user tensor input (flattened order): its planned layout.
+    input_specs: list[DTensorSpec]
+    # Per forward output: the layout handed to the user (Partial reduced).
+    output_specs: list[DTensorSpec]
+    # Forward outputs that have a tangent (in order of the tangent inputs).
+    differentiable_outputs: list[int]
+    # Parameters that receive a gradient output (the rest get None).
+    has_grad: list[bool]
+    seconds: float = 0.0
+    ac_stats: object = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def num_fwd_outputs(self) -> int:
+        return len(self.output_specs)
+
+    @property
+    def num_primals(self) -> int:
+        return len(self.param_fqns) + len(self.buffer_fqns) + len(self.input_specs) + 1
+
+
+def local_shape(spec: DTensorSpec) -> tuple[int, ...]:
+    """Shape of one rank's shard (even sharding only, as planned)."""
+    shape = list(spec.tensor_meta.shape)
+    for mesh_dim, p in enumerate(spec.placements):
+        if isinstance(p, Shard):
+            n = spec.mesh.size(mesh_dim)
+            if shape[p.dim] % n:
+                raise ApplyError(f"uneven shard: dim {p.dim} of {tuple(spec.tensor_meta.shape)} over {n} ranks")
+            shape[p.dim] //= n
+    return tuple(shape)
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+def _chosen(strategies: dict[torch.fx.Node, NodeStrategy], choice: dict[str, int], node: torch.fx.Node):
+    strat = strategies.get(node)
+    if strat is None:
+        raise ApplyError(f"node {node.name} ({node.target}) has no placement options")
+    if node.name not in choice:
+        raise ApplyError(f"the plan has no entry for node {node.name}; was it made by this AutoParallel?")
+    return strat, strat.options[choice[node.name]]
+
+
+def _propagator():
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+def _localize_schema(op, args, kwargs, in_specs, out_specs) -> OpSchema:
+    """Args with shape arguments rewritten for the local shards, as DTensor's
+    sharding propagation does for the chosen option (tensor args are specs)."""
+    prop = _propagator()
+    schema = OpSchema(op, args, kwargs)
+    if (
+        op in prop.op_to_shape_and_stride_idx
+        and isinstance(out_specs, DTensorSpec)
+        and any(p.is_shard() for p in out_specs.placements)
+    ):
+        schema = prop._adjust_shape_and_stride_args(out_specs.tensor_meta, schema, out_specs)
+    if op in prop.op_to_scalar_shape_adjuster and any(p.is_shard() for s in in_specs for p in s.placements):
+        schema = prop.op_to_scalar_shape_adjuster[op](list(in_specs), schema)
+    if op in prop.squeeze_op_to_dims_variant:
+        adjusted = prop._adjust_squeeze_to_global_singletons(schema)
+        if adjusted is not None:
+            schema = adjusted
+    return schema
+
+
+# Factories whose values do not depend on the position: build the local
+# shard directly instead of the global tensor.
+_SIZE_FACTORIES = {
+    torch.ops.aten.full.default,
+    torch.ops.aten.zeros.default,
+    torch.ops.aten.ones.default,
+    torch.ops.aten.empty.memory_format,
+}
+
+
+class _Interpreter:
+    """Runs the joint graph's nodes on local (fake) shards under make_fx."""
+
+    def __init__(self, traced: TracedStep, strategies, choice, mesh: DeviceMesh):
+        self.traced = traced
+        self.strategies = strategies
+        self.choice = choice
+        self.mesh = mesh
+        self.spec: dict[torch.fx.Node, object] = {}
+        self.env: dict[torch.fx.Node, object] = {}
+        self.coords: torch.Tensor | None = None
+
+    # -- helpers ---------------------------------------------------------------
+    def _tracer_graph(self) -> torch.fx.Graph | None:
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+        mode = get_proxy_mode()
+        return mode.tracer.graph if mode is not None else None
+
+    def _redistribute(self, x, src: DTensorSpec, dst: DTensorSpec, what: str):
+        if src.placements == dst.placements:
+            return x
+        graph = self._tracer_graph()
+        last = next(reversed(graph.nodes)) if graph is not None else None
+        try:
+            out = redistribute(x, src, dst, self.coords)
+        except NotImplementedError as e:
+            raise ApplyError(f"{what}: cannot redistribute {format_specs(src)} -> {format_specs(dst)}: {e}") from e
+        if graph is not None:
+            tag = (what, format_specs(src), format_specs(dst))
+            for n in _nodes_after(graph, last):
+                n.meta[REDISTRIBUTE_KEY] = tag
+        return out
+
+    def _check(self, node: torch.fx.Node, value, specs) -> None:
+        if isinstance(value, torch.Tensor):
+            if not isinstance(specs, DTensorSpec):
+                raise ApplyError(f"{node.name}: tensor output but plan specs {specs!r}")
+            want = local_shape(specs)
+            if tuple(value.shape) != want:
+                raise ApplyError(
+                    f"{node.name} ({node.target}) with option {format_specs(specs)}: local result has "
+                    f"shape {tuple(value.shape)}, expected {want} (global {tuple(specs.tensor_meta.shape)})"
+                )
+        elif isinstance(value, (tuple, list)):
+            for v, s in zip(value, specs):
+                if isinstance(v, torch.Tensor):
+                    self._check(node, v, s)
+
+    # -- nodes -------------------------------------------------------------------
+    def call_function(self, node: torch.fx.Node):
+        strat, opt = _chosen(self.strategies, self.choice, node)
+        self.spec[node] = opt.output_specs
+        if strat.getitem_index is not None:
+            parent = strat.inputs[0]
+            return self.env[parent][strat.getitem_index]
+        if node.target is operator.getitem:
+            raise ApplyError(f"{node.name}: getitem without a parent option")
+        in_specs = opt.input_specs
+        locals_: list[torch.Tensor] = []
+        for k, producer in enumerate(strat.inputs):
+            locals_.append(
+                self._redistribute(self.env[producer], self.spec[producer], in_specs[k], f"{producer.name}->{node.name}")
+            )
+        op = node.target
+        if not strat.inputs:
+            return self._factory(node, opt.output_specs)
+        # tensor args -> their required specs (DTensor's schema form), in the
+        # same flattened order as strategies.tensor_inputs
+        it = iter(in_specs)
+
+        def to_spec(a):
+            if isinstance(a, torch.fx.Node):
+                if isinstance(a.meta.get("val"), torch.Tensor):
+                    return next(it)
+                return self.env[a]
+            return a
+
+        args = tree_map(to_spec, node.args)
+        kwargs = tree_map(to_spec, node.kwargs)
+        schema = _localize_schema(op, args, kwargs, in_specs, opt.output_specs)
+        lit = iter(locals_)
+
+        def to_local(a):
+            return next(lit) if isinstance(a, DTensorSpec) else a
+
+        largs = tree_map(to_local, tuple(schema.args_schema))
+        lkwargs = tree_map(to_local, dict(schema.kwargs_schema))
+        out = schema.op(*largs, **lkwargs)
+        self._check(node, out, opt.output_specs)
+        return out
+
+    def _factory(self, node: torch.fx.Node, spec):
+        if not isinstance(spec, DTensorSpec):
+            raise ApplyError(f"{node.name}: multi-output factory {node.target} is not supported")
+        if any(p.is_partial() for p in spec.placements):
+            raise ApplyError(f"{node.name}: factory {node.target} planned as {format_specs(spec)}")
+        if node.target in _SIZE_FACTORIES:
+            args = (list(local_shape(spec)),) + tuple(node.args[1:])
+            return node.target(*args, **node.kwargs)
+        out = node.target(*node.args, **node.kwargs)
+        return self._redistribute(out, replicate_spec(spec), spec, f"factory {node.name}")
+
+    # -- whole graph -------------------------------------------------------------
+    def run(self, primals: list[torch.Tensor], tangents: list[torch.Tensor], layout: "_Layout"):
+        traced = self.traced
+        self.coords = primals[-1]
+        inputs: dict[torch.fx.Node, torch.Tensor] = {}
+        for i, fqn in enumerate(layout.param_fqns):
+            inputs[traced.param_nodes[fqn]] = primals[i]
+        off = len(layout.param_fqns)
+        for i, fqn in enumerate(layout.buffer_fqns):
+            inputs[traced.buffer_nodes[fqn]] = primals[off + i]
+        off += len(layout.buffer_fqns)
+        for i, node in enumerate(layout.input_nodes):
+            inputs[node] = primals[off + i]
+        tangent_of = {traced.tangent_nodes[o]: k for k, o in enumerate(layout.differentiable_outputs)}
+
+        graph = self._tracer_graph()
+        for node in traced.gm.graph.nodes:
+            if node.op == "output":
+                break
+            last = next(reversed(graph.nodes)) if graph is not None and len(graph.nodes) else None
+            with fx_traceback.set_current_meta(node):
+                if node.op == "placeholder":
+                    _, opt = _chosen(self.strategies, self.choice, node)
+                    self.spec[node] = opt.output_specs
+                    if node in tangent_of:
+                        k = tangent_of[node]
+                        out_idx = layout.differentiable_outputs[k]
+                        self.env[node] = self._redistribute(
+                            tangents[k], layout.output_specs[out_idx], opt.output_specs, f"tangent {node.name}"
+                        )
+                    elif node in inputs:
+                        self.env[node] = inputs[node]
+                    else:
+                        raise ApplyError(f"graph input {node.name} is not a parameter, buffer, input or tangent")
+                elif node.op == "call_function":
+                    self.env[node] = self.call_function(node)
+                else:
+                    raise ApplyError(f"unsupported node kind {node.op} ({node.name})")
+            if graph is not None:
+                for n in _nodes_after(graph, last):
+                    n.meta.setdefault(SOURCE_KEY, node.name)
+
+        outs: list = []
+        for i, node in enumerate(traced.output_nodes):
+            with fx_traceback.set_current_meta(node):
+                outs.append(self._redistribute(self.env[node], self.spec[node], layout.output_specs[i], f"output {i}"))
+        for fqn, wants in zip(layout.param_fqns, layout.has_grad):
+            grad = traced.grad_nodes.get(fqn)
+            if not wants:
+                outs.append(None)
+                continue
+            with fx_traceback.set_current_meta(grad):
+                outs.append(
+                    self._redistribute(self.env[grad], self.spec[grad], layout.param_specs[fqn], f"grad of {fqn}")
+                )
+        return outs
+
+
+@dataclass
+class _Layout:
+    param_fqns: list[str]
+    buffer_fqns: list[str]
+    input_nodes: list[torch.fx.Node]
+    param_specs: dict[str, DTensorSpec]
+    output_specs: list[DTensorSpec]
+    differentiable_outputs: list[int]
+    has_grad: list[bool]
+
+
+def _nodes_after(graph: torch.fx.Graph, last: torch.fx.Node | None):
+    """Nodes appended to ``graph`` after ``last`` (None: all of them)."""
+    root = graph._root
+    n = (last if last is not None else root).next
+    while n is not root:
+        yield n
+        n = n.next
+
+
+def build_local_joint(
+    traced: TracedStep,
+    strategies: dict[torch.fx.Node, NodeStrategy],
+    choice: dict[str, int],
+    mesh: DeviceMesh,
+) -> LocalJoint:
+    """Trace the rank-local joint graph of ``traced`` under the plan ``choice``
+    (node name -> option index into ``strategies[node].options``)."""
+    t0 = time.perf_counter()
+
+    def spec_of(node):
+        return _chosen(strategies, choice, node)[1].output_specs
+
+    param_fqns = list(traced.param_nodes)
+    buffer_fqns = list(traced.buffer_nodes)
+    input_nodes = [n for n in traced.input_nodes if n is not None]
+    param_specs = {fqn: spec_of(traced.param_nodes[fqn]) for fqn in param_fqns}
+    buffer_specs = {fqn: spec_of(traced.buffer_nodes[fqn]) for fqn in buffer_fqns}
+    input_specs = [spec_of(n) for n in input_nodes]
+    output_specs = []
+    for i, node in enumerate(traced.output_nodes):
+        spec = spec_of(node)
+        if not isinstance(spec, DTensorSpec):
+            raise ApplyError(f"forward output {i} ({node.name}) is not a single tensor")
+        output_specs.append(user_spec(spec))
+    differentiable = sorted(traced.tangent_nodes)
+    has_grad = [traced.grad_nodes.get(fqn) is not None for fqn in param_fqns]
+    layout = _Layout(param_fqns, buffer_fqns, input_nodes, param_specs, output_specs, differentiable, has_grad)
+
+    def fake_local(spec: DTensorSpec):
+        shape = local_shape(spec)
+        return torch.empty_strided(shape, _contiguous_stride(shape), dtype=spec.tensor_meta.dtype, device=mesh.device_type)
+
+    interp = _Interpreter(traced, strategies, choice, mesh)
+
+    def joint(primals, tangents):
+        return interp.run(list(primals), list(tangents), layout)
+
+    with unset_fake_temporarily():
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with fake_mode:
+            primals = [fake_local(param_specs[f]) for f in param_fqns]
+            primals += [fake_local(buffer_specs[f]) for f in buffer_fqns]
+            primals += [fake_local(s) for s in input_specs]
+            primals.append(torch.zeros(mesh.ndim, dtype=torch.int64, device=mesh.device_type))
+            tangents = [fake_local(output_specs[i]) for i in differentiable]
+        for p, fqn in zip(primals, param_fqns):
+            p.requires_grad_(traced.param_nodes[fqn].meta["val"].requires_grad)
+        with fake_mode, fx_traceback.preserve_node_meta():
+            gm = make_fx(joint, pre_dispatch=False)(primals, tangents)
+    gm.graph.eliminate_dead_code()
+    ac_stats = activation_checkpointing.tag_recompute(gm)
+    gm.recompile()
+    seconds = time.perf_counter() - t0
+    logger.info("local joint graph: %d nodes in %.2fs", len(gm.graph.nodes), seconds)
+    return LocalJoint(
+        gm=gm,
+        mesh=mesh,
+        param_fqns=param_fqns,
+        buffer_fqns=buffer_fqns,
+        param_specs=param_specs,
+        buffer_specs=buffer_specs,
+        input_specs=input_specs,
+        output_specs=output_specs,
+        differentiable_outputs=differentiable,
+        has_grad=has_grad,
+        seconds=seconds,
+        ac_stats=ac_stats,
+    )

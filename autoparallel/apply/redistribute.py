@@ -1,0 +1,121 @@
+"""Rank-generic redistribution of local shards between two DTensorSpecs.
+
+PyTorch's ``redistribute_local_tensor`` bakes this rank's mesh coordinate
+into the traced graph wherever a replicated tensor is split (Replicate ->
+Shard). Here the coordinate comes from a tensor, ``coords`` (this rank's
+coordinate on every mesh dim, a graph input), so one traced graph serves every
+rank: under ``LocalTensorMode`` it runs all simulated ranks at once, and the
+graph is the same on every rank of a real job except for process-group names.
+
+Collectives are PyTorch's functional collectives (all-gather, reduce-scatter,
+all-reduce, all-to-all, each followed by its wait) on the mesh dim's group,
+emitted by the placements' own methods. The order of steps over mesh dims is
+DTensor's own transform plan (``_gen_transform_infos``).
+
+>>> # x: local shard of a [8, 4] tensor laid out S(0) on a 1-D mesh of 2
+>>> # y = redistribute(x, spec_s0, spec_replicate, coords)   # all-gather
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _MaskPartial
+
+__all__ = ["redistribute", "shard_of_replicated", "UnsupportedRedistribution"]
+
+
+class UnsupportedRedistribution(NotImplementedError):
+    """A transition apply cannot run (e.g. one that needs uneven shards)."""
+
+
+def shard_of_replicated(x: torch.Tensor, dim: int, num_chunks: int, coord: torch.Tensor) -> torch.Tensor:
+    """This rank's chunk of ``x`` along ``dim``; ``coord`` is a 1-element int64 tensor.
+
+    >>> shard_of_replicated(torch.arange(6), 0, 3, torch.tensor([1]))
+    tensor([2, 3])
+    """
+    size = x.shape[dim]
+    if size % num_chunks:
+        raise UnsupportedRedistribution(f"dim {dim} of size {size} does not split evenly in {num_chunks}")
+    chunk = size // num_chunks
+    split = x.unflatten(dim, (num_chunks, chunk))
+    return split.index_select(dim, coord).squeeze(dim)
+
+
+def shard_to_shard(x: torch.Tensor, src_dim: int, dst_dim: int, mesh, mesh_dim: int) -> torch.Tensor:
+    """S(src_dim) -> S(dst_dim) on one mesh dim with one all-to-all.
+
+    (DTensor's own version all-gathers and picks this rank's chunk on CPU,
+    which bakes the rank into the graph.)
+    """
+    n = mesh.size(mesh_dim)
+    if x.shape[dst_dim] % n:
+        raise UnsupportedRedistribution(f"dim {dst_dim} of size {x.shape[dst_dim]} does not split evenly in {n}")
+    # chunk k of dst_dim goes to rank k: put chunks on a leading dim
+    send = x.unflatten(dst_dim, (n, x.shape[dst_dim] // n)).movedim(dst_dim, 0).contiguous()
+    recv = _wait(funcol.all_to_all_single(send.flatten(), None, None, group=(mesh, mesh_dim)))
+    recv = recv.view(send.shape)
+    # recv[k] is rank k's src_dim shard of my dst_dim chunk: concatenate in order
+    return recv.movedim(0, src_dim).flatten(src_dim, src_dim + 1)
+
+
+def _wait(x: torch.Tensor) -> torch.Tensor:
+    return x.wait() if isinstance(x, AsyncCollectiveTensor) else x
+
+
+def _step(x: torch.Tensor, cur: Placement, dst: Placement, spec: DTensorSpec, mesh_dim: int,
+          logical_shape, coords: torch.Tensor) -> torch.Tensor:
+    mesh = spec.mesh
+    n = mesh.size(mesh_dim)
+    if isinstance(cur, _MaskPartial) or isinstance(dst, _MaskPartial):
+        raise UnsupportedRedistribution(
+            "row-sharded embedding (_MaskPartial) is not supported by apply yet"
+        )
+    if dst.is_replicate():
+        if cur.is_partial():
+            return cast(Partial, cur)._reduce_value(x, mesh, mesh_dim)
+        if cur.is_shard():
+            return cast(Shard, cur)._to_replicate_tensor(x, mesh, mesh_dim, logical_shape)
+    elif dst.is_shard():
+        shard = cast(Shard, dst)
+        if cur.is_partial():
+            return cast(Partial, cur)._reduce_shard_value(x, mesh, mesh_dim, shard)
+        if cur.is_replicate():
+            return shard_of_replicated(x, shard.dim, n, coords[mesh_dim : mesh_dim + 1])
+        if cur.is_shard():
+            return shard_to_shard(x, cast(Shard, cur).dim, shard.dim, mesh, mesh_dim)
+    elif dst.is_partial():
+        if cur.is_replicate():
+            return cast(Partial, dst)._partition_value(x, mesh, mesh_dim)
+    raise UnsupportedRedistribution(f"redistribution {cur} -> {dst} on mesh dim {mesh_dim}")
+
+
+def redistribute(x: torch.Tensor, src: DTensorSpec, dst: DTensorSpec, coords: torch.Tensor) -> torch.Tensor:
+    """The local shard of ``x`` (laid out as ``src``) laid out as ``dst``."""
+    if src.placements == dst.placements:
+        return x
+    if src.tensor_meta is None:
+        src = DTensorSpec(src.mesh, src.placements, tensor_meta=dst.tensor_meta)
+    for info in _gen_transform_infos_non_cached(src, dst):
+        cur, target = info.src_dst_placements
+        if cur == target or src.mesh.size(info.mesh_dim) == 1:
+            continue
+        x = _wait(_step(x, cur, target, src, info.mesh_dim, info.logical_shape, coords))
+    return x
+
+
+def replicate_spec(spec: DTensorSpec) -> DTensorSpec:
+    return DTensorSpec(spec.mesh, tuple(Replicate() for _ in spec.placements), tensor_meta=spec.tensor_meta)
+
+
+def user_spec(spec: DTensorSpec) -> DTensorSpec:
+    """``spec`` with Partial mesh dims replaced by Replicate: how outputs are
+    handed to the user (and their gradients taken back)."""
+    placements = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
+    return DTensorSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta)

@@ -1,0 +1,58 @@
+"""Apply stage 3: run the forward/backward graphs as one autograd op.
+
+``ParallelStep`` holds the two graphs; ``ParallelStep.apply(primals)`` runs
+the forward graph inside an ``autograd.Function`` whose backward runs the
+backward graph, so gradients reach the local tensors of the parameters (and
+from there, through ``DTensor.to_local``, the DTensor parameters).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .local_graph import LocalJoint, local_shape
+from .partition import StepGraphs
+
+
+@dataclass
+class ParallelStep:
+    local: LocalJoint
+    graphs: StepGraphs
+
+    def __call__(self, primals: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return _StepFunction.apply(self, *primals)
+
+
+class _StepFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, step: ParallelStep, *primals):
+        g = step.graphs
+        outs = g.fw(*primals)
+        fwd, saved = outs[: g.num_fwd_outputs], outs[g.num_fwd_outputs :]
+        ctx.step = step
+        ctx.save_for_backward(*saved)
+        diff = set(step.local.differentiable_outputs)
+        ctx.mark_non_differentiable(*[o for i, o in enumerate(fwd) if i not in diff])
+        return tuple(fwd)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        step: ParallelStep = ctx.step
+        local, g = step.local, step.graphs
+        saved = ctx.saved_tensors
+        tangents = []
+        for i in local.differentiable_outputs:
+            t = grad_outputs[i]
+            if t is None:
+                spec = local.output_specs[i]
+                t = torch.zeros(local_shape(spec), dtype=spec.tensor_meta.dtype, device=saved[0].device if saved else None)
+            tangents.append(t.contiguous())
+        args = [saved[j] if kind == "saved" else tangents[j] for kind, j in g.bw_inputs]
+        grads = list(g.bw(*args))
+        n_params = len(local.param_fqns)
+        if len(grads) != n_params:
+            raise RuntimeError(f"backward graph returned {len(grads)} gradients for {n_params} parameters")
+        rest = [None] * (len(ctx.needs_input_grad) - 1 - n_params)
+        return (None, *grads, *rest)
