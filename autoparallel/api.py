@@ -322,6 +322,8 @@ class AutoParallel:
                 comm_cost=comm.get(node.name, 0.0),
                 transition_cost=tiebreak.get(node.name, 0.0),
                 option=choice[node.name],
+                is_parameter=node in param_fqn,
+                recompute=getattr(node.meta.get("recompute"), "name", None),
             )
         for consumer, items in incoming.items():
             nodes[consumer].incoming = [(p, nodes[p].output_placements, c) for p, c in items]

@@ -35,8 +35,27 @@ class NodePlan:
     comm_cost: float  # incoming redistributions, seconds
     transition_cost: float  # tie-break part of comm_cost
     option: int = 0
+    is_parameter: bool = False
+    # Activation checkpointing tag ("MUST_SAVE" / "PREFER_RECOMPUTE"), if any.
+    recompute: str | None = None
     # (producer name, producer placement, seconds) for non-free transitions
     incoming: list[tuple[str, str, float]] = field(default_factory=list)
+
+
+@dataclass
+class PlacementKind:
+    """Nodes of one kind (see :meth:`Plan.placements_by_kind`) and how many
+    of them took each placement (``inputs -> output`` for ops)."""
+
+    role: str  # "parameter" | "forward" | "backward"
+    module_path: str  # layer indices folded to "*"
+    op: str  # "" for parameters
+    placements: dict[str, int] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        what = self.module_path + (f" {self.op.removeprefix('aten.').removesuffix('.default')}" if self.op else "")
+        chosen = "; ".join(f"{p}" + (f" (x{c})" if c > 1 else "") for p, c in self.placements.items())
+        return f"{self.role:9s} {what}: {chosen}"
 
 
 @dataclass
@@ -94,6 +113,32 @@ class Plan:
             )
         return "\n".join(lines)
 
+    def placements_by_kind(self) -> list[PlacementKind]:
+        """Chosen placements grouped by what a node is, for a readable overview.
+
+        A kind is (phase, module path with layer indices folded to ``*``, op):
+        ``layers.*.attention.wq`` covers that projection in every layer.
+        Parameters are the graph inputs with a module path (their FQN).
+        Sorted by phase, then the first node of each kind in graph order.
+        """
+        kinds: dict[tuple, PlacementKind] = {}
+        for n in self.nodes.values():
+            if n.module_path is None or n.shape is None:
+                continue
+            is_param = n.is_parameter
+            if not (is_param or n.op.startswith("aten.")):
+                continue  # getitem, user inputs, tangents
+            key = ("parameter" if is_param else n.phase, _fold_layers(n.module_path), "" if is_param else n.op)
+            kind = kinds.get(key)
+            if kind is None:
+                kind = kinds[key] = PlacementKind(*key)
+            signature = (
+                n.output_placements if is_param else f"{','.join(n.input_placements)} -> {n.output_placements}"
+            )
+            kind.placements[signature] = kind.placements.get(signature, 0) + 1
+        order = {"parameter": 0, "forward": 1, "backward": 2}
+        return sorted(kinds.values(), key=lambda k: order[k.role])
+
     # -- JSON -----------------------------------------------------------------
     def to_json(self) -> dict:
         s = self.solution
@@ -142,6 +187,11 @@ def diff(a: Plan, b: Plan) -> list[str]:
                 f"  vs  {','.join(nb.input_placements)}->{nb.output_placements}"
             )
     return sorted(out)
+
+
+def _fold_layers(path: str) -> str:
+    """``layers.3.attention.wq`` -> ``layers.*.attention.wq``."""
+    return ".".join("*" if part.isdigit() else part for part in path.split("."))
 
 
 def _us(seconds: float) -> str:

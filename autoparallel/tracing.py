@@ -60,6 +60,8 @@ class TracedStep:
     grad_nodes: dict[str, torch.fx.Node | None]  # param FQN -> gradient node
     # Aliases of tied parameters: alias FQN -> FQN used in param_nodes.
     tied_params: dict[str, str] = field(default_factory=dict)
+    # Recompute tags that module-level activation checkpointing left.
+    ac_stats: activation_checkpointing.ACTagStats | None = None
     trace_seconds: float = 0.0
 
 
@@ -293,6 +295,9 @@ def trace_training_step(
     ):
         joint = aot_export_joint_with_descriptors(stack, to_trace, args, kwargs)
     gm = joint.graph_module
+    # Checkpointed modules reach the graph as annotations; turn them into the
+    # partitioner's recompute tags now, so the plan and its dumps see them.
+    ac_stats = activation_checkpointing.tag_recompute(gm)
 
     def fqn(target: str) -> str:
         return target[len(prefix) :] if prefix and target.startswith(prefix) else target
@@ -352,5 +357,6 @@ def trace_training_step(
         tangent_nodes=tangent_by_output,
         grad_nodes=grad_nodes,
         tied_params=tied,
+        ac_stats=ac_stats,
         trace_seconds=seconds,
     )
