@@ -10,7 +10,8 @@ The stages, one module each:
   honouring activation-checkpointing tags (:class:`StepGraphs`);
 * :mod:`.runtime`: the two graphs as one autograd op (:class:`ParallelStep`);
 * :mod:`.module`: the user's module structure with DTensor parameters and a
-  forward that runs the step on local inputs.
+  forward that runs the step on local inputs;
+* :mod:`.collectives`: what a local graph communicates, per kind and mesh dim.
 
 Usage, inside the ``AutoParallel`` context::
 
@@ -30,6 +31,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten_with_path
 
 from ..tracing import normalize_inputs
+from .collectives import Collective, collectives, summarize
 from .local_graph import ApplyError, LocalJoint, build_local_joint, local_shape
 from .module import InputSlot, ParallelModuleMixin, ParallelState, make_parallel_module
 from .partition import StepGraphs, split_joint
@@ -44,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "ApplyError",
+    "Collective",
     "InputSlot",
     "LocalJoint",
     "ParallelModuleMixin",
@@ -53,9 +56,11 @@ __all__ = [
     "UnsupportedRedistribution",
     "apply_placement",
     "build_local_joint",
+    "collectives",
     "local_shape",
     "redistribute",
     "split_joint",
+    "summarize",
 ]
 
 

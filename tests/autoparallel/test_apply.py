@@ -294,3 +294,16 @@ def test_wrong_world_size(ffn_parallel):
     ffn_parallel.to_empty(device="cpu")
     with pytest.raises(RuntimeError, match="mesh of 8 ranks .* process group has 4"):
         ffn_parallel(torch.randn(1, SEQ, 16))
+
+
+def test_collective_summary(fake_world):
+    from autoparallel.apply import collectives, summarize
+
+    fake_world(8)
+    parallel, mesh, _ = _apply("ffn", (2, 4))
+    items = collectives(parallel.parallel_graph, mesh)
+    assert items and all(c.mesh_dim in (0, 1) for c in items)
+    table = summarize(items)
+    assert ("forward", "all_gather_into_tensor", 0) in table or ("forward", "all_gather_into_tensor", 1) in table
+    assert any(kind == "reduce_scatter_tensor" and phase == "backward" for phase, kind, _ in table)
+    assert all(count > 0 and size > 0 for count, size in table.values())
