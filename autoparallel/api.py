@@ -343,11 +343,23 @@ class AutoParallel:
             parameter_bytes_total=total,
         )
 
-    def apply_placement(self, plan: Plan, *, partitioner: str = "min_cut") -> nn.Module:
+    def apply_placement(
+        self,
+        plan: Plan,
+        *,
+        partitioner: str = "min_cut",
+        disable_passes: Sequence[str] = (),
+        pass_options: Any = None,
+    ) -> nn.Module:
         """A copy of the model whose parameters are DTensors laid out as ``plan``
         says and whose forward runs the plan on per-rank local inputs (see
-        :mod:`autoparallel.apply`)."""
+        :mod:`autoparallel.apply`). The rewrite passes of
+        :mod:`autoparallel.passes` run on the way; ``disable_passes`` names
+        those to skip, ``pass_options`` is a
+        :class:`~autoparallel.passes.PassOptions`."""
         self._require_open()
         from .apply import apply_placement
 
-        return apply_placement(self, plan, partitioner=partitioner)
+        return apply_placement(
+            self, plan, partitioner=partitioner, disable_passes=disable_passes, pass_options=pass_options
+        )

@@ -16,6 +16,8 @@ from typing import Any
 
 import solver
 
+from .passes import stats_to_json
+
 
 PLAN_SCHEMA = "autoparallel.plan/1"
 
@@ -69,6 +71,8 @@ class Plan:
     timings: dict[str, float] = field(default_factory=dict)
     parameter_bytes_per_rank: float = 0.0
     parameter_bytes_total: float = 0.0
+    # Rewrite passes run by apply_placement: name -> stats (see autoparallel.passes).
+    pass_stats: dict[str, Any] = field(default_factory=dict)
 
     # -- summaries --------------------------------------------------------
     @property
@@ -111,6 +115,8 @@ class Plan:
             lines.append(
                 "  timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items())
             )
+        for name, stats in self.pass_stats.items():
+            lines.append(f"  pass {name}: {stats}")
         return "\n".join(lines)
 
     def placements_by_kind(self) -> list[PlacementKind]:
@@ -165,6 +171,7 @@ class Plan:
                 "parameter_bytes_total": self.parameter_bytes_total,
             },
             "constraints": self.constraints,
+            "passes": stats_to_json(self.pass_stats),
             "nodes": [asdict(n) for n in self.nodes.values()],
         }
 

@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten_with_path
 
+from .. import passes
 from ..tracing import normalize_inputs
 from .collectives import Collective, collectives, summarize
 from .local_graph import ApplyError, LocalJoint, build_local_joint, local_shape
@@ -86,15 +87,37 @@ def _input_slots(inputs, local: LocalJoint, input_nodes) -> tuple:
     return in_spec, slots
 
 
-def apply_placement(autop: "AutoParallel", plan: "Plan", *, partitioner: str = "min_cut") -> nn.Module:
-    """Build the parallel module for ``plan`` (see the module docstring)."""
+def apply_placement(
+    autop: "AutoParallel",
+    plan: "Plan",
+    *,
+    partitioner: str = "min_cut",
+    disable_passes: tuple[str, ...] | list[str] = (),
+    pass_options: "passes.PassOptions | None" = None,
+) -> nn.Module:
+    """Build the parallel module for ``plan`` (see the module docstring),
+    running the rewrite passes of :mod:`autoparallel.passes` on the way."""
     built = autop.built
     if built is None:
         raise RuntimeError("call optimize_placement() before apply_placement()")
+    disabled = passes.check_disabled(disable_passes)
     traced = autop.traced
     choice = {name: node_plan.option for name, node_plan in plan.nodes.items()}
+    ctx = passes.PassContext(
+        mesh=autop.mesh,
+        plan=plan,
+        options=pass_options or passes.PassOptions(),
+        traced=traced,
+        strategies=built.strategies,
+        choice=choice,
+    )
+    stats = passes.run_stage("plan", ctx, disabled)
     local = build_local_joint(traced, built.strategies, choice, autop.mesh)
+    ctx.local = local
+    stats.update(passes.run_stage("joint", ctx, disabled, local.gm))
     graphs = split_joint(local, partitioner)
+    stats.update(passes.run_stage("graphs", ctx, disabled, graphs.fw, graphs.bw))
+    plan.pass_stats = stats
     step = ParallelStep(local, graphs)
     in_spec, slots = _input_slots(autop.inputs, local, traced.input_nodes)
     out_spec = getattr(traced.joint, "out_spec", None)

@@ -1,0 +1,138 @@
+"""Rewrite passes that ``apply_placement`` runs on the plan and its graphs.
+
+Each pass is one module of this package holding one function that takes
+what it rewrites plus a :class:`PassContext` and returns a small stats
+dataclass. Passes run at one of three points of the apply pipeline:
+
+* ``"plan"``: on the traced joint graph and the plan's choice, before the
+  rank-local graph is built (e.g. removing alias round-trips);
+* ``"joint"``: on the rank-local joint graph, before the forward/backward
+  split (e.g. tagging all-gather chains for recomputation);
+* ``"graphs"``: on the forward and on the backward graph after the split
+  (e.g. fusing chained all-gathers, overlap scheduling); such a pass is
+  called once per graph, with ``ctx.graph_kind`` set to "forward" or
+  "backward", and returns stats for that graph.
+
+All registered passes run by default, in :data:`PASSES` order within a
+stage; ``apply_placement(plan, disable_passes=("name", ...))`` switches some
+off. Stats are logged, stored on the plan (``plan.pass_stats``, shown in
+``plan.summary()`` and the JSON dump).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Literal
+
+logger = logging.getLogger(__name__)
+
+Stage = Literal["plan", "joint", "graphs"]
+
+
+@dataclass
+class PassOptions:
+    """Knobs of the passes (``apply_placement(..., pass_options=...)``)."""
+
+    # FSDP-style: re-gather parameters in backward instead of saving the
+    # gathered weights (False: ZeRO-2 style, keep them).
+    reshard_after_forward: bool = True
+    # Overlap scheduling: most compute ops between two reduce-scatters in
+    # backward, and how many layers of parameter all-gathers to prefetch.
+    max_consecutive_compute: int = 8
+    prefetch_layers: int = 1
+
+
+@dataclass
+class PassContext:
+    """What passes may read: the mesh, the plan and the apply state so far."""
+
+    mesh: Any  # DeviceMesh
+    plan: Any  # autoparallel.plan.Plan
+    options: PassOptions = field(default_factory=PassOptions)
+    # Set by apply as it goes (None until that stage).
+    traced: Any = None  # autoparallel.tracing.TracedStep
+    strategies: Any = None  # dict[fx.Node, NodeStrategy]
+    choice: dict[str, int] | None = None  # node name -> option index (mutable in "plan")
+    local: Any = None  # autoparallel.apply.LocalJoint ("joint" and later)
+    graph_kind: str | None = None  # "forward" | "backward" during "graphs"
+
+
+PassFn = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class PassSpec:
+    name: str
+    stage: Stage
+    fn: PassFn  # plan: fn(ctx); joint: fn(gm, ctx); graphs: fn(gm, ctx)
+
+
+# Registration order is run order within a stage.
+PASSES: list[PassSpec] = []
+
+
+def register_pass(name: str, stage: Stage) -> Callable[[PassFn], PassFn]:
+    """Decorator adding a pass to :data:`PASSES` (names are unique)."""
+
+    def wrap(fn: PassFn) -> PassFn:
+        if any(p.name == name for p in PASSES):
+            raise ValueError(f"a pass named {name!r} is already registered")
+        PASSES.append(PassSpec(name, stage, fn))
+        return fn
+
+    return wrap
+
+
+def pass_names() -> list[str]:
+    return [p.name for p in PASSES]
+
+
+def check_disabled(disabled: Iterable[str]) -> frozenset[str]:
+    disabled = frozenset(disabled)
+    unknown = disabled - set(pass_names())
+    if unknown:
+        raise ValueError(f"unknown pass(es) {sorted(unknown)}; passes are {pass_names()}")
+    return disabled
+
+
+def run_stage(stage: Stage, ctx: PassContext, disabled: frozenset[str], *targets) -> dict[str, Any]:
+    """Run the enabled passes of ``stage``; returns name -> stats (a dict of
+    graph kind -> stats for the "graphs" stage)."""
+    results: dict[str, Any] = {}
+    for spec in PASSES:
+        if spec.stage != stage or spec.name in disabled:
+            continue
+        t0 = time.perf_counter()
+        if stage == "plan":
+            stats = spec.fn(ctx)
+        elif stage == "joint":
+            stats = spec.fn(targets[0], ctx)
+        else:
+            stats = {}
+            for kind, gm in zip(("forward", "backward"), targets):
+                ctx.graph_kind = kind
+                stats[kind] = spec.fn(gm, ctx)
+            ctx.graph_kind = None
+        logger.info("pass %s: %s (%.2fs)", spec.name, stats, time.perf_counter() - t0)
+        results[spec.name] = stats
+    return results
+
+
+def stats_to_json(stats: Any) -> Any:
+    """Plain data of a stats object (dataclasses, dicts of them)."""
+    if dataclasses.is_dataclass(stats) and not isinstance(stats, type):
+        return {k: stats_to_json(v) for k, v in dataclasses.asdict(stats).items()}
+    if isinstance(stats, dict):
+        return {str(k): stats_to_json(v) for k, v in stats.items()}
+    if isinstance(stats, (list, tuple)):
+        return [stats_to_json(v) for v in stats]
+    if isinstance(stats, (int, float, str, bool)) or stats is None:
+        return stats
+    return str(stats)
+
+
+# Importing the pass modules registers them, in this order.
+# (Each pass module adds itself here when it is written.)
