@@ -30,6 +30,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 from .backends import SolverError, get_backend
@@ -110,7 +111,7 @@ def solve(
     if expand is not None:
         choice = expand(choice)
     unary, edge = evaluate(problem, choice)
-    bad = violations(problem, choice)
+    bad = violations(problem, choice, costs_finite=math.isfinite(unary + edge))
     if bad:
         raise SolverError(f"internal error: solution violates {bad}")
     timings["extract"] = result.timings.get("extract", 0.0) + time.perf_counter() - t0

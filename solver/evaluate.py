@@ -44,11 +44,13 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> tuple[float, float]:
     return unary, edge
 
 
-def violations(problem: Problem, choice: dict[str, int]) -> list[str]:
+def violations(problem: Problem, choice: dict[str, int], *, costs_finite: bool = False) -> list[str]:
     """Describe everything ``choice`` violates; empty when it is feasible.
 
     Constraint violations are reported by the constraint's user-facing name
     (once per group), forbidden options and pairs by decision/edge.
+    ``costs_finite=True`` (the caller found the total cost of ``choice``
+    finite) skips looking for forbidden pairs, which cannot exist then.
     """
     out: list[str] = []
     index = problem.decision_index()
@@ -66,7 +68,7 @@ def violations(problem: Problem, choice: dict[str, int]) -> list[str]:
     if out:
         return out
 
-    for e in problem.edges:
+    for e in () if costs_finite else problem.edges:
         i, j = choice[e.producer], choice[e.consumer]
         if math.isinf(e.costs[i][j]):
             out.append(

@@ -175,12 +175,10 @@ class MergePhase:
             valid = np.ones(n_root, dtype=bool)
             for arr in {id(o): o for o in omap.values()}.values():
                 valid &= arr >= 0
-            names = []
             for m in members:
                 for k, y, mp, forward in adj[m]:
                     if not forward:
                         continue
-                    names.append(p.links[k].name)
                     oa, ob = omap[m], omap[y]
                     if k in tree or (mp is None and oa is ob):
                         continue
@@ -188,13 +186,10 @@ class MergePhase:
                         valid &= oa == ob
                     else:
                         valid &= (oa >= 0) & (mp[np.maximum(oa, 0)] == ob)
-            names = list(dict.fromkeys(names))
-            cause = (
-                f"links {', '.join(map(repr, names))} leave no consistent "
-                f"correspondence between the options of "
-                f"{', '.join(repr(p.decisions[m].name) for m in members[:4])}"
-                + (f" and {len(members) - 4} more" if len(members) > 4 else "")
-            )
+            if valid.all():
+                cause = None  # only read when links remove options
+            else:
+                cause = self._link_cause(members, adj)
             base = omap[root]
             omaps = [
                 None if omap[m] is base and len(decs[m].options) == n_root else omap[m]
@@ -202,6 +197,18 @@ class MergePhase:
             ]
             out.append((members, omaps, valid, cause))
         return out
+
+    def _link_cause(self, members: list[int], adj: dict[int, list]) -> str:
+        p = self.p
+        names = list(dict.fromkeys(
+            p.links[k].name for m in members for k, _, _, forward in adj[m] if forward
+        ))
+        return (
+            f"links {', '.join(map(repr, names))} leave no consistent "
+            f"correspondence between the options of "
+            f"{', '.join(repr(p.decisions[m].name) for m in members[:4])}"
+            + (f" and {len(members) - 4} more" if len(members) > 4 else "")
+        )
 
     def _merge_edges(self, index, group_of, sel) -> None:
         decs = self.p.decisions
