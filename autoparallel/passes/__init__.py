@@ -136,3 +136,5 @@ def stats_to_json(stats: Any) -> Any:
 
 # Importing the pass modules registers them, in this order.
 # (Each pass module adds itself here when it is written.)
+from . import fuse_all_gathers  # noqa: E402,F401
+from . import alias_round_trips  # noqa: E402,F401
