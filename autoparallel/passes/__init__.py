@@ -138,3 +138,5 @@ def stats_to_json(stats: Any) -> Any:
 # (Each pass module adds itself here when it is written.)
 from . import fuse_all_gathers  # noqa: E402,F401
 from . import alias_round_trips  # noqa: E402,F401
+from . import recompute_all_gathers  # noqa: E402,F401
+from . import schedule_overlap  # noqa: E402,F401

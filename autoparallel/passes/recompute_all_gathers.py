@@ -1,0 +1,184 @@
+"""Re-gather parameters in backward instead of saving the gathered weights.
+
+An FSDP-style plan gathers each sharded parameter before the compute that
+uses it::
+
+    primal (shard) -> [cast] -> all_gather -> wait -> [split/cat] -> t / view ...
+
+The backward needs the gathered weight again (``grad_x = grad_y @ W``). Left
+alone, the partitioner saves it (collectives are MUST_SAVE by default), so
+every layer's full weight stays alive from forward to backward: the memory
+FSDP exists to avoid. This pass tags the whole chain ``MUST_RECOMPUTE`` so
+the backward gathers again from the shard (a primal, always available).
+
+The chain is every forward node that is a function of one parameter alone
+(plus the ``coords`` input) built from collectives, casts and layout ops, and
+that is connected to an all-gather: the cast before it, the all-gather and
+its wait, the slices/cat that place gathered chunks, and the single-input
+chain of layout ops after it (``t``, ``permute``, ``view``, ``expand``...).
+Tagging only the collective would let the partitioner save ``t(W)`` instead:
+the same bytes under another name.
+
+``PassOptions.reshard_after_forward=False`` (ZeRO-2 style) does the opposite:
+the chain's collectives are MUST_SAVE even inside a selective-AC region, so
+the gathered weights are kept for backward and never re-gathered.
+
+Tags (read by ``torch._functorch.partitioners``): ``meta["recompute"]`` and
+``meta["ac_graph_id"]``. The id is a large constant: the partitioner turns a
+recomputed node into MUST_SAVE when one of its recomputed users has a larger
+``ac_graph_id`` (the boundary between two AC regions); chain nodes feed AC
+regions with small ids, never the other way round, so they stay recomputed.
+
+>>> # stats = recompute_all_gathers(local.gm, ctx)    # doctest: +SKIP
+>>> # RecomputeAllGathersStats(chains=21, all_gathers=21, nodes_tagged=84, ...)
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from ..activation_checkpointing import forward_nodes
+from . import PassContext, register_pass
+
+__all__ = ["RecomputeAllGathersStats", "recompute_all_gathers", "saved_for_backward", "param_gather_chains"]
+
+# Far above any AC region id (see the module docstring).
+CHAIN_AC_GRAPH_ID = 1_000_000
+
+_c10d = torch.ops._c10d_functional
+_aten = torch.ops.aten
+_AG = _c10d.all_gather_into_tensor.default
+_COLLECTIVES = {_AG, _c10d.wait_tensor.default, _c10d.all_to_all_single.default}
+# Non-view ops that only move or cast a parameter's data.
+_DATA_MOVES = {
+    _aten.clone.default,
+    _aten.cat.default,
+    _aten._to_copy.default,
+    _aten.index_select.default,  # this rank's chunk, by coords
+    _aten.reshape.default,
+    _aten.split.Tensor,
+    _aten.split_with_sizes.default,
+    _aten.chunk.default,
+    _aten.unbind.int,
+    torch.ops.prims.convert_element_type.default,
+    operator.getitem,
+}
+
+
+def _is_chain_op(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    t = node.target
+    if t in _COLLECTIVES or t in _DATA_MOVES:
+        return True
+    return isinstance(t, torch._ops.OpOverload) and t.is_view
+
+
+@dataclass
+class RecomputeAllGathersStats:
+    mode: str = "recompute"  # "recompute" or "save" (reshard_after_forward=False)
+    chains: int = 0  # parameters with a gather chain in the forward
+    all_gathers: int = 0
+    nodes_tagged: int = 0
+    # per rank: bytes of the gathered weights (all-gather outputs) in the chains
+    gathered_bytes: int = 0
+
+
+def _nbytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def _param_and_free_inputs(gm: fx.GraphModule, ctx: PassContext | None) -> tuple[list[fx.Node], set[fx.Node]]:
+    """Parameter (and buffer) placeholders, and inputs a chain may read
+    besides its parameter (the ``coords`` input)."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    local = getattr(ctx, "local", None)
+    if local is None:  # a bare graph: every primal may be a parameter
+        return [p for p in placeholders if "tangents" not in str(p.target)], set()
+    params = placeholders[: len(local.param_fqns) + len(local.buffer_fqns)]
+    free = {placeholders[local.num_primals - 1]} if local.num_primals <= len(placeholders) else set()
+    return params, free
+
+
+def param_gather_chains(
+    gm: fx.GraphModule,
+    ctx: PassContext | None = None,
+    *,
+    params: list[fx.Node] | None = None,
+    forward_only: bool = True,
+) -> dict[fx.Node, list[fx.Node]]:
+    """Parameter placeholder -> its gather chain (graph order); only gathered
+    parameters appear. ``params`` overrides which placeholders are parameters;
+    ``forward_only`` (for joint graphs) ignores backward nodes."""
+    found, free = _param_and_free_inputs(gm, ctx)
+    if params is None:
+        params = found
+    fwd = forward_nodes(gm) if forward_only else set(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    chains: dict[fx.Node, list[fx.Node]] = {}
+    for p in params:
+        # forward closure: chain ops whose inputs are all p, free, or closure
+        closure: set[fx.Node] = set()
+        frontier = [p]
+        while frontier:
+            n = frontier.pop()
+            for u in n.users:
+                if u in closure or u not in fwd or not _is_chain_op(u):
+                    continue
+                if all(a is p or a in free or a in closure for a in u.all_input_nodes):
+                    closure.add(u)
+                    frontier.append(u)
+        gathers = [n for n in closure if n.target is _AG]
+        if not gathers:
+            continue
+        # keep what is connected to a gather: its ancestors and descendants
+        keep: set[fx.Node] = set(gathers)
+        stack = list(gathers)
+        while stack:  # ancestors inside the closure (casts before the gather)
+            for a in stack.pop().all_input_nodes:
+                if a in closure and a not in keep:
+                    keep.add(a)
+                    stack.append(a)
+        stack = list(gathers)
+        while stack:  # descendants inside the closure (wait, layout chain)
+            for u in stack.pop().users:
+                if u in closure and u not in keep:
+                    keep.add(u)
+                    stack.append(u)
+        chains[p] = sorted(keep, key=order.__getitem__)
+    return chains
+
+
+@register_pass("recompute_all_gathers", "joint")
+def recompute_all_gathers(gm: fx.GraphModule, ctx: PassContext) -> RecomputeAllGathersStats:
+    """Tag parameter all-gather chains of the joint graph ``gm`` (in place)."""
+    recompute = ctx.options.reshard_after_forward
+    stats = RecomputeAllGathersStats(mode="recompute" if recompute else "save")
+    for chain in param_gather_chains(gm, ctx).values():
+        stats.chains += 1
+        for n in chain:
+            if n.target is _AG:
+                stats.all_gathers += 1
+                stats.gathered_bytes += _nbytes(n)
+            if recompute:
+                n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+                n.meta["ac_graph_id"] = CHAIN_AC_GRAPH_ID
+                stats.nodes_tagged += 1
+            elif n.target in _COLLECTIVES:
+                # keep the gathered weight even where selective AC said recompute
+                n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+                n.meta.pop("ac_graph_id", None)
+                stats.nodes_tagged += 1
+    return stats
+
+
+def saved_for_backward(fw: fx.GraphModule, num_fwd_outputs: int) -> list[tuple[str, int]]:
+    """(name, bytes per rank) of each tensor a forward graph saves for backward."""
+    (out,) = fw.graph.find_nodes(op="output")
+    return [(n.name, _nbytes(n)) for n in out.args[0][num_fwd_outputs:] if isinstance(n, fx.Node)]
