@@ -7,6 +7,15 @@ DTensor with the plan's placements (meta until ``to_empty``), and swaps the
 copy's class for a subclass whose ``forward`` runs the rank-local step.
 FQNs, and so ``state_dict`` keys, are unchanged; tied parameters stay tied.
 
+``init_weights``/``reset_parameters`` (where the model defines them) run the
+model's own method under :func:`.init.full_tensor_rng`: every random init of
+a DTensor parameter draws the full tensor and keeps this rank's shard, so a
+seeded init equals the single-device init of the same seed and all ranks stay
+in RNG lockstep, at the cost of one full parameter at a time (see
+:mod:`.init`). ``state_dict()`` holds DTensors, so
+``torch.distributed.checkpoint`` saves and loads (and reshards between plans)
+as is; ``load_state_dict`` also takes full tensors.
+
 The forward takes this rank's LOCAL shard of every input (what the input's
 planned placement gives this rank) and returns local outputs (Partial mesh
 dims reduced).
@@ -29,6 +38,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten_with_path, tree_unflatten
 
 from ..strategies import format_specs
+from .init import wrap_init
 from .local_graph import LocalJoint, local_shape
 from .runtime import ParallelStep
 
@@ -260,9 +270,15 @@ def _slots(model: nn.Module, named) -> dict[str, list[tuple[nn.Module, str]]]:
 _class_cache: dict[type, type] = {}
 
 
+_INIT_METHODS = ("init_weights", "reset_parameters")
+
+
 def _parallel_class(cls: type) -> type:
     if cls not in _class_cache:
-        _class_cache[cls] = type(f"Parallel{cls.__name__}", (ParallelModuleMixin, cls), {})
+        # the model's own init methods, run so that random inits of DTensor
+        # parameters equal the single-device init (see .init)
+        ns = {name: wrap_init(getattr(cls, name)) for name in _INIT_METHODS if callable(getattr(cls, name, None))}
+        _class_cache[cls] = type(f"Parallel{cls.__name__}", (ParallelModuleMixin, cls), ns)
     return _class_cache[cls]
 
 
