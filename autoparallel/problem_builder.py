@@ -112,11 +112,24 @@ def _grad_tail(traced: TracedStep) -> set[torch.fx.Node]:
     return tail
 
 
-class _EdgeCache:
+class _EdgeMatrices:
+    """Edge cost matrices, each computed once per distinct block.
+
+    * Per (producer option list, consumer option list, argument, overlap
+      kind), by identity: repeated layers share option lists, so every
+      repeat of an edge gets the same matrix object, which the solver then
+      reads once (it memoises matrices by id in validation and presolve).
+    * Per (distinct source placements, distinct target placements, tensor
+      shape and dtype, overlap kind), by value: the option grid repeats
+      placements (options differ in their other inputs), and many edges of
+      a layer carry tensors of one shape (q/k/v, gate/up, residuals).
+    """
+
     def __init__(self, device, overlap):
         self.device = device
         self.overlap = overlap
-        self._cache: dict = {}
+        self._matrices: dict = {}
+        self._classes: dict = {}
 
     def _pair(self, src, dst, kind) -> float:
         t = cost_model.redistribute_time(src, dst, self.device)
@@ -128,20 +141,62 @@ class _EdgeCache:
             t = cost_model.TRANSITION_TIEBREAK
         return t
 
-    def matrix(self, prod: list[Option], cons: list[Option], arg: int, kind: str | None):
+    def redistribution(self, prod: list[Option], cons: list[Option], arg: int, kind: str | None):
+        """Producer option x consumer option: time to bring the producer's
+        output to what the consumer's option needs for argument ``arg``."""
         key = (id(prod), id(cons), arg, kind)
-        hit = self._cache.get(key)
+        hit = self._matrices.get(key)
         if hit is not None:
             return hit[0]
-        # Costs depend only on (source placements, target placements): compute
-        # each distinct pair once, then expand to the option grid.
         src_specs, row_class = _spec_classes([po.output_spec for po in prod])
         dst_specs, col_class = _spec_classes([co.input_specs[arg] for co in cons])
-        class_costs = [[self._pair(s, d, kind) for d in dst_specs] for s in src_specs]
-        rows = [[class_costs[r][c] for c in col_class] for r in row_class]
+        src_meta, dst_meta = src_specs[0].tensor_meta, dst_specs[0].tensor_meta
+        class_key = (
+            tuple((s.placements, s.shard_order) for s in src_specs),
+            tuple((d.placements, d.shard_order) for d in dst_specs),
+            tuple(src_meta.shape),
+            src_meta.dtype,
+            tuple(dst_meta.shape),
+            kind,
+        )
+        class_rows = self._classes.get(class_key)
+        if class_rows is None:
+            class_rows = self._classes[class_key] = [
+                [self._pair(s, d, kind) for d in dst_specs] for s in src_specs
+            ]
+        # Options with the same output placements get the same row object.
+        rows_by_class: dict[int, list[float]] = {}
+        rows = []
+        for r in row_class:
+            row = rows_by_class.get(r)
+            if row is None:
+                costs = class_rows[r]
+                row = rows_by_class[r] = [costs[c] for c in col_class]
+            rows.append(row)
         # keep prod/cons alive so their ids stay unique while cached
-        self._cache[key] = (rows, prod, cons)
+        self._matrices[key] = (rows, prod, cons)
         return rows
+
+    def getitem(self, parent: list[Option], item: list[Option], idx: int):
+        """0 where the parent option's ``idx``-th output is the item's option, else inf."""
+        key = ("getitem", id(parent), id(item), idx)
+        hit = self._matrices.get(key)
+        if hit is None:
+            rows = [[0.0 if po.output_specs[idx] == co.output_specs else math.inf for co in item] for po in parent]
+            hit = self._matrices[key] = (rows, parent, item)
+        return hit[0]
+
+    def equal_placements(self, a: list[Option], b: list[Option]):
+        """0 where both options' outputs have the same placements, else inf."""
+        key = ("equal", id(a), id(b))
+        hit = self._matrices.get(key)
+        if hit is None:
+            rows = [
+                [0.0 if placements_of(x.output_specs) == placements_of(y.output_specs) else math.inf for y in b]
+                for x in a
+            ]
+            hit = self._matrices[key] = (rows, a, b)
+        return hit[0]
 
 
 def _spec_classes(specs: list) -> tuple[list, list[int]]:
@@ -155,13 +210,6 @@ def _spec_classes(specs: list) -> tuple[list, list[int]]:
             distinct.append(spec)
         classes.append(cls)
     return distinct, classes
-
-
-def _equal_placement_matrix(a: list[Option], b: list[Option]) -> list[list[float]]:
-    return [
-        [0.0 if placements_of(x.output_specs) == placements_of(y.output_specs) else math.inf for y in b]
-        for x in a
-    ]
 
 
 def build_problem(
@@ -178,38 +226,36 @@ def build_problem(
     nodes = list(strategies)
     decisions: list[solver.Decision] = []
     compute: dict[str, list[float]] = {}
-    unary_cache: dict = {}
+    # id(option list) -> (labels, compute costs). Structurally identical
+    # nodes (repeated layers, forward and backward) share one option list
+    # object (same op, arguments, shapes and input candidates), so their
+    # costs and labels are computed once and their decisions share the lists.
+    unary_cache: dict[int, tuple[list[str], list[float]]] = {}
     for node in nodes:
         strat = strategies[node]
-        # Structurally identical nodes (repeated layers) share one option
-        # list object; their compute costs are computed once.
         key = id(strat.options)
-        costs = unary_cache.get(key)
-        if costs is None:
+        hit = unary_cache.get(key)
+        if hit is None:
             costs = [
                 cost_model.node_compute_time(node, o.input_specs, o.output_specs, device)
                 if node.op == "call_function" and strat.getitem_index is None
                 else 0.0
                 for o in strat.options
             ]
-            unary_cache[key] = costs
+            hit = unary_cache[key] = ([o.label for o in strat.options], costs)
+        labels, costs = hit
         compute[node.name] = costs
-        labels = [o.label for o in strat.options]
-        decisions.append(solver.Decision(node.name, labels, list(costs)))
+        decisions.append(solver.Decision(node.name, labels, costs))
 
     param_chain = _forward_param_chain(traced)
     grad_tail = _grad_tail(traced)
-    edge_cache = _EdgeCache(device, overlap)
+    matrices = _EdgeMatrices(device, overlap)
     edges: list[solver.Edge] = []
     for node in nodes:
         strat = strategies[node]
         if strat.getitem_index is not None:
             parent = strat.inputs[0]
-            idx = strat.getitem_index
-            matrix = [
-                [0.0 if po.output_specs[idx] == co.output_specs else math.inf for co in strat.options]
-                for po in strategies[parent].options
-            ]
+            matrix = matrices.getitem(strategies[parent].options, strat.options, strat.getitem_index)
             edges.append(solver.Edge(parent.name, node.name, 0, matrix))
             continue
         for k, producer in enumerate(strat.inputs):
@@ -218,7 +264,7 @@ def build_problem(
                 kind = cost_model.PARAM_ALL_GATHER
             elif node in grad_tail:
                 kind = cost_model.GRAD_REDUCE_SCATTER
-            matrix = edge_cache.matrix(strategies[producer].options, strat.options, k, kind)
+            matrix = matrices.redistribution(strategies[producer].options, strat.options, k, kind)
             edges.append(solver.Edge(producer.name, node.name, k, matrix))
 
     # A gradient is laid out like its parameter; a tangent like its output.
@@ -226,12 +272,12 @@ def build_problem(
         param = traced.param_nodes.get(fqn)
         if grad is None or param is None or grad not in strategies:
             continue
-        matrix = _equal_placement_matrix(strategies[param].options, strategies[grad].options)
+        matrix = matrices.equal_placements(strategies[param].options, strategies[grad].options)
         edges.append(solver.Edge(param.name, grad.name, -1, matrix))
     for out_idx, tangent in traced.tangent_nodes.items():
         out = traced.output_nodes[out_idx]
         if out in strategies and tangent in strategies:
-            matrix = _equal_placement_matrix(strategies[out].options, strategies[tangent].options)
+            matrix = matrices.equal_placements(strategies[out].options, strategies[tangent].options)
             edges.append(solver.Edge(out.name, tangent.name, -1, matrix))
 
     pins = []
@@ -251,7 +297,8 @@ def build_problem(
         for node, ref in repeats.reference.items():
             if node in strategies and ref in strategies:
                 mapping = _option_mapping(strategies[ref].options, strategies[node].options)
-                links.append(solver.Link(f"repeated layer {_layer_name(node)}", ref.name, node.name, mapping))
+                name = _layer_name(node) or repeats.layer_name(node)
+                links.append(solver.Link(f"repeated layer {name}", ref.name, node.name, mapping))
 
     problem = solver.Problem(
         decisions=decisions,
@@ -273,10 +320,10 @@ def build_problem(
     return BuiltProblem(problem, nodes, strategies, compute, seconds)
 
 
-def _layer_name(node: torch.fx.Node) -> str:
+def _layer_name(node: torch.fx.Node) -> str | None:
     from .tracing import module_path
 
-    return module_path(node) or node.name
+    return module_path(node)
 
 
 def _option_mapping(ref: list[Option], other: list[Option]) -> list[int | None]:

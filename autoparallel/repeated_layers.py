@@ -7,6 +7,17 @@ order, have the same op, the same output shape/dtype and the same argument
 structure (in-group producers referenced by position, parameters by their
 FQN inside the layer). Each node of a repeat is then paired with the node at
 the same position in the first group, so the solver can link their decisions.
+
+Autograd's gradient accumulations (the ``add`` summing the residual stream's
+gradient with a block's input gradient) run outside any module's forward and
+carry no module path. Left out, they are ~11 unlinked decisions per
+transformer layer between linked ones, which keeps the ILP growing with the
+number of layers (32 layers: 486 instead of ~160 decisions after presolve).
+So a node without a module path joins the layer of its producers: the one
+layer that its producers with a module path (or layer parameters) belong
+to. Producers that only joined a layer this way count only when no producer
+has a module path: an accumulation ``add(grad so far, this layer's part)``
+belongs to this layer, not to the one that produced the gradient so far.
 """
 
 from __future__ import annotations
@@ -42,6 +53,13 @@ class RepeatedLayers:
     reference: dict[torch.fx.Node, torch.fx.Node] = field(default_factory=dict)
     # layers whose structure no other layer shares (not linked)
     mismatched: list[tuple[str, int]] = field(default_factory=list)
+    # node -> its group (the inverse of ``groups``)
+    group_of: dict[torch.fx.Node, tuple[str, int]] = field(default_factory=dict)
+
+    def layer_name(self, node: torch.fx.Node) -> str | None:
+        """``"layers.3"`` for a node of group ``("layers", 3)``, else None."""
+        key = self.group_of.get(node)
+        return None if key is None else f"{key[0]}.{key[1]}"
 
 
 def find_repeated_layers(traced: TracedStep) -> RepeatedLayers:
@@ -49,6 +67,8 @@ def find_repeated_layers(traced: TracedStep) -> RepeatedLayers:
     local_name: dict[torch.fx.Node, str] = {}
     param_of_node = {n: fqn for fqn, n in traced.param_nodes.items()}
     param_of_node.update({n: fqn for fqn, n in traced.buffer_nodes.items()})
+    group_of: dict[torch.fx.Node, tuple[str, int]] = {}
+    inherited: set[torch.fx.Node] = set()  # nodes placed by _producers_layer
     for node in traced.gm.graph.nodes:
         if node.op == "placeholder":
             fqn = param_of_node.get(node)
@@ -56,15 +76,25 @@ def find_repeated_layers(traced: TracedStep) -> RepeatedLayers:
             if found is None:
                 continue
             key, rest = found
-            groups[key].append(node)
             local_name[node] = "param:" + rest
         elif node.op == "call_function":
-            found = layer_of(module_path(node))
-            if found is None:
-                continue
-            groups[found[0]].append(node)
+            path = module_path(node)
+            if path is None:
+                key = _producers_layer(node, group_of, inherited)
+                if key is None:
+                    continue
+                inherited.add(node)
+            else:
+                found = layer_of(path)
+                if found is None:
+                    continue
+                key = found[0]
+        else:
+            continue
+        groups[key].append(node)
+        group_of[node] = key
 
-    result = RepeatedLayers(groups=dict(groups))
+    result = RepeatedLayers(groups=dict(groups), group_of=group_of)
     by_prefix: dict[str, list[tuple[str, int]]] = defaultdict(list)
     for key in groups:
         by_prefix[key[0]].append(key)
@@ -92,6 +122,15 @@ def find_repeated_layers(traced: TracedStep) -> RepeatedLayers:
         len(result.reference),
     )
     return result
+
+
+def _producers_layer(node: torch.fx.Node, group_of: dict, inherited: set) -> tuple[str, int] | None:
+    """The one layer of the node's producers (see the module docstring)."""
+    producers = [a for a in node.all_input_nodes if a in group_of]
+    keys = {group_of[a] for a in producers if a not in inherited}
+    if not keys:
+        keys = {group_of[a] for a in producers}
+    return keys.pop() if len(keys) == 1 else None
 
 
 def _val_sig(val):

@@ -15,6 +15,7 @@ dropped at planning time so that planning and apply always agree.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import operator
@@ -119,16 +120,23 @@ def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
 
 
 def is_evenly_sharded(shape: torch.Size, placements: tuple[Placement, ...], mesh: DeviceMesh) -> bool:
-    """Every sharded tensor dim divides by the product of mesh sizes sharding it."""
+    """Every sharded tensor dim divides by the product of mesh sizes sharding
+    it, and every shard is a plain ``Shard``.
+
+    ``_StridedShard`` (what DTensor's view rules produce for a dim split
+    after sharding) is rejected: it is no ``Shard`` subclass any more, so it
+    has to be caught as "neither Shard, Replicate nor Partial".
+    """
     ways = [1] * len(shape)
     for mesh_dim, p in enumerate(placements):
-        if isinstance(p, Shard):
-            if type(p) is not Shard:  # _StridedShard and friends
-                return False
-            d = p.dim
-            if d < 0 or d >= len(shape):
-                return False
-            ways[d] *= mesh.size(mesh_dim)
+        if type(p) is not Shard:
+            if isinstance(p, (Replicate, Partial)):
+                continue
+            return False  # _StridedShard and any other shard-like placement
+        d = p.dim
+        if d < 0 or d >= len(shape):
+            return False
+        ways[d] *= mesh.size(mesh_dim)
     return all(ways[d] == 1 or shape[d] % ways[d] == 0 for d in range(len(shape)))
 
 
@@ -172,6 +180,34 @@ def _specs_ok(specs: Specs, mesh: DeviceMesh) -> bool:
 
 def _propagator():
     return DTensor._op_dispatcher.sharding_propagator
+
+
+def _zero_redistribute_cost(src: DTensorSpec, dst: DTensorSpec) -> float:
+    return 0.0
+
+
+@contextlib.contextmanager
+def _without_dtensor_redistribute_costs():
+    """Make DTensor's strategy functions skip costing their redistributions.
+
+    Every strategy function fills ``OpSpec.redistribute_cost`` with
+    ``generate_redistribute_costs(candidates, required)``: one call of
+    DTensor's redistribution planner per (candidate input, option) pair, which
+    for view ops with ``_StridedShard`` candidates runs its graph search.
+    Given every candidate of a 2-D mesh at once, that is >95% of the
+    enumeration time, and the numbers are thrown away (the cost model prices
+    transitions itself; :func:`_options_from_op_strategy` reads placements
+    only). No strategy function uses the costs to choose or filter options,
+    so swapping in a zero cost leaves the options unchanged.
+    """
+    from torch.distributed.tensor._ops import utils as ops_utils
+
+    saved = ops_utils.redistribute_cost
+    ops_utils.redistribute_cost = _zero_redistribute_cost
+    try:
+        yield
+    finally:
+        ops_utils.redistribute_cost = saved
 
 
 def _out_meta(node: torch.fx.Node):
@@ -394,6 +430,9 @@ def replicate_options(node: torch.fx.Node, inputs: list[torch.fx.Node], mesh: De
 class StrategyStats:
     nodes: int = 0
     options: int = 0
+    # Option lists actually computed (DTensor, rules, fallback); every other
+    # node reuses one of them.
+    computed: int = 0
     cache_hits: int = 0
     fallback_ops: dict[str, int] = field(default_factory=dict)
 
@@ -410,6 +449,9 @@ class StrategyEnumerator:
         self.mesh = mesh
         self._cache: dict[Any, tuple[list[Option], str]] = {}
         self._interned: dict[Any, int] = {}
+        # id(option list) -> (distinct output specs, their interned id, the
+        # list): what a node offers its consumers, computed once per list.
+        self._produced: dict[int, tuple[tuple, int, list[Option]]] = {}
         # Options of multi-output nodes, for their getitem users.
         self._multi_output_options: dict[torch.fx.Node, list[Option]] = {}
         self.stats = StrategyStats()
@@ -423,13 +465,19 @@ class StrategyEnumerator:
             hit = self._cache[key] = (placeholder_options(val, self.mesh), "placeholder")
         return hit[0]
 
-    def _intern(self, specs: tuple) -> int:
-        return self._interned.setdefault(specs, len(self._interned))
+    def _offered(self, options: list[Option]) -> tuple[tuple, int]:
+        """Distinct output specs of ``options`` and an id equal for equal sets."""
+        hit = self._produced.get(id(options))
+        if hit is None:
+            specs = _dedup(o.output_specs for o in options)
+            hit = (specs, self._interned.setdefault(specs, len(self._interned)), options)
+            self._produced[id(options)] = hit
+        return hit[0], hit[1]
 
     def enumerate(self, gm: torch.fx.GraphModule) -> dict[torch.fx.Node, NodeStrategy]:
         result: dict[torch.fx.Node, NodeStrategy] = {}
-        # Distinct output spec(s) each node can produce, per output index.
-        produced: dict[torch.fx.Node, tuple[DTensorSpec, ...]] = {}
+        # Distinct output specs each tensor node can produce, and their id.
+        produced: dict[torch.fx.Node, tuple[tuple[DTensorSpec, ...], int]] = {}
         for node in gm.graph.nodes:
             if node.op == "output":
                 continue
@@ -447,7 +495,7 @@ class StrategyEnumerator:
             self.stats.nodes += 1
             self.stats.options += len(result[node].options)
             if isinstance(val, torch.Tensor):
-                produced[node] = _dedup(o.output_specs for o in result[node].options)
+                produced[node] = self._offered(result[node].options)
         if self.stats.fallback_ops:
             logger.warning(
                 "no sharding rule for %d op(s); they will run replicated: %s "
@@ -470,13 +518,13 @@ class StrategyEnumerator:
                 specs = _dedup(o.output_specs[idx] for o in parent_options)
                 hit = self._cache[key] = ([Option(s, ()) for s in specs], "getitem")
             return NodeStrategy(node, [parent], hit[0], "getitem", getitem_index=idx)
-        candidates = [produced[n] for n in inputs]
+        candidates = [produced[n][0] for n in inputs]
         key = (
             node.target,
             _arg_key(node.args),
             _arg_key(node.kwargs),
             _val_key(node.meta.get("val")),
-            tuple(self._intern(c) for c in candidates),
+            tuple(produced[n][1] for n in inputs),
         )
         hit = self._cache.get(key)
         if hit is not None:
@@ -485,6 +533,7 @@ class StrategyEnumerator:
         else:
             opts, source = self._compute(node, inputs, candidates)
             self._cache[key] = (opts, source)
+            self.stats.computed += 1
         strat = NodeStrategy(node, inputs, opts, source)
         if not isinstance(node.meta.get("val"), torch.Tensor):
             self._multi_output_options[node] = opts
@@ -497,24 +546,71 @@ class StrategyEnumerator:
         if not inputs:
             # Factories (zeros, full, arange, ...) may produce any layout.
             return placeholder_options(node.meta["val"], self.mesh), "factory"
-        cand_strategies = {
-            n: OpStrategy([OpSpec(s) for s in c]) for n, c in zip(inputs, candidates)
-        }
-        options: list[Option] = []
-        try:
-            schema = _build_schema(node, cand_strategies)
-            strategy = _dtensor_strategy(node, schema, self.mesh)
-            if strategy is not None:
-                options = _options_from_op_strategy(node, strategy, inputs, self.mesh)
-        except NotImplementedError as e:
-            logger.debug("no DTensor strategy for %s: %s", op, e)
-        except Exception as e:  # noqa: BLE001 - DTensor rules assert on odd inputs
-            logger.debug("DTensor strategy for %s (%s) failed: %r", op, node.name, e, exc_info=True)
+        options = _dtensor_options(node, inputs, candidates, self.mesh)
         if options:
             return options, "dtensor"
         name = str(op)
         self.stats.fallback_ops[name] = self.stats.fallback_ops.get(name, 0) + 1
         return replicate_options(node, inputs, self.mesh), "fallback"
+
+
+def _propagate(node, inputs, candidates, mesh) -> list[Option]:
+    """Options from DTensor for the given candidate specs per input; raises
+    whatever DTensor's strategy function raises."""
+    cand_strategies: dict[torch.fx.Node, OpStrategy] = {}
+    for n, c in zip(inputs, candidates):
+        # A node used twice (mul(x, x)) has one strategy: the first wins.
+        cand_strategies.setdefault(n, OpStrategy([OpSpec(s) for s in c]))
+    schema = _build_schema(node, cand_strategies)
+    with _without_dtensor_redistribute_costs():
+        strategy = _dtensor_strategy(node, schema, mesh)
+    if strategy is None:
+        return []
+    return _options_from_op_strategy(node, strategy, inputs, mesh)
+
+
+def _dtensor_options(node, inputs, candidates, mesh) -> list[Option]:
+    """DTensor's options for ``node`` given every candidate of every input.
+
+    Strategy functions that follow their input's layout (all view ops) go
+    through the candidates one by one and raise as soon as one of them cannot
+    be propagated: unflattening a dim sharded 16 ways into 8 heads raises
+    "Cannot unflatten unevenly sharded tensor", which used to throw away the
+    options of every other candidate and leave the view replicate-only. On
+    such a failure, propagate one candidate of the first input at a time
+    (the other inputs keep all of theirs) and keep what succeeds: for
+    single-input ops that is exactly the set the all-at-once call would give
+    if it skipped the bad candidates; the consumer can still get any layout
+    through a redistribution on the incoming edge.
+    """
+    op = node.target
+    try:
+        return _propagate(node, inputs, candidates, mesh)
+    except NotImplementedError as e:
+        logger.debug("no DTensor strategy for %s: %s", op, e)
+        return []
+    except Exception as e:  # noqa: BLE001 - DTensor rules assert on odd inputs
+        if len(candidates[0]) < 2:
+            logger.debug("DTensor strategy for %s (%s) failed: %r", op, node.name, e, exc_info=True)
+            return []
+        logger.debug("DTensor strategy for %s (%s) failed on all candidates (%r); retrying one by one", op, node.name, e)
+    options: list[Option] = []
+    seen: set = set()
+    first = inputs[0]
+    for spec in candidates[0]:
+        # Restrict every occurrence of the first input, not just position 0.
+        restricted = [(spec,) if n is first else c for n, c in zip(inputs, candidates)]
+        try:
+            found = _propagate(node, inputs, restricted, mesh)
+        except Exception as e:  # noqa: BLE001 - this candidate has no option
+            logger.debug("%s (%s): no option for input layout %s: %r", op, node.name, format_specs(spec), e)
+            continue
+        for o in found:
+            key = (placements_of(o.output_specs), tuple(s.placements for s in o.input_specs))
+            if key not in seen:
+                seen.add(key)
+                options.append(o)
+    return options
 
 
 def _produces_tensors(val) -> bool:

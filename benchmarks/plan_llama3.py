@@ -1,0 +1,137 @@
+"""Planning LLaMA-3 end to end: model to proven-optimal solution (issue 3).
+
+Plans one training step of LLaMA-3 (8B by default: 32 layers, sequence 8192,
+batch 32) on a fake 16 x 8 mesh (128 ranks, "dp" x "tp") with selective
+activation checkpointing, input and output constrained to
+``(Shard(0), Replicate())``, and prints where the time goes, how big the
+ILP is, the peak memory of the process and what the plan costs. Target:
+at most 30 s and 2 GB peak RSS with status optimal. Asserts nothing::
+
+    python benchmarks/plan_llama3.py                    # the issue's case
+    python benchmarks/plan_llama3.py --layers 2 --seq 2048
+    python benchmarks/plan_llama3.py --mesh 8 8 --no-ac
+
+Model construction and imports are not timed; "total" is tracing through
+the solver's answer (everything ``AutoParallel`` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import resource
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.tensor.placement_types import Replicate, Shard  # noqa: E402
+from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
+
+from autoparallel import AutoParallel  # noqa: E402
+from autoparallel.models.llama3 import LLAMA3_CONFIGS, Transformer, apply_ac  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--mesh", type=int, nargs="+", default=[16, 8], help="mesh shape, e.g. 16 8")
+    p.add_argument("--model", default="8B", choices=sorted(LLAMA3_CONFIGS))
+    p.add_argument("--no-ac", action="store_true", help="no activation checkpointing")
+    p.add_argument("--verbose", action="store_true", help="log autoparallel's INFO messages")
+    return p.parse_args(argv)
+
+
+def _peak_rss_mib() -> float:
+    # ru_maxrss is KiB on Linux.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
+    logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    world = 1
+    for n in a.mesh:
+        world *= n
+    names = ("dp", "tp") if len(a.mesh) == 2 else tuple(f"d{i}" for i in range(len(a.mesh)))
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    mesh = init_device_mesh("cpu", tuple(a.mesh), mesh_dim_names=names)
+    config = dataclasses.replace(LLAMA3_CONFIGS[a.model], n_layers=a.layers, max_seq_len=a.seq)
+    with torch.device("meta"):
+        model = Transformer(config)
+    if not a.no_ac:
+        apply_ac(model, mode="selective")
+
+    def inputs():
+        return torch.randint(0, config.vocab_size, (a.batch, a.seq), device="meta")
+
+    constraint = [(Shard(0),) + (Replicate(),) * (len(a.mesh) - 1)]
+    rss_before = _peak_rss_mib()
+    t0 = time.perf_counter()
+    with AutoParallel(model, mesh, inputs) as autop:
+        autop.add_input_constraints(constraint)
+        autop.add_output_constraints(constraint)
+        plan = autop.optimize_placement()
+    total = time.perf_counter() - t0
+
+    t = autop.timings
+    s = plan.solution
+    ps = s.presolve
+    stats = autop.strategy_stats
+    problem = autop.built.problem
+    print(
+        f"LLaMA-3 {a.model}: {a.layers} layers, seq {a.seq}, batch {a.batch}, mesh {tuple(a.mesh)}"
+        f", {'no AC' if a.no_ac else 'selective AC'}"
+    )
+    print("time (s)")
+    rows = [
+        ("tracing", t.get("tracing", 0.0)),
+        ("options", t.get("options", 0.0)),
+        ("repeated layers", t.get("repeated_layers", 0.0)),
+        ("costs + problem build", t.get("problem_build", 0.0)),
+        ("presolve", t.get("solver.presolve", 0.0)),
+        ("ILP build", t.get("solver.build", 0.0)),
+        ("ILP solve", t.get("solver.solve", 0.0)),
+        ("solver total", t.get("solve", 0.0)),
+        ("total", total),
+    ]
+    for name, sec in rows:
+        print(f"  {name:22s} {sec:8.2f}")
+    print("problem")
+    print(
+        f"  graph nodes {stats.nodes}, options {stats.options}, option lists computed "
+        f"{stats.computed} (the other nodes share them)"
+    )
+    print(f"  decisions {len(problem.decisions)}, edges {len(problem.edges)}, links {len(problem.links)}")
+    if ps is not None:
+        print(
+            f"  presolve: decisions {ps.decisions_before} -> {ps.decisions_after}, "
+            f"options {ps.options_before} -> {ps.options_after}, "
+            f"option pairs {ps.pairs_before} -> {ps.pairs_after}"
+        )
+    print(f"  ILP: {s.num_variables} variables, {s.num_constraints} constraints")
+    print("plan")
+    print(f"  status {s.status} ({s.backend}, gap {s.gap})")
+    print(
+        f"  parameters per rank {plan.parameter_bytes_per_rank / 2**30:.3f} GiB"
+        f" of {plan.parameter_bytes_total / 2**30:.3f} GiB"
+    )
+    print(
+        f"  estimated per step: compute {plan.compute_cost * 1e3:.2f} ms, "
+        f"communication {plan.comm_cost * 1e3:.2f} ms"
+    )
+    print(f"peak RSS {_peak_rss_mib():.0f} MiB (before planning {rss_before:.0f} MiB)")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
