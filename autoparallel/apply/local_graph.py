@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from .. import activation_checkpointing
 from ..strategies import NodeStrategy, format_specs
 from ..tracing import TracedStep
-from .redistribute import redistribute, replicate_spec, user_spec
+from .redistribute import redistribute, replicate_spec, same_placements, user_spec
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +160,10 @@ class _Interpreter:
         self.spec: dict[torch.fx.Node, object] = {}
         self.env: dict[torch.fx.Node, object] = {}
         self.coords: torch.Tensor | None = None
+        # Row-sharded embeddings: node -> {mesh dim: mask of the indices
+        # looked up on other ranks}, from the indices' redistribution to the
+        # reduction of the (_MaskPartial) output.
+        self.masks: dict[torch.fx.Node, dict[int, torch.Tensor]] = {}
         # Structurally identical nodes (the repeated layers) emit the same
         # local nodes: trace the first, copy it for the rest.
         self.use_templates = True
@@ -171,13 +175,15 @@ class _Interpreter:
         tracer = _tracer()
         return tracer.graph if tracer is not None else None
 
-    def _redistribute(self, x, src: DTensorSpec, dst: DTensorSpec, what: str):
-        if src.placements == dst.placements:
+    def _redistribute(self, x, src: DTensorSpec, dst: DTensorSpec, what: str, producer=None, consumer=None):
+        if same_placements(src.placements, dst.placements):
             return x
         graph = self._tracer_graph()
         last = next(reversed(graph.nodes)) if graph is not None else None
+        src_masks = self.masks.get(producer) if producer is not None else None
+        dst_masks = self.masks.setdefault(consumer, {}) if consumer is not None else None
         try:
-            out = redistribute(x, src, dst, self.coords)
+            out = redistribute(x, src, dst, self.coords, src_masks=src_masks, dst_masks=dst_masks)
         except NotImplementedError as e:
             raise ApplyError(f"{what}: cannot redistribute {format_specs(src)} -> {format_specs(dst)}: {e}") from e
         if graph is not None:
@@ -262,8 +268,15 @@ class _Interpreter:
         locals_: list[torch.Tensor] = []
         for k, producer in enumerate(strat.inputs):
             locals_.append(
-                self._redistribute(self.env[producer], self.spec[producer], in_specs[k], f"{producer.name}->{node.name}")
+                self._redistribute(
+                    self.env[producer], self.spec[producer], in_specs[k], f"{producer.name}->{node.name}",
+                    producer, node,
+                )
             )
+            if _has_mask_partial(opt.output_specs) and self.masks.get(producer):
+                # an op that keeps the embedding's pending reduction keeps its mask
+                for d, m in self.masks[producer].items():
+                    self.masks.setdefault(node, {}).setdefault(d, m)
         op = node.target
         if not strat.inputs:
             return self._factory(node, opt.output_specs)
@@ -348,7 +361,9 @@ class _Interpreter:
         outs: list = []
         for i, node in enumerate(traced.output_nodes):
             with fx_traceback.set_current_meta(node):
-                outs.append(self._redistribute(self.env[node], self.spec[node], layout.output_specs[i], f"output {i}"))
+                outs.append(
+                    self._redistribute(self.env[node], self.spec[node], layout.output_specs[i], f"output {i}", node)
+                )
         for fqn, wants in zip(layout.param_fqns, layout.has_grad):
             grad = traced.grad_nodes.get(fqn)
             if not wants:
@@ -356,7 +371,7 @@ class _Interpreter:
                 continue
             with fx_traceback.set_current_meta(grad):
                 outs.append(
-                    self._redistribute(self.env[grad], self.spec[grad], layout.param_specs[fqn], f"grad of {fqn}")
+                    self._redistribute(self.env[grad], self.spec[grad], layout.param_specs[fqn], f"grad of {fqn}", grad)
                 )
         return outs
 

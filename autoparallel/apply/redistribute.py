@@ -27,7 +27,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _MaskPartial
 
-__all__ = ["redistribute", "shard_of_replicated", "UnsupportedRedistribution"]
+__all__ = ["mask_indices", "redistribute", "same_placements", "shard_of_replicated", "UnsupportedRedistribution"]
 
 
 class UnsupportedRedistribution(NotImplementedError):
@@ -69,14 +69,59 @@ def _wait(x: torch.Tensor) -> torch.Tensor:
     return x.wait() if isinstance(x, AsyncCollectiveTensor) else x
 
 
+def same_placement(a: Placement, b: Placement) -> bool:
+    """``a == b``, except that two ``_MaskPartial`` of the same embedding
+    layout are the same (DTensor also compares their mask buffers' identity)."""
+    if isinstance(a, _MaskPartial) and isinstance(b, _MaskPartial):
+        return (a.reduce_op, a.offset_shape, a.offset_dim) == (b.reduce_op, b.offset_shape, b.offset_dim)
+    return a == b
+
+
+def same_placements(a, b) -> bool:
+    return len(a) == len(b) and all(same_placement(p, q) for p, q in zip(a, b))
+
+
+def mask_indices(x: torch.Tensor, p: _MaskPartial, n: int, coord: torch.Tensor):
+    """Row-sharded embedding input: indices local to this rank's rows (0 where
+    another rank holds the row) and the mask of those positions.
+
+    >>> p = _MaskPartial(offset_shape=torch.Size([8, 2]), offset_dim=0)
+    >>> mask_indices(torch.tensor([1, 5, 6]), p, 2, torch.tensor([1]))
+    (tensor([0, 1, 2]), tensor([ True, False, False]))
+    """
+    rows = p.offset_shape[p.offset_dim]
+    if rows % n:
+        raise UnsupportedRedistribution(f"embedding rows {rows} do not split evenly in {n}")
+    size = rows // n
+    lo = coord * size
+    mask = (x < lo) | (x >= lo + size)
+    return torch.where(mask, torch.zeros_like(x), x - lo), mask
+
+
+def _apply_mask(x: torch.Tensor, mask: torch.Tensor | None, what: str) -> torch.Tensor:
+    if mask is None:
+        raise UnsupportedRedistribution(f"no index mask for the row-sharded embedding output ({what})")
+    if mask.dim() < x.dim():
+        mask = mask.reshape(mask.shape + (1,) * (x.dim() - mask.dim()))
+    return x.masked_fill(mask, 0)
+
+
 def _step(x: torch.Tensor, cur: Placement, dst: Placement, spec: DTensorSpec, mesh_dim: int,
-          logical_shape, coords: torch.Tensor) -> torch.Tensor:
+          logical_shape, coords: torch.Tensor, src_masks: dict | None = None,
+          dst_masks: dict | None = None) -> torch.Tensor:
     mesh = spec.mesh
     n = mesh.size(mesh_dim)
-    if isinstance(cur, _MaskPartial) or isinstance(dst, _MaskPartial):
-        raise UnsupportedRedistribution(
-            "row-sharded embedding (_MaskPartial) is not supported by apply yet"
-        )
+    if isinstance(cur, _MaskPartial):
+        # the embedding's output: zero the rows looked up elsewhere, then reduce
+        x = _apply_mask(x, (src_masks or {}).get(mesh_dim), f"{cur} -> {dst}")
+        cur = Partial(cur.reduce_op)
+    if isinstance(dst, _MaskPartial):
+        if not cur.is_replicate():
+            raise UnsupportedRedistribution(f"redistribution {cur} -> {dst} on mesh dim {mesh_dim}")
+        x, mask = mask_indices(x, dst, n, coords[mesh_dim : mesh_dim + 1])
+        if dst_masks is not None:
+            dst_masks[mesh_dim] = mask
+        return x
     if dst.is_replicate():
         if cur.is_partial():
             return cast(Partial, cur)._reduce_value(x, mesh, mesh_dim)
@@ -96,17 +141,23 @@ def _step(x: torch.Tensor, cur: Placement, dst: Placement, spec: DTensorSpec, me
     raise UnsupportedRedistribution(f"redistribution {cur} -> {dst} on mesh dim {mesh_dim}")
 
 
-def redistribute(x: torch.Tensor, src: DTensorSpec, dst: DTensorSpec, coords: torch.Tensor) -> torch.Tensor:
-    """The local shard of ``x`` (laid out as ``src``) laid out as ``dst``."""
-    if src.placements == dst.placements:
+def redistribute(x: torch.Tensor, src: DTensorSpec, dst: DTensorSpec, coords: torch.Tensor, *,
+                 src_masks: dict | None = None, dst_masks: dict | None = None) -> torch.Tensor:
+    """The local shard of ``x`` (laid out as ``src``) laid out as ``dst``.
+
+    Row-sharded embeddings (``_MaskPartial``): partitioning the indices writes
+    the mask per mesh dim into ``dst_masks``; reducing the embedding's output
+    reads it from ``src_masks``.
+    """
+    if same_placements(src.placements, dst.placements):
         return x
     if src.tensor_meta is None:
         src = DTensorSpec(src.mesh, src.placements, tensor_meta=dst.tensor_meta)
     for info in _gen_transform_infos_non_cached(src, dst):
         cur, target = info.src_dst_placements
-        if cur == target or src.mesh.size(info.mesh_dim) == 1:
+        if same_placement(cur, target) or src.mesh.size(info.mesh_dim) == 1:
             continue
-        x = _wait(_step(x, cur, target, src, info.mesh_dim, info.logical_shape, coords))
+        x = _wait(_step(x, cur, target, src, info.mesh_dim, info.logical_shape, coords, src_masks, dst_masks))
     return x
 
 
