@@ -1,19 +1,31 @@
-"""Plan LLaMA-3 training for a GPU cluster, on any machine.
+"""Plan and apply LLaMA-3 training for a GPU cluster, on any machine.
 
 By default this plans LLaMA-3 8B (32 layers, sequence 8192, global batch 32)
 with selective activation checkpointing for 128 GPUs arranged as a 16 x 8
-(dp x tp) mesh. No GPU is needed: the process group is a fake one and the
-model lives on the meta device, so only shapes flow through the planner.
+(dp x tp) mesh, then applies the plan. No GPU is needed: the process group is
+a fake one and the model lives on the meta device, so only shapes flow
+through the planner and the rank-local graphs.
 
 It prints the time of each planning stage, the placement chosen for each
 kind of weight and activation, the estimated compute and communication per
 step and the per-rank parameter memory, and writes the solver's debug dumps
-(problem.json, solution.json, plan.json) to a folder it names.
+(problem.json, solution.json, plan.json) to a folder it names. Then it
+prints the apply time per stage, the rewrite passes' stats and the
+collectives of the parallel forward and backward graphs per kind and mesh
+dim, with bytes per rank.
 
     python examples/example_llama3.py
     python examples/example_llama3.py --mesh 8 8 --layers 4 --seq 2048 --batch 16
-    python examples/example_llama3.py --model 70B --mesh 32 8
+    python examples/example_llama3.py --model 70B --mesh 32 8 --no-apply
     python examples/example_llama3.py --model debug --mesh 2 4 --seq 64 --batch 8
+
+With ``--real`` under torchrun it trains a small config for real (gloo on
+CPU, NCCL on GPU): every rank plans for the actual world size (the --mesh
+shape if it multiplies to it, else 1-D), applies, initialises the weights
+under a fixed seed and runs a few AdamW steps on random tokens, each rank
+feeding its local shard of the batch; rank 0 prints the loss.
+
+    torchrun --nproc-per-node 4 examples/example_llama3.py --real --mesh 2 2
 """
 
 from __future__ import annotations
@@ -26,24 +38,27 @@ import os
 import resource
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autoparallel import AutoParallel
+from autoparallel.apply import collectives, summarize
 from autoparallel.models.llama3 import LLAMA3_CONFIGS, Transformer, apply_ac, count_params
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="8B", choices=sorted(LLAMA3_CONFIGS), help="model config")
+    ap.add_argument("--model", default=None, choices=sorted(LLAMA3_CONFIGS),
+                    help="model config (default: 8B; debug with --real)")
     ap.add_argument("--mesh", type=int, nargs="+", default=[16, 8], help="mesh shape: dp [tp]")
     ap.add_argument("--layers", type=int, default=None, help="override the config's layer count")
-    ap.add_argument("--seq", type=int, default=8192, help="sequence length")
-    ap.add_argument("--batch", type=int, default=32, help="global batch size")
+    ap.add_argument("--seq", type=int, default=None, help="sequence length (default: 8192; 64 with --real)")
+    ap.add_argument("--batch", type=int, default=None, help="global batch size (default: 32; 8 with --real)")
     ap.add_argument("--ac", default="selective", choices=["selective", "full", "none"],
                     help="activation checkpointing of each transformer block")
     ap.add_argument("--device", default="H100", help="cost-model preset (H100, A100, H200, B200)")
@@ -53,8 +68,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dump-dir", default="autoparallel_dumps", help="where the solver dumps go")
     ap.add_argument("--all-kinds", action="store_true",
                     help="list the placements of every kind of op, not just weights and matmuls")
+    ap.add_argument("--no-apply", action="store_true", help="plan only")
+    ap.add_argument("--real", action="store_true",
+                    help="train for real under torchrun (gloo on CPU, NCCL on GPU)")
+    ap.add_argument("--steps", type=int, default=3, help="AdamW steps with --real")
+    ap.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate with --real")
     ap.add_argument("-v", "--verbose", action="store_true", help="log every stage")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.model is None:
+        args.model = "debug" if args.real else "8B"
+    if args.seq is None:
+        args.seq = 64 if args.real else 8192
+    if args.batch is None:
+        args.batch = 8 if args.real else 32
+    return args
 
 
 def build_model(args: argparse.Namespace) -> tuple[Transformer, object]:
@@ -71,10 +98,39 @@ def build_model(args: argparse.Namespace) -> tuple[Transformer, object]:
     return model, config
 
 
+def plan_model(args: argparse.Namespace, mesh, model, config):
+    """Plan with tokens and logits split over dp (replicated over the other
+    mesh dims); apply unless --no-apply. Returns (plan, parallel module or
+    None, apply report or None)."""
+
+    def inputs():
+        return torch.randint(0, config.vocab_size, (args.batch, args.seq), device="meta")
+
+    os.makedirs(args.dump_dir, exist_ok=True)
+    os.environ["AUTOPARALLEL_DUMP_DIR"] = args.dump_dir
+    parallel = report = None
+    with AutoParallel(model, mesh, inputs, device=args.device) as autop:
+        autop.add_input_constraints([data_placements(mesh)])
+        autop.add_output_constraints([data_placements(mesh)])
+        autop.add_parameter_memory_constraint(high=args.memory_high)
+        plan = autop.optimize_placement()
+        if not args.no_apply:
+            wall, cpu = time.perf_counter(), time.process_time()
+            parallel = autop.apply_placement(plan)
+            report = ApplyReport.of(parallel, mesh, time.perf_counter() - wall, time.process_time() - cpu)
+    return plan, parallel, report
+
+
+def data_placements(mesh) -> tuple:
+    return (Shard(0),) + (Replicate(),) * (mesh.ndim - 1)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
+    if args.real:
+        return run_real(args)
     world = math.prod(args.mesh)
     names = ("dp", "tp", "cp", "ep")[: len(args.mesh)]
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
@@ -86,23 +142,13 @@ def main(argv=None) -> None:
               f"{count_params(model) / 1e9:.2f}B parameters, AC {args.ac}")
         print(f"planning for {world} ranks, mesh {dict(zip(names, args.mesh))}, "
               f"batch {args.batch} x seq {args.seq}, device model {args.device}")
-
-        def inputs():
-            return torch.randint(0, config.vocab_size, (args.batch, args.seq), device="meta")
-
-        # Tokens and logits split over dp, replicated over the other mesh dims.
-        data = (Shard(0),) + (Replicate(),) * (len(args.mesh) - 1)
-        os.makedirs(args.dump_dir, exist_ok=True)
-        os.environ["AUTOPARALLEL_DUMP_DIR"] = args.dump_dir
-        with AutoParallel(model, mesh, inputs, device=args.device) as autop:
-            autop.add_input_constraints([data])
-            autop.add_output_constraints([data])
-            autop.add_parameter_memory_constraint(high=args.memory_high)
-            plan = autop.optimize_placement()
-        total = time.perf_counter() - t0
+        plan, _, report = plan_model(args, mesh, model, config)
+        total = time.perf_counter() - t0 - (report.wall if report else 0.0)
     finally:
         dist.destroy_process_group()
     print_report(plan, total, args.dump_dir, args.all_kinds)
+    if report is not None:
+        print_apply_report(plan, report)
 
 
 # The ops whose placements tell the parallelism story (what runs sharded
@@ -151,6 +197,130 @@ def print_report(plan, total: float, dump_dir: str, all_kinds: bool = False) -> 
     print(f"\nsolver debug dumps: {os.path.abspath(dump_dir)}/"
           "{problem,solution,plan}.json  (re-solve: python -m solver "
           f"{os.path.join(dump_dir, 'problem.json')})")
+
+
+@dataclass
+class ApplyReport:
+    """What apply made, read while the mesh's process group is alive."""
+
+    wall: float
+    cpu: float
+    stages: dict[str, float]  # local joint graph, partition (seconds)
+    nodes: dict[str, int]  # joint / forward / backward graph sizes
+    # (phase, kind, mesh dim name) -> (count, bytes per rank)
+    collectives: dict[tuple[str, str, str], tuple[int, int]]
+
+    @staticmethod
+    def of(parallel, mesh, wall: float, cpu: float) -> "ApplyReport":
+        st = parallel.parallel_state
+        names = mesh.mesh_dim_names or tuple(str(d) for d in range(mesh.ndim))
+        table: dict[tuple[str, str, str], tuple[int, int]] = {}
+        for phase, gm in (("forward", parallel.forward_graph), ("backward", parallel.backward_graph)):
+            # by graph, not by node tag: the backward graph also runs recomputed forward ops
+            items = [dataclasses.replace(c, phase=phase) for c in collectives(gm, mesh)]
+            for (ph, kind, dim), value in summarize(items).items():
+                table[(ph, kind, names[dim] if dim is not None else "other")] = value
+        return ApplyReport(
+            wall=wall,
+            cpu=cpu,
+            stages={"local joint graph": st.local.seconds, "partition": st.step.graphs.seconds},
+            nodes={
+                "joint": len(parallel.parallel_graph.graph.nodes),
+                "forward": len(parallel.forward_graph.graph.nodes),
+                "backward": len(parallel.backward_graph.graph.nodes),
+            },
+            collectives=table,
+        )
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def print_apply_report(plan, report: ApplyReport) -> None:
+    print("\n== apply ==")
+    for stage, seconds in report.stages.items():
+        print(f"  {stage:18s} {seconds:7.2f} s")
+    other = report.wall - sum(report.stages.values())
+    print(f"  {'passes + module':18s} {other:7.2f} s")
+    print(f"  {'total':18s} {report.wall:7.2f} s wall, {report.cpu:.2f} s CPU   "
+          f"(graphs: joint {report.nodes['joint']}, forward {report.nodes['forward']}, "
+          f"backward {report.nodes['backward']} nodes)")
+    print("\n== rewrite passes ==")
+    if not plan.pass_stats:
+        print("  (none ran)")
+    for name, stats in plan.pass_stats.items():
+        print(f"  {name}: {stats}")
+    print("\n== parallel graph collectives (per step, bytes per rank) ==")
+    if not report.collectives:
+        print("  (none)")
+    for (phase, kind, dim), (count, size) in report.collectives.items():
+        print(f"  {phase:8s} {kind:24s} {dim:5s} x{count:<5d} {_bytes(size):>11s}")
+    for phase in ("forward", "backward"):
+        size = sum(v[1] for k, v in report.collectives.items() if k[0] == phase)
+        print(f"  {phase:8s} total{'':27s}{_bytes(size):>11s}")
+
+
+def run_real(args: argparse.Namespace) -> None:
+    """Plan, apply and train a few steps on the torchrun process group."""
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        shape = tuple(args.mesh) if math.prod(args.mesh) == world else (world,)
+        names = ("dp", "tp", "cp", "ep")[: len(shape)]
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+        model, config = build_model(args)
+        if rank == 0:
+            print(f"LLaMA-3 {args.model}: {config.n_layers} layers, dim {config.dim}, "
+                  f"{count_params(model) / 1e6:.2f}M parameters, AC {args.ac}; "
+                  f"{world} ranks ({dist.get_backend()}), mesh {dict(zip(names, shape))}, "
+                  f"batch {args.batch} x seq {args.seq}")
+        args.no_apply = False
+        t0 = time.perf_counter()
+        plan, parallel, report = plan_model(args, mesh, model, config)
+        if rank == 0:
+            print(f"planned in {time.perf_counter() - t0 - report.wall:.2f} s, applied in {report.wall:.2f} s")
+            print_apply_report(plan, report)
+
+        parallel.to_empty(device=device)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            parallel.init_weights()
+        opt = torch.optim.AdamW(parallel.parameters(), lr=args.lr)
+        g = torch.Generator().manual_seed(1)
+        tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=g)
+        labels = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=g)
+        # This rank's shard of the batch, as the input placement says (no communication).
+        placements = data_placements(mesh)
+        local_tokens = distribute_tensor(tokens, mesh, placements, src_data_rank=None).to_local().to(device)
+        local_labels = distribute_tensor(labels, mesh, placements, src_data_rank=None).to_local().to(device)
+        replicas = world // mesh.size(0)  # ranks holding the same batch shard
+        if rank == 0:
+            print("\n== training ==")
+        for step in range(args.steps):
+            t = time.perf_counter()
+            logits = parallel(local_tokens)
+            # sum over this rank's tokens / global count: the dp gradient sum is the mean's gradient
+            loss = torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1).float(), local_labels.flatten(), reduction="sum"
+            ) / labels.numel()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            if rank == 0:
+                print(f"  step {step}: loss {total.item() / replicas:.4f}  ({time.perf_counter() - t:.2f} s)")
+    finally:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
