@@ -34,8 +34,8 @@ pytestmark = [
 
 ARGS = dataclasses.replace(LLAMA3_CONFIGS["debug"], dim=256, multiple_of=256)
 BATCH, SEQ = 32, 64
-# passes written by other engineers, switched off so these tests measure ours
-_OTHERS = tuple(p for p in ("fuse_all_gathers",) if p in passes.pass_names())
+# passes switched off in every variant (none: fuse_all_gathers runs too)
+_OTHERS = ()
 
 
 def _tokens():
@@ -137,6 +137,7 @@ def _apply_variants(mesh_shape, ac=None, variants=("all",)):
     options = {
         "all": dict(disable_passes=_OTHERS),
         "none": dict(disable_passes=_OTHERS + ("recompute_all_gathers", "schedule_overlap")),
+        "nofuse": dict(disable_passes=_OTHERS + ("fuse_all_gathers",)),
         "zero2": dict(disable_passes=_OTHERS + ("schedule_overlap",), pass_options=passes.PassOptions(reshard_after_forward=False)),
     }
     autop, mesh, plan = _plan(mesh_shape, ac)
@@ -200,8 +201,16 @@ def test_llama_2d_passes(mesh_shape, ac):
     n = mesh_shape[0] * mesh_shape[1]
     _init_world(n)
     try:
-        mesh, plan, v = _apply_variants(mesh_shape, ac)
+        mesh, plan, v = _apply_variants(mesh_shape, ac, variants=("all", "nofuse"))
         _check_structure(v["all"], v["all_stats"])
+        # fused chains: each removes one all-gather, forward and backward
+        # (where recompute_all_gathers re-gathers the weights)
+        fstats = v["all_stats"]["fuse_all_gathers"]
+        ag = torch.ops._c10d_functional.all_gather_into_tensor.default
+        assert fstats["forward"].fused > 0 and fstats["backward"].fused > 0
+        for kind, attr in (("forward", "forward_graph"), ("backward", "backward_graph")):
+            before = _count(getattr(v["nofuse"], attr), ag)
+            assert _count(getattr(v["all"], attr), ag) == before - fstats[kind].all_gathers_removed, kind
         _compare_one_step(v["all"], mesh, ac)
     finally:
         dist.destroy_process_group()
