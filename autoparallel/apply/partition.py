@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import operator
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -26,6 +27,8 @@ from .local_graph import LocalJoint
 logger = logging.getLogger(__name__)
 
 Partitioner = Literal["min_cut", "default"]
+# meta["custom"] key on forward nodes whose values the backward reads
+SAVE_TAG = "ap_must_save"
 
 
 @dataclass
@@ -65,6 +68,7 @@ def split_joint(local: LocalJoint, partitioner: Partitioner = "min_cut") -> Step
         if not isinstance(node, torch.fx.Node) or not isinstance(node.meta.get("val"), torch.Tensor):
             raise NotImplementedError(f"forward saves a non-tensor value {node!r} (symbolic shapes?)")
     saved_index = {n.name: j for j, n in enumerate(saved)}
+    _tag_saved(saved)
     bw_inputs: list[tuple[str, int]] = []
     tangent_names = [
         n.name for n in local.gm.graph.find_nodes(op="placeholder") if "tangents" in str(n.target)
@@ -86,3 +90,16 @@ def split_joint(local: LocalJoint, partitioner: Partitioner = "min_cut") -> Step
         seconds,
     )
     return StepGraphs(fw, bw, n_out, len(saved), bw_inputs, partitioner, seconds)
+
+
+def _tag_saved(saved: list) -> None:
+    """Mark the forward nodes saved for backward (``meta["custom"]`` survives
+    re-tracing): a later partition (:func:`autoparallel.compile.autoparallel_backend`)
+    then saves the same values. A getitem's tag goes on its multi-output
+    parent (getitem meta does not survive re-tracing)."""
+    for node in saved:
+        if node.op == "placeholder":
+            continue
+        if node.target is operator.getitem:
+            node = node.args[0]
+        node.meta["custom"] = {**node.meta.get("custom", {}), SAVE_TAG: True}
