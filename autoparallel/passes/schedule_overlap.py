@@ -4,20 +4,28 @@ A list scheduler walks the graph in its original order and re-emits every
 node after all of its inputs (so the result is always a valid topological
 order), with four rules:
 
-* **Prefetch parameter all-gathers.** A parameter's gather chain (see
-  :func:`.recompute_all_gathers.param_gather_chains`; also found in the
-  backward graph, where the partitioner recomputes it) belongs to a *layer*:
-  its parameter FQN up to the first numeric component (``layers.3``); other
-  parameters are a layer each. Layers are numbered by when the graph first
-  needs them. Before running a node of layer ``k``, the all-gathers of layers
-  up to ``k + prefetch_layers`` are issued, no further: all of them at once
-  would hold every gathered weight.
+* **Prefetch parameter all-gathers, one at a time, bounded.** A parameter's
+  gather chain (see :func:`.recompute_all_gathers.param_gather_chains`; also
+  found in the backward graph, where the partitioner recomputes it) belongs
+  to a *layer*: its parameter FQN up to the first numeric component
+  (``layers.3``); other parameters are a layer each. Layers are numbered by
+  when the graph first needs them. Gathers are issued in order of need, each
+  only when (a) its layer is at most ``prefetch_layers`` past the layer
+  running now, (b) the comm stream is idle in the two-stream clock the
+  scheduler keeps (a queued gather would delay every reduce-scatter that
+  becomes ready behind it on the single comm stream), and (c) the live bytes
+  now, plus what the original order adds until the gather's use, plus the
+  gathered bytes stay under the unscheduled graph's peak times
+  ``1 + PREFETCH_MEMORY_SLACK``. A gather not prefetched is issued when its
+  consumer needs it, as in the original order.
 * **Issue other collectives as soon as their input exists** (gradient
   reduce-scatters, activation redistributions).
-* **Wait late.** A ``wait_tensor`` is emitted only when a consumer needs its
-  result; a reduce-scatter's (or all-reduce's) wait, whose consumer is often
-  the graph output, at the latest after ``max_consecutive_compute`` compute
-  ops: its unreduced input stays alive until the wait.
+* **Wait late, free early.** A ``wait_tensor`` is emitted only when a
+  consumer needs its result; a reduce-scatter's (or all-reduce's) wait,
+  whose consumer is often the graph output, as soon as the clock says the
+  collective is done (no stall) and at the latest after
+  ``max_consecutive_compute`` compute ops: its unreduced input stays alive
+  until the wait.
 * **Cap compute between reduce-scatters.** Once ``max_consecutive_compute``
   compute ops (ops with a FLOP formula: matmuls, attention) have run since
   the last reduce-scatter, the scheduler prefers, among the nodes it may run
@@ -68,6 +76,9 @@ _A2A = _c10d.all_to_all_single.default
 _WAIT = _c10d.wait_tensor.default
 _STARTS = {_AG: "all_gather", _RS: "reduce_scatter", _AR: "all_reduce", _A2A: "all_to_all"}
 _GRAD_REDUCTIONS = {_RS, _AR}
+# Prefetched gathers may raise the estimated live bytes to at most this much
+# above the unscheduled graph's peak.
+PREFETCH_MEMORY_SLACK = 0.0
 
 
 def is_compute(node: fx.Node) -> bool:
@@ -276,10 +287,49 @@ def _param_chains(gm: fx.GraphModule, ctx: PassContext | None) -> dict[fx.Node, 
     return out
 
 
-def _schedule(gm: fx.GraphModule, ctx: PassContext | None, stats: ScheduleStats) -> list[fx.Node]:
+class _Liveness:
+    """Live bytes of the nodes emitted so far, in :func:`estimate`'s model
+    (views alias their base; a collective's input lives until its wait; the
+    graph outputs live to the end)."""
+
+    def __init__(self, nodes: list[fx.Node]):
+        root: dict[fx.Node, fx.Node] = {}
+        for n in nodes:
+            ins = [a for a in n.all_input_nodes if a in root]
+            root[n] = root[ins[0]] if _is_alias(n) and ins else n
+        self.root = root
+        self.kept_by: dict[fx.Node, set[fx.Node]] = {n: set() for n in nodes}  # node -> roots it keeps alive
+        keepers: dict[fx.Node, set[fx.Node]] = {}
+        for n in nodes:
+            for a in n.all_input_nodes:
+                self.kept_by[n].add(root.get(a, a))
+                if n.target is _WAIT:
+                    for b in a.all_input_nodes:
+                        self.kept_by[n].add(root.get(b, b))
+            for r in self.kept_by[n]:
+                keepers.setdefault(r, set()).add(n)
+        self.pending = {r: len(k) for r, k in keepers.items()}
+        self.size = {n: _nbytes(n.meta.get("val")) for n in nodes if root[n] is n and n.op != "output"}
+        self.live = 0
+
+    def emit(self, n: fx.Node) -> None:
+        size = self.size.get(n, 0)
+        self.live += size
+        if size and not self.pending.get(n):
+            self.live -= size
+        for r in self.kept_by.get(n, ()):
+            self.pending[r] -= 1
+            if self.pending[r] == 0:
+                self.live -= self.size.get(r, 0)
+
+
+def _schedule(
+    gm: fx.GraphModule, ctx: PassContext | None, stats: ScheduleStats, costs: "_Costs | None" = None, memory_limit: int | None = None
+) -> list[fx.Node]:
     opts = ctx.options if ctx is not None else None
     prefetch = max(0, opts.prefetch_layers if opts else 1)
     cap = max(1, opts.max_consecutive_compute if opts else 8)
+    costs = costs or _Costs(ctx)
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     output = nodes[-1]
@@ -287,7 +337,8 @@ def _schedule(gm: fx.GraphModule, ctx: PassContext | None, stats: ScheduleStats)
     ag_layer = _param_chains(gm, ctx)
     stats.all_gathers = sum(1 for n in nodes if n.target is _AG)
     stats.reduce_scatters = sum(1 for n in nodes if n.target is _RS)
-    # layers in order of first need (the first consumer of a gathered weight)
+    # each gather's first need (its chain's first consumer), layers in order of first need
+    need_of: dict[fx.Node, int] = {}
     first_need: dict[str, int] = {}
     for ag, (layer, chain) in ag_layer.items():
         chain_set = set(chain)
@@ -295,13 +346,13 @@ def _schedule(gm: fx.GraphModule, ctx: PassContext | None, stats: ScheduleStats)
             (index[u] for c in chain for u in c.users if u not in chain_set),
             default=index[ag],
         )
+        need_of[ag] = need
         first_need[layer] = min(first_need.get(layer, need), need)
     layer_order = sorted(first_need, key=first_need.__getitem__)
     layer_rank = {name: k for k, name in enumerate(layer_order)}
     stats.layers = len(layer_order)
-    ags_by_rank: dict[int, list[fx.Node]] = {}
-    for ag, (layer, _) in ag_layer.items():
-        ags_by_rank.setdefault(layer_rank[layer], []).append(ag)
+    # prefetch candidates: one gather at a time, in order of need
+    pf_order = sorted(ag_layer, key=lambda a: (need_of[a], index[a]))
     need_points = [first_need[name] for name in layer_order]
 
     # distance (in compute ops) from each node to the nearest gradient reduction
@@ -321,16 +372,34 @@ def _schedule(gm: fx.GraphModule, ctx: PassContext | None, stats: ScheduleStats)
     pending_rs: list[tuple[fx.Node, int]] = []  # (wait node, compute count when issued)
     compute_count = 0
     since_rs = 0
-    issued_rank = -1
+    next_pf = 0
     wait_of: dict[fx.Node, fx.Node] = {}
     for n in nodes:
         if n.target is _WAIT and isinstance(n.args[0], fx.Node):
             wait_of[n.args[0]] = n
+    # the two-stream clock of :func:`estimate`, and live bytes, as nodes are emitted
+    live = _Liveness(nodes)
+    orig_live: list[int] = []  # live bytes after each node of the original order
+    if memory_limit is not None:
+        probe = _Liveness(nodes)
+        for n in nodes:
+            probe.emit(n)
+            orig_live.append(probe.live)
+    clock = {"now": 0.0, "comm_free": 0.0}
+    comm_done: dict[fx.Node, float] = {}
 
     def emit(n: fx.Node) -> None:
         nonlocal compute_count, since_rs
         order.append(n)
         done.add(n)
+        live.emit(n)
+        if n.op == "call_function":
+            if n.target in _STARTS:
+                clock["comm_free"] = comm_done[n] = max(clock["now"], clock["comm_free"]) + costs.time(n)
+            elif n.target is _WAIT:
+                clock["now"] = max(clock["now"], comm_done.get(n.args[0], 0.0))
+            else:
+                clock["now"] += costs.time(n)
         if is_compute(n):
             compute_count += 1
             since_rs += 1
@@ -361,25 +430,45 @@ def _schedule(gm: fx.GraphModule, ctx: PassContext | None, stats: ScheduleStats)
                     stack.append((a, False))
 
     def flush() -> None:
-        # collective starts that became ready; reduction waits past the cap
+        # collective starts that became ready (before any further prefetch, so
+        # reductions do not queue behind gathers); reduction waits once their
+        # collective is done (free the unreduced input at no stall) or past the cap
         while eager:
             _, c = heapq.heappop(eager)
             if c not in done:
                 ensure(c)
-        while pending_rs and compute_count - pending_rs[0][1] >= cap:
+        while pending_rs and (
+            compute_count - pending_rs[0][1] >= cap or comm_done.get(pending_rs[0][0].args[0], 0.0) <= clock["now"]
+        ):
             w, _ = pending_rs.pop(0)
             if w not in done:
                 ensure(w)
 
-    def prefetch_upto(rank: int) -> None:
-        nonlocal issued_rank
-        while issued_rank < rank and issued_rank + 1 < len(layer_order):
-            issued_rank += 1
-            for ag in sorted(ags_by_rank.get(issued_rank, []), key=index.__getitem__):
-                before = compute_count
-                ensure(ag)
-                if before == compute_count:
-                    stats.prefetched_all_gathers += 1
+    def prefetch_step(i: int) -> None:
+        # Issue the next parameter gathers (in order of need) while: their
+        # layer is at most `prefetch` layers past the current one, the comm
+        # stream is idle (a queued gather would delay the reductions that
+        # become ready meanwhile), and the gathered bytes fit under the limit.
+        nonlocal next_pf
+        upto = max(current_rank(i), 0) + prefetch
+        while next_pf < len(pf_order):
+            ag = pf_order[next_pf]
+            if ag in done:
+                next_pf += 1
+                continue
+            if layer_rank[ag_layer[ag][0]] > upto or clock["comm_free"] > clock["now"]:
+                return
+            if memory_limit is not None:
+                # what the original order adds before the gather is used
+                # (it stays alive until then) predicts the rise from here
+                growth = max(orig_live[i : need_of[ag] + 1], default=0) - orig_live[i - 1 if i else 0]
+                if live.live + max(growth, 0) + _nbytes(ag.meta.get("val")) > memory_limit:
+                    return
+            before = compute_count
+            ensure(ag)
+            next_pf += 1
+            if before == compute_count:
+                stats.prefetched_all_gathers += 1
 
     def current_rank(i: int) -> int:
         k = 0
@@ -399,7 +488,7 @@ def _schedule(gm: fx.GraphModule, ctx: PassContext | None, stats: ScheduleStats)
         if n in done or n is output or n in deferred:
             i += 1
             continue
-        prefetch_upto(max(current_rank(i), 0) + prefetch)
+        prefetch_step(i)
         if since_rs >= cap and is_compute(n) and n in dist_to_rs:
             # past the cap: run toward the nearest pending reduction first
             target = _closest_reduction(n, nodes, i, done, dist_to_rs)
@@ -408,7 +497,6 @@ def _schedule(gm: fx.GraphModule, ctx: PassContext | None, stats: ScheduleStats)
                 continue
         ensure(n)
         i += 1
-    prefetch_upto(len(layer_order))
     for n in nodes:
         if n not in done and n is not output:
             ensure(n)
@@ -446,7 +534,8 @@ def schedule_overlap(gm: fx.GraphModule, ctx: PassContext) -> ScheduleStats:
     before = list(gm.graph.nodes)
     stats.longest_compute_run_before = longest_compute_run(before)
     stats.exposed_comm_before_s, stats.peak_memory_before = estimate(before, costs)
-    order = _schedule(gm, ctx, stats)
+    limit = int(stats.peak_memory_before * (1 + PREFETCH_MEMORY_SLACK))
+    order = _schedule(gm, ctx, stats, costs, limit)
     if len(order) != len(before) or set(order) != set(before):
         raise RuntimeError("schedule_overlap lost or duplicated nodes")
     # move nodes into the new order

@@ -92,6 +92,11 @@ def _check_structure(parallel, pass_stats, cap=8):
     assert longest_compute_run(bw.graph.nodes) <= cap
     stats = pass_stats["schedule_overlap"]
     assert stats["backward"].longest_compute_run_after <= cap
+    # overlap must not cost much memory, nor expose more communication
+    for kind in ("forward", "backward"):
+        s = stats[kind]
+        assert s.peak_memory_after <= 1.1 * s.peak_memory_before, (kind, s)
+        assert s.exposed_comm_after_s <= s.exposed_comm_before_s, (kind, s)
 
 
 def _loss(out, numel):
