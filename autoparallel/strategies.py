@@ -16,6 +16,7 @@ dropped at planning time so that planning and apply always agree.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import operator
@@ -128,16 +129,23 @@ def is_evenly_sharded(shape: torch.Size, placements: tuple[Placement, ...], mesh
     has to be caught as "neither Shard, Replicate nor Partial".
     """
     ways = [1] * len(shape)
+    mesh_shape = _mesh_shape(mesh)
     for mesh_dim, p in enumerate(placements):
-        if type(p) is not Shard:
-            if isinstance(p, (Replicate, Partial)):
+        t = type(p)  # exact type checks first: isinstance on placements is slow
+        if t is not Shard:
+            if t is Replicate or t is Partial or isinstance(p, (Replicate, Partial)):
                 continue
             return False  # _StridedShard and any other shard-like placement
         d = p.dim
         if d < 0 or d >= len(shape):
             return False
-        ways[d] *= mesh.size(mesh_dim)
+        ways[d] *= mesh_shape[mesh_dim]
     return all(ways[d] == 1 or shape[d] % ways[d] == 0 for d in range(len(shape)))
+
+
+@functools.lru_cache(maxsize=None)
+def _mesh_shape(mesh: DeviceMesh) -> tuple[int, ...]:
+    return tuple(mesh.shape)
 
 
 def all_placements(shape: torch.Size, mesh: DeviceMesh) -> list[tuple[Placement, ...]]:
@@ -161,17 +169,6 @@ def _spec(mesh: DeviceMesh, placements, meta: TensorMeta) -> DTensorSpec:
 def placeholder_options(val: torch.Tensor, mesh: DeviceMesh) -> list[Option]:
     meta = tensor_meta_of(val)
     return [Option(_spec(mesh, p, meta), ()) for p in all_placements(val.shape, mesh)]
-
-
-def _specs_ok(specs: Specs, mesh: DeviceMesh) -> bool:
-    if specs is None:
-        return True
-    if isinstance(specs, DTensorSpec):
-        meta = specs.tensor_meta
-        if meta is None:
-            return True
-        return is_evenly_sharded(meta.shape, specs.placements, mesh)
-    return all(_specs_ok(s, mesh) for s in specs)
 
 
 # --------------------------------------------------------------------------
@@ -325,24 +322,56 @@ def _decomp_strategy(node: torch.fx.Node, schema: OpSchema, mesh: DeviceMesh):
         return None
 
 
-def _fill_meta(specs: Specs, meta) -> Specs:
-    """Attach output tensor metas (DTensor strategies may leave them unset)."""
-    if isinstance(specs, DTensorSpec):
-        if specs.tensor_meta is None and isinstance(meta, TensorMeta):
-            return DTensorSpec(specs.mesh, specs.placements, tensor_meta=meta)
-        return specs
-    if isinstance(specs, (tuple, list)):
-        metas = meta if isinstance(meta, (tuple, list)) else [None] * len(specs)
-        return tuple(_fill_meta(s, m) for s, m in zip(specs, metas))
-    return specs
+class SpecPool:
+    """One DTensorSpec object per (placements, tensor meta).
+
+    Building a DTensorSpec costs ~20 us (shard-order bookkeeping) and the
+    options of one op repeat a handful of input specs hundreds of times;
+    shared objects also make the cost model's spec-keyed caches hit on
+    identity.
+    """
+
+    def __init__(self, mesh: DeviceMesh):
+        self.mesh = mesh
+        self._specs: dict[tuple, DTensorSpec] = {}
+
+    def get(self, placements: tuple, meta: TensorMeta | None) -> DTensorSpec:
+        key = (placements, meta)
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = self._specs[key] = DTensorSpec(self.mesh, tuple(placements), tensor_meta=meta)
+        return spec
+
+
+def _out_placements_ok(out, meta, mesh: DeviceMesh) -> bool:
+    if isinstance(out, DTensorSpec):
+        m = out.tensor_meta if out.tensor_meta is not None else meta
+        return not isinstance(m, TensorMeta) or is_evenly_sharded(m.shape, out.placements, mesh)
+    if isinstance(out, (tuple, list)):
+        metas = meta if isinstance(meta, (tuple, list)) else [None] * len(out)
+        return all(_out_placements_ok(o, m, mesh) for o, m in zip(out, metas))
+    return True
+
+
+def _pooled_out(out, meta, pool: SpecPool) -> Specs:
+    """Output spec(s) from the pool, with the node's tensor metas attached
+    where DTensor left them unset."""
+    if isinstance(out, DTensorSpec):
+        m = out.tensor_meta if out.tensor_meta is not None else meta
+        return pool.get(out.placements, m if isinstance(m, TensorMeta) else None)
+    if isinstance(out, (tuple, list)):
+        metas = meta if isinstance(meta, (tuple, list)) else [None] * len(out)
+        return tuple(_pooled_out(o, m, pool) for o, m in zip(out, metas))
+    return out
 
 
 def _options_from_op_strategy(
     node: torch.fx.Node,
     strategy,
     inputs: list[torch.fx.Node],
-    mesh: DeviceMesh,
+    pool: SpecPool,
 ) -> list[Option]:
+    mesh = pool.mesh
     out_meta = _out_meta(node)
     in_metas = [tensor_meta_of(n.meta["val"]) for n in inputs]
     if isinstance(strategy, TupleStrategy):
@@ -353,25 +382,26 @@ def _options_from_op_strategy(
     options: list[Option] = []
     seen: set = set()
     for op_spec in strategy.strategies:
-        out_specs = _fill_meta(op_spec.output_specs, out_meta)
+        out = op_spec.output_specs
         if op_spec.input_specs is None:
-            in_specs = tuple(
-                DTensorSpec(mesh, op_spec.output_spec.placements, tensor_meta=m) for m in in_metas
-            )
+            in_placements = tuple(op_spec.output_spec.placements for _ in in_metas)
         else:
-            in_specs = tuple(
-                DTensorSpec(mesh, s.placements, tensor_meta=m)
-                for s, m in zip(op_spec.input_specs, in_metas)
-            )
-            if len(in_specs) != len(inputs):
+            if len(op_spec.input_specs) != len(inputs):
                 continue
-        if not (_specs_ok(out_specs, mesh) and _specs_ok(in_specs, mesh)):
-            continue
-        key = (placements_of(out_specs), tuple(s.placements for s in in_specs))
+            in_placements = tuple(s.placements for s in op_spec.input_specs)
+        # Filter and deduplicate on placements; build (pooled) specs only
+        # for the options kept.
+        key = (placements_of(out), in_placements)
         if key in seen:
             continue
         seen.add(key)
-        options.append(Option(out_specs, in_specs))
+        if not (
+            _out_placements_ok(out, out_meta, mesh)
+            and all(is_evenly_sharded(m.shape, p, mesh) for p, m in zip(in_placements, in_metas))
+        ):
+            continue
+        in_specs = tuple(pool.get(p, m) for p, m in zip(in_placements, in_metas))
+        options.append(Option(_pooled_out(out, out_meta, pool), in_specs))
     return options
 
 
@@ -448,6 +478,7 @@ class StrategyEnumerator:
     def __init__(self, mesh: DeviceMesh):
         self.mesh = mesh
         self._cache: dict[Any, tuple[list[Option], str]] = {}
+        self._pool = SpecPool(mesh)
         self._interned: dict[Any, int] = {}
         # id(option list) -> (distinct output specs, their interned id, the
         # list): what a node offers its consumers, computed once per list.
@@ -546,7 +577,7 @@ class StrategyEnumerator:
         if not inputs:
             # Factories (zeros, full, arange, ...) may produce any layout.
             return placeholder_options(node.meta["val"], self.mesh), "factory"
-        options = _dtensor_options(node, inputs, candidates, self.mesh)
+        options = _dtensor_options(node, inputs, candidates, self._pool)
         if options:
             return options, "dtensor"
         name = str(op)
@@ -554,7 +585,7 @@ class StrategyEnumerator:
         return replicate_options(node, inputs, self.mesh), "fallback"
 
 
-def _propagate(node, inputs, candidates, mesh) -> list[Option]:
+def _propagate(node, inputs, candidates, pool: SpecPool) -> list[Option]:
     """Options from DTensor for the given candidate specs per input; raises
     whatever DTensor's strategy function raises."""
     cand_strategies: dict[torch.fx.Node, OpStrategy] = {}
@@ -563,13 +594,13 @@ def _propagate(node, inputs, candidates, mesh) -> list[Option]:
         cand_strategies.setdefault(n, OpStrategy([OpSpec(s) for s in c]))
     schema = _build_schema(node, cand_strategies)
     with _without_dtensor_redistribute_costs():
-        strategy = _dtensor_strategy(node, schema, mesh)
+        strategy = _dtensor_strategy(node, schema, pool.mesh)
     if strategy is None:
         return []
-    return _options_from_op_strategy(node, strategy, inputs, mesh)
+    return _options_from_op_strategy(node, strategy, inputs, pool)
 
 
-def _dtensor_options(node, inputs, candidates, mesh) -> list[Option]:
+def _dtensor_options(node, inputs, candidates, pool: SpecPool) -> list[Option]:
     """DTensor's options for ``node`` given every candidate of every input.
 
     Strategy functions that follow their input's layout (all view ops) go
@@ -585,7 +616,7 @@ def _dtensor_options(node, inputs, candidates, mesh) -> list[Option]:
     """
     op = node.target
     try:
-        return _propagate(node, inputs, candidates, mesh)
+        return _propagate(node, inputs, candidates, pool)
     except NotImplementedError as e:
         logger.debug("no DTensor strategy for %s: %s", op, e)
         return []
@@ -601,7 +632,7 @@ def _dtensor_options(node, inputs, candidates, mesh) -> list[Option]:
         # Restrict every occurrence of the first input, not just position 0.
         restricted = [(spec,) if n is first else c for n, c in zip(inputs, candidates)]
         try:
-            found = _propagate(node, inputs, restricted, mesh)
+            found = _propagate(node, inputs, restricted, pool)
         except Exception as e:  # noqa: BLE001 - this candidate has no option
             logger.debug("%s (%s): no option for input layout %s: %r", op, node.name, format_specs(spec), e)
             continue
