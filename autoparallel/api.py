@@ -95,6 +95,12 @@ class AutoParallel:
         self.time_limit = time_limit
         self.rel_gap = rel_gap
         self._constraints = Constraints()
+        if mp_policy is not None:
+            # FSDP semantics: gradients are reduced in reduce_dtype, which
+            # defaults to param_dtype.
+            self._constraints.reduce_dtype = getattr(mp_policy, "reduce_dtype", None) or getattr(
+                mp_policy, "param_dtype", None
+            )
         self._constraint_log: dict[str, Any] = {}
         self._stack: contextlib.ExitStack | None = None
         self.traced: TracedStep | None = None

@@ -63,6 +63,9 @@ class Constraints:
     # budget always applies: by default it is what makes FSDP emerge.
     memory_low: float | None = None
     memory_high: float | None = None
+    # Mixed precision: dtype parameter gradients are reduced in (None: no
+    # constraint). Partial gradients of another dtype may not be reduced.
+    reduce_dtype: torch.dtype | None = None
 
 
 @dataclass
@@ -112,6 +115,32 @@ def _grad_tail(traced: TracedStep) -> set[torch.fx.Node]:
     return tail
 
 
+def _unreducible_grad_nodes(traced: TracedStep, reduce_dtype: torch.dtype | None) -> set[torch.fx.Node]:
+    """Nodes whose partial outputs must not be reduced: on a parameter
+    gradient's own path (every use leads only to parameter gradients) and of
+    a dtype other than ``reduce_dtype``. Tracing puts a cast to
+    ``reduce_dtype`` on each gradient's path, so the reduction is left to
+    happen at or after it, in ``reduce_dtype``."""
+    if reduce_dtype is None:
+        return set()
+    grads = {g for g in traced.grad_nodes.values() if g is not None}
+    grad_only: set[torch.fx.Node] = set()
+    for node in reversed(traced.gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node in grads or (node.users and all(u in grad_only for u in node.users)):
+            grad_only.add(node)
+    return {
+        n
+        for n in grad_only
+        if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dtype != reduce_dtype
+    }
+
+
+def _reduces_partial(src, dst) -> bool:
+    return any(p.is_partial() and not q.is_partial() for p, q in zip(src.placements, dst.placements))
+
+
 class _EdgeMatrices:
     """Edge cost matrices, each computed once per distinct block.
 
@@ -141,10 +170,13 @@ class _EdgeMatrices:
             t = cost_model.TRANSITION_TIEBREAK
         return t
 
-    def redistribution(self, prod: list[Option], cons: list[Option], arg: int, kind: str | None):
+    def redistribution(
+        self, prod: list[Option], cons: list[Option], arg: int, kind: str | None, keep_partial: bool = False
+    ):
         """Producer option x consumer option: time to bring the producer's
-        output to what the consumer's option needs for argument ``arg``."""
-        key = (id(prod), id(cons), arg, kind)
+        output to what the consumer's option needs for argument ``arg``
+        (``keep_partial``: reducing a Partial mesh dim is forbidden)."""
+        key = (id(prod), id(cons), arg, kind, keep_partial)
         hit = self._matrices.get(key)
         if hit is not None:
             return hit[0]
@@ -158,11 +190,16 @@ class _EdgeMatrices:
             src_meta.dtype,
             tuple(dst_meta.shape),
             kind,
+            keep_partial,
         )
         class_rows = self._classes.get(class_key)
         if class_rows is None:
             class_rows = self._classes[class_key] = [
-                [self._pair(s, d, kind) for d in dst_specs] for s in src_specs
+                [
+                    math.inf if keep_partial and _reduces_partial(s, d) else self._pair(s, d, kind)
+                    for d in dst_specs
+                ]
+                for s in src_specs
             ]
         # Options with the same output placements get the same row object.
         rows_by_class: dict[int, list[float]] = {}
@@ -249,6 +286,7 @@ def build_problem(
 
     param_chain = _forward_param_chain(traced)
     grad_tail = _grad_tail(traced)
+    unreducible = _unreducible_grad_nodes(traced, constraints.reduce_dtype)
     matrices = _EdgeMatrices(device, overlap)
     edges: list[solver.Edge] = []
     for node in nodes:
@@ -264,7 +302,9 @@ def build_problem(
                 kind = cost_model.PARAM_ALL_GATHER
             elif node in grad_tail:
                 kind = cost_model.GRAD_REDUCE_SCATTER
-            matrix = matrices.redistribution(strategies[producer].options, strat.options, k, kind)
+            matrix = matrices.redistribution(
+                strategies[producer].options, strat.options, k, kind, keep_partial=producer in unreducible
+            )
             edges.append(solver.Edge(producer.name, node.name, k, matrix))
 
     # A gradient is laid out like its parameter; a tangent like its output.
