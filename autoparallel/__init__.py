@@ -7,6 +7,7 @@ program (see README.md).
 """
 
 from .api import AutoParallel, ConstraintError
+from .compile import autoparallel_backend
 from .cost_model import CommOverlapPolicy, DeviceSpec
 from .plan import NodePlan, Plan, diff
 from .strategies import register_rule
@@ -17,6 +18,7 @@ __all__ = [
     "ConstraintError",
     "DeviceSpec",
     "NodePlan",
+    "autoparallel_backend",
     "Plan",
     "diff",
     "register_rule",
