@@ -47,6 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mesh", type=int, nargs="+", default=[16, 8], help="mesh shape, e.g. 16 8")
     p.add_argument("--model", default="8B", choices=sorted(LLAMA3_CONFIGS))
     p.add_argument("--no-ac", action="store_true", help="no activation checkpointing")
+    p.add_argument("--apply", action="store_true",
+                   help="also time apply_placement and print its collectives and pass stats "
+                        "(applies twice: without and with the rewrite passes)")
     p.add_argument("--verbose", action="store_true", help="log autoparallel's INFO messages")
     return p.parse_args(argv)
 
@@ -82,8 +85,9 @@ def main(argv=None) -> None:
         autop.add_input_constraints(constraint)
         autop.add_output_constraints(constraint)
         plan = autop.optimize_placement()
-    total = time.perf_counter() - t0
-    cpu = time.process_time() - cpu0
+        total = time.perf_counter() - t0
+        cpu = time.process_time() - cpu0
+        applied = _apply_both_ways(autop, plan, mesh) if a.apply else None
 
     t = autop.timings
     s = plan.solution
@@ -134,8 +138,56 @@ def main(argv=None) -> None:
         f"  estimated per step: compute {plan.compute_cost * 1e3:.2f} ms, "
         f"communication {plan.comm_cost * 1e3:.2f} ms"
     )
+    if applied is not None:
+        _print_apply(applied, plan)
     print(f"peak RSS {_peak_rss_mib():.0f} MiB (before planning {rss_before:.0f} MiB)")
     dist.destroy_process_group()
+
+
+def _apply_both_ways(autop, plan, mesh) -> dict:
+    """Apply without passes (the baseline graphs) and with all of them
+    (timed: what a user pays), and count collectives in both."""
+    from autoparallel import passes
+    from autoparallel.apply import collectives
+    from autoparallel.passes.recompute_all_gathers import saved_for_backward
+
+    out = {}
+    for label, disabled in (("no passes", tuple(passes.pass_names())), ("passes", ())):
+        t0, c0 = time.perf_counter(), time.process_time()
+        pm = autop.apply_placement(plan, disable_passes=disabled)
+        out[label] = {
+            "wall": time.perf_counter() - t0,
+            "cpu": time.process_time() - c0,
+            "forward": _count(collectives(pm.forward_graph, mesh)),
+            "backward": _count(collectives(pm.backward_graph, mesh)),
+            "saved_bytes": sum(
+                b for _, b in saved_for_backward(pm.forward_graph, pm.parallel_state.step.graphs.num_fwd_outputs)
+            ),
+        }
+    return out
+
+
+def _count(items) -> dict:
+    counts: dict = {}
+    for c in items:
+        counts[c.kind] = counts.get(c.kind, 0) + 1
+    return counts
+
+
+def _print_apply(applied: dict, plan) -> None:
+    print("apply")
+    for label, r in applied.items():
+        print(
+            f"  {label:10s} {r['wall']:7.2f} s wall, {r['cpu']:7.2f} s CPU; saved for backward "
+            f"{r['saved_bytes'] / 2**30:.2f} GiB per rank"
+        )
+    print("  collectives per graph (without -> with passes)")
+    for graph in ("forward", "backward"):
+        before, after = applied["no passes"][graph], applied["passes"][graph]
+        kinds = sorted(before.keys() | after.keys())
+        print(f"    {graph:8s} " + ", ".join(f"{k} {before.get(k, 0)} -> {after.get(k, 0)}" for k in kinds))
+    for name, stats in plan.pass_stats.items():
+        print(f"  pass {name}: {stats}")
 
 
 if __name__ == "__main__":
