@@ -75,6 +75,12 @@ def _is_input(node: fx.Node) -> bool:
     return _is_primal(node)
 
 
+def _keep_if_dead(node: fx.Node) -> bool:
+    """DCE predicate: keep a user-less node only if it has a side effect other
+    than being a functional collective (mutations, RNG, placeholders)."""
+    return is_not_collective(node) and node.is_impure()
+
+
 def save_tagged_partition(joint: fx.GraphModule, _joint_inputs: Any, *, num_fwd_outputs: int, **_kw):
     """Partition ``joint`` saving the values the first partition saved (see
     the module docstring)."""
@@ -116,10 +122,15 @@ def save_tagged_partition(joint: fx.GraphModule, _joint_inputs: Any, *, num_fwd_
     fw, bw = _extract_fwd_bwd_modules(
         joint, saved, saved_sym_nodes=sym, saved_opaque_nodes=opaque, num_fwd_outputs=num_fwd_outputs
     )
-    # the extraction keeps collectives whose inputs exist (the backward's
-    # re-gathers of saved shards): drop the unused ones, as default_partition does
-    fw.graph.eliminate_dead_code(is_impure_node=is_not_collective)
-    bw.graph.eliminate_dead_code(is_impure_node=is_not_collective)
+    # The extraction copies every node whose inputs are available, and its DCE
+    # keeps collectives (impure): the forward gets the backward's re-gathers of
+    # (views of) primals, the backward the forward's gathers of saved primals.
+    # A multi-step gather's dead tail (wait -> split -> getitem -> cat) keeps
+    # each step alive, so drop dead collectives *and* dead pure nodes together
+    # (torch's ``is_not_collective`` DCE keeps every dead non-collective, so
+    # such a chain survived it).
+    fw.graph.eliminate_dead_code(is_impure_node=_keep_if_dead)
+    bw.graph.eliminate_dead_code(is_impure_node=_keep_if_dead)
     fw.recompile()
     bw.recompile()
     LAST_PARTITION.fw, LAST_PARTITION.bw = fw, bw
