@@ -29,12 +29,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 import torch.fx.traceback as fx_traceback
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_invocation_manager, unset_fake_temporarily
+from torch._dispatch.python import no_python_dispatcher
+from torch._subclasses.fake_impls import fast_detach
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._op_schema import OpSchema
 from torch.distributed.tensor.placement_types import Shard, _MaskPartial
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
@@ -530,10 +533,9 @@ class _Template:
 
     def replay(self, tracer, node, producers, inputs):
         from torch.fx.experimental.proxy_tensor import (
-            _extract_tensor_metadata,
             disable_proxy_modes_tracing,
+            extract_val,
             get_proxy_slot,
-            set_meta,
             track_tensor,
         )
 
@@ -562,7 +564,8 @@ class _Template:
                 if val is not None:
                     meta["val"] = new_val = _fresh(val, storages)
                     if "tensor_meta" in tn.meta and isinstance(new_val, torch.Tensor):
-                        meta["tensor_meta"] = _extract_tensor_metadata(new_val)
+                        # metadata of an equal-metadata tensor: the template's
+                        meta["tensor_meta"] = _same_tensor_meta(tn.meta["tensor_meta"], new_val)
                 if "eager_input_vals" in meta:
                     meta["eager_input_vals"] = torch.fx.node.map_aggregate((n.args, n.kwargs), _eager_val)
                 n.meta = meta
@@ -578,13 +581,27 @@ class _Template:
                         t.requires_grad_(True)
                     proxy = torch.fx.Proxy(n, tracer)
                     track_tensor(t, proxy, tracer=tracer, constant=None)
-                    set_meta(proxy, t)
+                    # what set_meta does, with the template's metadata
+                    n.meta["val"] = fast_detach(t.fake_mode, t) if isinstance(t, FakeTensor) else extract_val(t)
+                    n.meta["tensor_meta"] = _same_tensor_meta(self.nodes[ref[1]].meta.get("tensor_meta"), t)
                     leaves.append(t)
                 elif ref[0] == "in":
                     leaves.append(inputs[ref[1]])
                 else:
                     leaves.append(ref[1])
         return tree_unflatten(leaves, self.out_spec)
+
+
+def _same_tensor_meta(template_meta, t: torch.Tensor):
+    """``_extract_tensor_metadata(t)`` for ``t`` with the metadata of the
+    template node's value (only requires_grad may differ)."""
+    from torch.fx.passes.shape_prop import TensorMetadata, _extract_tensor_metadata
+
+    if not isinstance(template_meta, TensorMetadata):
+        return _extract_tensor_metadata(t)
+    if template_meta.requires_grad != t.requires_grad:
+        return template_meta._replace(requires_grad=t.requires_grad)
+    return template_meta
 
 
 def _eager_val(a):
@@ -598,11 +615,39 @@ def _eager_val(a):
 def _fresh(val, storages: dict[int, torch.Tensor]):
     """A new fake value like ``val``; tensors sharing a storage in the
     template share one in the copy (``storages``: template storage -> a
-    tensor of the copy on that storage's counterpart)."""
+    tensor of the copy on that storage's counterpart).
+
+    Built the way the fake mode wraps a meta kernel's output (a meta tensor
+    made inside ``in_kernel_invocation_manager``, wrapped in a FakeTensor),
+    without a trip through fake-tensor dispatch."""
     if isinstance(val, (tuple, list)):
         return type(val)(_fresh(v, storages) for v in val)
-    if not isinstance(val, torch.Tensor):
+    if not isinstance(val, FakeTensor):
+        if isinstance(val, torch.Tensor):
+            return _fresh_dispatch(val, storages)
         return val
+    mode = val.fake_mode
+    key = val.untyped_storage()._cdata
+    base = storages.get(key)
+    with no_python_dispatcher(), in_kernel_invocation_manager(mode):
+        if base is not None and base.dtype == val.dtype:
+            elem = torch.ops.aten.as_strided.default(base, val.shape, val.stride(), val.storage_offset())
+        else:
+            n = val.untyped_storage().nbytes() // val.element_size()
+            if val.storage_offset() == 0 and val.numel() == n and val.is_contiguous():
+                elem = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
+                new_base = None
+            else:
+                new_base = torch.empty((n,), dtype=val.dtype, device="meta")
+                elem = torch.ops.aten.as_strided.default(new_base, val.shape, val.stride(), val.storage_offset())
+    new = FakeTensor(mode, elem, val.device)
+    if base is None or base.dtype != val.dtype:
+        storages[key] = new if new_base is None else FakeTensor(mode, new_base, val.device)
+    return new
+
+
+def _fresh_dispatch(val: torch.Tensor, storages: dict[int, torch.Tensor]):
+    """:func:`_fresh` for a tensor that is not fake (through dispatch)."""
     key = val.untyped_storage()._cdata
     base = storages.get(key)
     if base is not None and base.dtype == val.dtype:
@@ -692,7 +737,8 @@ def build_local_joint(
             tangents = [fake_local(output_specs[i]) for i in differentiable]
         for p, fqn in zip(primals, param_fqns):
             p.requires_grad_(traced.param_nodes[fqn].meta["val"].requires_grad)
-        with fake_mode, fx_traceback.preserve_node_meta():
+        # a lazy graph module: its Python code is generated on first use
+        with fake_mode, fx_traceback.preserve_node_meta(), _use_lazy_graph_module(True):
             gm = make_fx(joint, pre_dispatch=False)(primals, tangents)
     gm.graph.eliminate_dead_code()
     ac_stats = activation_checkpointing.tag_recompute(gm)

@@ -21,6 +21,7 @@ import torch
 import torch.fx
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
 from .local_graph import LocalJoint
 
@@ -56,12 +57,16 @@ def split_joint(local: LocalJoint, partitioner: Partitioner = "min_cut") -> Step
     fn = {"min_cut": min_cut_rematerialization_partition, "default": default_partition}.get(partitioner)
     if fn is None:
         raise ValueError(f"partitioner must be 'min_cut' or 'default', got {partitioner!r}")
-    joint = copy.deepcopy(local.gm)
     n_out = local.num_fwd_outputs
-    # Recomputed random ops make the partitioner build RNG-state inputs,
-    # for which it looks up the ambient fake mode.
-    with unset_fake_temporarily(), FakeTensorMode(allow_non_fake_inputs=True):
-        fw, bw = fn(joint, None, num_fwd_outputs=n_out)
+    # Lazy graph modules: the partitioner's intermediate modules (and the
+    # passes' recompiles of the results) generate no Python code; forward
+    # and backward get theirs once, on first call (or ``.code``).
+    with _use_lazy_graph_module(True):
+        joint = _copy_graph_module(local.gm)
+        # Recomputed random ops make the partitioner build RNG-state inputs,
+        # for which it looks up the ambient fake mode.
+        with unset_fake_temporarily(), FakeTensorMode(allow_non_fake_inputs=True):
+            fw, bw = fn(joint, None, num_fwd_outputs=n_out)
     fw_outs = _output_nodes(fw)
     saved = fw_outs[n_out:]
     for node in saved:
@@ -90,6 +95,19 @@ def split_joint(local: LocalJoint, partitioner: Partitioner = "min_cut") -> Step
         seconds,
     )
     return StepGraphs(fw, bw, n_out, len(saved), bw_inputs, partitioner, seconds)
+
+
+def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """What ``copy.deepcopy(gm)`` gives the partitioner (new nodes, shallow
+    copies of their meta, the same codegen), without generating code."""
+    graph = torch.fx.Graph(tracer_cls=gm.graph._tracer_cls)
+    out = graph.graph_copy(gm.graph, {}, return_output_node=True)
+    out, out_node = out
+    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    graph.output(out, type_expr=getattr(out_node, "type", None)).meta = copy.copy(out_node.meta)
+    copied = _make_graph_module(gm, graph)
+    copied.meta = copy.deepcopy(gm.meta)
+    return copied
 
 
 def _tag_saved(saved: list) -> None:
