@@ -37,7 +37,7 @@ from .backends import SolverError, get_backend
 from .diagnose import InfeasibleError, diagnose
 from .evaluate import evaluate, violations
 from .ilp import build
-from .problem import Problem, Solution
+from .problem import Problem, ProblemError, Solution
 
 logger = logging.getLogger(__name__)
 
@@ -63,17 +63,31 @@ def solve(
     :class:`SolverError` when the backend stops without any solution.
     """
     t_start = time.perf_counter()
-    problem.validate()
-    solver = get_backend(backend)
+    pre_mod = _presolve_module() if presolve else None
+    if pre_mod is None:
+        problem.validate()
+    else:
+        # Presolve checks the edge matrices: merging reads them anyway, and
+        # repeated layers' equal matrices need reading only once then.
+        try:
+            problem._validate(edge_costs=False)
+        except ProblemError:
+            problem.validate()  # the first error, which may be a matrix's
+            raise
+    try:
+        solver = get_backend(backend)
+    except Exception:
+        if pre_mod is not None:
+            problem.validate()  # a malformed problem says so first
+        raise
     timings: dict[str, float] = {}
 
     reduced, expand, stats = problem, None, None
     if presolve:
         t0 = time.perf_counter()
-        pre_mod = _presolve_module()
         if pre_mod is not None:
             try:
-                pre = pre_mod.presolve(problem)
+                pre = pre_mod.presolve(problem, check_costs=True)
             except pre_mod.PresolveInfeasible as exc:
                 logger.info("presolve found the problem infeasible: %s", exc)
                 raise _infeasible(problem, solver.name) from None

@@ -130,6 +130,14 @@ class Problem:
 
     def validate(self) -> None:
         """Raise :class:`ProblemError` naming the first inconsistency found."""
+        self._validate(edge_costs=True)
+
+    def _validate(self, edge_costs: bool) -> None:
+        """:meth:`validate`; ``edge_costs=False`` skips reading the edges' cost
+        matrices (their shapes and entries), for a caller that checks them
+        itself (:func:`solver.presolve.presolve` with ``check_costs=True``).
+        When that finds nothing wrong, :meth:`validate` may still raise an
+        earlier error about a matrix."""
         by_name: dict[str, Decision] = {}
         for i, d in enumerate(self.decisions):
             if (
@@ -166,14 +174,12 @@ class Problem:
             p = by_name.get(e.producer)
             c = by_name.get(e.consumer)
             if p is not None and c is not None and p is not c:
+                if not edge_costs:
+                    continue
                 shape = (len(p.options), len(c.options))
                 if checked.get(id(e.costs)) == shape:
                     continue
-                if (
-                    len(e.costs) == shape[0]
-                    and set(map(len, e.costs)) == {shape[1]}
-                    and _all_costs(e.costs, nested=True)
-                ):
+                if _matrix_ok(e.costs, *shape):
                     checked[id(e.costs)] = shape
                     continue  # fast path: big problems have millions of entries
             where = f"edge #{k} ({e.producer!r} -> {e.consumer!r})"
@@ -207,10 +213,19 @@ class Problem:
                         f"{where}: option {o!r} out of range 0..{d.num_options - 1}"
                     )
 
+        ranges: dict[int, list[int]] = {}  # n -> list(range(n))
         for link in self.links:
             a = by_name.get(link.a)
             b = by_name.get(link.b)
             if a is not None and b is not None and a is not b:
+                n = len(a.options)
+                if n == len(b.options):
+                    ident = ranges.get(n) or ranges.setdefault(n, list(range(n)))
+                    # Identity (repeated layers): entries equal to 0..n-1 whose
+                    # sum is a plain int are ints (a float, numpy integer or
+                    # Fraction would make the sum one), at C speed.
+                    if link.mapping == ident and type(sum(link.mapping)) is int:
+                        continue  # fast path
                 vals = link.mapping
                 if None in vals:
                     vals = [o for o in vals if o is not None]
@@ -264,6 +279,17 @@ class Problem:
                     not isinstance(bound, (int, float)) or math.isnan(bound)
                 ):
                     raise ProblemError(f"{where}: bound {bound!r} is not a number")
+
+
+def _matrix_ok(costs: list, n_rows: int, n_cols: int) -> bool:
+    """Fast path of :meth:`Problem.validate`'s cost matrix check: ``costs`` has
+    ``n_rows`` rows of ``n_cols`` entries, each a number or ``+inf``. False
+    does not mean malformed (e.g. numpy floats take the slow path)."""
+    return (
+        len(costs) == n_rows
+        and set(map(len, costs)) == {n_cols}
+        and _all_costs(costs, nested=True)
+    )
 
 
 def _all_costs(values: list, nested: bool = False) -> bool:

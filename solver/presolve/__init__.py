@@ -63,7 +63,7 @@ import gc
 import logging
 import time
 
-from ..problem import Problem
+from ..problem import Problem, ProblemError
 from .model import CONSTANT_DECISION, PresolveInfeasible, Presolved
 from .reducer import Reducer
 
@@ -72,8 +72,15 @@ logger = logging.getLogger(__name__)
 __all__ = ["CONSTANT_DECISION", "PresolveInfeasible", "Presolved", "presolve"]
 
 
-def presolve(problem: Problem) -> Presolved:
+def presolve(problem: Problem, *, check_costs: bool = False) -> Presolved:
     """Shrink ``problem`` exactly; see the module docstring for the steps.
+
+    ``problem`` must be valid (:meth:`~solver.problem.Problem.validate`), but
+    with ``check_costs=True`` its edge cost matrices need not have been
+    checked yet: merging checks them, reading each once (a matrix equal to one
+    already checked, e.g. a repeated layer's, is not read again) where
+    ``validate`` would read them all first. A malformed one raises
+    ``validate``'s :class:`~solver.problem.ProblemError`.
 
     Raises :class:`PresolveInfeasible` when presolve proves that no choice
     satisfies the constraints (a decision loses all its options, or a
@@ -84,14 +91,23 @@ def presolve(problem: Problem) -> Presolved:
     # problem's millions of cost rows would cost more than presolve itself.
     gc_was_enabled = gc.isenabled()
     gc.disable()
+    r = None
     try:
-        r = Reducer(problem)
-        r.merge()
+        r = Reducer(problem, check_costs)
+        r.merge()  # checks every edge matrix first when check_costs
         t1 = time.perf_counter()
         r.reduce()
         t2 = time.perf_counter()
         out = r.emit()
         t3 = time.perf_counter()
+    except ProblemError:
+        raise
+    except Exception:
+        # Raised before every matrix was checked (e.g. PresolveInfeasible, or
+        # a malformed matrix tripping numpy): a malformed problem says so.
+        if check_costs and (r is None or r.check_costs):
+            problem.validate()
+        raise
     finally:
         if gc_was_enabled:
             gc.enable()

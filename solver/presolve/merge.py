@@ -7,7 +7,7 @@ from collections import deque
 
 import numpy as np
 
-from ..problem import Edge
+from ..problem import Edge, _matrix_ok
 from .model import PresolveInfeasible, _Group, _Resource, _chain, _matrix
 
 
@@ -51,8 +51,17 @@ class MergePhase:
             # Member option per alive option, unary costs summed over members
             # (repeated layers: equal cost lists are counted, not added).
             unary = None
+            if valid is None and len(members) > 1:
+                # Identity links only (repeated layers): no re-indexing, and
+                # usually equal cost lists, counted at C speed.
+                costs = [decs[m].costs for m in members]
+                count = costs.count(costs[0])
+                if count == len(members):
+                    for m in members:
+                        group_of[m] = g
+                    unary = np.fromiter(costs[0], float, len(costs[0])) * count
             same: dict[int, list] = {}  # id(sel) -> [sel, costs, count]
-            for m, omap in zip(members, omaps):
+            for m, omap in zip(members, omaps) if unary is None else ():
                 group_of[m] = g
                 s = None if omap is None else omap[alive]
                 if s is not None or removed_by_links:
@@ -122,81 +131,124 @@ class MergePhase:
         self._merge_edges(index, group_of, sel)
 
     def _link_components(self, index: dict[str, int]) -> list[tuple]:
-        """Per linked component: (members, omaps, valid root options, cause)."""
+        """Per linked component: (members, omaps, valid root options, cause).
+
+        ``valid`` is None when all options are (identity links only: ``omaps``
+        all None)."""
         p = self.p
         if not p.links:
             return []
         decs = p.decisions
         ranges: dict[int, list[int]] = {}
-        adj: dict[int, list] = {}
+        # Connected components by union-find over links, the lowest index the
+        # root (networkx would cost 0.3 s to import). Components of identity
+        # links alone (repeated layers: the common case) need nothing else;
+        # the others are walked link by link in _component().
+        parent = list(range(len(decs)))
+        linked = [False] * len(decs)
+        general: set[int] = set()  # links that are not the identity
         for k, link in enumerate(p.links):
             a, b = index[link.a], index[link.b]
+            linked[a] = linked[b] = True
             na = len(decs[a].options)
             ident = ranges.get(na) or ranges.setdefault(na, list(range(na)))
-            if na == len(decs[b].options) and link.mapping == ident:
-                mp = None  # identity: the common case (repeated layers)
+            if not (na == len(decs[b].options) and link.mapping == ident):
+                general.add(k)
+            while parent[a] != a:
+                parent[a] = a = parent[parent[a]]
+            while parent[b] != b:
+                parent[b] = b = parent[parent[b]]
+            if a < b:
+                parent[b] = a
+            elif b < a:
+                parent[a] = b
+
+        def find(x: int) -> int:
+            while parent[x] != x:
+                parent[x] = x = parent[parent[x]]
+            return x
+
+        comps: dict[int, list[int]] = {}  # root -> members, in index order
+        for x in [x for x, f in enumerate(linked) if f]:
+            r = find(x)
+            if r == x:
+                comps[x] = [x]
             else:
-                mp = np.array([-1 if o is None else o for o in link.mapping], dtype=np.int64)
-            adj.setdefault(a, []).append((k, b, mp, True))
-            adj.setdefault(b, []).append((k, a, mp, False))
+                comps[r].append(x)
+        adj: dict[int, list] = {}
+        if general:
+            roots = {find(index[p.links[k].a]) for k in general}
+            for k, link in enumerate(p.links):
+                a, b = index[link.a], index[link.b]
+                if find(a) not in roots:
+                    continue
+                if k in general:
+                    mp = np.array([-1 if o is None else o for o in link.mapping],
+                                  dtype=np.int64)
+                else:
+                    mp = None  # identity
+                adj.setdefault(a, []).append((k, b, mp, True))
+                adj.setdefault(b, []).append((k, a, mp, False))
         out = []
-        seen: set[int] = set()
-        # Connected components by BFS over links (networkx would cost 0.3 s to
-        # import); starting from the lowest index makes it the component's root.
-        for root in sorted(adj):
-            if root in seen:
-                continue
-            n_root = len(decs[root].options)
-            # omap[m][r]: option of m corresponding to root option r (-1: none).
-            # Identity links share their parent's array.
-            omap: dict[int, np.ndarray] = {root: np.arange(n_root)}
-            tree: set[int] = set()
-            queue = deque([root])
-            while queue:
-                x = queue.popleft()
-                ox = omap[x]
-                for k, y, mp, forward in adj[x]:
-                    if y in omap:
-                        continue
-                    if mp is None:
-                        oy = ox
-                    elif forward:
-                        oy = np.where(ox >= 0, mp[ox], -1)
-                    else:
-                        inv = np.full(len(decs[x].options), -1, dtype=np.int64)
-                        ok = mp >= 0
-                        inv[mp[ok]] = np.flatnonzero(ok)
-                        oy = np.where(ox >= 0, inv[ox], -1)
-                    omap[y] = oy
-                    tree.add(k)
-                    queue.append(y)
-            members = sorted(omap)
-            seen.update(members)
-            valid = np.ones(n_root, dtype=bool)
-            for arr in {id(o): o for o in omap.values()}.values():
-                valid &= arr >= 0
-            for m in members:
-                for k, y, mp, forward in adj[m]:
-                    if not forward:
-                        continue
-                    oa, ob = omap[m], omap[y]
-                    if k in tree or (mp is None and oa is ob):
-                        continue
-                    if mp is None:
-                        valid &= oa == ob
-                    else:
-                        valid &= (oa >= 0) & (mp[np.maximum(oa, 0)] == ob)
-            if valid.all():
-                cause = None  # only read when links remove options
-            else:
-                cause = self._link_cause(members, adj)
-            base = omap[root]
-            omaps = [
-                None if omap[m] is base and len(decs[m].options) == n_root else omap[m]
-                for m in members
-            ]
-            out.append((members, omaps, valid, cause))
+        for root, members in comps.items():
+            if root in adj:
+                out.append(self._component(root, adj))
+            else:  # identity links only: every member takes the root's option ids
+                out.append((members, [None] * len(members), None, None))
         return out
+
+    def _component(self, root: int, adj: dict[int, list]) -> tuple:
+        """:meth:`_link_components`' tuple for the component of ``root``, by BFS."""
+        decs = self.p.decisions
+        n_root = len(decs[root].options)
+        # omap[m][r]: option of m corresponding to root option r (-1: none).
+        # Identity links share their parent's array.
+        omap: dict[int, np.ndarray] = {root: np.arange(n_root)}
+        tree: set[int] = set()
+        queue = deque([root])
+        while queue:
+            x = queue.popleft()
+            ox = omap[x]
+            for k, y, mp, forward in adj[x]:
+                if y in omap:
+                    continue
+                if mp is None:
+                    oy = ox
+                elif forward:
+                    oy = np.where(ox >= 0, mp[ox], -1)
+                else:
+                    inv = np.full(len(decs[x].options), -1, dtype=np.int64)
+                    ok = mp >= 0
+                    inv[mp[ok]] = np.flatnonzero(ok)
+                    oy = np.where(ox >= 0, inv[ox], -1)
+                omap[y] = oy
+                tree.add(k)
+                queue.append(y)
+        members = sorted(omap)
+        valid = np.ones(n_root, dtype=bool)
+        for arr in {id(o): o for o in omap.values()}.values():
+            valid &= arr >= 0
+        for m in members:
+            for k, y, mp, forward in adj[m]:
+                if not forward:
+                    continue
+                oa, ob = omap[m], omap[y]
+                if k in tree or (mp is None and oa is ob):
+                    continue
+                if mp is None:
+                    valid &= oa == ob
+                else:
+                    valid &= (oa >= 0) & (mp[np.maximum(oa, 0)] == ob)
+        if valid.all():
+            cause = None  # only read when links remove options
+        else:
+            cause = self._link_cause(members, adj)
+        base = omap[root]
+        omaps = [
+            None if omap[m] is base and len(decs[m].options) == n_root else omap[m]
+            for m in members
+        ]
+        return members, omaps, valid, cause
 
     def _link_cause(self, members: list[int], adj: dict[int, list]) -> str:
         p = self.p
@@ -212,49 +264,83 @@ class MergePhase:
 
     def _merge_edges(self, index, group_of, sel) -> None:
         decs = self.p.decisions
-        buckets: dict[tuple, list] = {}
-        first: dict[tuple[int, int], Edge] = {}
-        diags: dict[int, np.ndarray] = {}  # group -> summed diagonals
-        sigs: dict[int, bytes] = {}
-        sig = [None if s is None else sigs.get(id(s)) or sigs.setdefault(id(s), s.tobytes())
-               for s in sel]
+        edges = self.p.edges
         n_opt = [len(d.options) for d in decs]
-        for e in self.p.edges:
-            ip, ic = index[e.producer], index[e.consumer]
-            gp, gc = group_of[ip], group_of[ic]
-            if gp == gc:
-                # Both ends take corresponding options: only the diagonal is paid.
-                rows = sel[ip] if sel[ip] is not None else range(n_opt[ip])
-                cols = sel[ic] if sel[ic] is not None else range(n_opt[ic])
-                diag = [e.costs[r][c] for r, c in zip(rows, cols)]
-                diag = np.array(diag, dtype=float)
-                diags[gp] = diags[gp] + diag if gp in diags else diag
-                continue
-            key = (gp, gc) if gp < gc else (gc, gp)
-            # Edges re-indexed the same way (identity: None) can be compared as is.
-            sub = (key, sig[ip], n_opt[ip], sig[ic], n_opt[ic], gp > gc)
+        # Decisions of one group whose options are re-indexed the same way
+        # (``sel``; None: identity) form a class: matrices of edges between the
+        # same two classes can be compared and summed as they are. Class ids:
+        # the group's id for identity members, then one per other re-indexing.
+        cls = list(group_of)
+        cls_group = list(range(len(self.groups)))
+        rep = [-1] * len(cls_group)  # class -> a member (for sel and n_opt)
+        sigs: dict[int, bytes] = {}
+        extra: dict[tuple, int] = {}
+        for i in [i for i, s in enumerate(sel) if s is not None]:
+            s = sel[i]
+            sig = sigs.get(id(s)) or sigs.setdefault(id(s), s.tobytes())
+            c = extra.setdefault((group_of[i], sig, n_opt[i]), len(cls_group))
+            if c == len(cls_group):
+                cls_group.append(group_of[i])
+                rep.append(i)
+            cls[i] = c
+        for i, c in enumerate(cls):
+            if rep[c] < 0:
+                rep[c] = i
+        cls_of = dict(zip(index, cls))  # name -> class (index: in decision order)
+
+        buckets: dict[tuple[int, int], list[Edge]] = {}
+        for e in edges:
+            sub = (cls_of[e.producer], cls_of[e.consumer])
             items = buckets.get(sub)
             if items is None:
-                buckets[sub] = [(e, ip, ic)]
-                first.setdefault(key, e)
+                buckets[sub] = [e]
             else:
-                items.append((e, ip, ic))
+                items.append(e)
+        # In edge order of each key's first edge, as the sums below.
         by_key: dict[tuple[int, int], list] = {}
-        for sub, items in buckets.items():
-            by_key.setdefault(sub[0], []).append((sub, items))
-        for key, subs in by_key.items():
+        has_diag = False
+        pairs = 0
+        for (cp, cc), items in buckets.items():
+            pairs += n_opt[rep[cp]] * n_opt[rep[cc]] * len(items)
+            gp, gc = cls_group[cp], cls_group[cc]
+            if gp == gc:
+                has_diag = True
+                continue
+            by_key.setdefault((gp, gc) if gp < gc else (gc, gp), []).append((cp, cc, items))
+        self.stats.pairs_before = pairs
+
+        diags: dict[int, np.ndarray] = {}  # group -> summed diagonals
+        for e in edges if has_diag else ():
+            cp, cc = cls_of[e.producer], cls_of[e.consumer]
+            g = cls_group[cp]
+            if g != cls_group[cc]:
+                continue
+            # Both ends take corresponding options: only the diagonal is paid.
+            ip, ic = rep[cp], rep[cc]
+            self._check_matrix(e.costs, n_opt[ip], n_opt[ic])
+            rows = sel[ip] if sel[ip] is not None else range(n_opt[ip])
+            cols = sel[ic] if sel[ic] is not None else range(n_opt[ic])
+            diag = np.array([e.costs[r][c] for r, c in zip(rows, cols)], dtype=float)
+            diags[g] = diags[g] + diag if g in diags else diag
+
+        for (u, v), subs in by_key.items():
             total = None
-            for (_, _, n_p, _, n_c, flip), items in subs:
-                e0, ip, ic = items[0]
-                mats = [e0.costs]
+            for cp, cc, items in subs:
+                ip, ic = rep[cp], rep[cc]
+                n_p, n_c = n_opt[ip], n_opt[ic]
+                m0 = items[0].costs
+                self._check_matrix(m0, n_p, n_c)
+                mats = [m0]
                 n_same = 1
-                for e, _, _ in items[1:]:
-                    # Repeated layers usually have equal matrices: count, don't add.
-                    if e.costs is e0.costs or e.costs == e0.costs:
+                for e in items[1:]:
+                    # Repeated layers usually have equal matrices: count, don't
+                    # add (nor check: equal to a checked matrix).
+                    if e.costs is m0 or e.costs == m0:
                         n_same += 1
                     else:
+                        self._check_matrix(e.costs, n_p, n_c)
                         mats.append(e.costs)
-                A = _matrix(e0.costs, n_p, n_c)
+                A = _matrix(m0, n_p, n_c)
                 if n_same > 1:
                     A = A * n_same
                 if len(mats) > 1:
@@ -268,12 +354,19 @@ class MergePhase:
                     A = A[rows]
                 elif cols is not None:
                     A = A[:, cols]
-                if flip:
+                if cls_group[cp] > cls_group[cc]:
                     A = A.T
                 total = A if total is None else total + A
-            e0 = first[key]
-            u, v = key
-            self._add_edge(u, v, total, e0.arg_index, group_of[index[e0.producer]] != u)
+            cp, _, items = subs[0]
+            self._add_edge(u, v, total, items[0].arg_index, cls_group[cp] != u)
+        self.check_costs = False  # all checked
         # Only now: restricting options re-slices edges, not ``sel``.
         for g, diag in diags.items():
             self._add_unary(g, diag, "an edge between two of its linked decisions forbids it")
+
+    def _check_matrix(self, costs: list, n_rows: int, n_cols: int) -> None:
+        """With ``check_costs``: :meth:`Problem.validate`'s check of one edge
+        matrix, raising its error (the first in the problem) when malformed."""
+        if self.check_costs and not _matrix_ok(costs, n_rows, n_cols):
+            self.p.validate()
+            self.check_costs = False  # well-formed (slow path): all checked now

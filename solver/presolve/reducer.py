@@ -19,13 +19,15 @@ class Reducer(MergePhase, ReducePhase):
     the helpers below are what they use to change it.
     """
 
-    def __init__(self, problem: Problem):
+    def __init__(self, problem: Problem, check_costs: bool = False):
         self.p = problem
+        # Check the edge matrices while merging (see presolve()).
+        self.check_costs = check_costs
         self.stats = PresolveStats(
             decisions_before=len(problem.decisions),
             options_before=sum(len(d.options) for d in problem.decisions),
             edges_before=len(problem.edges),
-            pairs_before=sum(len(e.costs) * len(e.costs[0]) for e in problem.edges if e.costs),
+            # pairs_before: counted by merge
         )
         self.groups: list[_Group] = []
         self.alive: list[np.ndarray] = []  # group -> alive root option ids
