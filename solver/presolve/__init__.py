@@ -77,10 +77,12 @@ def presolve(problem: Problem, *, check_costs: bool = False) -> Presolved:
 
     ``problem`` must be valid (:meth:`~solver.problem.Problem.validate`), but
     with ``check_costs=True`` its edge cost matrices need not have been
-    checked yet: merging checks them, reading each once (a matrix equal to one
-    already checked, e.g. a repeated layer's, is not read again) where
-    ``validate`` would read them all first. A malformed one raises
-    ``validate``'s :class:`~solver.problem.ProblemError`.
+    checked yet: merging checks them, reading each once where ``validate``
+    would read them all first. A matrix equal (``==``) to one already checked,
+    e.g. a repeated layer's copy, is not checked again: its entries compare
+    equal to valid costs, though their types are not checked (a numpy integer
+    equal to a float cost passes, where ``validate`` rejects it). A malformed
+    one raises ``validate``'s :class:`~solver.problem.ProblemError`.
 
     Raises :class:`PresolveInfeasible` when presolve proves that no choice
     satisfies the constraints (a decision loses all its options, or a

@@ -151,3 +151,16 @@ def test_mixed_identity_and_permuted_links():
     a, b = solve(p, presolve=False), solve(p)
     assert a.objective == pytest.approx(b.objective)
     assert b.choice["a2"] == 1 - b.choice["a1"]
+
+
+def test_copy_equal_to_a_checked_matrix_is_not_type_checked_by_presolve():
+    # Documented (solver.presolve.presolve): presolve's check skips a matrix
+    # equal to a checked one, so numpy integers equal to the float costs pass
+    # there, while Problem.validate (and solve without presolve) reject them.
+    p = layers()
+    p.edges[1].costs = [[np.int64(x) for x in row] for row in M]
+    with pytest.raises(ProblemError, match=r"edge #1 .*entry \[0\]\[0\]"):
+        p.validate()
+    with pytest.raises(ProblemError, match=r"edge #1 "):
+        solve(p, presolve=False)
+    assert solve(p).objective == pytest.approx(solve(layers()).objective)
