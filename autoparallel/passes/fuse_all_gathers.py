@@ -289,17 +289,27 @@ def _rewrite(gm: torch.fx.GraphModule, steps: list[_Step], between, group, reord
     last.out.replace_all_uses_with(out)
     # erase the old chain, consumers first
     dead = [n for s in steps for n in (s.ag, *s.nodes)] + list(between)
-    for node in sorted(dead, key=_position(g), reverse=True):
-        g.erase_node(node)
+    _erase_users_first(g, dead)
+
+
+def _erase_users_first(g: torch.fx.Graph, dead: list[torch.fx.Node]) -> None:
+    """Erase ``dead`` (a few nodes), each after its users among them
+    (without indexing the whole graph)."""
+    left = list(dead)
+    while left:
+        keep = []
+        for n in reversed(left):
+            if n.users:
+                keep.append(n)
+            else:
+                g.erase_node(n)
+        if len(keep) == len(left):  # users outside ``dead``: erase_node raises
+            g.erase_node(keep[0])
+        left = keep[::-1]
 
 
 def _set(node: torch.fx.Node, val) -> None:
     node.meta["val"] = val
-
-
-def _position(g: torch.fx.Graph):
-    index = {n: i for i, n in enumerate(g.nodes)}
-    return lambda n: index[n]
 
 
 def _reorder_plan(steps: list[_Step], xval) -> tuple[list[int], list[int]]:
@@ -328,7 +338,7 @@ def fuse_all_gathers(gm: torch.fx.GraphModule, ctx: PassContext, *, column_major
     dims = {str(mesh.get_group(d).group_name): d for d in range(mesh.ndim)}
     active = [d for d in range(mesh.ndim) if mesh.size(d) > 1]
     for ag in list(gm.graph.find_nodes(op="call_function", target=_AG)):
-        if ag.graph is not gm.graph or ag not in ag.graph.nodes or ag._erased:
+        if ag.graph is not gm.graph or ag._erased:
             continue
         found = _chain(ag, dims, len(active))
         if isinstance(found, str):

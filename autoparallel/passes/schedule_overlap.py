@@ -47,6 +47,7 @@ lives until its wait).
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import operator
 import re
@@ -385,6 +386,7 @@ def _schedule(
         for n in nodes:
             probe.emit(n)
             orig_live.append(probe.live)
+    range_max = _RangeMax(orig_live)
     clock = {"now": 0.0, "comm_free": 0.0}
     comm_done: dict[fx.Node, float] = {}
 
@@ -461,7 +463,7 @@ def _schedule(
             if memory_limit is not None:
                 # what the original order adds before the gather is used
                 # (it stays alive until then) predicts the rise from here
-                growth = max(orig_live[i : need_of[ag] + 1], default=0) - orig_live[i - 1 if i else 0]
+                growth = range_max(i, need_of[ag] + 1) - orig_live[i - 1 if i else 0]
                 if live.live + max(growth, 0) + _nbytes(ag.meta.get("val")) > memory_limit:
                     return
             before = compute_count
@@ -471,10 +473,8 @@ def _schedule(
                 stats.prefetched_all_gathers += 1
 
     def current_rank(i: int) -> int:
-        k = 0
-        while k < len(need_points) and need_points[k] <= i:
-            k += 1
-        return k - 1
+        # need_points ascend: the last layer whose first need is at or before i
+        return bisect.bisect_right(need_points, i) - 1
 
     # placeholders first, in their order
     for n in nodes:
@@ -502,6 +502,31 @@ def _schedule(
             ensure(n)
     emit(output)
     return order
+
+
+class _RangeMax:
+    """``max(values[lo:hi], default=0)`` in O(1) after an O(n log n) table
+    (built on first use)."""
+
+    def __init__(self, values: list[int]):
+        self.values = values
+        self.table: list[list[int]] | None = None
+
+    def __call__(self, lo: int, hi: int) -> int:
+        hi = min(hi, len(self.values))
+        if hi <= lo:
+            return 0
+        if self.table is None:
+            table = [self.values]
+            step = 1
+            while 2 * step <= len(self.values):
+                prev = table[-1]
+                table.append([max(a, b) for a, b in zip(prev, prev[step:])])
+                step *= 2
+            self.table = table
+        k = (hi - lo).bit_length() - 1
+        row = self.table[k]
+        return max(row[lo], row[hi - (1 << k)])
 
 
 def _closest_reduction(n, nodes, i, done, dist_to_rs):
