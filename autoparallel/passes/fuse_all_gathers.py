@@ -179,13 +179,27 @@ def _same_layout(a, b) -> bool:
     )
 
 
+def _feeds_all_gather(node: torch.fx.Node) -> bool:
+    """Some user of ``node``, directly or through pure views, all-gathers it
+    (a gathered tensor with several users that all compute is no chain)."""
+    todo = list(node.users)
+    while todo:
+        user = todo.pop()
+        if user.target is _AG:
+            return True
+        if user.target in _VIEWS:
+            todo.extend(user.users)
+    return False
+
+
 def _next_all_gather(step: _Step) -> tuple[torch.fx.Node, list[torch.fx.Node]] | str:
     """The all-gather fed by ``step``'s result through identity views only."""
     cur, views = step.out, []
     while True:
         user = _single_user(cur)
         if user is None:
-            return "intermediate has other users" if len(cur.users) > 1 else "chain ends"
+            # A branch only blocks a chain if one of its users gathers further.
+            return "intermediate has other users" if _feeds_all_gather(cur) else "chain ends"
         if user.target is _AG and user.args[0] is cur:
             break
         if user.target in _VIEWS and user.args[0] is cur:

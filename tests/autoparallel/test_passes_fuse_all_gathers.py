@@ -135,6 +135,26 @@ def test_does_not_fire(mesh, fn, reason):
     assert any(reason in r for r in stats.rejected), stats.rejected
 
 
+def test_lone_gather_with_several_users_is_no_rejected_chain(mesh):
+    # What LLaMA-3's backward does with the k/v gradients (the 16x8 8B plan's
+    # 64 "rejected" chains): one tp gather along dim 2, viewed to 2-D, feeding
+    # the weight-gradient and input-gradient matmuls; nothing gathers it on
+    # dp, so it is no chain and nothing is rejected. Through views, a branch
+    # that does gather further still counts as a rejected chain.
+    def lone(x, w):
+        y = _ag(x, mesh, 1, 2).view(-1, 8)
+        return y.t() @ y, y @ w
+
+    def branching(x, w):
+        y = _ag(x, mesh, 1, 2).view(-1, 8)
+        return _ag(y.view(2, 2, 8), mesh, 0), y @ w
+
+    for fn, rejected, gathers in ((lone, {}, 1), (branching, {"intermediate has other users": 1}, 2)):
+        gm = _trace(fn, (2, 2, 4), (8, 3))
+        fused, stats = _fuse(gm, mesh)
+        assert (stats.fused, stats.rejected, _count(fused)) == (0, rejected, gathers), fn.__name__
+
+
 def test_no_op_on_1d_mesh(fake_world):
     fake_world(4)
     mesh = init_device_mesh("cpu", (4,))
