@@ -549,7 +549,7 @@ class _Template:
         new_nodes = []
         with disable_proxy_modes_tracing(), torch.no_grad():
             for tn, k in zip(self.nodes, self.redistributed):
-                n = graph.node_copy(tn, lambda a: arg_map.get(a, a))
+                n = _insert_copy(graph, tn, arg_map)
                 arg_map[tn] = n
                 meta = {key: v for key, v in tn.meta.items() if key not in context_keys}
                 for key, v in ctx.items():
@@ -590,6 +590,33 @@ class _Template:
                 else:
                     leaves.append(ref[1])
         return tree_unflatten(leaves, self.out_spec)
+
+
+def _insert_copy(graph: torch.fx.Graph, tn: torch.fx.Node, arg_map: dict) -> torch.fx.Node:
+    """``graph.node_copy(tn, lambda a: arg_map.get(a, a))`` without the meta
+    copy (the caller sets it) and without ``Graph.create_node``'s scan of the
+    arguments for raw symbolic values: a template node's arguments are nodes
+    and constants that passed that scan when the template was traced (and
+    ``_const_sig`` rejects SymInts), so the copies have none either."""
+    args = torch.fx.node.map_arg(tn.args, lambda a: arg_map.get(a, a))
+    kwargs = torch.fx.node.map_arg(tn.kwargs, lambda a: arg_map.get(a, a))
+    if not args:
+        args = ()
+    if not kwargs:
+        kwargs = torch.fx.immutable_collections.immutable_dict()
+    # Graph.create_node, minus the scan
+    namespace = graph._graph_namespace
+    name = namespace.create_name(tn.name, None)
+    n = torch.fx.Node(graph, name, tn.op, tn.target, args, kwargs, tn.type)
+    owner = graph.owning_module
+    if owner is not None and getattr(owner, "_create_node_hooks", None) is not None:
+        for f in owner._create_node_hooks:
+            f(n)
+    namespace.associate_name_with_obj(name, n)
+    graph._insert(n)
+    graph._find_nodes_lookup_table.insert(n)
+    graph._len += 1
+    return n
 
 
 def _same_tensor_meta(template_meta, t: torch.Tensor):
