@@ -33,6 +33,24 @@ def _count(gm, target):
 
 
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
+
+def _compiled_matches_eager(parallel, x, check_finite=False):
+    """One step eagerly, then compiled with autoparallel_backend(): outputs
+    and every local gradient must agree bit for bit."""
+    out = parallel(x)
+    out.pow(2).sum().backward()
+    eager_grads = {n: p.grad.to_local().clone() for n, p in parallel.named_parameters()}
+    if check_finite:
+        assert out.isfinite().all() and all(g.isfinite().all() for g in eager_grads.values())
+    for p in parallel.parameters():
+        p.grad = None
+    compiled = torch.compile(parallel, backend=autoparallel_backend())
+    out2 = compiled(x)
+    out2.pow(2).sum().backward()
+    torch.testing.assert_close(out2, out, rtol=0, atol=0)
+    for name, p in parallel.named_parameters():
+        torch.testing.assert_close(p.grad.to_local(), eager_grads[name], rtol=0, atol=0, msg=name)
+
 def test_compile_keeps_first_partition(fake_world, mesh_shape):
     fake_world(4)
     mesh = init_device_mesh("cpu", mesh_shape)
@@ -50,18 +68,7 @@ def test_compile_keeps_first_partition(fake_world, mesh_shape):
     parallel.load_state_dict(ref.state_dict())
     x = torch.randn(4, 64)
 
-    out = parallel(x)
-    out.pow(2).sum().backward()
-    eager_grads = {n: p.grad.to_local().clone() for n, p in parallel.named_parameters()}
-    for p in parallel.parameters():
-        p.grad = None
-
-    compiled = torch.compile(parallel, backend=autoparallel_backend())
-    out2 = compiled(x)
-    out2.pow(2).sum().backward()
-    torch.testing.assert_close(out2, out, rtol=0, atol=0)
-    for name, p in parallel.named_parameters():
-        torch.testing.assert_close(p.grad.to_local(), eager_grads[name], rtol=0, atol=0, msg=name)
+    _compiled_matches_eager(parallel, x)
 
     fw1 = parallel.forward_graph
     fw2 = LAST_PARTITION.fw
@@ -130,18 +137,7 @@ def test_compile_llama3_debug_2x2(fake_world):
     # this rank's S(0)S(0) shard of the global batch
     x = torch.randint(0, args.vocab_size, (batch_size // 4, seq), generator=torch.Generator().manual_seed(1))
 
-    out = parallel(x)
-    out.pow(2).sum().backward()
-    eager_grads = {n: p.grad.to_local().clone() for n, p in parallel.named_parameters()}
-    assert out.isfinite().all() and all(g.isfinite().all() for g in eager_grads.values())
-    for p in parallel.parameters():
-        p.grad = None
-    compiled = torch.compile(parallel, backend=autoparallel_backend())
-    out2 = compiled(x)
-    out2.pow(2).sum().backward()
-    torch.testing.assert_close(out2, out, rtol=0, atol=0)
-    for name, p in parallel.named_parameters():
-        torch.testing.assert_close(p.grad.to_local(), eager_grads[name], rtol=0, atol=0, msg=name)
+    _compiled_matches_eager(parallel, x, check_finite=True)
 
     graphs = parallel.parallel_state.step.graphs
     assert _gathers(graphs.fw) and _gathers(LAST_PARTITION.fw) == _gathers(graphs.fw)
