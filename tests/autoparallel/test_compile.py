@@ -32,8 +32,6 @@ def _count(gm, target):
     return sum(1 for n in gm.graph.nodes if n.target is target)
 
 
-@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
-
 def _compiled_matches_eager(parallel, x, check_finite=False):
     """One step eagerly, then compiled with autoparallel_backend(): outputs
     and every local gradient must agree bit for bit."""
@@ -51,6 +49,8 @@ def _compiled_matches_eager(parallel, x, check_finite=False):
     for name, p in parallel.named_parameters():
         torch.testing.assert_close(p.grad.to_local(), eager_grads[name], rtol=0, atol=0, msg=name)
 
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
 def test_compile_keeps_first_partition(fake_world, mesh_shape):
     fake_world(4)
     mesh = init_device_mesh("cpu", mesh_shape)
