@@ -5,7 +5,8 @@ The stages, one module each:
 * :mod:`.redistribute`: rank-generic layout changes of local shards
   (functional collectives on the mesh dim's group);
 * :mod:`.local_graph`: the joint graph re-traced on local shards with the
-  plan's redistributions in between (:class:`LocalJoint`);
+  plan's redistributions in between (:class:`LocalJoint`), with
+  :mod:`.node_templates` copying the repeated layers' local nodes;
 * :mod:`.partition`: forward/backward split by PyTorch's partitioner,
   honouring activation-checkpointing tags (:class:`StepGraphs`);
 * :mod:`.runtime`: the two graphs as one autograd op (:class:`ParallelStep`);

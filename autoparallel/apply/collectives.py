@@ -12,7 +12,7 @@ import torch
 import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
 
-from .local_graph import REDISTRIBUTE_KEY
+from .redistribute import REDISTRIBUTE_KEY
 
 __all__ = ["Collective", "collectives", "summarize"]
 

@@ -6,6 +6,8 @@ option says; where a producer's layout differs from what the consumer's
 option needs, the redistribution (functional collectives) is traced in
 between; shape arguments of views and ``new_*`` factories are made local the
 way DTensor's dispatcher does it; factories are computed and then split.
+Nodes that are twins of an already traced one (repeated layers) are copied
+from it instead (:mod:`.node_templates`).
 
 The result is an ordinary joint graph (``primals_*``, ``tangents_*``
 placeholders; forward outputs, then one gradient per parameter) that
@@ -19,9 +21,7 @@ forward output.
 
 from __future__ import annotations
 
-import copy
 import logging
-import math
 import operator
 import time
 from dataclasses import dataclass, field
@@ -29,32 +29,31 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 import torch.fx.traceback as fx_traceback
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_invocation_manager, unset_fake_temporarily
-from torch._dispatch.python import no_python_dispatcher
-from torch._subclasses.fake_impls import fast_detach
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._op_schema import OpSchema
-from torch.distributed.tensor.placement_types import Shard, _MaskPartial
+from torch.distributed.tensor.placement_types import Shard
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_map
 
 from .. import activation_checkpointing
 from ..strategies import NodeStrategy, format_specs
 from ..tracing import TracedStep
-from .redistribute import redistribute, replicate_spec, same_placements, user_spec
+from .node_templates import Template, has_mask_partial, nodes_after, template_key, tracer_of_proxy_mode
+from .redistribute import (
+    REDISTRIBUTE_KEY,
+    SOURCE_KEY,
+    ApplyError,
+    redistribute,
+    replicate_spec,
+    same_placements,
+    user_spec,
+)
 
 logger = logging.getLogger(__name__)
-
-# node.meta keys written by apply (the only ones; see DESIGN.md "Style").
-SOURCE_KEY = "autoparallel_source"  # name of the joint-graph node a local node implements
-REDISTRIBUTE_KEY = "autoparallel_redistribute"  # (producer, src placements, dst placements)
-
-
-class ApplyError(RuntimeError):
-    """The plan cannot be applied to the graph (names the node)."""
 
 
 @dataclass
@@ -170,12 +169,12 @@ class _Interpreter:
         # Structurally identical nodes (the repeated layers) emit the same
         # local nodes: trace the first, copy it for the rest.
         self.use_templates = True
-        self.templates: dict[tuple, _Template] = {}
+        self.templates: dict[tuple, Template] = {}
         self.template_hits = 0
 
     # -- helpers ---------------------------------------------------------------
     def _tracer_graph(self) -> torch.fx.Graph | None:
-        tracer = _tracer()
+        tracer = tracer_of_proxy_mode()
         return tracer.graph if tracer is not None else None
 
     def _redistribute(self, x, src: DTensorSpec, dst: DTensorSpec, what: str, producer=None, consumer=None):
@@ -191,7 +190,7 @@ class _Interpreter:
             raise ApplyError(f"{what}: cannot redistribute {format_specs(src)} -> {format_specs(dst)}: {e}") from e
         if graph is not None:
             tag = (what, format_specs(src), format_specs(dst))
-            for n in _nodes_after(graph, last):
+            for n in nodes_after(graph, last):
                 n.meta[REDISTRIBUTE_KEY] = tag
         return out
 
@@ -219,11 +218,11 @@ class _Interpreter:
             return self.env[parent][strat.getitem_index]
         if node.target is operator.getitem:
             raise ApplyError(f"{node.name}: getitem without a parent option")
-        tracer = _tracer()
+        tracer = tracer_of_proxy_mode()
         if tracer is None or not self.use_templates:
             return self._trace_node(node, strat, opt)
         inputs = [self.env[p] for p in strat.inputs]
-        key = self._template_key(node, strat, opt, inputs)
+        key = template_key(node, [self.spec[p] for p in strat.inputs], opt, inputs, self.env)
         if key is None:
             return self._trace_node(node, strat, opt)
         template = self.templates.get(key)
@@ -234,37 +233,8 @@ class _Interpreter:
             return self._trace_node(node, strat, opt)
         last = tracer.graph._root.prev
         out = self._trace_node(node, strat, opt)
-        self.templates[key] = _Template.record(tracer, last, node, strat.inputs, inputs, out)
+        self.templates[key] = Template.record(tracer, last, node, strat.inputs, inputs, out)
         return out
-
-    def _template_key(self, node: torch.fx.Node, strat, opt, inputs) -> tuple | None:
-        """What the local nodes emitted for ``node`` depend on: the op, its
-        constant arguments, each input's local tensor and layout change, the
-        output layout. None: not cacheable."""
-        for v in inputs:
-            if not isinstance(v, torch.Tensor):
-                return None
-        specs = [self.spec[p] for p in strat.inputs]
-        if _has_mask_partial(opt.output_specs) or any(map(_has_mask_partial, specs)) or any(
-            map(_has_mask_partial, opt.input_specs)
-        ):
-            return None
-        try:
-            consts = _const_sig((node.args, node.kwargs), self.env)
-            hash(consts)
-        except TypeError:
-            return None
-        storages = [v.untyped_storage()._cdata for v in inputs]
-        return (
-            node.target,
-            consts,
-            tuple(_spec_sig(s) for s in specs),
-            tuple(_spec_sig(s) for s in opt.input_specs),
-            _spec_sig(opt.output_specs),
-            tuple(_tensor_sig(v) for v in inputs),
-            # which inputs alias each other
-            tuple(storages.index(s) for s in storages),
-        )
 
     def _trace_node(self, node: torch.fx.Node, strat, opt):
         in_specs = opt.input_specs
@@ -276,7 +246,7 @@ class _Interpreter:
                     producer, node,
                 )
             )
-            if _has_mask_partial(opt.output_specs) and self.masks.get(producer):
+            if has_mask_partial(opt.output_specs) and self.masks.get(producer):
                 # an op that keeps the embedding's pending reduction keeps its mask
                 for d, m in self.masks[producer].items():
                     self.masks.setdefault(node, {}).setdefault(d, m)
@@ -358,7 +328,7 @@ class _Interpreter:
                 else:
                     raise ApplyError(f"unsupported node kind {node.op} ({node.name})")
             if graph is not None:
-                for n in _nodes_after(graph, last):
+                for n in nodes_after(graph, last):
                     n.meta.setdefault(SOURCE_KEY, node.name)
 
         outs: list = []
@@ -379,316 +349,6 @@ class _Interpreter:
         return outs
 
 
-def _tracer():
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode
-
-    mode = get_proxy_mode()
-    return mode.tracer if mode is not None else None
-
-
-def _has_mask_partial(spec) -> bool:
-    if isinstance(spec, DTensorSpec):
-        return any(isinstance(p, _MaskPartial) for p in spec.placements)
-    if isinstance(spec, (tuple, list)):
-        return any(_has_mask_partial(s) for s in spec)
-    return False
-
-
-def _spec_sig(spec):
-    if isinstance(spec, DTensorSpec):
-        return (spec.placements, spec.tensor_meta)
-    if isinstance(spec, (tuple, list)):
-        return tuple(_spec_sig(s) for s in spec)
-    return spec
-
-
-def _tensor_sig(t: torch.Tensor) -> tuple:
-    return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device, t.requires_grad)
-
-
-def _const_sig(a, env):
-    """Hashable form of a node's non-tensor arguments (tensors: a marker)."""
-    if isinstance(a, torch.fx.Node):
-        if isinstance(a.meta.get("val"), torch.Tensor):
-            return "<T>"
-        return ("<v>", _const_sig(env[a], env))
-    if isinstance(a, (list, tuple)):
-        return (type(a).__name__, tuple(_const_sig(x, env) for x in a))
-    if isinstance(a, dict):
-        return ("dict", tuple((k, _const_sig(v, env)) for k, v in a.items()))
-    if isinstance(a, (bool, int, float, complex)):
-        return (type(a).__name__, a)  # 1 == 1.0 == True, but they trace differently
-    if isinstance(a, (str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)):
-        return a
-    if isinstance(a, (torch.fx.immutable_collections.immutable_list, torch.SymInt)):
-        raise TypeError("not a constant")
-    raise TypeError(f"unhashable argument {type(a).__name__}")
-
-
-# node.meta keys the tracer fills from the node being interpreted (see
-# torch.fx.proxy.TracerBase.create_node); a copied node takes them from its
-# own source node, everything else from the template.
-_CONTEXT_KEYS = ("stack_trace", "is_gradient_acc", "autograd_backward", "seq_nr", SOURCE_KEY, REDISTRIBUTE_KEY)
-
-
-def _context_meta() -> tuple[dict, set]:
-    from torch.fx.proxy import _COPY_META_FIELDS
-
-    current = fx_traceback.get_current_meta() if fx_traceback.has_preserved_node_meta() else {}
-    # original_aten is the op being dispatched when a node is made: the template's
-    ctx = {f: current[f] for f in _COPY_META_FIELDS if f in current and f != "original_aten"}
-    stack = current.get("stack_trace")
-    if stack:
-        ctx["stack_trace"] = stack
-        if fx_traceback.GRADIENT_ACC_SPECIAL_STACK in stack:
-            ctx["is_gradient_acc"] = True
-            ctx["autograd_backward"] = True
-    if current.get("autograd_backward", False):
-        ctx["autograd_backward"] = True
-    keys = set(_CONTEXT_KEYS) | {f for f in _COPY_META_FIELDS if f != "original_aten"}
-    return ctx, keys
-
-
-@dataclass
-class _Template:
-    """The local nodes traced for one joint-graph node, to be copied for
-    structurally identical nodes (same op, constants, input tensors and
-    layouts): no dispatch, no sharding propagation, only node copies with
-    fresh fake values."""
-
-    nodes: list[torch.fx.Node]
-    input_of: dict[torch.fx.Node, int]  # node outside the template -> input index
-    input_storages: dict[int, int]  # storage of an input -> input index
-    outside_storages: dict[int, torch.Tensor]  # storage of another outside node -> its value
-    out_spec: object  # pytree spec of the output
-    out_refs: list[tuple]  # per leaf: ("node", i) | ("in", k) | ("const", value)
-    out_requires_grad: list[bool]
-    redistributed: list[int | None]  # per node: input whose redistribution emitted it
-    tags: dict[int, tuple[str, str]]  # input -> (src, dst) placements of its redistribution
-    factory_tag: tuple | None
-
-    @staticmethod
-    def record(tracer, last, node, producers, inputs, out) -> "_Template | None":
-        from torch.fx.experimental.proxy_tensor import get_proxy_slot
-
-        nodes = list(_nodes_after(tracer.graph, last))
-        index = {n: i for i, n in enumerate(nodes)}
-        try:
-            in_nodes = [get_proxy_slot(v, tracer).proxy.node for v in inputs]
-        except (KeyError, RuntimeError):
-            return None
-        first_input = {}
-        for k, n in enumerate(in_nodes):
-            first_input.setdefault(n, k)
-        input_of = {}
-        # storages of other outside nodes (the coords input): copies share them
-        storages: dict[int, torch.Tensor] = {}
-        for n in nodes:
-            for a in n.all_input_nodes:
-                if a in index:
-                    continue
-                if a in first_input:
-                    input_of[a] = first_input[a]
-                elif isinstance(a.meta.get("val"), torch.Tensor):
-                    storages[a.meta["val"].untyped_storage()._cdata] = a.meta["val"]
-        leaves, out_spec = tree_flatten(out)
-        refs, requires_grad = [], []
-        for leaf in leaves:
-            if isinstance(leaf, torch.Tensor):
-                try:
-                    n = get_proxy_slot(leaf, tracer).proxy.node
-                except (KeyError, RuntimeError):
-                    return None
-                if n in index:
-                    refs.append(("node", index[n]))
-                elif n in first_input:
-                    refs.append(("in", first_input[n]))
-                else:
-                    return None
-                requires_grad.append(leaf.requires_grad)
-            else:
-                refs.append(("const", leaf))
-                requires_grad.append(False)
-        producer_k = {}
-        for k, p in enumerate(producers):
-            producer_k.setdefault(f"{p.name}->{node.name}", k)
-        redistributed, tags, factory_tag = [], {}, None
-        for n in nodes:
-            tag = n.meta.get(REDISTRIBUTE_KEY)
-            k = None
-            if tag is not None:
-                if tag[0] == f"factory {node.name}":
-                    factory_tag = tag[1:]
-                    k = -1
-                elif tag[0] in producer_k:
-                    k = producer_k[tag[0]]
-                    tags[k] = tag[1:]
-                else:
-                    return None
-            redistributed.append(k)
-        input_storages = {}
-        for k, v in enumerate(inputs):
-            input_storages.setdefault(v.untyped_storage()._cdata, k)
-        return _Template(nodes, input_of, input_storages, storages, out_spec, refs, requires_grad, redistributed, tags, factory_tag)
-
-    def replay(self, tracer, node, producers, inputs):
-        from torch.fx.experimental.proxy_tensor import (
-            disable_proxy_modes_tracing,
-            extract_val,
-            get_proxy_slot,
-            track_tensor,
-        )
-
-        graph = tracer.graph
-        in_nodes = [get_proxy_slot(v, tracer).proxy.node for v in inputs]
-        arg_map = {ext: in_nodes[k] for ext, k in self.input_of.items()}
-        ctx, context_keys = _context_meta()
-        seq_nr = torch.autograd._get_sequence_nr() - 1
-        storages = dict(self.outside_storages)
-        storages.update({s: inputs[k] for s, k in self.input_storages.items()})
-        new_nodes = []
-        with disable_proxy_modes_tracing(), torch.no_grad():
-            for tn, k in zip(self.nodes, self.redistributed):
-                n = _insert_copy(graph, tn, arg_map)
-                arg_map[tn] = n
-                meta = {key: v for key, v in tn.meta.items() if key not in context_keys}
-                for key, v in ctx.items():
-                    meta[key] = copy.copy(v)
-                meta["seq_nr"] = seq_nr
-                if k is not None:
-                    if k < 0:
-                        meta[REDISTRIBUTE_KEY] = (f"factory {node.name}",) + self.factory_tag
-                    else:
-                        meta[REDISTRIBUTE_KEY] = (f"{producers[k].name}->{node.name}",) + self.tags[k]
-                val = tn.meta.get("val")
-                if val is not None:
-                    meta["val"] = new_val = _fresh(val, storages)
-                    if "tensor_meta" in tn.meta and isinstance(new_val, torch.Tensor):
-                        # metadata of an equal-metadata tensor: the template's
-                        meta["tensor_meta"] = _same_tensor_meta(tn.meta["tensor_meta"], new_val)
-                if "eager_input_vals" in meta:
-                    meta["eager_input_vals"] = torch.fx.node.map_aggregate((n.args, n.kwargs), _eager_val)
-                n.meta = meta
-                new_nodes.append(n)
-            leaves = []
-            for ref, rg in zip(self.out_refs, self.out_requires_grad):
-                if ref[0] == "node":
-                    n = new_nodes[ref[1]]
-                    t = n.meta["val"]  # becomes the value; meta["val"] its snapshot
-                    if not isinstance(t, torch.Tensor):
-                        raise ApplyError(f"{node.name}: template output {n.name} is not a tensor")
-                    if rg:
-                        t.requires_grad_(True)
-                    proxy = torch.fx.Proxy(n, tracer)
-                    track_tensor(t, proxy, tracer=tracer, constant=None)
-                    # what set_meta does, with the template's metadata
-                    n.meta["val"] = fast_detach(t.fake_mode, t) if isinstance(t, FakeTensor) else extract_val(t)
-                    n.meta["tensor_meta"] = _same_tensor_meta(self.nodes[ref[1]].meta.get("tensor_meta"), t)
-                    leaves.append(t)
-                elif ref[0] == "in":
-                    leaves.append(inputs[ref[1]])
-                else:
-                    leaves.append(ref[1])
-        return tree_unflatten(leaves, self.out_spec)
-
-
-def _insert_copy(graph: torch.fx.Graph, tn: torch.fx.Node, arg_map: dict) -> torch.fx.Node:
-    """``graph.node_copy(tn, lambda a: arg_map.get(a, a))`` without the meta
-    copy (the caller sets it) and without ``Graph.create_node``'s scan of the
-    arguments for raw symbolic values: a template node's arguments are nodes
-    and constants that passed that scan when the template was traced (and
-    ``_const_sig`` rejects SymInts), so the copies have none either."""
-    args = torch.fx.node.map_arg(tn.args, lambda a: arg_map.get(a, a))
-    kwargs = torch.fx.node.map_arg(tn.kwargs, lambda a: arg_map.get(a, a))
-    if not args:
-        args = ()
-    if not kwargs:
-        kwargs = torch.fx.immutable_collections.immutable_dict()
-    # Graph.create_node, minus the scan
-    namespace = graph._graph_namespace
-    name = namespace.create_name(tn.name, None)
-    n = torch.fx.Node(graph, name, tn.op, tn.target, args, kwargs, tn.type)
-    owner = graph.owning_module
-    if owner is not None and getattr(owner, "_create_node_hooks", None) is not None:
-        for f in owner._create_node_hooks:
-            f(n)
-    namespace.associate_name_with_obj(name, n)
-    graph._insert(n)
-    graph._find_nodes_lookup_table.insert(n)
-    graph._len += 1
-    return n
-
-
-def _same_tensor_meta(template_meta, t: torch.Tensor):
-    """``_extract_tensor_metadata(t)`` for ``t`` with the metadata of the
-    template node's value (only requires_grad may differ)."""
-    from torch.fx.passes.shape_prop import TensorMetadata, _extract_tensor_metadata
-
-    if not isinstance(template_meta, TensorMetadata):
-        return _extract_tensor_metadata(t)
-    if template_meta.requires_grad != t.requires_grad:
-        return template_meta._replace(requires_grad=t.requires_grad)
-    return template_meta
-
-
-def _eager_val(a):
-    from torch.fx.experimental.proxy_tensor import extract_val
-
-    if not isinstance(a, torch.fx.Node) or "val" not in a.meta:
-        return None
-    return extract_val(a.meta["val"])
-
-
-def _fresh(val, storages: dict[int, torch.Tensor]):
-    """A new fake value like ``val``; tensors sharing a storage in the
-    template share one in the copy (``storages``: template storage -> a
-    tensor of the copy on that storage's counterpart).
-
-    Built the way the fake mode wraps a meta kernel's output (a meta tensor
-    made inside ``in_kernel_invocation_manager``, wrapped in a FakeTensor),
-    without a trip through fake-tensor dispatch."""
-    if isinstance(val, (tuple, list)):
-        return type(val)(_fresh(v, storages) for v in val)
-    if not isinstance(val, FakeTensor):
-        if isinstance(val, torch.Tensor):
-            return _fresh_dispatch(val, storages)
-        return val
-    mode = val.fake_mode
-    key = val.untyped_storage()._cdata
-    base = storages.get(key)
-    with no_python_dispatcher(), in_kernel_invocation_manager(mode):
-        if base is not None and base.dtype == val.dtype:
-            elem = torch.ops.aten.as_strided.default(base, val.shape, val.stride(), val.storage_offset())
-        else:
-            n = val.untyped_storage().nbytes() // val.element_size()
-            if val.storage_offset() == 0 and val.numel() == n and val.is_contiguous():
-                elem = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
-                new_base = None
-            else:
-                new_base = torch.empty((n,), dtype=val.dtype, device="meta")
-                elem = torch.ops.aten.as_strided.default(new_base, val.shape, val.stride(), val.storage_offset())
-    new = FakeTensor(mode, elem, val.device)
-    if base is None or base.dtype != val.dtype:
-        storages[key] = new if new_base is None else FakeTensor(mode, new_base, val.device)
-    return new
-
-
-def _fresh_dispatch(val: torch.Tensor, storages: dict[int, torch.Tensor]):
-    """:func:`_fresh` for a tensor that is not fake (through dispatch)."""
-    key = val.untyped_storage()._cdata
-    base = storages.get(key)
-    if base is not None and base.dtype == val.dtype:
-        return base.as_strided(val.shape, val.stride(), val.storage_offset())
-    n = val.untyped_storage().nbytes() // val.element_size()
-    if val.storage_offset() == 0 and val.numel() == n and val.is_contiguous():
-        new = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
-        storages[key] = new
-        return new
-    base = torch.empty((n,), dtype=val.dtype, device=val.device)
-    storages[key] = base
-    return base.as_strided(val.shape, val.stride(), val.storage_offset())
-
-
 @dataclass
 class _Layout:
     param_fqns: list[str]
@@ -698,15 +358,6 @@ class _Layout:
     output_specs: list[DTensorSpec]
     differentiable_outputs: list[int]
     has_grad: list[bool]
-
-
-def _nodes_after(graph: torch.fx.Graph, last: torch.fx.Node | None):
-    """Nodes appended to ``graph`` after ``last`` (None: all of them)."""
-    root = graph._root
-    n = (last if last is not None else root).next
-    while n is not root:
-        yield n
-        n = n.next
 
 
 def build_local_joint(

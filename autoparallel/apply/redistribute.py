@@ -30,6 +30,15 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 __all__ = ["mask_indices", "redistribute", "same_placements", "shard_of_replicated", "UnsupportedRedistribution"]
 
 
+# node.meta keys written by apply (the only ones; see DESIGN.md "Style").
+SOURCE_KEY = "autoparallel_source"  # name of the joint-graph node a local node implements
+REDISTRIBUTE_KEY = "autoparallel_redistribute"  # (producer, src placements, dst placements)
+
+
+class ApplyError(RuntimeError):
+    """The plan cannot be applied to the graph (names the node)."""
+
+
 class UnsupportedRedistribution(NotImplementedError):
     """A transition apply cannot run (e.g. one that needs uneven shards)."""
 
