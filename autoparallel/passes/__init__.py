@@ -58,6 +58,15 @@ class PassContext:
     choice: dict[str, int] | None = None  # node name -> option index (mutable in "plan")
     local: Any = None  # autoparallel.apply.LocalJoint ("joint" and later)
     graph_kind: str | None = None  # "forward" | "backward" during "graphs"
+    # Layer folding (autoparallel.apply.fold): a "joint"-stage pass sees a
+    # joint graph in which one representative stands for several identical
+    # transformer layers; node name -> how many layers it stands for.
+    # Stats count a node ``copies(node)`` times so they describe the model.
+    folded_copies: dict[str, int] = field(default_factory=dict)
+
+    def copies(self, node) -> int:
+        """How many nodes of the unfolded graph ``node`` stands for (1 unless folded)."""
+        return self.folded_copies.get(node.name, 1)
 
 
 PassFn = Callable[..., Any]
