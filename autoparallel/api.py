@@ -356,16 +356,24 @@ class AutoParallel:
         partitioner: str = "min_cut",
         disable_passes: Sequence[str] = (),
         pass_options: Any = None,
+        fold_layers: bool = True,
     ) -> nn.Module:
         """A copy of the model whose parameters are DTensors laid out as ``plan``
         says and whose forward runs the plan on per-rank local inputs (see
         :mod:`autoparallel.apply`). The rewrite passes of
         :mod:`autoparallel.passes` run on the way; ``disable_passes`` names
         those to skip, ``pass_options`` is a
-        :class:`~autoparallel.passes.PassOptions`."""
+        :class:`~autoparallel.passes.PassOptions`; ``fold_layers=False`` builds
+        the full graphs instead of copying a middle layer's (slower, same
+        result; see :mod:`autoparallel.apply.fold`)."""
         self._require_open()
         from .apply import apply_placement
 
         return apply_placement(
-            self, plan, partitioner=partitioner, disable_passes=disable_passes, pass_options=pass_options
+            self,
+            plan,
+            partitioner=partitioner,
+            disable_passes=disable_passes,
+            pass_options=pass_options,
+            fold_layers=fold_layers,
         )

@@ -34,11 +34,15 @@ from torch.utils._pytree import tree_flatten_with_path
 from .. import passes
 from ..tracing import normalize_inputs
 from .collectives import Collective, collectives, summarize
-from .local_graph import ApplyError, LocalJoint, build_local_joint, local_shape
+from ..repeated_layers import find_repeated_layers
+from .fold import MIDDLE, FoldRejected
+from .fold import fold_layers as fold_layers_of
+from .local_graph import ApplyError, LocalJoint, build_local_joint, full_local_joint, local_shape
 from .module import InputSlot, ParallelModuleMixin, ParallelState, make_parallel_module
 from .partition import StepGraphs, split_joint
-from .redistribute import UnsupportedRedistribution, redistribute
+from .redistribute import SOURCE_KEY, UnsupportedRedistribution, redistribute
 from .runtime import ParallelStep
+from .unfold import check_shift, layer_tags, stamp, unfold_step
 
 if TYPE_CHECKING:
     from ..api import AutoParallel
@@ -88,6 +92,34 @@ def _input_slots(inputs, local: LocalJoint, input_nodes) -> tuple:
     return in_spec, slots
 
 
+def _apply_folded(autop: "AutoParallel", ctx: "passes.PassContext", disabled, partitioner):
+    """(local joint, step graphs, joint-stage pass stats) through layer
+    folding, or None when the model's layers do not fold."""
+    traced, strategies, choice = autop.traced, autop.built.strategies, ctx.choice
+    repeats = autop.repeats if autop.repeats is not None else find_repeated_layers(traced)
+    try:
+        fold = fold_layers_of(traced, strategies, choice, repeats)
+    except FoldRejected as e:
+        logger.info("layers not folded: %s", e)
+        return None
+    try:
+        short = build_local_joint(fold.traced, fold.strategies, choice, autop.mesh)
+        stamp(short.gm, fold, short.param_fqns, SOURCE_KEY)
+        tags = layer_tags(short.gm.graph)
+        check_shift(short.gm.graph, tags, "local joint graph")
+        ctx.local = short
+        ctx.folded_copies = {n.name: fold.middle_copies for n, t in tags.items() if t is not None and t[0] == MIDDLE}
+        joint_stats = passes.run_stage("joint", ctx, disabled, short.gm)
+        ctx.folded_copies = {}
+        graphs = unfold_step(split_joint(short, partitioner), short, fold, list(traced.param_nodes))
+    except FoldRejected as e:
+        logger.warning("layer folding failed, applying the full graph instead (slower): %s", e)
+        ctx.folded_copies = {}
+        return None
+    local = full_local_joint(short, traced, strategies, choice)
+    return local, graphs, joint_stats
+
+
 def apply_placement(
     autop: "AutoParallel",
     plan: "Plan",
@@ -95,9 +127,15 @@ def apply_placement(
     partitioner: str = "min_cut",
     disable_passes: tuple[str, ...] | list[str] = (),
     pass_options: "passes.PassOptions | None" = None,
+    fold_layers: bool = True,
 ) -> nn.Module:
     """Build the parallel module for ``plan`` (see the module docstring),
-    running the rewrite passes of :mod:`autoparallel.passes` on the way."""
+    running the rewrite passes of :mod:`autoparallel.passes` on the way.
+
+    ``fold_layers``: build and partition the graphs of four layers of a
+    deep layer stack and copy the middle one (:mod:`.fold`, :mod:`.unfold`;
+    same graphs, much faster); falls back to the full graphs when the
+    layers do not qualify."""
     built = autop.built
     if built is None:
         raise RuntimeError("call optimize_placement() before apply_placement()")
@@ -113,10 +151,18 @@ def apply_placement(
         choice=choice,
     )
     stats = passes.run_stage("plan", ctx, disabled)
-    local = build_local_joint(traced, built.strategies, choice, autop.mesh)
+    folded = None
+    if fold_layers:
+        folded = _apply_folded(autop, ctx, disabled, partitioner)
+    if folded is not None:
+        local, graphs, joint_stats = folded
+    else:
+        local = build_local_joint(traced, built.strategies, choice, autop.mesh)
+        ctx.local = local
+        joint_stats = passes.run_stage("joint", ctx, disabled, local.gm)
+        graphs = split_joint(local, partitioner)
     ctx.local = local
-    stats.update(passes.run_stage("joint", ctx, disabled, local.gm))
-    graphs = split_joint(local, partitioner)
+    stats.update(joint_stats)
     stats.update(passes.run_stage("graphs", ctx, disabled, graphs.fw, graphs.bw))
     plan.pass_stats = stats
     step = ParallelStep(local, graphs)

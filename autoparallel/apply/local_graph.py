@@ -21,6 +21,7 @@ forward output.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 import time
@@ -86,6 +87,15 @@ class LocalJoint:
     @property
     def num_primals(self) -> int:
         return len(self.param_fqns) + len(self.buffer_fqns) + len(self.input_specs) + 1
+
+    def primal_names(self) -> list[str]:
+        """Names of the step's primal inputs (parameters, buffers, inputs,
+        coords) as placeholders of the joint, forward and backward graphs;
+        a layer-folded joint graph (``extra["folded"]``) has fewer, but the
+        unfolded forward and backward graphs use these."""
+        if self.extra.get("folded"):
+            return [f"primals_{i + 1}" for i in range(self.num_primals)]
+        return [ph.name for ph in self.gm.graph.find_nodes(op="placeholder")][: self.num_primals]
 
 
 def local_shape(spec: DTensorSpec) -> tuple[int, ...]:
@@ -327,26 +337,35 @@ class _Interpreter:
                     self.env[node] = self.call_function(node)
                 else:
                     raise ApplyError(f"unsupported node kind {node.op} ({node.name})")
-            if graph is not None:
-                for n in nodes_after(graph, last):
-                    n.meta.setdefault(SOURCE_KEY, node.name)
+            _set_source(graph, last, node)
 
         outs: list = []
         for i, node in enumerate(traced.output_nodes):
+            last = graph._root.prev if graph is not None else None
             with fx_traceback.set_current_meta(node):
                 outs.append(
                     self._redistribute(self.env[node], self.spec[node], layout.output_specs[i], f"output {i}", node)
                 )
+            _set_source(graph, last, node)
         for fqn, wants in zip(layout.param_fqns, layout.has_grad):
             grad = traced.grad_nodes.get(fqn)
             if not wants:
                 outs.append(None)
                 continue
+            last = graph._root.prev if graph is not None else None
             with fx_traceback.set_current_meta(grad):
                 outs.append(
                     self._redistribute(self.env[grad], self.spec[grad], layout.param_specs[fqn], f"grad of {fqn}", grad)
                 )
+            _set_source(graph, last, grad)
         return outs
+
+
+def _set_source(graph: torch.fx.Graph | None, last: torch.fx.Node | None, node: torch.fx.Node) -> None:
+    """Record ``node`` as the joint node that the local nodes after ``last`` came from."""
+    if graph is not None:
+        for n in nodes_after(graph, last):
+            n.meta.setdefault(SOURCE_KEY, node.name)
 
 
 @dataclass
@@ -442,4 +461,18 @@ def build_local_joint(
         has_grad=has_grad,
         seconds=seconds,
         ac_stats=ac_stats,
+    )
+
+
+def full_local_joint(
+    short: LocalJoint, traced: TracedStep, strategies: dict[torch.fx.Node, NodeStrategy], choice: dict[str, int]
+) -> LocalJoint:
+    """The full model's :class:`LocalJoint` for a layer-folded apply
+    (:mod:`.fold`): every parameter's name and layout, with the folded joint
+    graph ``short.gm`` (the full one was never built)."""
+    param_fqns = list(traced.param_nodes)
+    param_specs = {fqn: _chosen(strategies, choice, traced.param_nodes[fqn])[1].output_specs for fqn in param_fqns}
+    has_grad = [traced.grad_nodes.get(fqn) is not None for fqn in param_fqns]
+    return dataclasses.replace(
+        short, param_fqns=param_fqns, param_specs=param_specs, has_grad=has_grad, extra={**short.extra, "folded": True}
     )

@@ -160,21 +160,23 @@ def recompute_all_gathers(gm: fx.GraphModule, ctx: PassContext) -> RecomputeAllG
     """Tag parameter all-gather chains of the joint graph ``gm`` (in place)."""
     recompute = ctx.options.reshard_after_forward
     stats = RecomputeAllGathersStats(mode="recompute" if recompute else "save")
-    for chain in param_gather_chains(gm, ctx).values():
-        stats.chains += 1
+    for param, chain in param_gather_chains(gm, ctx).items():
+        # a folded graph's layer-1 parameter stands for several layers'
+        copies = ctx.copies(param)
+        stats.chains += copies
         for n in chain:
             if n.target is _AG:
-                stats.all_gathers += 1
-                stats.gathered_bytes += _nbytes(n)
+                stats.all_gathers += copies
+                stats.gathered_bytes += copies * _nbytes(n)
             if recompute:
                 n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
                 n.meta["ac_graph_id"] = CHAIN_AC_GRAPH_ID
-                stats.nodes_tagged += 1
+                stats.nodes_tagged += copies
             elif n.target in _COLLECTIVES:
                 # keep the gathered weight even where selective AC said recompute
                 n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
                 n.meta.pop("ac_graph_id", None)
-                stats.nodes_tagged += 1
+                stats.nodes_tagged += copies
     return stats
 
 

@@ -271,9 +271,8 @@ def _param_chains(gm: fx.GraphModule, ctx: PassContext | None) -> dict[fx.Node, 
     local = getattr(ctx, "local", None)
     fqn_of: dict[str, str] = {}
     if local is not None:
-        joint_ph = list(local.gm.graph.find_nodes(op="placeholder"))
         fqns = list(local.param_fqns) + list(local.buffer_fqns)
-        fqn_of = {ph.name: fqns[i] for i, ph in enumerate(joint_ph[: len(fqns)])}
+        fqn_of = dict(zip(local.primal_names(), fqns))
     placeholders = [p for p in gm.graph.find_nodes(op="placeholder")]
     # in a forward/backward graph the parameter shards keep their joint names
     params = [p for p in placeholders if p.name in fqn_of] if fqn_of else [

@@ -1,0 +1,444 @@
+"""Unfold: the full forward and backward graphs from the folded ones.
+
+:mod:`.fold` applies a plan to layers ``0, 1, L-2, L-1`` of a stack; this
+module copies layer 1's nodes back in for layers ``2 .. L-3`` after the
+partitioner has split the folded graph, so the expensive stages run on four
+layers and the result is the graph a full apply would give (same ops per
+layer, same collectives, same saved tensors per layer).
+
+Every node of the folded local graph carries ``meta[FOLD_KEY] = (short
+layer, key)`` (:func:`stamp`), where the key names the node within its layer
+(its joint node's position in the layer and its index among the local nodes
+made for that joint node), so twins in different layers share a key. The
+partitioner copies node meta, so forward and backward nodes (recomputed ones
+included) keep their stamps.
+
+Before copying, :func:`check_shift` proves that layer 1 is a template:
+layer ``L-2``'s nodes are layer 1's, one layer further (same ops and
+constants, inputs at the same keys one layer up, the same saved tensors).
+Nodes computed from graph-wide values only (mesh coordinates, factories)
+are not per layer: the partitioner's common-subexpression elimination may
+have shared them between layers, and the copies share them too.
+
+A node of layer 1 copied as real layer ``r`` reads, for an input of short
+layer ``s`` (the node's own being 1), the node with the same key in real
+layer ``r + s - 1``. Copies run in increasing ``r`` in the forward graph
+and decreasing ``r`` in the backward graph (gradients flow down).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+import torch.fx as fx
+from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
+
+from .fold import FIRST, LAST, MIDDLE, NEXT, FoldRejected, LayerFold, arg_pairs
+from .partition import StepGraphs, _output_nodes
+
+if TYPE_CHECKING:
+    from .local_graph import LocalJoint
+
+logger = logging.getLogger(__name__)
+
+# node.meta key: (short layer, key within the layer), or absent (global)
+FOLD_KEY = "ap_fold"
+
+Tag = tuple  # (short layer, key)
+
+
+def stamp(gm: fx.GraphModule, fold: LayerFold, param_fqns: list[str], source_key: str) -> None:
+    """Set ``meta[FOLD_KEY]`` on the folded local joint graph's nodes."""
+    slot = fold.slot
+    param_slot = {}
+    for fqn in param_fqns:
+        joint = fold.traced.param_nodes[fqn]
+        if joint.name in slot:
+            param_slot[fqn] = slot[joint.name]
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    for ph, fqn in zip(placeholders, param_fqns):
+        s = param_slot.get(fqn)
+        if s is not None:
+            ph.meta[FOLD_KEY] = (s[0], (s[1], 0))
+    count: dict[str, int] = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        src = n.meta.get(source_key)
+        s = slot.get(src) if src is not None else None
+        if s is None:
+            continue
+        k = count.get(src, 0)
+        count[src] = k + 1
+        n.meta[FOLD_KEY] = (s[0], (s[1], k))
+
+
+def _is_random(n: fx.Node) -> bool:
+    t = n.target
+    return isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags
+
+
+def layer_tags(graph: fx.Graph, placeholder_tags: dict[fx.Node, Tag | None] | None = None) -> dict[fx.Node, Tag | None]:
+    """Effective tag of every node: its stamp, or None (global) when it only
+    reads global values (and is neither random nor a graph output)."""
+    (output,) = graph.find_nodes(op="output")
+    outputs = set(output.all_input_nodes)
+    tags: dict[fx.Node, Tag | None] = {}
+    for n in graph.nodes:
+        if n.op == "output":
+            continue
+        if n.op == "placeholder":
+            tags[n] = placeholder_tags.get(n) if placeholder_tags is not None else n.meta.get(FOLD_KEY)
+            continue
+        tag = n.meta.get(FOLD_KEY)
+        if tag is not None and n not in outputs and not _is_random(n):
+            if all(tags[a] is None for a in n.all_input_nodes):
+                tag = None
+        tags[n] = tag
+    return tags
+
+
+def check_shift(graph: fx.Graph, tags: dict[fx.Node, Tag | None], what: str) -> None:
+    """Raise :class:`FoldRejected` unless layer 1 is a template of layers
+    ``1 .. L-3`` in ``graph`` (see the module docstring)."""
+    by_layer: dict[int, dict] = {MIDDLE: {}, NEXT: {}}
+    for n, t in tags.items():
+        if t is None:
+            continue
+        layer = by_layer.get(t[0])
+        if layer is not None:
+            if t[1] in layer:
+                raise FoldRejected(f"{what}: {n.name} and {layer[t[1]].name} share the key {t[1]}")
+            layer[t[1]] = n
+    middle, nxt = by_layer[MIDDLE], by_layer[NEXT]
+    if middle.keys() != nxt.keys():
+        only = sorted(set(middle) ^ set(nxt))[:3]
+        raise FoldRejected(f"{what}: layers 1 and L-2 differ ({len(middle)} vs {len(nxt)} nodes; e.g. keys {only})")
+    same_global: dict[tuple[fx.Node, fx.Node], bool] = {}
+
+    def equivalent_global(a: fx.Node, b: fx.Node) -> bool:
+        # global values the two layers read: the same node, or the same
+        # computation on the same global inputs
+        if a is b:
+            return True
+        if a.op != "call_function" or a.target != b.target or a.meta.get(FOLD_KEY) is None:
+            return False
+        ta, tb = a.meta[FOLD_KEY], b.meta[FOLD_KEY]
+        if ta[1] != tb[1]:
+            return False
+        memo = same_global.get((a, b))
+        if memo is None:
+            try:
+                memo = all(
+                    tags[x] is None and tags[y] is None and equivalent_global(x, y)
+                    for x, y in arg_pairs((a.args, a.kwargs), (b.args, b.kwargs), what)
+                )
+            except FoldRejected:
+                memo = False
+            same_global[(a, b)] = memo
+        return memo
+
+    for key, n2 in nxt.items():
+        n1 = middle[key]
+        where = f"{what}: {n2.name} (layer L-2) vs {n1.name} (layer 1)"
+        if n1.op != n2.op or (n1.op != "placeholder" and n1.target != n2.target):
+            raise FoldRejected(f"{where}: different ops")
+        for a2, a1 in arg_pairs((n2.args, n2.kwargs), (n1.args, n1.kwargs), where):
+            t2, t1 = tags[a2], tags[a1]
+            if t2 is None or t1 is None:
+                if not (t2 is None and t1 is None and equivalent_global(a2, a1)):
+                    raise FoldRejected(f"{where}: reads {a2.name} where layer 1 reads {a1.name}")
+                continue
+            if t2[0] == LAST:
+                # layer L-1 may differ: layer 1 must read layer L-2 there,
+                # something every middle copy has
+                ok = t1[0] == NEXT and t1[1] in middle
+            else:
+                ok = t1 == (t2[0] - 1, t2[1])
+            if not ok:
+                raise FoldRejected(f"{where}: reads {a2.name} {t2} where layer 1 reads {a1.name} {t1}")
+    # reads that skip a layer, or global values made from one middle copy
+    for n, t in tags.items():
+        for a in n.all_input_nodes:
+            ta = tags[a]
+            if ta is None:
+                continue
+            if t is None:
+                if ta[0] == MIDDLE:
+                    raise FoldRejected(f"{what}: {n.name} (not in a layer) reads {a.name} of layer 1")
+            elif abs(ta[0] - t[0]) > 1:
+                raise FoldRejected(f"{what}: {n.name} (short layer {t[0]}) reads {a.name} (short layer {ta[0]})")
+            elif t[0] == MIDDLE and ta[0] != MIDDLE and ta[1] not in middle:
+                raise FoldRejected(f"{what}: {n.name} of layer 1 reads {a.name}, which has no layer-1 twin")
+
+
+class _Emitter:
+    """Builds one unfolded graph node by node."""
+
+    def __init__(self, fold: LayerFold, tags: dict[fx.Node, Tag | None]):
+        self.fold = fold
+        self.tags = tags
+        self.graph = fx.Graph()
+        self.real = fold.real_layers
+        self.by_key: dict[tuple[int, tuple], fx.Node] = {}  # (real layer, key) -> new node
+        self.globals: dict[fx.Node, fx.Node] = {}
+
+    def real_layer(self, n: fx.Node, copy: int | None) -> int | None:
+        t = self.tags[n]
+        if t is None:
+            return None
+        return copy if t[0] == MIDDLE else self.real[t[0]]
+
+    def lookup(self, a: fx.Node, real: int | None) -> fx.Node:
+        t = self.tags[a]
+        if t is None:
+            return self.globals[a]
+        got = self.by_key.get((real, t[1]))
+        if got is None:
+            raise FoldRejected(f"no copy of {a.name} (key {t[1]}) in layer {real}")
+        return got
+
+    def read(self, n: fx.Node, copy: int | None):
+        """Argument mapper for a copy of ``n`` as real layer ``copy`` (or its own)."""
+        tn = self.tags[n]
+        r = self.real_layer(n, copy)
+
+        def arg(a: fx.Node) -> fx.Node:
+            ta = self.tags[a]
+            if ta is None:
+                return self.globals[a]
+            if tn is None:
+                return self.lookup(a, self.real[ta[0]] if ta[0] != MIDDLE else None)
+            return self.lookup(a, r + ta[0] - tn[0])
+
+        return arg
+
+    def record(self, n: fx.Node, copy: int | None, new: fx.Node) -> None:
+        t = self.tags[n]
+        if t is None:
+            self.globals[n] = new
+        else:
+            self.by_key[(self.real_layer(n, copy), t[1])] = new
+
+    def name(self, n: fx.Node, copy: int | None) -> str:
+        if copy is None or copy == 1 or self.tags[n] is None or self.tags[n][0] != MIDDLE:
+            return n.name
+        return f"{n.name}_l{copy}"
+
+    def emit(self, n: fx.Node, copy: int | None = None) -> fx.Node:
+        new = self.graph.node_copy(n, self.read(n, copy))
+        wanted = self.name(n, copy)
+        if new.name != wanted:
+            new.name = self.graph._graph_namespace.create_name(wanted, new)
+        self.record(n, copy, new)
+        return new
+
+    def placeholder(self, n: fx.Node, copy: int | None, name: str) -> fx.Node:
+        new = self.graph.placeholder(name, type_expr=n.type)
+        new.meta = dict(n.meta)
+        self.record(n, copy, new)
+        return new
+
+
+def _copies(fold: LayerFold) -> range:
+    return range(1, fold.n_layers - 2)
+
+
+def _body_order(nodes: list[fx.Node], tags, what: str) -> tuple[list, list, list, list, bool]:
+    """Split the non-placeholder nodes into (before, middle, after_block,
+    rest): middle = layer-1 nodes, copied per layer; plus whether copies run
+    in decreasing layer order."""
+    mids = [i for i, n in enumerate(nodes) if tags[n] is not None and tags[n][0] == MIDDLE]
+    if not mids:
+        return nodes, [], [], [], False
+    lo, hi = mids[0], mids[-1]
+    block = nodes[lo : hi + 1]
+    middle = [n for n in block if tags[n] is not None and tags[n][0] == MIDDLE]
+    middle_set = set(middle)
+    depends: set[fx.Node] = set()
+    before, after = [], []
+    for n in block:
+        if n in middle_set:
+            continue
+        if any(a in middle_set or a in depends for a in n.all_input_nodes):
+            depends.add(n)
+            after.append(n)
+        else:
+            before.append(n)
+    up = down = False
+    for n in middle:
+        for a in n.all_input_nodes:
+            if a in depends:
+                raise FoldRejected(f"{what}: layer-1 node {n.name} reads {a.name}, which reads layer 1")
+            ta = tags[a]
+            if ta is None or a.op == "placeholder":
+                continue
+            up |= ta[0] == FIRST
+            down |= ta[0] == NEXT
+    if up and down:
+        raise FoldRejected(f"{what}: layer 1 reads computed values of both neighbouring layers")
+    return nodes[:lo] + before, middle, after, nodes[hi + 1 :], down
+
+
+def unfold_graph(
+    gm: fx.GraphModule,
+    fold: LayerFold,
+    tags: dict[fx.Node, Tag | None],
+    placeholder_plan: list[tuple[fx.Node, int | None, str]],
+    output_plan,
+    what: str,
+) -> tuple[fx.GraphModule, list]:
+    """Unfold ``gm`` (see the module docstring).
+
+    ``placeholder_plan``: the unfolded graph's placeholders in order, as
+    (folded placeholder, copy for layer-1 ones or None, name).
+    ``output_plan(resolve)`` returns the unfolded output list, where
+    ``resolve(node, copy)`` gives a folded node's copy (or the node itself)."""
+    em = _Emitter(fold, tags)
+    for ph, copy, name in placeholder_plan:
+        em.placeholder(ph, copy, name)
+    body = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    head, middle, after, rest, down = _body_order(body, tags, what)
+    for n in head:
+        em.emit(n)
+    copies = _copies(fold)
+    for r in reversed(copies) if down else copies:
+        for n in middle:
+            em.emit(n, r)
+    for n in after + rest:
+        em.emit(n)
+
+    def resolve(n, copy=None):
+        if n is None:
+            return None
+        t = tags[n]
+        if t is None:
+            return em.globals[n]
+        return em.lookup(n, em.real_layer(n, copy))
+
+    (out,) = gm.graph.find_nodes(op="output")
+    outs = output_plan(resolve)
+    em.graph.output(tuple(outs) if isinstance(out.args[0], tuple) else list(outs)).meta = dict(out.meta)
+    em.graph._codegen = gm.graph._codegen
+    with _use_lazy_graph_module(True):
+        new = _make_graph_module(gm, em.graph)
+    new.meta = dict(gm.meta)
+    return new, outs
+
+
+def _is_middle(tag: Tag | None) -> bool:
+    return tag is not None and tag[0] == MIDDLE
+
+
+def _expand_runs(items, is_middle, copies: range) -> list[tuple]:
+    """(item, copy) in unfolded order: each run of consecutive layer-1 items
+    repeats once per copy (layer by layer); other items appear once (copy
+    None). Folded lists (saved tensors, backward inputs) hold a layer's
+    values next to each other, so this is the order a full apply gives."""
+    out: list[tuple] = []
+    run: list = []
+    for item in items:
+        if is_middle(item):
+            run.append(item)
+            continue
+        out.extend((x, copy) for copy in copies for x in run)
+        run = []
+        out.append((item, None))
+    out.extend((x, copy) for copy in copies for x in run)
+    return out
+
+
+def unfold_step(graphs: StepGraphs, local: "LocalJoint", fold: LayerFold, param_fqns: list[str]) -> StepGraphs:
+    """The full model's forward and backward graphs from the folded ones
+    (``graphs``, partitioned from ``local``); ``param_fqns`` is the full
+    model's parameter order. Raises :class:`FoldRejected` when layer 1 is
+    not a template of the middle layers in either graph."""
+    t0 = time.perf_counter()
+    n_out = graphs.num_fwd_outputs
+    short_index = {fqn: i for i, fqn in enumerate(local.param_fqns)}
+    n_short = len(local.param_fqns)
+    copies = _copies(fold)
+
+    def param_source(fqn: str) -> tuple[int, int | None]:
+        real, rep = fold.param_layer.get(fqn, (None, fqn))
+        return short_index[rep], real
+
+    # forward
+    fw_tags = layer_tags(graphs.fw.graph)
+    check_shift(graphs.fw.graph, fw_tags, "forward graph")
+    fw_ph = list(graphs.fw.graph.find_nodes(op="placeholder"))
+    plan = []
+    for i, fqn in enumerate(param_fqns):
+        j, real = param_source(fqn)
+        ph = fw_ph[j]
+        middle = fw_tags[ph] is not None and fw_tags[ph][0] == MIDDLE
+        plan.append((ph, real if middle else None, f"primals_{i + 1}"))
+    for t, ph in enumerate(fw_ph[n_short:]):
+        plan.append((ph, None, f"primals_{len(param_fqns) + t + 1}"))
+    fw_outs = _output_nodes(graphs.fw)
+    saved = fw_outs[n_out:]
+    saved_full: list[tuple[int, int | None]] = []
+
+    def fw_output_plan(resolve):
+        outs = []
+        for o in fw_outs[:n_out]:
+            if fw_tags.get(o) is not None and fw_tags[o][0] == MIDDLE:
+                raise FoldRejected(f"forward output {o.name} is a layer-1 value")
+            outs.append(resolve(o))
+        saved_full.extend(_expand_runs(range(len(saved)), lambda j: _is_middle(fw_tags[saved[j]]), copies))
+        outs.extend(resolve(saved[j], copy) for j, copy in saved_full)
+        return outs
+
+    fw, fw_new_outs = unfold_graph(graphs.fw, fold, fw_tags, plan, fw_output_plan, "forward graph")
+    saved_position = {key: n_out + k for k, key in enumerate(saved_full)}
+
+    def saved_name(j: int, copy: int | None) -> str:
+        return fw_new_outs[saved_position[(j, copy)]].name
+
+    # backward: saved tensors arrive tagged like the forward values they are
+    bw_ph = list(graphs.bw.graph.find_nodes(op="placeholder"))
+    ph_tags = {}
+    kinds = dict(zip(bw_ph, graphs.bw_inputs))
+    for ph, (kind, j) in kinds.items():
+        ph_tags[ph] = fw_tags[saved[j]] if kind == "saved" else None
+    plan, bw_inputs = [], []
+    for ph, copy in _expand_runs(bw_ph, lambda ph: _is_middle(ph_tags[ph]), copies):
+        kind, j = kinds[ph]
+        if kind == "tangent":
+            plan.append((ph, None, ph.name))
+            bw_inputs.append((kind, j))
+        else:
+            plan.append((ph, copy, saved_name(j, copy)))
+            bw_inputs.append(("saved", saved_position[(j, copy)] - n_out))
+    bw_tags = layer_tags(graphs.bw.graph, ph_tags)
+    check_shift(graphs.bw.graph, bw_tags, "backward graph")
+    bw_outs = _output_nodes(graphs.bw)
+    if len(bw_outs) != n_short:
+        raise FoldRejected(f"backward graph returns {len(bw_outs)} values for {n_short} parameters")
+
+    def bw_output_plan(resolve):
+        outs = []
+        for fqn in param_fqns:
+            j, real = param_source(fqn)
+            o = bw_outs[j]
+            middle = o is not None and bw_tags[o] is not None and bw_tags[o][0] == MIDDLE
+            outs.append(resolve(o, real if middle else None))
+        return outs
+
+    bw, _ = unfold_graph(graphs.bw, fold, bw_tags, plan, bw_output_plan, "backward graph")
+    seconds = time.perf_counter() - t0
+    logger.info(
+        "unfolded %d layers: forward %d -> %d nodes, backward %d -> %d nodes, %d -> %d saved tensors in %.2fs",
+        fold.n_layers,
+        len(graphs.fw.graph.nodes),
+        len(fw.graph.nodes),
+        len(graphs.bw.graph.nodes),
+        len(bw.graph.nodes),
+        len(saved),
+        len(saved_full),
+        seconds,
+    )
+    return StepGraphs(fw, bw, n_out, len(saved_full), bw_inputs, graphs.partitioner, graphs.seconds + seconds)
