@@ -47,6 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mesh", type=int, nargs="+", default=[16, 8], help="mesh shape, e.g. 16 8")
     p.add_argument("--model", default="8B", choices=sorted(LLAMA3_CONFIGS))
     p.add_argument("--no-ac", action="store_true", help="no activation checkpointing")
+    p.add_argument("--compare-full", action="store_true",
+                   help="with --apply: also apply without layer folding (slow) and check "
+                        "that the folded apply gave the same graphs")
     p.add_argument("--apply", action="store_true",
                    help="also time apply_placement and print its collectives and pass stats "
                         "(applies twice: without and with the rewrite passes)")
@@ -87,7 +90,7 @@ def main(argv=None) -> None:
         plan = autop.optimize_placement()
         total = time.perf_counter() - t0
         cpu = time.process_time() - cpu0
-        applied = _apply_both_ways(autop, plan, mesh) if a.apply else None
+        applied = _apply_both_ways(autop, plan, mesh, a.compare_full) if a.apply else None
 
     t = autop.timings
     s = plan.solution
@@ -144,26 +147,36 @@ def main(argv=None) -> None:
     dist.destroy_process_group()
 
 
-def _apply_both_ways(autop, plan, mesh) -> dict:
+def _apply_both_ways(autop, plan, mesh, compare_full: bool = False) -> dict:
     """Apply without passes (the baseline graphs) and with all of them
-    (timed: what a user pays), and count collectives in both."""
+    (timed: what a user pays), and count collectives in both. With
+    ``compare_full``, apply once more without layer folding and compare."""
     from autoparallel import passes
     from autoparallel.apply import collectives
+    from autoparallel.apply.fingerprint import differences, fingerprint
     from autoparallel.passes.recompute_all_gathers import saved_for_backward
 
     out = {}
-    for label, disabled in (("no passes", tuple(passes.pass_names())), ("passes", ())):
+    runs = [("no passes", tuple(passes.pass_names()), True), ("passes", (), True)]
+    if compare_full:
+        runs.append(("unfolded", (), False))
+    for label, disabled, fold in runs:
         t0, c0 = time.perf_counter(), time.process_time()
-        pm = autop.apply_placement(plan, disable_passes=disabled)
+        pm = autop.apply_placement(plan, disable_passes=disabled, fold_layers=fold)
         out[label] = {
             "wall": time.perf_counter() - t0,
             "cpu": time.process_time() - c0,
+            "folded": bool(pm.parallel_state.local.extra.get("folded")),
+            "fingerprint": fingerprint(pm.parallel_state.step.graphs),
             "forward": _count(collectives(pm.forward_graph, mesh)),
             "backward": _count(collectives(pm.backward_graph, mesh)),
             "saved_bytes": sum(
                 b for _, b in saved_for_backward(pm.forward_graph, pm.parallel_state.step.graphs.num_fwd_outputs)
             ),
         }
+    if compare_full:
+        diff = differences(out["passes"]["fingerprint"], out["unfolded"]["fingerprint"])
+        out["unfolded"]["same_graphs"] = "identical" if not diff else "DIFFERENT: " + ", ".join(diff)
     return out
 
 
@@ -179,7 +192,8 @@ def _print_apply(applied: dict, plan) -> None:
     for label, r in applied.items():
         print(
             f"  {label:10s} {r['wall']:7.2f} s wall, {r['cpu']:7.2f} s CPU; saved for backward "
-            f"{r['saved_bytes'] / 2**30:.2f} GiB per rank"
+            f"{r['saved_bytes'] / 2**30:.2f} GiB per rank; layers {'folded' if r['folded'] else 'not folded'}"
+            + (f"; graphs vs the folded apply: {r['same_graphs']}" if "same_graphs" in r else "")
         )
     print("  collectives per graph (without -> with passes)")
     for graph in ("forward", "backward"):
