@@ -118,9 +118,11 @@ class AutoParallel:
                 "torch.testing._internal.distributed.fake_pg.FakeStore plans for any "
                 "world size without devices)"
             )
-        if dist.get_world_size() != self.mesh.size():
+        # a mesh may cover part of the world, but its ranks must exist
+        highest = int(self.mesh.mesh.max())
+        if highest >= dist.get_world_size():
             raise RuntimeError(
-                f"mesh has {self.mesh.size()} ranks but the process group has "
+                f"mesh has {self.mesh.size()} ranks (up to rank {highest}) but the process group has "
                 f"{dist.get_world_size()}"
             )
         self._stack = contextlib.ExitStack()

@@ -129,12 +129,19 @@ class ParallelModuleMixin:
     def _check_world(self, st: ParallelState) -> None:
         if not dist.is_initialized():
             raise RuntimeError("the parallel module needs the mesh's process group: call init_process_group first")
+        # The mesh may cover a subset of the ranks (other ranks run other
+        # pipeline stages, say), but all of its ranks must exist and this
+        # rank must be one of them.
         world = dist.get_world_size()
-        if world != st.mesh.size():
+        ranks = st.mesh.mesh.flatten().tolist()
+        if max(ranks) >= world:
             raise RuntimeError(
-                f"the plan is for a mesh of {st.mesh.size()} ranks {tuple(st.mesh.shape)} but the "
-                f"process group has {world}"
+                f"the plan is for a mesh of {st.mesh.size()} ranks {tuple(st.mesh.shape)} (ranks up to "
+                f"{max(ranks)}) but the process group has {world}"
             )
+        rank = dist.get_rank()
+        if rank not in ranks:
+            raise RuntimeError(f"rank {rank} is not in the plan's mesh {tuple(st.mesh.shape)} of ranks {ranks}")
 
     def _param_locals(self, st: ParallelState) -> list[torch.Tensor]:
         out = []

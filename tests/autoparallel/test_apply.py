@@ -296,6 +296,29 @@ def test_wrong_world_size(ffn_parallel):
         ffn_parallel(torch.randn(1, SEQ, 16))
 
 
+def test_mesh_on_a_subset_of_ranks(fake_world):
+    """A mesh may cover part of the world (other ranks run other stages);
+    a rank outside it gets an error naming the mesh."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    fake_world(8)
+    mesh = DeviceMesh("cpu", torch.arange(4))
+    with torch.device("meta"):
+        model = _ffn()
+    with AutoParallel(model, mesh, torch.empty(BATCH, SEQ, 16, device="meta")) as autop:
+        autop.add_input_constraints([(Shard(0),)])
+        plan = autop.optimize_placement()
+        parallel = autop.apply_placement(plan)
+    st = parallel.parallel_state
+    parallel._check_world(st)  # world 8, mesh ranks 0..3, rank 0: fine
+    dist.destroy_process_group()
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=6, world_size=8)
+    with pytest.raises(RuntimeError, match=r"rank 6 is not in the plan's mesh \(4,\)"):
+        parallel._check_world(st)
+
+
 def test_collective_summary(fake_world):
     from autoparallel.apply import collectives, summarize
 
