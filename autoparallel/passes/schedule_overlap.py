@@ -51,6 +51,7 @@ import bisect
 import heapq
 import operator
 import re
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -82,13 +83,20 @@ _GRAD_REDUCTIONS = {_RS, _AR}
 PREFETCH_MEMORY_SLACK = 0.0
 
 
+# target -> has a FLOP formula (asked once per target: the lookup is not free)
+_COMPUTE_TARGETS: dict = {}
+
+
 def is_compute(node: fx.Node) -> bool:
     """A compute op for the cap: one with a FLOP formula (matmul, attention)."""
-    return (
-        node.op == "call_function"
-        and isinstance(node.target, torch._ops.OpOverload)
-        and _flop_formula(node.target) is not None
-    )
+    if node.op != "call_function":
+        return False
+    target = node.target
+    hit = _COMPUTE_TARGETS.get(target)
+    if hit is None:
+        hit = isinstance(target, torch._ops.OpOverload) and _flop_formula(target) is not None
+        _COMPUTE_TARGETS[target] = hit
+    return hit
 
 
 @dataclass
@@ -174,6 +182,8 @@ class _Costs:
             except Exception:  # a bare graph without a usable mesh: intra-node defaults
                 self.group_dim = {}
         self._cache: dict[fx.Node, float] = {}
+        self._free: dict = {}  # target -> launches no kernel
+        self._by_shape: dict[tuple, float] = {}
 
     def time(self, n: fx.Node) -> float:
         if n in self._cache:
@@ -194,65 +204,173 @@ class _Costs:
             nbytes = _nbytes(src.meta.get("val")) if isinstance(src, fx.Node) else 0
             t = cost_model.collective_time(_STARTS[n.target], nbytes, size, intra, self.device, per_node)
         elif n.op == "call_function" and n.target is not _WAIT:
-            try:
-                t = cost_model.node_compute_time(n, None, None, self.device)
-            except Exception:  # ops the roofline model cannot cost
-                t = 0.0
+            t = self._compute_time(n)
         self._cache[n] = t
         return t
+
+    def _compute_time(self, n: fx.Node) -> float:
+        # Repeated layers repeat the same op on the same shapes: cost each
+        # (op, argument shapes and values) once. The key holds what the
+        # roofline model reads (shapes, dtypes, plain values).
+        target = n.target
+        free = self._free.get(target)
+        if free is None:
+            free = self._free[target] = cost_model.is_free_op(target)
+        if free:
+            return 0.0
+        try:
+            key = (target, _shape_key(n.args), _shape_key(n.kwargs), _shape_key(n.meta.get("val")))
+            hit = self._by_shape.get(key)
+        except (_NoKey, TypeError):  # symbolic or unusual arguments: no caching
+            key = hit = None
+        if hit is None:
+            try:
+                hit = cost_model.node_compute_time(n, None, None, self.device)
+            except Exception:  # ops the roofline model cannot cost
+                hit = 0.0
+            if key is not None:
+                self._by_shape[key] = hit
+        return hit
+
+
+class _NoKey(Exception):
+    pass
+
+
+_TENSOR = object()  # marks a tensor in a shape key (no literal argument is it)
+_PLAIN = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout})
+
+
+def _shape_key(x):
+    t = type(x)
+    if t is fx.Node:
+        v = x.meta.get("val")
+        return (_TENSOR, v.shape, v.dtype) if isinstance(v, torch.Tensor) else None
+    if t in _PLAIN:
+        return x
+    if isinstance(x, torch.Tensor):
+        return (_TENSOR, x.shape, x.dtype)
+    if isinstance(x, (tuple, list)):  # fx args hold immutable lists
+        return tuple([_shape_key(v) for v in x])
+    if isinstance(x, dict):
+        return tuple([(k, _shape_key(v)) for k, v in x.items()])
+    raise _NoKey
+
+
+class _Info:
+    """Per-node facts of one graph, computed once and shared by the
+    estimates and the scheduler: inputs, kind, cost, compute flag, and the
+    memory model of :func:`estimate` (views alias their base: storage roots;
+    which roots each node keeps alive; root sizes). Built from ``nodes`` in
+    the given order (roots follow the first input already seen, as in a
+    walk over that order); any topological order gives the same facts."""
+
+    def __init__(self, nodes: list[fx.Node], costs: _Costs):
+        self.nodes = nodes
+        self.index = {n: i for i, n in enumerate(nodes)}
+        ins: dict[fx.Node, list[fx.Node]] = {}
+        kind: dict[fx.Node, int] = {}  # 0 not a call, 1 collective start, 2 wait, 3 other call
+        time: dict[fx.Node, float] = {}
+        compute: set[fx.Node] = set()
+        root: dict[fx.Node, fx.Node] = {}
+        for n in nodes:
+            inputs = n.all_input_nodes
+            ins[n] = inputs
+            if _is_alias(n):
+                root[n] = next((root[a] for a in inputs if a in root), n)
+            else:
+                root[n] = n
+            if n.op != "call_function":
+                kind[n] = 0
+                continue
+            target = n.target
+            if target in _STARTS:
+                kind[n] = 1
+                time[n] = costs.time(n)
+            elif target is _WAIT:
+                kind[n] = 2
+            else:
+                kind[n] = 3
+                time[n] = costs.time(n)
+                if is_compute(n):
+                    compute.add(n)
+        kept_by: dict[fx.Node, set[fx.Node]] = {}
+        keepers: dict[fx.Node, int] = {}
+        for n in nodes:
+            kept = {root.get(a, a) for a in ins[n]}
+            if kind[n] == 2:  # the collective's input lives until its wait
+                for a in ins[n]:
+                    kept.update(root.get(b, b) for b in (ins[a] if a in ins else a.all_input_nodes))
+            kept_by[n] = kept
+            for r in kept:
+                keepers[r] = keepers.get(r, 0) + 1
+        self.ins, self.kind, self.time, self.compute = ins, kind, time, compute
+        self.root, self.kept_by, self.keepers = root, kept_by, keepers
+        self.size = {n: _nbytes(n.meta.get("val")) for n in nodes if root[n] is n and n.op != "output"}
+        self.reductions = {n for n in nodes if kind[n] and n.target in _GRAD_REDUCTIONS}
+
+    def longest_compute_run(self, order: list[fx.Node]) -> int:
+        run = best = 0
+        seen = False
+        compute, reductions = self.compute, self.reductions
+        for n in order:
+            if n in reductions:
+                best, run, seen = max(best, run), 0, True
+            elif n in compute:
+                run += 1
+        return best if seen else 0
+
+    def estimate(self, order: list[fx.Node]) -> tuple[float, int]:
+        """:func:`estimate` of ``order`` (a topological order of the nodes)."""
+        kind, time = self.kind, self.time
+        now = comm_free = exposed = 0.0
+        done: dict[fx.Node, float] = {}
+        for n in order:
+            k = kind[n]
+            if k == 0:
+                continue
+            if k == 1:
+                start = max(now, comm_free)
+                comm_free = done[n] = start + time[n]
+            elif k == 2:
+                end = done.get(n.args[0], 0.0)
+                if end > now:
+                    exposed += end - now
+                    now = end
+            else:
+                now += time[n]
+        # memory: storage roots, freed after the last use of any alias
+        kept_by = self.kept_by
+        last: dict[fx.Node, int] = {}
+        for p, n in enumerate(order):
+            for r in kept_by[n]:
+                last[r] = p  # positions ascend: the latest keeper wins
+        end = len(order)
+        out = [n for n in order if n.op == "output"]
+        if out:
+            (out,) = out
+            root = self.root
+            for a in self.ins[out]:
+                last[root.get(a, a)] = end
+        size = self.size
+        frees: dict[int, int] = {}
+        live = peak = 0
+        for p, n in enumerate(order):
+            s = size.get(n)
+            if s is not None:
+                live += s
+                i = last.get(n, p)
+                frees[i] = frees.get(i, 0) + s
+            if live > peak:
+                peak = live
+            live -= frees.pop(p, 0)
+        return exposed, peak
 
 
 def estimate(nodes: list[fx.Node], costs: _Costs) -> tuple[float, int]:
     """(exposed communication seconds, peak live bytes) of running ``nodes``
     in this order."""
-    # exposed comm: one compute stream, one comm stream
-    now = comm_free = exposed = 0.0
-    done: dict[fx.Node, float] = {}
-    for n in nodes:
-        if n.op != "call_function":
-            continue
-        if n.target in _STARTS:
-            start = max(now, comm_free)
-            comm_free = done[n] = start + costs.time(n)
-        elif n.target is _WAIT:
-            src = n.args[0]
-            end = done.get(src, 0.0)
-            if end > now:
-                exposed += end - now
-                now = end
-        else:
-            now += costs.time(n)
-    # memory: storage roots, freed after the last use of any alias
-    pos = {n: i for i, n in enumerate(nodes)}
-    root: dict[fx.Node, fx.Node] = {}
-    for n in nodes:
-        ins = [a for a in n.all_input_nodes if a in root]
-        root[n] = root[ins[0]] if _is_alias(n) and ins else n
-    last: dict[fx.Node, int] = {}
-    for n in nodes:
-        for a in n.all_input_nodes:
-            r = root.get(a, a)
-            last[r] = max(last.get(r, -1), pos[n])
-            if n.target is _WAIT:  # the collective's input lives until its wait
-                for b in a.all_input_nodes:
-                    rb = root.get(b, b)
-                    last[rb] = max(last.get(rb, -1), pos[n])
-    end = len(nodes)
-    (out,) = [n for n in nodes if n.op == "output"] or [None]
-    if out is not None:
-        for a in out.all_input_nodes:
-            last[root.get(a, a)] = end
-    frees: dict[int, int] = {}
-    live = peak = 0
-    for n in nodes:
-        if root.get(n) is n and n.op != "output":
-            size = _nbytes(n.meta.get("val"))
-            live += size
-            i = last.get(n, pos[n])
-            frees[i] = frees.get(i, 0) + size
-        peak = max(peak, live)
-        live -= frees.pop(pos[n], 0)
-    return exposed, peak
+    return _Info(list(nodes), costs).estimate(list(nodes))
 
 
 # ---------------------------------------------------------------------------
@@ -287,51 +405,44 @@ def _param_chains(gm: fx.GraphModule, ctx: PassContext | None) -> dict[fx.Node, 
     return out
 
 
-class _Liveness:
-    """Live bytes of the nodes emitted so far, in :func:`estimate`'s model
+def _live_curve(info: _Info, nodes: list[fx.Node]) -> list[int]:
+    """Live bytes after each node of ``nodes`` in :func:`estimate`'s model
     (views alias their base; a collective's input lives until its wait; the
-    graph outputs live to the end)."""
-
-    def __init__(self, nodes: list[fx.Node]):
-        root: dict[fx.Node, fx.Node] = {}
-        for n in nodes:
-            ins = [a for a in n.all_input_nodes if a in root]
-            root[n] = root[ins[0]] if _is_alias(n) and ins else n
-        self.root = root
-        self.kept_by: dict[fx.Node, set[fx.Node]] = {n: set() for n in nodes}  # node -> roots it keeps alive
-        keepers: dict[fx.Node, set[fx.Node]] = {}
-        for n in nodes:
-            for a in n.all_input_nodes:
-                self.kept_by[n].add(root.get(a, a))
-                if n.target is _WAIT:
-                    for b in a.all_input_nodes:
-                        self.kept_by[n].add(root.get(b, b))
-            for r in self.kept_by[n]:
-                keepers.setdefault(r, set()).add(n)
-        self.pending = {r: len(k) for r, k in keepers.items()}
-        self.size = {n: _nbytes(n.meta.get("val")) for n in nodes if root[n] is n and n.op != "output"}
-        self.live = 0
-
-    def emit(self, n: fx.Node) -> None:
-        size = self.size.get(n, 0)
-        self.live += size
-        if size and not self.pending.get(n):
-            self.live -= size
-        for r in self.kept_by.get(n, ()):
-            self.pending[r] -= 1
-            if self.pending[r] == 0:
-                self.live -= self.size.get(r, 0)
+    graph outputs live to the end): what the scheduler's ``emit`` tracks."""
+    kept_by, size = info.kept_by, info.size
+    pending = dict(info.keepers)  # root -> keepers not emitted yet
+    live = 0
+    curve = []
+    for n in nodes:
+        s = size.get(n, 0)
+        if s and pending.get(n):  # a root nobody reads is freed at once
+            live += s
+        for r in kept_by[n]:
+            left = pending[r] - 1
+            pending[r] = left
+            if left == 0:
+                live -= size.get(r, 0)
+        curve.append(live)
+    return curve
 
 
 def _schedule(
-    gm: fx.GraphModule, ctx: PassContext | None, stats: ScheduleStats, costs: "_Costs | None" = None, memory_limit: int | None = None
+    gm: fx.GraphModule,
+    ctx: PassContext | None,
+    stats: ScheduleStats,
+    costs: "_Costs | None" = None,
+    memory_limit: int | None = None,
+    info: _Info | None = None,
 ) -> list[fx.Node]:
     opts = ctx.options if ctx is not None else None
     prefetch = max(0, opts.prefetch_layers if opts else 1)
     cap = max(1, opts.max_consecutive_compute if opts else 8)
     costs = costs or _Costs(ctx)
     nodes = list(gm.graph.nodes)
-    index = {n: i for i, n in enumerate(nodes)}
+    if info is None or info.nodes != nodes:
+        info = _Info(nodes, costs)
+    index = info.index
+    ins, kind, times, compute, reductions = info.ins, info.kind, info.time, info.compute, info.reductions
     output = nodes[-1]
 
     ag_layer = _param_chains(gm, ctx)
@@ -358,64 +469,86 @@ def _schedule(
     # distance (in compute ops) from each node to the nearest gradient reduction
     dist_to_rs: dict[fx.Node, int] = {}
     for n in reversed(nodes):
-        if n.target in _GRAD_REDUCTIONS:
+        if n in reductions:
             dist_to_rs[n] = 0
             continue
         best = min((dist_to_rs[u] for u in n.users if u in dist_to_rs), default=None)
         if best is not None:
-            dist_to_rs[n] = best + (1 if is_compute(n) else 0)
+            dist_to_rs[n] = best + (1 if n in compute else 0)
 
     done: set[fx.Node] = set()
     order: list[fx.Node] = []
-    remaining_inputs = {n: len(set(n.all_input_nodes)) for n in nodes}
-    eager: list[tuple[int, fx.Node]] = []  # ready collective starts (not param gathers)
-    pending_rs: list[tuple[fx.Node, int]] = []  # (wait node, compute count when issued)
+    # collective starts (not param gathers) are issued once ready: count their missing inputs
+    eager_starts = [n for n in nodes if kind[n] == 1 and n not in ag_layer]
+    remaining_inputs = {n: len(ins[n]) for n in eager_starts}
+    start_users: dict[fx.Node, list[fx.Node]] = {}
+    for c in eager_starts:
+        for a in ins[c]:
+            start_users.setdefault(a, []).append(c)
+    eager: list[tuple[int, fx.Node]] = []  # ready ones
+    pending_rs: deque[tuple[fx.Node, int]] = deque()  # (wait node, compute count when issued)
     compute_count = 0
     since_rs = 0
     next_pf = 0
     wait_of: dict[fx.Node, fx.Node] = {}
     for n in nodes:
-        if n.target is _WAIT and isinstance(n.args[0], fx.Node):
+        if kind[n] == 2 and isinstance(n.args[0], fx.Node):
             wait_of[n.args[0]] = n
     # the two-stream clock of :func:`estimate`, and live bytes, as nodes are emitted
-    live = _Liveness(nodes)
-    orig_live: list[int] = []  # live bytes after each node of the original order
-    if memory_limit is not None:
-        probe = _Liveness(nodes)
-        for n in nodes:
-            probe.emit(n)
-            orig_live.append(probe.live)
+    kept_by, size = info.kept_by, info.size
+    pending = dict(info.keepers)  # root -> keepers not emitted yet
+    live = 0
+    # live bytes after each node of the original order
+    orig_live = _live_curve(info, nodes) if memory_limit is not None else []
     range_max = _RangeMax(orig_live)
-    clock = {"now": 0.0, "comm_free": 0.0}
+    now = comm_free = 0.0
     comm_done: dict[fx.Node, float] = {}
 
     def emit(n: fx.Node) -> None:
-        nonlocal compute_count, since_rs
+        nonlocal compute_count, since_rs, now, comm_free, live
         order.append(n)
         done.add(n)
-        live.emit(n)
-        if n.op == "call_function":
-            if n.target in _STARTS:
-                clock["comm_free"] = comm_done[n] = max(clock["now"], clock["comm_free"]) + costs.time(n)
-            elif n.target is _WAIT:
-                clock["now"] = max(clock["now"], comm_done.get(n.args[0], 0.0))
-            else:
-                clock["now"] += costs.time(n)
-        if is_compute(n):
+        # live bytes, as in _live_curve
+        s = size.get(n, 0)
+        if s and pending.get(n):
+            live += s
+        for r in kept_by[n]:
+            left = pending[r] - 1
+            pending[r] = left
+            if left == 0:
+                live -= size.get(r, 0)
+        k = kind[n]
+        if k == 1:
+            comm_free = comm_done[n] = max(now, comm_free) + times[n]
+        elif k == 2:
+            now = max(now, comm_done.get(n.args[0], 0.0))
+        elif k == 3:
+            now += times[n]
+        if n in compute:
             compute_count += 1
             since_rs += 1
-        if n.target in _GRAD_REDUCTIONS:
+        if n in reductions:
             since_rs = 0
             w = wait_of.get(n)
             if w is not None:
                 pending_rs.append((w, compute_count))
-        for u in n.users:
-            remaining_inputs[u] -= 1
-            if remaining_inputs[u] == 0 and u.target in _STARTS and u not in ag_layer:
+        for u in start_users.get(n, ()):
+            left = remaining_inputs[u] - 1
+            remaining_inputs[u] = left
+            if left == 0:
                 heapq.heappush(eager, (index[u], u))
 
     def ensure(n: fx.Node) -> None:
         # emit n after its missing inputs, deepest first (iterative DFS)
+        if n in done:
+            return
+        for a in ins[n]:
+            if a not in done:
+                break
+        else:  # the common case: every input is out already
+            emit(n)
+            flush()
+            return
         stack = [(n, False)]
         while stack:
             m, expanded = stack.pop()
@@ -426,7 +559,7 @@ def _schedule(
                 flush()
                 continue
             stack.append((m, True))
-            for a in reversed(m.all_input_nodes):
+            for a in reversed(ins[m]):
                 if a not in done:
                     stack.append((a, False))
 
@@ -439,9 +572,9 @@ def _schedule(
             if c not in done:
                 ensure(c)
         while pending_rs and (
-            compute_count - pending_rs[0][1] >= cap or comm_done.get(pending_rs[0][0].args[0], 0.0) <= clock["now"]
+            compute_count - pending_rs[0][1] >= cap or comm_done.get(pending_rs[0][0].args[0], 0.0) <= now
         ):
-            w, _ = pending_rs.pop(0)
+            w, _ = pending_rs.popleft()
             if w not in done:
                 ensure(w)
 
@@ -457,13 +590,13 @@ def _schedule(
             if ag in done:
                 next_pf += 1
                 continue
-            if layer_rank[ag_layer[ag][0]] > upto or clock["comm_free"] > clock["now"]:
+            if layer_rank[ag_layer[ag][0]] > upto or comm_free > now:
                 return
             if memory_limit is not None:
                 # what the original order adds before the gather is used
                 # (it stays alive until then) predicts the rise from here
                 growth = range_max(i, need_of[ag] + 1) - orig_live[i - 1 if i else 0]
-                if live.live + max(growth, 0) + _nbytes(ag.meta.get("val")) > memory_limit:
+                if live + max(growth, 0) + _nbytes(ag.meta.get("val")) > memory_limit:
                     return
             before = compute_count
             ensure(ag)
@@ -481,16 +614,16 @@ def _schedule(
             emit(n)
     flush()
     i = 0
-    deferred = {n for n in nodes if n.target is _WAIT} | set(ag_layer)
+    deferred = {n for n in nodes if kind[n] == 2} | set(ag_layer)
     while i < len(nodes):
         n = nodes[i]
         if n in done or n is output or n in deferred:
             i += 1
             continue
         prefetch_step(i)
-        if since_rs >= cap and is_compute(n) and n in dist_to_rs:
+        if since_rs >= cap and n in compute and n in dist_to_rs:
             # past the cap: run toward the nearest pending reduction first
-            target = _closest_reduction(n, nodes, i, done, dist_to_rs)
+            target = _closest_reduction(n, nodes, i, done, dist_to_rs, info)
             if target is not None and target is not n:
                 ensure(target)
                 continue
@@ -520,7 +653,7 @@ class _RangeMax:
             step = 1
             while 2 * step <= len(self.values):
                 prev = table[-1]
-                table.append([max(a, b) for a, b in zip(prev, prev[step:])])
+                table.append(list(map(max, prev, prev[step:])))
                 step *= 2
             self.table = table
         k = (hi - lo).bit_length() - 1
@@ -528,25 +661,36 @@ class _RangeMax:
         return max(row[lo], row[hi - (1 << k)])
 
 
-def _closest_reduction(n, nodes, i, done, dist_to_rs):
+def _closest_reduction(n, nodes, i, done, dist_to_rs, info: _Info):
     """A not-yet-run reduction reachable soonest from the nodes about to run
     (looking a short way ahead in the original order)."""
+    ins, compute, reductions = info.ins, info.compute, info.reductions
     best, best_d = None, dist_to_rs.get(n, 1 << 30)
     for m in nodes[i : i + 64]:
-        if m in done or m.target not in _GRAD_REDUCTIONS:
+        if m in done or m not in reductions:
             continue
         # cost to reach m: compute ops among its missing ancestors
         missing, stack, seen = 0, [m], {m}
         while stack:
             x = stack.pop()
-            for a in x.all_input_nodes:
+            for a in ins[x]:
                 if a not in done and a not in seen:
                     seen.add(a)
-                    missing += 1 if is_compute(a) else 0
+                    missing += 1 if a in compute else 0
                     stack.append(a)
         if missing < best_d:
             best, best_d = m, missing
     return best
+
+
+def _check_order(order: list[fx.Node], info: _Info) -> None:
+    """Every node after its inputs (what ``graph.lint`` would catch of a reorder)."""
+    pos = {n: p for p, n in enumerate(order)}
+    ins = info.ins
+    for p, n in enumerate(order):
+        for a in ins[n]:
+            if pos[a] >= p:
+                raise RuntimeError(f"schedule_overlap put {n.name} before its input {a.name}")
 
 
 @register_pass("schedule_overlap", "graphs")
@@ -556,22 +700,23 @@ def schedule_overlap(gm: fx.GraphModule, ctx: PassContext) -> ScheduleStats:
     stats = ScheduleStats(graph=getattr(ctx, "graph_kind", None) or "")
     costs = _Costs(ctx)
     before = list(gm.graph.nodes)
-    stats.longest_compute_run_before = longest_compute_run(before)
-    stats.exposed_comm_before_s, stats.peak_memory_before = estimate(before, costs)
+    info = _Info(before, costs)
+    stats.longest_compute_run_before = info.longest_compute_run(before)
+    stats.exposed_comm_before_s, stats.peak_memory_before = info.estimate(before)
     limit = int(stats.peak_memory_before * (1 + PREFETCH_MEMORY_SLACK))
-    order = _schedule(gm, ctx, stats, costs, limit)
+    order = _schedule(gm, ctx, stats, costs, limit, info)
     if len(order) != len(before) or set(order) != set(before):
         raise RuntimeError("schedule_overlap lost or duplicated nodes")
+    _check_order(order, info)
     # move nodes into the new order
     cursor = order[0]
     for n in order[1:]:
         if cursor.next is not n:
             cursor.append(n)
         cursor = n
-    gm.graph.lint()
     gm.recompile()
     after = list(gm.graph.nodes)
     stats.nodes_moved = sum(1 for a, b in zip(before, after) if a is not b)
-    stats.longest_compute_run_after = longest_compute_run(after)
-    stats.exposed_comm_after_s, stats.peak_memory_after = estimate(after, costs)
+    stats.longest_compute_run_after = info.longest_compute_run(after)
+    stats.exposed_comm_after_s, stats.peak_memory_after = info.estimate(after)
     return stats
