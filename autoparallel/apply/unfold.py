@@ -81,11 +81,18 @@ def _is_random(n: fx.Node) -> bool:
     return isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags
 
 
-def layer_tags(graph: fx.Graph, placeholder_tags: dict[fx.Node, Tag | None] | None = None) -> dict[fx.Node, Tag | None]:
+def layer_tags(
+    graph: fx.Graph,
+    placeholder_tags: dict[fx.Node, Tag | None] | None = None,
+    *,
+    outputs_per_layer: bool = True,
+) -> dict[fx.Node, Tag | None]:
     """Effective tag of every node: its stamp, or None (global) when it only
-    reads global values (and is neither random nor a graph output)."""
+    reads global values and is not random. With ``outputs_per_layer`` graph
+    outputs keep their stamps (gradients: each parameter gets its own
+    tensor); a forward graph's saved tensors may be global (saved once)."""
     (output,) = graph.find_nodes(op="output")
-    outputs = set(output.all_input_nodes)
+    outputs = set(output.all_input_nodes) if outputs_per_layer else set()
     tags: dict[fx.Node, Tag | None] = {}
     for n in graph.nodes:
         if n.op == "output":
@@ -247,40 +254,91 @@ def _copies(fold: LayerFold) -> range:
     return range(1, fold.n_layers - 2)
 
 
-def _body_order(nodes: list[fx.Node], tags, what: str) -> tuple[list, list, list, list, bool]:
-    """Split the non-placeholder nodes into (before, middle, after_block,
-    rest): middle = layer-1 nodes, copied per layer; plus whether copies run
-    in decreasing layer order."""
-    mids = [i for i, n in enumerate(nodes) if tags[n] is not None and tags[n][0] == MIDDLE]
-    if not mids:
-        return nodes, [], [], [], False
-    lo, hi = mids[0], mids[-1]
-    block = nodes[lo : hi + 1]
-    middle = [n for n in block if tags[n] is not None and tags[n][0] == MIDDLE]
-    middle_set = set(middle)
-    depends: set[fx.Node] = set()
-    before, after = [], []
-    for n in block:
-        if n in middle_set:
+def _runs(nodes: list[fx.Node], tags) -> list[tuple[str, list[fx.Node]]]:
+    """Split the non-placeholder nodes, in order, into ("once", [node]) and
+    ("run", nodes): a run is a maximal stretch of layer-1 nodes, with the
+    global nodes between them, that a full graph holds once per layer."""
+    out: list[tuple[str, list[fx.Node]]] = []
+    i = 0
+    while i < len(nodes):
+        if not _is_middle(tags[nodes[i]]):
+            out.append(("once", [nodes[i]]))
+            i += 1
             continue
-        if any(a in middle_set or a in depends for a in n.all_input_nodes):
-            depends.add(n)
-            after.append(n)
-        else:
-            before.append(n)
+        j, last = i, i
+        while j < len(nodes) and (_is_middle(tags[nodes[j]]) or tags[nodes[j]] is None):
+            if _is_middle(tags[nodes[j]]):
+                last = j
+            j += 1
+        out.append(("run", nodes[i : last + 1]))
+        i = last + 1
+    return out
+
+
+def _neighbour_direction(runs, tags) -> dict[int, bool]:
+    """Per run (by id): True when the layers around it go down (the nearest
+    layer node before it is of layer L-2 or L-1 and the nearest after it of
+    layer 0), False when they go up; absent when they do not say."""
+    layer_at = [None] * len(runs)
+    for i, (kind, nodes) in enumerate(runs):
+        t = tags[nodes[0]]
+        if kind == "once" and t is not None:
+            layer_at[i] = t[0]
+    out: dict[int, bool] = {}
+    for i, (kind, nodes) in enumerate(runs):
+        if kind != "run":
+            continue
+        before = next((layer_at[k] for k in range(i - 1, -1, -1) if layer_at[k] is not None), None)
+        after = next((layer_at[k] for k in range(i + 1, len(runs)) if layer_at[k] is not None), None)
+        if before == FIRST or after in (NEXT, LAST):
+            out[id(nodes)] = False
+        elif before in (NEXT, LAST) or after == FIRST:
+            out[id(nodes)] = True
+    return out
+
+
+def _run_direction(run: list[fx.Node], tags, default_down: bool, what: str) -> bool:
+    """Whether a run's copies go from the last middle layer down: they must
+    when layer 1 reads values of the layer above that the run itself makes
+    for the next copy (gradients flow down), must not when it reads such
+    values of the layer below; else as the layers around the run go
+    (``default_down``)."""
+    # only reads whose layer-1 twin is in this run order its copies
+    keys = {tags[n][1] for n in run if _is_middle(tags[n])}
     up = down = False
-    for n in middle:
+    for n in run:
         for a in n.all_input_nodes:
-            if a in depends:
-                raise FoldRejected(f"{what}: layer-1 node {n.name} reads {a.name}, which reads layer 1")
             ta = tags[a]
-            if ta is None or a.op == "placeholder":
+            if ta is None or a.op == "placeholder" or ta[1] not in keys:
                 continue
             up |= ta[0] == FIRST
             down |= ta[0] == NEXT
     if up and down:
-        raise FoldRejected(f"{what}: layer 1 reads computed values of both neighbouring layers")
-    return nodes[:lo] + before, middle, after, nodes[hi + 1 :], down
+        raise FoldRejected(f"{what}: layer 1 ({run[0].name}...) reads computed values of both neighbouring layers")
+    return down or (default_down and not up)
+
+
+def unfolded_order(nodes: list[fx.Node], tags, copies: list[int], down: bool, what: str) -> list[tuple]:
+    """(node, copy) in the unfolded graph's order: each run of layer-1 nodes
+    (:func:`_runs`) once per middle layer, in place; upward, or downward
+    (``down``: the backward graph) unless the run's reads or the layers
+    around it say otherwise. Other nodes once (copy None); the global nodes
+    inside a run go with the copy that comes first."""
+    runs = _runs(nodes, tags)
+    around = _neighbour_direction(runs, tags)
+    out: list[tuple] = []
+    for kind, run in runs:
+        if kind == "once":
+            out.append((run[0], None))
+            continue
+        order = list(reversed(copies)) if _run_direction(run, tags, around.get(id(run), down), what) else copies
+        for k, r in enumerate(order):
+            for n in run:
+                if _is_middle(tags[n]):
+                    out.append((n, r))
+                elif k == 0:
+                    out.append((n, None))
+    return out
 
 
 def unfold_graph(
@@ -290,26 +348,21 @@ def unfold_graph(
     placeholder_plan: list[tuple[fx.Node, int | None, str]],
     output_plan,
     what: str,
+    down: bool,
 ) -> tuple[fx.GraphModule, list]:
     """Unfold ``gm`` (see the module docstring).
 
     ``placeholder_plan``: the unfolded graph's placeholders in order, as
     (folded placeholder, copy for layer-1 ones or None, name).
     ``output_plan(resolve)`` returns the unfolded output list, where
-    ``resolve(node, copy)`` gives a folded node's copy (or the node itself)."""
+    ``resolve(node, copy)`` gives a folded node's copy (or the node itself).
+    Nodes come in :func:`unfolded_order`."""
     em = _Emitter(fold, tags)
     for ph, copy, name in placeholder_plan:
         em.placeholder(ph, copy, name)
     body = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
-    head, middle, after, rest, down = _body_order(body, tags, what)
-    for n in head:
-        em.emit(n)
-    copies = _copies(fold)
-    for r in reversed(copies) if down else copies:
-        for n in middle:
-            em.emit(n, r)
-    for n in after + rest:
-        em.emit(n)
+    for n, copy in unfolded_order(body, tags, list(_copies(fold)), down, what):
+        em.emit(n, copy)
 
     def resolve(n, copy=None):
         if n is None:
@@ -333,22 +386,33 @@ def _is_middle(tag: Tag | None) -> bool:
     return tag is not None and tag[0] == MIDDLE
 
 
-def _expand_runs(items, is_middle, copies: range) -> list[tuple]:
-    """(item, copy) in unfolded order: each run of consecutive layer-1 items
-    repeats once per copy (layer by layer); other items appear once (copy
-    None). Folded lists (saved tensors, backward inputs) hold a layer's
-    values next to each other, so this is the order a full apply gives."""
-    out: list[tuple] = []
-    run: list = []
-    for item in items:
-        if is_middle(item):
-            run.append(item)
-            continue
-        out.extend((x, copy) for copy in copies for x in run)
-        run = []
-        out.append((item, None))
-    out.extend((x, copy) for copy in copies for x in run)
-    return out
+def _joint_positions(joint: fx.GraphModule, fold: LayerFold, param_fqns: list[str], short_index: dict):
+    """``position(node, copy)``: where the value of a forward node (by name)
+    would sit in the unfolded joint graph (placeholders by full primal
+    index, then nodes in :func:`unfolded_order`)."""
+    tags = layer_tags(joint.graph)
+    copies = list(_copies(fold))
+    body = [n for n in joint.graph.nodes if n.op not in ("placeholder", "output")]
+    position: dict[tuple[str, int | None], tuple[int, int]] = {}
+    for i, (n, copy) in enumerate(unfolded_order(body, tags, copies, False, "joint graph")):
+        position[(n.name, copy)] = (1, i)
+        if copy is not None:  # a shared (global) use of a layer-1 value: its first copy
+            first = position.get((n.name, None))
+            position[(n.name, None)] = min(first, (1, i)) if first else (1, i)
+    placeholders = list(joint.graph.find_nodes(op="placeholder"))
+    n_short = len(short_index)
+    for i, fqn in enumerate(param_fqns):
+        real, rep = fold.param_layer.get(fqn, (None, fqn))
+        ph = placeholders[short_index[rep]]
+        position[(ph.name, real if _is_middle(tags[ph]) else None)] = (0, i)
+    for t, ph in enumerate(placeholders[n_short:]):
+        position[(ph.name, None)] = (0, len(param_fqns) + t)
+    end = (2, 0)
+
+    def lookup(node: fx.Node, copy: int | None) -> tuple[int, int]:
+        return position.get((node.name, copy), position.get((node.name, None), end))
+
+    return lookup
 
 
 def unfold_step(graphs: StepGraphs, local: "LocalJoint", fold: LayerFold, param_fqns: list[str]) -> StepGraphs:
@@ -366,8 +430,10 @@ def unfold_step(graphs: StepGraphs, local: "LocalJoint", fold: LayerFold, param_
         real, rep = fold.param_layer.get(fqn, (None, fqn))
         return short_index[rep], real
 
+    joint_position = _joint_positions(local.gm, fold, param_fqns, short_index)
+
     # forward
-    fw_tags = layer_tags(graphs.fw.graph)
+    fw_tags = layer_tags(graphs.fw.graph, outputs_per_layer=False)
     check_shift(graphs.fw.graph, fw_tags, "forward graph")
     fw_ph = list(graphs.fw.graph.find_nodes(op="placeholder"))
     plan = []
@@ -388,11 +454,14 @@ def unfold_step(graphs: StepGraphs, local: "LocalJoint", fold: LayerFold, param_
             if fw_tags.get(o) is not None and fw_tags[o][0] == MIDDLE:
                 raise FoldRejected(f"forward output {o.name} is a layer-1 value")
             outs.append(resolve(o))
-        saved_full.extend(_expand_runs(range(len(saved)), lambda j: _is_middle(fw_tags[saved[j]]), copies))
+        # PyTorch's partitioner lists saved tensors in joint-graph order: so
+        # do we, in the order the unfolded joint graph would have
+        entries = [(j, copy) for j, s in enumerate(saved) for copy in (copies if _is_middle(fw_tags[s]) else (None,))]
+        saved_full.extend(sorted(entries, key=lambda e: joint_position(saved[e[0]], e[1])))
         outs.extend(resolve(saved[j], copy) for j, copy in saved_full)
         return outs
 
-    fw, fw_new_outs = unfold_graph(graphs.fw, fold, fw_tags, plan, fw_output_plan, "forward graph")
+    fw, fw_new_outs = unfold_graph(graphs.fw, fold, fw_tags, plan, fw_output_plan, "forward graph", down=False)
     saved_position = {key: n_out + k for k, key in enumerate(saved_full)}
 
     def saved_name(j: int, copy: int | None) -> str:
@@ -402,17 +471,22 @@ def unfold_step(graphs: StepGraphs, local: "LocalJoint", fold: LayerFold, param_
     bw_ph = list(graphs.bw.graph.find_nodes(op="placeholder"))
     ph_tags = {}
     kinds = dict(zip(bw_ph, graphs.bw_inputs))
+    saved_ph = {}
     for ph, (kind, j) in kinds.items():
         ph_tags[ph] = fw_tags[saved[j]] if kind == "saved" else None
+        if kind == "saved":
+            saved_ph[j] = ph
+    # saved tensors first, in the forward's order (as the partitioner
+    # does), then the tangents
     plan, bw_inputs = [], []
-    for ph, copy in _expand_runs(bw_ph, lambda ph: _is_middle(ph_tags[ph]), copies):
-        kind, j = kinds[ph]
-        if kind == "tangent":
+    for j, copy in saved_full:
+        if j in saved_ph:
+            plan.append((saved_ph[j], copy, saved_name(j, copy)))
+            bw_inputs.append(("saved", saved_position[(j, copy)] - n_out))
+    for ph, (kind, j) in kinds.items():
+        if kind != "saved":
             plan.append((ph, None, ph.name))
             bw_inputs.append((kind, j))
-        else:
-            plan.append((ph, copy, saved_name(j, copy)))
-            bw_inputs.append(("saved", saved_position[(j, copy)] - n_out))
     bw_tags = layer_tags(graphs.bw.graph, ph_tags)
     check_shift(graphs.bw.graph, bw_tags, "backward graph")
     bw_outs = _output_nodes(graphs.bw)
@@ -428,7 +502,7 @@ def unfold_step(graphs: StepGraphs, local: "LocalJoint", fold: LayerFold, param_
             outs.append(resolve(o, real if middle else None))
         return outs
 
-    bw, _ = unfold_graph(graphs.bw, fold, bw_tags, plan, bw_output_plan, "backward graph")
+    bw, _ = unfold_graph(graphs.bw, fold, bw_tags, plan, bw_output_plan, "backward graph", down=True)
     seconds = time.perf_counter() - t0
     logger.info(
         "unfolded %d layers: forward %d -> %d nodes, backward %d -> %d nodes, %d -> %d saved tensors in %.2fs",

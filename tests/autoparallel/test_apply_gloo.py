@@ -44,12 +44,21 @@ def _quiet():
     warnings.filterwarnings("ignore", message="DTensor random operators")
 
 
-def _plan_and_apply(mesh, *, high=None):
+def _config(n_layers=None):
+    import dataclasses
+
+    from autoparallel.models import LLAMA3_CONFIGS
+
+    config = LLAMA3_CONFIGS["debug"]
+    return dataclasses.replace(config, n_layers=n_layers) if n_layers else config
+
+
+def _plan_and_apply(mesh, *, high=None, n_layers=None):
     from autoparallel import AutoParallel
-    from autoparallel.models import LLAMA3_CONFIGS, Transformer
+    from autoparallel.models import Transformer
 
     with torch.device("meta"):
-        model = Transformer(LLAMA3_CONFIGS["debug"])
+        model = Transformer(_config(n_layers))
     batch = (Shard(0),) + (Replicate(),) * (mesh.ndim - 1)
     with AutoParallel(model, mesh, torch.empty(BATCH, SEQ, dtype=torch.long, device="meta")) as autop:
         autop.add_input_constraints([batch])
@@ -71,10 +80,10 @@ def _check_same_on_all_ranks(value, what: str) -> None:
     assert all(v == values[0] for v in values), f"{what} differs across ranks: {values}"
 
 
-def _reference():
-    from autoparallel.models import LLAMA3_CONFIGS, Transformer
+def _reference(n_layers=None):
+    from autoparallel.models import Transformer
 
-    ref = Transformer(LLAMA3_CONFIGS["debug"])
+    ref = Transformer(_config(n_layers))
     torch.manual_seed(0)
     ref.init_weights()
     return ref
@@ -114,14 +123,18 @@ def _check_shard_to_shard(mesh) -> None:
         assert torch.equal(got, b.to_local()), (src, dst)
 
 
-def _agreement(rank: int, world: int, mesh_shape, use_init: bool) -> None:
+def _agreement(rank: int, world: int, mesh_shape, use_init: bool, n_layers=None) -> None:
     """Plan, apply, init or load, one forward/backward vs the reference."""
     _quiet()
     mesh = init_device_mesh("cpu", mesh_shape)
     _check_shard_to_shard(mesh)
-    parallel, digest = _plan_and_apply(mesh)
+    parallel, digest = _plan_and_apply(mesh, n_layers=n_layers)
     _check_same_on_all_ranks(digest, "the plan")
-    ref = _reference()
+    if n_layers:
+        from autoparallel.apply.fold import MIN_LAYERS
+
+        assert bool(parallel.parallel_state.local.extra.get("folded")) == (n_layers >= MIN_LAYERS)
+    ref = _reference(n_layers)
     ref_after = torch.rand(4)  # the generator after the single-device init
     x = _tokens()
     dp = mesh.get_coordinate()[0]
@@ -216,6 +229,13 @@ def test_llama_2x2_init_forward_backward():
 @pytest.mark.slow
 def test_llama_1d_load_state_dict_forward_backward():
     run_ranks(_agreement, WORLD, (WORLD,), False, timeout=300)
+
+
+@pytest.mark.slow
+def test_folded_llama_2x2_forward_backward():
+    """Six layers: apply folds the middle layers (autoparallel.apply.fold);
+    the unfolded graphs run on real processes and match the reference."""
+    run_ranks(_agreement, WORLD, (2, 2), False, 6, timeout=400)
 
 
 @pytest.mark.slow
