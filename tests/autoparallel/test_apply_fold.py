@@ -276,3 +276,41 @@ def test_node_hashes_see_a_difference():
         if n.op == "call_function":
             n.name = n.name + "_renamed"
     assert collections.Counter(node_hashes(fx.GraphModule({}, g3), str).values()) == h1
+
+
+def test_folded_module_compiles_like_eager(fake_world):
+    """torch.compile through autoparallel_backend() of a folded module: the
+    second partition saves what the first saved and the numbers match eager
+    (the fake process group's collectives are deterministic)."""
+    from autoparallel import autoparallel_backend
+    from autoparallel.apply.partition import SAVE_TAG
+    from autoparallel.compile import LAST_PARTITION
+
+    fake_world(4)
+    autop, plan = _stack_plan(odd=None)
+    try:
+        parallel = autop.apply_placement(plan)
+    finally:
+        autop.__exit__(None, None, None)
+    assert parallel.parallel_state.local.extra.get("folded")
+    torch.manual_seed(0)
+    ref = _Stack(MIN_LAYERS, None)
+    parallel.to_empty(device="cpu")
+    parallel.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 16)
+    out = parallel(x)
+    out.pow(2).sum().backward()
+    eager = {n: p.grad.to_local().clone() for n, p in parallel.named_parameters()}
+    for p in parallel.parameters():
+        p.grad = None
+    compiled = torch.compile(parallel, backend=autoparallel_backend())
+    out2 = compiled(x)
+    out2.pow(2).sum().backward()
+    torch.testing.assert_close(out2, out, rtol=0, atol=0)
+    for name, p in parallel.named_parameters():
+        torch.testing.assert_close(p.grad.to_local(), eager[name], rtol=0, atol=0, msg=name)
+    graphs = parallel.parallel_state.step.graphs
+    (fw_out,) = graphs.fw.graph.find_nodes(op="output")
+    first = [n for n in fw_out.args[0][graphs.num_fwd_outputs :] if n.op != "placeholder"]
+    second = [n for n in LAST_PARTITION.saved if n.meta.get("custom", {}).get(SAVE_TAG)]
+    assert first and len(second) == len(first) and LAST_PARTITION.untagged_saved == []
