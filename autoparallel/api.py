@@ -41,6 +41,14 @@ class ConstraintError(ValueError):
     """A user constraint is malformed (wrong count, length, dim, node name)."""
 
 
+def _clear_sharding_caches() -> None:
+    """Forget DTensor's sharding-propagation caches (Python and C++ fast path)."""
+    from torch.distributed.tensor.debug import _clear_fast_path_sharding_prop_cache, _clear_python_sharding_prop_cache
+
+    _clear_python_sharding_prop_cache()
+    _clear_fast_path_sharding_prop_cache()
+
+
 class AutoParallel:
     """Plan the placement of every tensor of one training step over ``mesh``.
 
@@ -125,6 +133,11 @@ class AutoParallel:
                 f"mesh has {self.mesh.size()} ranks (up to rank {highest}) but the process group has "
                 f"{dist.get_world_size()}"
             )
+        # DTensor caches sharding propagation by op schema, and specs on an
+        # equal mesh of an earlier process group hit that cache: the new
+        # parameters (``nn.Parameter(dtensor)`` runs ``detach``) would then
+        # live on the old mesh object, whose groups may be gone.
+        _clear_sharding_caches()
         self._stack = contextlib.ExitStack()
         self._stack.__enter__()
         try:

@@ -319,6 +319,19 @@ def test_mesh_on_a_subset_of_ranks(fake_world):
         parallel._check_world(st)
 
 
+def test_parameters_live_on_the_current_mesh(fake_world):
+    """Planning again after re-creating the process group and an equal mesh:
+    the parameters are on the new mesh object, not one that DTensor's
+    sharding caches remember from before."""
+    fake_world(8)
+    first, first_mesh, _ = _apply("ffn", (8,))
+    fake_world(8)
+    second, second_mesh, _ = _apply("ffn", (8,))
+    assert first_mesh == second_mesh and first_mesh is not second_mesh
+    for name, p in second.named_parameters():
+        assert p.device_mesh is second_mesh, name
+
+
 def test_collective_summary(fake_world):
     from autoparallel.apply import collectives, summarize
 
