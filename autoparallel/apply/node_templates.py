@@ -242,20 +242,28 @@ class Template:
 
 def _insert_copy(graph: torch.fx.Graph, tn: torch.fx.Node, arg_map: dict) -> torch.fx.Node:
     """``graph.node_copy(tn, lambda a: arg_map.get(a, a))`` without the meta
-    copy (the caller sets it) and without ``Graph.create_node``'s scan of the
-    arguments for raw symbolic values: a template node's arguments are nodes
-    and constants that passed that scan when the template was traced (and
-    ``_const_sig`` rejects SymInts), so the copies have none either."""
+    copy (the caller sets it); see :func:`insert_like`."""
     args = torch.fx.node.map_arg(tn.args, lambda a: arg_map.get(a, a))
     kwargs = torch.fx.node.map_arg(tn.kwargs, lambda a: arg_map.get(a, a))
+    return insert_like(graph, tn, args, kwargs, tn.name)
+
+
+def insert_like(graph: torch.fx.Graph, like: torch.fx.Node, args, kwargs, name: str) -> torch.fx.Node:
+    """A node doing what ``like`` does on ``args``/``kwargs``, named ``name``
+    (or a fresh variant), at the graph's insert point; no meta.
+
+    ``Graph.create_node`` minus its scan of the arguments for raw symbolic
+    values: ``like`` passed that scan when it was made, and its copies only
+    swap node arguments for other nodes (``_const_sig`` rejects SymInts for
+    templates), so they have none either. The scan is a pytree walk per
+    node, most of the time of copying a large graph."""
     if not args:
         args = ()
     if not kwargs:
         kwargs = torch.fx.immutable_collections.immutable_dict()
-    # Graph.create_node, minus the scan
     namespace = graph._graph_namespace
-    name = namespace.create_name(tn.name, None)
-    n = torch.fx.Node(graph, name, tn.op, tn.target, args, kwargs, tn.type)
+    name = namespace.create_name(name, None)
+    n = torch.fx.Node(graph, name, like.op, like.target, args, kwargs, like.type)
     owner = graph.owning_module
     if owner is not None and getattr(owner, "_create_node_hooks", None) is not None:
         for f in owner._create_node_hooks:

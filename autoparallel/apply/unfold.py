@@ -28,6 +28,7 @@ and decreasing ``r`` in the backward graph (gradients flow down).
 
 from __future__ import annotations
 
+import copy as _copy
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -36,6 +37,7 @@ import torch
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
+from .node_templates import insert_like
 from .fold import FIRST, LAST, MIDDLE, NEXT, FoldRejected, LayerFold, arg_pairs
 from .partition import StepGraphs, _output_nodes
 
@@ -236,10 +238,11 @@ class _Emitter:
         return f"{n.name}_l{copy}"
 
     def emit(self, n: fx.Node, copy: int | None = None) -> fx.Node:
-        new = self.graph.node_copy(n, self.read(n, copy))
-        wanted = self.name(n, copy)
-        if new.name != wanted:
-            new.name = self.graph._graph_namespace.create_name(wanted, new)
+        read = self.read(n, copy)
+        args = fx.node.map_arg(n.args, read)
+        kwargs = fx.node.map_arg(n.kwargs, read)
+        new = insert_like(self.graph, n, args, kwargs, self.name(n, copy))
+        new.meta = _copy.copy(n.meta)
         self.record(n, copy, new)
         return new
 
