@@ -43,6 +43,9 @@ class PassOptions:
     # backward, and how many layers of parameter all-gathers to prefetch.
     max_consecutive_compute: int = 8
     prefetch_layers: int = 1
+    # Bucketing: parameter all-gathers of at most this many input bytes per
+    # rank are merged per layer, group and dtype (0: off).
+    bucket_bytes: int = 8192
 
 
 @dataclass
@@ -148,4 +151,5 @@ def stats_to_json(stats: Any) -> Any:
 from . import fuse_all_gathers  # noqa: E402,F401
 from . import alias_round_trips  # noqa: E402,F401
 from . import recompute_all_gathers  # noqa: E402,F401
+from . import bucket_collectives  # noqa: E402,F401
 from . import schedule_overlap  # noqa: E402,F401

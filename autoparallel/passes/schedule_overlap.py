@@ -8,7 +8,9 @@ order), with four rules:
   gather chain (see :func:`.recompute_all_gathers.param_gather_chains`; also
   found in the backward graph, where the partitioner recomputes it) belongs
   to a *layer*: its parameter FQN up to the first numeric component
-  (``layers.3``); other parameters are a layer each. Layers are numbered by
+  (``layers.3``); other parameters are a layer each; a bucket gathering
+  several parameters at once (:mod:`.bucket_collectives`) belongs to its
+  first parameter's layer. Layers are numbered by
   when the graph first needs them. Gathers are issued in order of need, each
   only when (a) its layer is at most ``prefetch_layers`` past the layer
   running now, (b) the comm stream is idle in the two-stream clock the
@@ -402,7 +404,49 @@ def _param_chains(gm: fx.GraphModule, ctx: PassContext | None) -> dict[fx.Node, 
         for n in chain:
             if n.target is _AG:
                 out[n] = (layer, chain)
+    # gathers of several parameters at once (:mod:`.bucket_collectives`)
+    rank = {p: k for k, p in enumerate(params)}
+    for ag in gm.graph.find_nodes(op="call_function", target=_AG):
+        if ag not in out:
+            found = _bucket_chain(ag, rank)
+            if found is not None:
+                p, chain = found
+                out[ag] = (_layer_of(fqn_of.get(p.name, p.name)), chain)
     return out
+
+
+def _bucket_chain(ag: fx.Node, rank: dict[fx.Node, int]) -> tuple[fx.Node, list[fx.Node]] | None:
+    """(first parameter, chain) when ``ag`` gathers data of parameters only
+    (its input made from parameter placeholders by casts and layout ops);
+    the chain is those ops, ``ag`` and the layout ops after its wait."""
+    from .recompute_all_gathers import _is_chain_op
+
+    chain: set[fx.Node] = set()
+    roots: set[fx.Node] = set()
+    stack = list(ag.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n in chain or n in roots:
+            continue
+        if n.op == "placeholder":
+            if n not in rank:
+                return None
+            roots.add(n)
+            continue
+        if not _is_chain_op(n) or n.target in _STARTS or n.target is _WAIT:
+            return None
+        chain.add(n)
+        stack.extend(n.all_input_nodes)
+    if not roots:
+        return None
+    chain.add(ag)
+    stack = [ag]
+    while stack:  # the wait and the layout ops after it
+        for u in stack.pop().users:
+            if u not in chain and _is_chain_op(u) and u.target not in _STARTS and all(a in chain for a in u.all_input_nodes):
+                chain.add(u)
+                stack.append(u)
+    return min(roots, key=rank.__getitem__), list(chain)
 
 
 def _live_curve(info: _Info, nodes: list[fx.Node]) -> list[int]:
