@@ -21,7 +21,7 @@ import torch
 import torch.fx
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
-from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
+from torch.fx._lazy_graph_module import _LazyGraphModule, _make_graph_module, _use_lazy_graph_module
 
 from .local_graph import LocalJoint
 
@@ -67,6 +67,9 @@ def split_joint(local: LocalJoint, partitioner: Partitioner = "min_cut") -> Step
         # for which it looks up the ambient fake mode.
         with unset_fake_temporarily(), FakeTensorMode(allow_non_fake_inputs=True):
             fw, bw = fn(joint, None, num_fwd_outputs=n_out)
+    # the partitioner builds some of its results as plain graph modules,
+    # whose every recompile (one per pass) generates Python code
+    fw, bw = _LazyGraphModule.from_graphmodule(fw), _LazyGraphModule.from_graphmodule(bw)
     fw_outs = _output_nodes(fw)
     saved = fw_outs[n_out:]
     for node in saved:
