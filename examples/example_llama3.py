@@ -47,7 +47,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autoparallel import AutoParallel
-from autoparallel.apply import collectives, summarize
+from autoparallel.apply import collectives
 from autoparallel.models.llama3 import LLAMA3_CONFIGS, Transformer, apply_ac, count_params
 
 
@@ -207,19 +207,19 @@ class ApplyReport:
     cpu: float
     stages: dict[str, float]  # local joint graph, partition (seconds)
     nodes: dict[str, int]  # joint / forward / backward graph sizes
-    # (phase, kind, mesh dim name) -> (count, bytes per rank)
+    # (phase, kind, group: mesh dim name or whole mesh) -> (count, bytes per rank)
     collectives: dict[tuple[str, str, str], tuple[int, int]]
 
     @staticmethod
     def of(parallel, mesh, wall: float, cpu: float) -> "ApplyReport":
         st = parallel.parallel_state
-        names = mesh.mesh_dim_names or tuple(str(d) for d in range(mesh.ndim))
         table: dict[tuple[str, str, str], tuple[int, int]] = {}
         for phase, gm in (("forward", parallel.forward_graph), ("backward", parallel.backward_graph)):
             # by graph, not by node tag: the backward graph also runs recomputed forward ops
-            items = [dataclasses.replace(c, phase=phase) for c in collectives(gm, mesh)]
-            for (ph, kind, dim), value in summarize(items).items():
-                table[(ph, kind, names[dim] if dim is not None else "other")] = value
+            for c in collectives(gm, mesh):
+                key = (phase, c.kind, c.group)
+                count, size = table.get(key, (0, 0))
+                table[key] = (count + 1, size + c.out_bytes)
         return ApplyReport(
             wall=wall,
             cpu=cpu,
@@ -258,11 +258,12 @@ def print_apply_report(plan, report: ApplyReport) -> None:
     print("\n== parallel graph collectives (per step, bytes per rank) ==")
     if not report.collectives:
         print("  (none)")
-    for (phase, kind, dim), (count, size) in report.collectives.items():
-        print(f"  {phase:8s} {kind:24s} {dim:5s} x{count:<5d} {_bytes(size):>11s}")
+    rows = sorted(report.collectives.items(), key=lambda kv: (kv[0][0] != "forward", kv[0][1], kv[0][2]))
+    for (phase, kind, group), (count, size) in rows:
+        print(f"  {phase:8s} {kind:24s} {group:15s} x{count:<5d} {_bytes(size):>11s}")
     for phase in ("forward", "backward"):
         size = sum(v[1] for k, v in report.collectives.items() if k[0] == phase)
-        print(f"  {phase:8s} total{'':27s}{_bytes(size):>11s}")
+        print(f"  {phase:8s} total{'':37s}{_bytes(size):>11s}")
 
 
 def run_real(args: argparse.Namespace) -> None:

@@ -9,8 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .redistribute import REDISTRIBUTE_KEY
 
@@ -33,15 +36,44 @@ class Collective:
     out_bytes: int  # per rank
     phase: str  # "forward" | "backward"
     why: tuple | None  # (producer->consumer, src placements, dst placements)
+    # the group in words: a mesh dim's name, "dp*tp" for the whole mesh in
+    # row-major rank order (the flattened mesh), "dp*tp col-major" for the
+    # other order (fused all-gathers), else the process group's name
+    group: str = ""
 
 
 def _bytes(val) -> int:
     return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
+def _group_labels(mesh: DeviceMesh) -> tuple[dict[str, int], callable]:
+    names = mesh.mesh_dim_names or tuple(str(d) for d in range(mesh.ndim))
+    group_dim = {mesh.get_group(d).group_name: d for d in range(mesh.ndim)}
+    whole = "*".join(names)
+    with unset_fake_temporarily():  # apply runs inside the tracing's fake mode
+        row_major = mesh.mesh.flatten().tolist()
+        column_major = mesh.mesh.permute(tuple(reversed(range(mesh.ndim)))).flatten().tolist()
+    labels: dict[str, str] = {}
+
+    def label(group: str) -> str:
+        if group in group_dim:
+            return names[group_dim[group]]
+        if group not in labels:
+            try:
+                ranks = dist.get_process_group_ranks(_resolve_process_group(group))
+            except Exception:  # not a group of this process (a graph from elsewhere)
+                ranks = None
+            labels[group] = (
+                whole if ranks == row_major else f"{whole} col-major" if ranks == column_major else group
+            )
+        return labels[group]
+
+    return group_dim, label
+
+
 def collectives(gm: torch.fx.GraphModule, mesh: DeviceMesh) -> list[Collective]:
     """Every collective of ``gm`` (a local joint, forward or backward graph)."""
-    group_dim = {mesh.get_group(d).group_name: d for d in range(mesh.ndim)}
+    group_dim, label = _group_labels(mesh)
     out = []
     for n in gm.graph.nodes:
         target = n.target
@@ -61,6 +93,7 @@ def collectives(gm: torch.fx.GraphModule, mesh: DeviceMesh) -> list[Collective]:
                 out_bytes=_bytes(n.meta.get("val")),
                 phase="backward" if n.meta.get("partitioner_tag") == "is_backward" else "forward",
                 why=n.meta.get(REDISTRIBUTE_KEY),
+                group=label(group) if isinstance(group, str) else str(group),
             )
         )
     return out
