@@ -58,7 +58,7 @@ def _plan(mesh_shape, *, ac="selective", args=ARGS):
 @pytest.mark.parametrize("passes_on", [True, False], ids=["passes", "no-passes"])
 def test_folded_graphs_equal_full_graphs(fake_world, passes_on):
     fake_world(8)
-    autop, plan, _ = _plan((2, 4))
+    autop, plan, mesh = _plan((2, 4))
     try:
         from autoparallel import passes
 
@@ -74,6 +74,13 @@ def test_folded_graphs_equal_full_graphs(fake_world, passes_on):
     a, b = fingerprint(folded.parallel_state.step.graphs), fingerprint(full.parallel_state.step.graphs)
     assert differences(a, b) == []
     assert str(folded_stats) == str(full_stats)
+    # fused (and bucketed) gathers run on the whole mesh, and say so
+    from autoparallel.apply import collectives
+
+    groups = {c.group for c in collectives(folded.forward_graph, mesh)}
+    assert groups <= {"0", "1", "0*1", "0*1 col-major"}
+    fused = folded_stats.get("fuse_all_gathers", {}).get("forward")
+    assert ("0*1" in groups) == bool(fused and fused.fused)
     # the folded joint graph really is smaller
     assert len(folded.parallel_state.local.gm.graph.nodes) < 0.9 * len(full.parallel_state.local.gm.graph.nodes)
 
