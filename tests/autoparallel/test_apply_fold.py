@@ -38,13 +38,13 @@ def _tokens():
     return torch.randint(0, ARGS.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
 
 
-def _plan(mesh_shape, *, ac="selective", args=ARGS):
+def _plan(mesh_shape, *, ac="selective", args=ARGS, mp_policy=None):
     mesh = init_device_mesh("cpu", mesh_shape)
     with torch.device("meta"):
         model = Transformer(args)
     if ac:
         apply_ac(model, ac)
-    autop = AutoParallel(model, mesh, torch.empty(BATCH, SEQ, dtype=torch.long, device="meta"))
+    autop = AutoParallel(model, mesh, torch.empty(BATCH, SEQ, dtype=torch.long, device="meta"), mp_policy=mp_policy)
     autop.__enter__()
     batch = (Shard(0),) * mesh.ndim
     autop.add_input_constraints([batch])
@@ -55,10 +55,15 @@ def _plan(mesh_shape, *, ac="selective", args=ARGS):
 # -- structural equality -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("passes_on", [True, False], ids=["passes", "no-passes"])
-def test_folded_graphs_equal_full_graphs(fake_world, passes_on):
+@pytest.mark.parametrize(
+    "passes_on, mixed_precision", [(True, False), (False, False), (True, True)], ids=["passes", "no-passes", "bf16"]
+)
+def test_folded_graphs_equal_full_graphs(fake_world, passes_on, mixed_precision):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     fake_world(8)
-    autop, plan, mesh = _plan((2, 4))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else None
+    autop, plan, mesh = _plan((2, 4), mp_policy=mp)
     try:
         from autoparallel import passes
 
