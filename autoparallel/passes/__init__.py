@@ -43,6 +43,11 @@ class PassOptions:
     # backward, and how many layers of parameter all-gathers to prefetch.
     max_consecutive_compute: int = 8
     prefetch_layers: int = 1
+    # fuse_all_gathers on chains that gather the first mesh dim first
+    # (tp-outer parameters): "group" gathers on a column-major process
+    # group; "reorder" on the row-major one, then reorders the chunks locally
+    # (what LocalTensorMode can simulate: it only knows sorted groups).
+    column_major_all_gather: str = "group"
 
 
 @dataclass
