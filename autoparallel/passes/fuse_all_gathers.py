@@ -68,6 +68,11 @@ _VIEWS = {
     _aten.squeeze.dim,
     _aten.squeeze.dims,
     _aten.detach.default,
+    # DTensor's unpadding after a gather emits a full-range narrow whenever
+    # the size is not a small cached int (``size is not logical_size``); a
+    # slice that cuts cannot be undone by the views above, so the identity
+    # check still rejects any real cut.
+    _aten.slice.Tensor,
 }
 
 

@@ -115,6 +115,21 @@ def test_column_major_reorder_along_dim_1(mesh):
     _check_same(_run(gm, _x), _run(fused, _x))
 
 
+def test_full_range_slice_between_gathers(mesh):
+    # DTensor's unpad step emits narrow(dim, 0, size) even when nothing is cut
+    def fn(x):
+        y = _ag(x, mesh, 0)
+        return _ag(y.narrow(0, 0, y.shape[0]), mesh, 1).narrow(0, 0, 16) * 2
+
+    gm = _trace(fn, (4, 6))
+    fused, stats = _fuse(gm, mesh, column_major="reorder")
+    assert stats.by_order == {"column_major": 1} and _count(fused) == 1
+    _check_same(_run(gm, _x), _run(fused, _x))
+    # a slice that cuts is no identity: no fusion
+    cut = _trace(lambda x: _ag(_ag(x, mesh, 0).narrow(0, 0, 4), mesh, 1), (4, 6))
+    assert fuse_all_gathers(cut, PassContext(mesh=mesh, plan=None)).fused == 0
+
+
 @pytest.mark.parametrize(
     "fn, reason",
     [
