@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from autoparallel.passes import PassContext
+from autoparallel.passes import PassContext, PassOptions
 from autoparallel.passes.fuse_all_gathers import fuse_all_gathers, mesh_group
 
 pytestmark = [
@@ -211,8 +211,9 @@ def _plan_and_apply(mesh, **kw):
 # planning + applying the tiny LLaMA on 2x2 takes 30-50 s: slow suite
 @pytest.mark.slow
 def test_llama_debug_2x2_plan_chains_fuse(fake_world):
-    """The FSDP-like plan gathers S(0)S(0)/S(1)S(1) parameters tp then dp in
-    the forward and the output gradient in the backward: all fuse (row-major)."""
+    """The FSDP-like plan gathers S(0)S(0)/S(1)S(1) parameters tp then dp
+    (row-major) and tp-outer ones dp then tp (column-major) in the forward,
+    and the output gradient in the backward: all fuse."""
     from autoparallel.apply import collectives
 
     fake_world(4)
@@ -220,11 +221,14 @@ def test_llama_debug_2x2_plan_chains_fuse(fake_world):
     parallel, plan = _plan_and_apply(mesh)
     stats = plan.pass_stats["fuse_all_gathers"]
     assert stats["forward"].fused >= 10 and stats["backward"].fused >= 1
-    assert set(stats["forward"].by_order) == {"row_major"}
+    assert set(stats["forward"].by_order) <= {"row_major", "column_major"}
     flat = mesh_group(mesh, (1, 0)).group_name
+    column = mesh_group(mesh, (0, 1)).group_name
     for gm, kind in ((parallel.forward_graph, "forward"), (parallel.backward_graph, "backward")):
         on_flat = [n for n in _all_gathers(gm) if n.args[2] == flat]
-        assert len(on_flat) == stats[kind].fused
+        on_column = [n for n in _all_gathers(gm) if n.args[2] == column]
+        assert len(on_flat) == stats[kind].by_order.get("row_major", 0)
+        assert len(on_column) == stats[kind].by_order.get("column_major", 0)
         # nothing left to fuse
         assert fuse_all_gathers(gm, PassContext(mesh=mesh, plan=None)).fused == 0
     assert "fuse_all_gathers" in plan.summary()
@@ -239,7 +243,10 @@ def test_llama_debug_2x2_fuses_and_matches_reference(fake_world):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     counts = {}
     for disabled in ((), ("fuse_all_gathers",)):
-        parallel, plan = _plan_and_apply(mesh, disable_passes=disabled)
+        # LocalTensorMode: column-major chains on the row-major group + reorder
+        parallel, plan = _plan_and_apply(
+            mesh, disable_passes=disabled, pass_options=PassOptions(column_major_all_gather="reorder")
+        )
         counts[disabled] = (
             len(_all_gathers(parallel.forward_graph)),
             len(_all_gathers(parallel.backward_graph)),
