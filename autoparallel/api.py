@@ -177,7 +177,7 @@ class AutoParallel:
         # AOT export leaves its fake mode entered on the stack; planning
         # works on real metadata, outside it.
         with unset_fake_temporarily():
-            self.strategies = enumerator.enumerate(self.traced.gm)
+            self.strategies = enumerator.enumerate(self.traced.gm, set(self.traced.param_nodes.values()))
         self.strategy_stats = enumerator.stats
         t2 = time.perf_counter()
         self.timings["options"] = t2 - t1
@@ -314,8 +314,8 @@ class AutoParallel:
         comm: dict[str, float] = {}
         tiebreak: dict[str, float] = {}
         for e in built.problem.edges:
-            if e.arg_index < 0:
-                continue
+            # (arg_index < 0: structural pairs; they cost 0 except a tp-outer
+            # parameter's gradient redistribution, counted on the gradient)
             c = e.costs[choice[e.producer]][choice[e.consumer]]
             if c > 0:
                 comm[e.consumer] = comm.get(e.consumer, 0.0) + c

@@ -9,7 +9,9 @@ torch-free :class:`solver.Problem`.
 * parameter all-gathers in forward and gradient reductions in backward get
   the overlap discount of :class:`~autoparallel.cost_model.CommOverlapPolicy`;
 * structural constraints as infinite-cost pairs: a gradient is laid out like
-  its parameter, a tangent like its output;
+  its parameter, a tangent like its output; except that a parameter laid out
+  tp-outer (which no op produces) takes its gradient from any layout through
+  a redistribution, costed on the parameter -> gradient edge;
 * user constraints as named pins, the parameter-memory budget as a named
   resource constraint, and repeated layers as links.
 """
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.placement_types import Shard
+from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
 import solver
 
@@ -81,7 +83,7 @@ class BuiltProblem:
 def local_numel(shape, placements, mesh: DeviceMesh) -> int:
     sizes = list(shape)
     for mesh_dim, p in enumerate(placements):
-        if isinstance(p, Shard):
+        if isinstance(p, (Shard, _StridedShard)):
             sizes[p.dim] //= mesh.size(mesh_dim)
     return math.prod(sizes)
 
@@ -214,6 +216,31 @@ class _EdgeMatrices:
         self._matrices[key] = (rows, prod, cons)
         return rows
 
+    def gradient(self, param: list[Option], grad: list[Option], kind: str):
+        """Parameter option x gradient option: 0 where the gradient already
+        has the parameter's placements; for a tp-outer parameter, the time
+        to bring the gradient to it (a reduce-scatter of kind ``kind``);
+        inf otherwise."""
+        key = ("gradient", id(param), id(grad), kind)
+        hit = self._matrices.get(key)
+        if hit is None:
+            mesh_shape = None
+            rows = []
+            for po in param:
+                ps = po.output_spec
+                mesh_shape = mesh_shape or tuple(ps.mesh.shape)
+                strided = cost_model.is_tp_outer(ps.placements, mesh_shape)
+                rows.append(
+                    [
+                        0.0
+                        if go.output_spec.placements == ps.placements
+                        else self._pair(go.output_spec, ps, kind) if strided else math.inf
+                        for go in grad
+                    ]
+                )
+            hit = self._matrices[key] = (rows, param, grad)
+        return hit[0]
+
     def getitem(self, parent: list[Option], item: list[Option], idx: int):
         """0 where the parent option's ``idx``-th output is the item's option, else inf."""
         key = ("getitem", id(parent), id(item), idx)
@@ -307,12 +334,13 @@ def build_problem(
             )
             edges.append(solver.Edge(producer.name, node.name, k, matrix))
 
-    # A gradient is laid out like its parameter; a tangent like its output.
+    # A gradient is laid out like its parameter (or redistributed to a
+    # tp-outer one); a tangent like its output.
     for fqn, grad in traced.grad_nodes.items():
         param = traced.param_nodes.get(fqn)
         if grad is None or param is None or grad not in strategies:
             continue
-        matrix = matrices.equal_placements(strategies[param].options, strategies[grad].options)
+        matrix = matrices.gradient(strategies[param].options, strategies[grad].options, cost_model.GRAD_REDUCE_SCATTER)
         edges.append(solver.Edge(param.name, grad.name, -1, matrix))
     for out_idx, tangent in traced.tangent_nodes.items():
         out = traced.output_nodes[out_idx]

@@ -10,7 +10,13 @@ or that a user wants to override, go in :data:`RULES` via
 one warning listing them.
 
 Options that shard a tensor dim unevenly, or use ``_StridedShard``, are
-dropped at planning time so that planning and apply always agree.
+dropped at planning time so that planning and apply always agree. One
+exception: a parameter on a 2-D mesh may also be sharded on one tensor dim
+over both mesh dims tp-outer (``_StridedShard(d, tp), Shard(d)``, FSDP2 +
+TP's layout, :func:`~autoparallel.cost_model.tp_outer_placements`), where
+gathering it over dp is one all-gather that leaves the tp shard. Only the
+placeholder offers it; every consumer takes a plain layout, reached through
+a redistribution on the edge.
 """
 
 from __future__ import annotations
@@ -166,9 +172,29 @@ def _spec(mesh: DeviceMesh, placements, meta: TensorMeta) -> DTensorSpec:
     return DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
 
 
-def placeholder_options(val: torch.Tensor, mesh: DeviceMesh) -> list[Option]:
+def placeholder_options(val: torch.Tensor, mesh: DeviceMesh, *, parameter: bool = False) -> list[Option]:
+    """Every even layout of a graph input; a ``parameter`` also gets the
+    tp-outer layouts of :func:`tp_outer_placements` (after the others)."""
     meta = tensor_meta_of(val)
-    return [Option(_spec(mesh, p, meta), ()) for p in all_placements(val.shape, mesh)]
+    placements = all_placements(val.shape, mesh)
+    if parameter:
+        placements += tp_outer_placements(val.shape, mesh)
+    return [Option(_spec(mesh, p, meta), ()) for p in placements]
+
+
+def tp_outer_placements(shape: torch.Size, mesh: DeviceMesh) -> list[tuple[Placement, ...]]:
+    """``(_StridedShard(d, tp), Shard(d))`` for every tensor dim ``d`` that
+    splits evenly over a 2-D mesh of two non-trivial dims (none otherwise).
+
+    >>> # 2x4 mesh, shape (8, 6): [(_StridedShard(dim=0, sf=4), Shard(dim=0))]
+    """
+    from .cost_model import tp_outer_placements as layout
+
+    mesh_shape = _mesh_shape(mesh)
+    if len(mesh_shape) != 2 or min(mesh_shape) < 2:
+        return []
+    n = mesh_shape[0] * mesh_shape[1]
+    return [layout(d, mesh_shape) for d in range(len(shape)) if shape[d] % n == 0]
 
 
 # --------------------------------------------------------------------------
@@ -487,13 +513,13 @@ class StrategyEnumerator:
         self._multi_output_options: dict[torch.fx.Node, list[Option]] = {}
         self.stats = StrategyStats()
 
-    def _placeholder_options(self, val: torch.Tensor) -> list[Option]:
+    def _placeholder_options(self, val: torch.Tensor, parameter: bool) -> list[Option]:
         # One list per shape: the same parameter in every layer then shares
         # one option list, which is what downstream caches key on.
-        key = ("placeholder", _val_key(val))
+        key = ("placeholder", _val_key(val), parameter)
         hit = self._cache.get(key)
         if hit is None:
-            hit = self._cache[key] = (placeholder_options(val, self.mesh), "placeholder")
+            hit = self._cache[key] = (placeholder_options(val, self.mesh, parameter=parameter), "placeholder")
         return hit[0]
 
     def _offered(self, options: list[Option]) -> tuple[tuple, int]:
@@ -505,7 +531,11 @@ class StrategyEnumerator:
             self._produced[id(options)] = hit
         return hit[0], hit[1]
 
-    def enumerate(self, gm: torch.fx.GraphModule) -> dict[torch.fx.Node, NodeStrategy]:
+    def enumerate(
+        self, gm: torch.fx.GraphModule, parameters: frozenset[torch.fx.Node] | set = frozenset()
+    ) -> dict[torch.fx.Node, NodeStrategy]:
+        """Options of every tensor node of ``gm``; the placeholders in
+        ``parameters`` also get the tp-outer layouts."""
         result: dict[torch.fx.Node, NodeStrategy] = {}
         # Distinct output specs each tensor node can produce, and their id.
         produced: dict[torch.fx.Node, tuple[tuple[DTensorSpec, ...], int]] = {}
@@ -516,7 +546,8 @@ class StrategyEnumerator:
             if node.op == "placeholder":
                 if not isinstance(val, torch.Tensor):
                     continue
-                result[node] = NodeStrategy(node, [], self._placeholder_options(val), "placeholder")
+                options = self._placeholder_options(val, node in parameters)
+                result[node] = NodeStrategy(node, [], options, "placeholder")
             elif node.op == "call_function":
                 if not _produces_tensors(val):
                     continue

@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._op_schema import OpSchema
-from torch.distributed.tensor.placement_types import Shard
+from torch.distributed.tensor.placement_types import Shard, _StridedShard
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_map
@@ -99,10 +99,11 @@ class LocalJoint:
 
 
 def local_shape(spec: DTensorSpec) -> tuple[int, ...]:
-    """Shape of one rank's shard (even sharding only, as planned)."""
+    """Shape of one rank's shard (even sharding only, as planned; a
+    ``_StridedShard`` splits its dim like a ``Shard``)."""
     shape = list(spec.tensor_meta.shape)
     for mesh_dim, p in enumerate(spec.placements):
-        if isinstance(p, Shard):
+        if isinstance(p, (Shard, _StridedShard)):
             n = spec.mesh.size(mesh_dim)
             if shape[p.dim] % n:
                 raise ApplyError(f"uneven shard: dim {p.dim} of {tuple(spec.tensor_meta.shape)} over {n} ranks")

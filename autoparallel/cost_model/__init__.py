@@ -35,9 +35,11 @@ from .comm import (
     CommStep,
     MeshDimTopology,
     collective_time,
+    is_tp_outer,
     mesh_dim_topology,
     redistribute_steps,
     redistribute_time,
+    tp_outer_placements,
 )
 from .compute import (
     TensorSig,
@@ -73,6 +75,8 @@ __all__ = [
     "CommStep",
     "redistribute_steps",
     "redistribute_time",
+    "is_tp_outer",
+    "tp_outer_placements",
     "CommOverlapPolicy",
     "PARAM_ALL_GATHER",
     "GRAD_REDUCE_SCATTER",

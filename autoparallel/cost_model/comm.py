@@ -218,6 +218,25 @@ def _greedy_steps(
     return steps
 
 
+def tp_outer_placements(dim: int, mesh_shape: Sequence[int]) -> tuple[Placement, Placement]:
+    """Tensor dim ``dim`` sharded over both dims of a 2-D mesh, the inner
+    (tp) mesh dim outermost: rank ``(i, j)`` holds chunk ``j * dp + i``
+    (FSDP2 + TP's layout, DTensor's "reverse shard order").
+
+    Gathering it over dp is ONE all-gather that leaves the tp shard
+    ``(R, S(dim))``; gathering it fully is a dp-then-tp chain.
+    """
+    return (_StridedShard(dim, split_factor=mesh_shape[1]), Shard(dim))
+
+
+def is_tp_outer(placements: Sequence[Placement], mesh_shape: Sequence[int]) -> bool:
+    """``placements`` is :func:`tp_outer_placements` for some tensor dim."""
+    if len(placements) != 2 or len(mesh_shape) != 2:
+        return False
+    a, b = placements
+    return type(a) is _StridedShard and type(b) is Shard and a.dim == b.dim and a.split_factor == mesh_shape[1]
+
+
 def _strided_steps(
     mesh_shape: tuple[int, ...], src: tuple[Placement, ...], dst: tuple[Placement, ...]
 ) -> list[tuple[int, Placement, Placement]]:
@@ -285,7 +304,10 @@ def _plan(src: DTensorSpec, dst: DTensorSpec) -> _Plan:
 
     * Default shard order, plain Shards: DTensor's greedy planner, which
       looks at placements only (reimplemented in :func:`_greedy_steps`).
-    * Any _StridedShard: :func:`_strided_steps`.
+    * The tp-outer parameter layout (:func:`tp_outer_placements`) on either
+      side: DTensor's own plan (what apply runs: it reads the layout as
+      Shards in tp-first order), cached per shape.
+    * Any other _StridedShard: :func:`_strided_steps`.
     * Explicit non-default shard order: DTensor's graph planner, which may
       look at the shape, so cached per shape.
     """
@@ -297,7 +319,11 @@ def _plan(src: DTensorSpec, dst: DTensorSpec) -> _Plan:
         plan = _PLAN_CACHE.get(key)
     if plan is not None:
         return plan
-    if any(_kind(p) == "X" for p in (*src.placements, *dst.placements)):
+    if is_tp_outer(src.placements, mesh_shape) or is_tp_outer(dst.placements, mesh_shape):
+        _PLAN_CACHE[key] = _SHAPE_DEPENDENT
+        key = (key, src.mesh, tuple(src.tensor_meta.shape))
+        raw = _transform_steps(src, dst)
+    elif any(_kind(p) == "X" for p in (*src.placements, *dst.placements)):
         raw = _strided_steps(mesh_shape, src.placements, dst.placements)
     elif DTensorSpec.is_default_device_order(src.shard_order) and DTensorSpec.is_default_device_order(
         dst.shard_order

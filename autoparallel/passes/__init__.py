@@ -46,6 +46,11 @@ class PassOptions:
     # Bucketing: parameter all-gathers of at most this many input bytes per
     # rank are merged per layer, group and dtype (0: off).
     bucket_bytes: int = 8192
+    # fuse_all_gathers on chains that gather the first mesh dim first
+    # (tp-outer parameters): "group" gathers on a column-major process
+    # group; "reorder" on the row-major one, then reorders the chunks locally
+    # (what LocalTensorMode can simulate: it only knows sorted groups).
+    column_major_all_gather: str = "group"
 
 
 @dataclass

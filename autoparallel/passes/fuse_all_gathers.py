@@ -28,7 +28,8 @@ compose to the identity), and no intermediate value has another user.
 
 LocalTensorMode only simulates groups whose ranks are sorted: with it, pass
 ``column_major="reorder"`` (row-major group, then a local transpose of the
-chunks) to :func:`fuse_all_gathers` for non-row-major chains; gloo and NCCL
+chunks) to :func:`fuse_all_gathers` for non-row-major chains, or set
+``PassOptions.column_major_all_gather = "reorder"`` for apply; gloo and NCCL
 take the column-major group.
 
 >>> # stats = fuse_all_gathers(gm, ctx)   # gm: forward or backward graph
@@ -67,6 +68,11 @@ _VIEWS = {
     _aten.squeeze.dim,
     _aten.squeeze.dims,
     _aten.detach.default,
+    # DTensor's unpadding after a gather emits a full-range narrow whenever
+    # the size is not a small cached int (``size is not logical_size``); a
+    # slice that cuts cannot be undone by the views above, so the identity
+    # check still rejects any real cut.
+    _aten.slice.Tensor,
 }
 
 
@@ -338,11 +344,14 @@ def _reorder_plan(steps: list[_Step], xval) -> tuple[list[int], list[int]]:
 
 
 @register_pass("fuse_all_gathers", "graphs")
-def fuse_all_gathers(gm: torch.fx.GraphModule, ctx: PassContext, *, column_major: str = "group") -> FuseAllGathersStats:
+def fuse_all_gathers(gm: torch.fx.GraphModule, ctx: PassContext, *, column_major: str | None = None) -> FuseAllGathersStats:
     """Replace chains of per-mesh-dim all-gathers in ``gm`` by one all-gather
     over the whole mesh (see the module docstring). ``column_major``:
     "group" (a permuted process group) or "reorder" (row-major group and a
-    local reorder) for chains that are not row-major."""
+    local reorder) for chains that are not row-major; None takes
+    ``ctx.options.column_major_all_gather``."""
+    if column_major is None:
+        column_major = ctx.options.column_major_all_gather
     if column_major not in ("group", "reorder"):
         raise ValueError(f"column_major must be 'group' or 'reorder', got {column_major!r}")
     stats = FuseAllGathersStats()

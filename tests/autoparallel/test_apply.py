@@ -12,12 +12,17 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from autoparallel import AutoParallel
+from autoparallel.passes import PassOptions
 from autoparallel.models import FFN, LLAMA3_CONFIGS, BlockModel, Transformer, apply_ac
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning"),
     pytest.mark.filterwarnings("ignore:DTensor random operators.*:UserWarning"),
 ]
+
+# LocalTensorMode simulates sorted process groups only: fuse column-major
+# all-gather chains (tp-outer parameters) on the row-major group + a reorder.
+LOCAL_TENSOR_PASSES = PassOptions(column_major_all_gather="reorder")
 
 ARGS = LLAMA3_CONFIGS["debug"]
 BATCH, SEQ = 8, 16
@@ -64,7 +69,7 @@ def _apply(kind: str, mesh_shape, *, high=None, ac=None, partitioner="min_cut"):
         autop.add_output_constraints([batch])
         autop.add_parameter_memory_constraint(high=high)
         plan = autop.optimize_placement()
-        parallel = autop.apply_placement(plan, partitioner=partitioner)
+        parallel = autop.apply_placement(plan, partitioner=partitioner, pass_options=LOCAL_TENSOR_PASSES)
     return parallel, mesh, plan
 
 

@@ -85,7 +85,7 @@ def test_folded_graphs_equal_full_graphs(fake_world, passes_on, mixed_precision)
     groups = {c.group for c in collectives(folded.forward_graph, mesh)}
     assert groups <= {"0", "1", "0*1", "0*1 col-major"}
     fused = folded_stats.get("fuse_all_gathers", {}).get("forward")
-    assert ("0*1" in groups) == bool(fused and fused.fused)
+    assert bool(groups & {"0*1", "0*1 col-major"}) == bool(fused and fused.fused)
     # the folded joint graph really is smaller
     assert len(folded.parallel_state.local.gm.graph.nodes) < 0.9 * len(full.parallel_state.local.gm.graph.nodes)
 

@@ -209,8 +209,14 @@ def _plan_and_apply(mesh, variants):
         autop.add_output_constraints([batch])
         autop.add_parameter_memory_constraint(high=None)
         plan = autop.optimize_placement()
+        # LocalTensorMode simulates only sorted groups: column-major chains of
+        # tp-outer parameters gather on the row-major group and reorder
+        options = PassOptions(column_major_all_gather="reorder")
         for name, disabled in variants.items():
-            out[name] = (autop.apply_placement(plan, disable_passes=disabled), dict(plan.pass_stats))
+            out[name] = (
+                autop.apply_placement(plan, disable_passes=disabled, pass_options=options),
+                dict(plan.pass_stats),
+            )
     return out
 
 

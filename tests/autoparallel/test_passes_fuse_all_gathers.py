@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from autoparallel.passes import PassContext
+from autoparallel.passes import PassContext, PassOptions
 from autoparallel.passes.fuse_all_gathers import fuse_all_gathers, mesh_group
 
 pytestmark = [
@@ -115,6 +115,21 @@ def test_column_major_reorder_along_dim_1(mesh):
     _check_same(_run(gm, _x), _run(fused, _x))
 
 
+def test_full_range_slice_between_gathers(mesh):
+    # DTensor's unpad step emits narrow(dim, 0, size) even when nothing is cut
+    def fn(x):
+        y = _ag(x, mesh, 0)
+        return _ag(y.narrow(0, 0, y.shape[0]), mesh, 1).narrow(0, 0, 16) * 2
+
+    gm = _trace(fn, (4, 6))
+    fused, stats = _fuse(gm, mesh, column_major="reorder")
+    assert stats.by_order == {"column_major": 1} and _count(fused) == 1
+    _check_same(_run(gm, _x), _run(fused, _x))
+    # a slice that cuts is no identity: no fusion
+    cut = _trace(lambda x: _ag(_ag(x, mesh, 0).narrow(0, 0, 4), mesh, 1), (4, 6))
+    assert fuse_all_gathers(cut, PassContext(mesh=mesh, plan=None)).fused == 0
+
+
 @pytest.mark.parametrize(
     "fn, reason",
     [
@@ -196,8 +211,9 @@ def _plan_and_apply(mesh, **kw):
 # planning + applying the tiny LLaMA on 2x2 takes 30-50 s: slow suite
 @pytest.mark.slow
 def test_llama_debug_2x2_plan_chains_fuse(fake_world):
-    """The FSDP-like plan gathers S(0)S(0)/S(1)S(1) parameters tp then dp in
-    the forward and the output gradient in the backward: all fuse (row-major)."""
+    """The FSDP-like plan gathers S(0)S(0)/S(1)S(1) parameters tp then dp
+    (row-major) and tp-outer ones dp then tp (column-major) in the forward,
+    and the output gradient in the backward: all fuse."""
     from autoparallel.apply import collectives
 
     fake_world(4)
@@ -206,11 +222,14 @@ def test_llama_debug_2x2_plan_chains_fuse(fake_world):
     parallel, plan = _plan_and_apply(mesh, disable_passes=("bucket_collectives",))
     stats = plan.pass_stats["fuse_all_gathers"]
     assert stats["forward"].fused >= 10 and stats["backward"].fused >= 1
-    assert set(stats["forward"].by_order) == {"row_major"}
+    assert set(stats["forward"].by_order) <= {"row_major", "column_major"}
     flat = mesh_group(mesh, (1, 0)).group_name
+    column = mesh_group(mesh, (0, 1)).group_name
     for gm, kind in ((parallel.forward_graph, "forward"), (parallel.backward_graph, "backward")):
         on_flat = [n for n in _all_gathers(gm) if n.args[2] == flat]
-        assert len(on_flat) == stats[kind].fused
+        on_column = [n for n in _all_gathers(gm) if n.args[2] == column]
+        assert len(on_flat) == stats[kind].by_order.get("row_major", 0)
+        assert len(on_column) == stats[kind].by_order.get("column_major", 0)
         # nothing left to fuse
         assert fuse_all_gathers(gm, PassContext(mesh=mesh, plan=None)).fused == 0
     assert "fuse_all_gathers" in plan.summary()
@@ -225,7 +244,12 @@ def test_llama_debug_2x2_fuses_and_matches_reference(fake_world):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     counts = {}
     for disabled in ((), ("fuse_all_gathers",)):
-        parallel, plan = _plan_and_apply(mesh, disable_passes=disabled + ("bucket_collectives",))
+        # LocalTensorMode: column-major chains on the row-major group + reorder
+        parallel, plan = _plan_and_apply(
+            mesh,
+            disable_passes=disabled + ("bucket_collectives",),
+            pass_options=PassOptions(column_major_all_gather="reorder"),
+        )
         counts[disabled] = (
             len(_all_gathers(parallel.forward_graph)),
             len(_all_gathers(parallel.backward_graph)),

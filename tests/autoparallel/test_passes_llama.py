@@ -139,11 +139,15 @@ def _compare_one_step(parallel, mesh, ac=None):
 def _apply_variants(mesh_shape, ac=None, variants=("all",)):
     """Plan once, apply with several pass settings (inside the AutoParallel
     context, which is closed before any numerics run)."""
+    # LocalTensorMode runs the graphs: column-major all-gather chains
+    # (tp-outer parameters) fuse on the row-major group + a local reorder
+    local = passes.PassOptions(column_major_all_gather="reorder")
+    zero2 = passes.PassOptions(reshard_after_forward=False, column_major_all_gather="reorder")
     options = {
-        "all": dict(disable_passes=_OTHERS),
-        "none": dict(disable_passes=_OTHERS + ("recompute_all_gathers", "schedule_overlap")),
-        "nofuse": dict(disable_passes=_OTHERS + ("fuse_all_gathers",)),
-        "zero2": dict(disable_passes=_OTHERS + ("schedule_overlap",), pass_options=passes.PassOptions(reshard_after_forward=False)),
+        "all": dict(disable_passes=_OTHERS, pass_options=local),
+        "none": dict(disable_passes=_OTHERS + ("recompute_all_gathers", "schedule_overlap"), pass_options=local),
+        "nofuse": dict(disable_passes=_OTHERS + ("fuse_all_gathers",), pass_options=local),
+        "zero2": dict(disable_passes=_OTHERS + ("schedule_overlap",), pass_options=zero2),
     }
     autop, mesh, plan = _plan(mesh_shape, ac)
     out = {}
