@@ -19,7 +19,11 @@ order), with four rules:
   now, plus what the original order adds until the gather's use, plus the
   gathered bytes stay under the unscheduled graph's peak times
   ``1 + PREFETCH_MEMORY_SLACK``. A gather not prefetched is issued when its
-  consumer needs it, as in the original order.
+  consumer needs it, as in the original order. That prediction can miss
+  (prefetched gathers then overlap): a schedule whose estimated peak
+  exceeds the unscheduled one by more than ``PEAK_TOLERANCE`` is redone
+  with a limit lowered by the overshoot, and the original order is kept
+  when no attempt fits.
 * **Issue other collectives as soon as their input exists** (gradient
   reduce-scatters, activation redistributions).
 * **Wait late, free early.** A ``wait_tensor`` is emitted only when a
@@ -50,6 +54,7 @@ lives until its wait).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 import operator
 import re
@@ -737,6 +742,33 @@ def _check_order(order: list[fx.Node], info: _Info) -> None:
                 raise RuntimeError(f"schedule_overlap put {n.name} before its input {a.name}")
 
 
+# The schedule's estimated peak may exceed the unscheduled one by this much;
+# beyond it the graph is scheduled again with a tighter prefetch limit (at
+# most MAX_RESCHEDULES times).
+PEAK_TOLERANCE = 0.02
+MAX_RESCHEDULES = 3
+
+
+def _schedule_within(gm, ctx, stats: ScheduleStats, costs, limit: int, target: int, info, original: list) -> list:
+    """A schedule whose estimated peak stays within ``target`` bytes. The
+    prefetch rule (``limit``) predicts memory from the original order, which
+    can miss (prefetched gathers then overlap); on an overshoot the limit is
+    lowered by the overshoot and the graph scheduled again; if no attempt
+    fits, the original order stays (no reordering rather than a spike)."""
+    for _ in range(1 + MAX_RESCHEDULES):
+        attempt = dataclasses.replace(stats)
+        order = _schedule(gm, ctx, attempt, costs, limit, info)
+        peak = info.estimate(order)[1]
+        if peak <= target:
+            for f in dataclasses.fields(stats):
+                setattr(stats, f.name, getattr(attempt, f.name))
+            return order
+        limit = int(limit * target / peak)
+    stats.all_gathers = sum(1 for n in original if n.target is _AG)
+    stats.reduce_scatters = sum(1 for n in original if n.target is _RS)
+    return list(original)
+
+
 @register_pass("schedule_overlap", "graphs")
 def schedule_overlap(gm: fx.GraphModule, ctx: PassContext) -> ScheduleStats:
     """Reorder ``gm`` (a forward or backward graph, in place); see the module
@@ -748,7 +780,8 @@ def schedule_overlap(gm: fx.GraphModule, ctx: PassContext) -> ScheduleStats:
     stats.longest_compute_run_before = info.longest_compute_run(before)
     stats.exposed_comm_before_s, stats.peak_memory_before = info.estimate(before)
     limit = int(stats.peak_memory_before * (1 + PREFETCH_MEMORY_SLACK))
-    order = _schedule(gm, ctx, stats, costs, limit, info)
+    target = int(stats.peak_memory_before * (1 + PEAK_TOLERANCE))
+    order = _schedule_within(gm, ctx, stats, costs, limit, target, info, before)
     if len(order) != len(before) or set(order) != set(before):
         raise RuntimeError("schedule_overlap lost or duplicated nodes")
     _check_order(order, info)
