@@ -295,17 +295,27 @@ def _rewrite(gm: torch.fx.GraphModule, steps: list[_Step], between, group, reord
             _set(f, run(lambda: cv.view(ag_val.shape)))
             out, out_val = f, f.meta["val"]
         if first.dim != 0:
-            split = g.call_function(_aten.split.Tensor, (out, xval.shape[0]))
-            chunks = run(lambda: list(torch.split(out_val, xval.shape[0])))
-            _copy_meta(split, last.out.args[0][0].args[0], chunks)
-            items = []
-            for i in range(n):
-                gi = g.call_function(operator.getitem, (split, i))
-                _copy_meta(gi, last.out.args[0][0], chunks[i] if chunks else None)
-                items.append(gi)
-            cat = g.call_function(_aten.cat.default, (items, first.dim))
-            _copy_meta(cat, last.out, last.out.meta.get("val"))
-            out = cat
+            # the n gathered chunks, stacked on dim 0, side by side along
+            # ``dim``: what cat(split(out, rows), dim) does, in four nodes
+            # whatever n is (a whole-mesh gather has n = mesh size chunks)
+            d = first.dim
+            shape = list(xval.shape)
+            dims = list(range(1, len(shape) + 1))
+            perm = dims[:d] + [0] + dims[d:]
+            full = shape[:d] + [shape[d] * n] + shape[d + 1 :]
+            v = g.call_function(_aten.view.default, (out, [n, *shape]))
+            p = g.call_function(_aten.permute.default, (v, perm))
+            c = g.call_function(_aten.clone.default, (p,), {"memory_format": torch.contiguous_format})
+            f = g.call_function(_aten.view.default, (c, full))
+            for node in (v, p, c):
+                _copy_meta(node, last.out, None)
+            _copy_meta(f, last.out, last.out.meta.get("val"))
+            vv = run(lambda: out_val.view(n, *shape))
+            _set(v, vv)
+            pv = run(lambda: vv.permute(*perm))
+            _set(p, pv)
+            _set(c, run(lambda: pv.clone(memory_format=torch.contiguous_format)))
+            out = f
     last.out.replace_all_uses_with(out)
     # erase the old chain, consumers first
     dead = [n for s in steps for n in (s.ag, *s.nodes)] + list(between)
