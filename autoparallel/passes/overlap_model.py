@@ -1,0 +1,335 @@
+"""The cost and memory model behind :mod:`.schedule_overlap`.
+
+Per-node facts of a forward or backward graph (:class:`Info`: inputs, kind,
+estimated time, storage roots and what keeps them alive), the two-stream
+estimate of exposed communication and peak memory (:func:`estimate`), and
+the live-bytes tracker (:class:`LiveBytes`) the scheduler and the estimates
+share. Compute ops take ``cost_model.node_compute_time``, collectives
+``cost_model.collective_time`` on the mesh dim's topology; a wait stalls
+compute until its collective ends. Memory: views alias their base, a
+collective's input lives until its wait, graph outputs live to the end.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from .. import cost_model
+from ..cost_model.compute import _flop_formula
+from . import PassContext
+
+__all__ = ["Info", "LiveBytes", "estimate", "is_compute", "longest_compute_run", "check_topological"]
+
+_c10d = torch.ops._c10d_functional
+AG = _c10d.all_gather_into_tensor.default
+RS = _c10d.reduce_scatter_tensor.default
+AR = _c10d.all_reduce.default
+A2A = _c10d.all_to_all_single.default
+WAIT = _c10d.wait_tensor.default
+STARTS = {AG: "all_gather", RS: "reduce_scatter", AR: "all_reduce", A2A: "all_to_all"}
+GRAD_REDUCTIONS = {RS, AR}
+
+# target -> has a FLOP formula (asked once per target: the lookup is not free)
+_COMPUTE_TARGETS: dict = {}
+
+
+def is_compute(node: fx.Node) -> bool:
+    """A compute op for the cap: one with a FLOP formula (matmul, attention)."""
+    if node.op != "call_function":
+        return False
+    target = node.target
+    hit = _COMPUTE_TARGETS.get(target)
+    if hit is None:
+        hit = isinstance(target, torch._ops.OpOverload) and _flop_formula(target) is not None
+        _COMPUTE_TARGETS[target] = hit
+    return hit
+
+
+# ---------------------------------------------------------------------------
+# measures
+
+
+def longest_compute_run(nodes, reductions=GRAD_REDUCTIONS) -> int:
+    """Most compute ops run before a gradient reduction (since the previous
+    one or the start); 0 when the graph has none."""
+    run = best = 0
+    seen = False
+    for n in nodes:
+        if n.op != "call_function":
+            continue
+        if n.target in reductions:
+            best, run, seen = max(best, run), 0, True
+        elif is_compute(n):
+            run += 1
+    return best if seen else 0
+
+
+def check_topological(gm: fx.GraphModule) -> None:
+    """Raise if some node comes before one of its inputs."""
+    seen: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        for a in n.all_input_nodes:
+            if a not in seen:
+                raise AssertionError(f"{n.name} runs before its input {a.name}")
+        seen.add(n)
+
+
+def nbytes(val) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    if isinstance(val, (tuple, list)):
+        return sum(nbytes(v) for v in val)
+    return 0
+
+
+def _is_alias(n: fx.Node) -> bool:
+    if n.op != "call_function":
+        return False
+    if n.target is operator.getitem or n.target is WAIT:
+        return True
+    return isinstance(n.target, torch._ops.OpOverload) and n.target.is_view
+
+
+def _group_size_and_name(n: fx.Node) -> tuple[int, str | None]:
+    args = list(n.args) + list(n.kwargs.values())
+    name = next((a for a in reversed(args) if isinstance(a, str)), None)
+    if n.target is AG or n.target is RS:
+        return int(n.args[-2] if n.target is AG else n.args[2]), name
+    return 0, name
+
+
+class Costs:
+    def __init__(self, ctx: PassContext | None):
+        self.device = getattr(ctx, "device", None) or cost_model.H100
+        mesh = getattr(ctx, "mesh", None)
+        self.group_dim: dict[str, tuple[int, bool, int]] = {}
+        if mesh is not None:
+            try:
+                topo = cost_model.mesh_dim_topology(mesh)
+                for d in range(mesh.ndim):
+                    t = topo[d]
+                    self.group_dim[mesh.get_group(d).group_name] = (mesh.size(d), t.intra_node, t.ranks_per_node)
+            except Exception:  # a bare graph without a usable mesh: intra-node defaults
+                self.group_dim = {}
+        self._cache: dict[fx.Node, float] = {}
+        self._free: dict = {}  # target -> launches no kernel
+        self._by_shape: dict[tuple, float] = {}
+
+    def time(self, n: fx.Node) -> float:
+        if n in self._cache:
+            return self._cache[n]
+        t = 0.0
+        if n.op == "call_function" and n.target in STARTS:
+            size, name = _group_size_and_name(n)
+            info = self.group_dim.get(name)
+            if info is not None:
+                size, intra, per_node = info
+            else:
+                intra, per_node = True, 1
+            if n.target is A2A:
+                size = size or (len(n.args[1]) if isinstance(n.args[1], (list, tuple)) else 2)
+            if n.target is AR and not size:
+                size = 2
+            src = n.args[0]
+            moved = nbytes(src.meta.get("val")) if isinstance(src, fx.Node) else 0
+            t = cost_model.collective_time(STARTS[n.target], moved, size, intra, self.device, per_node)
+        elif n.op == "call_function" and n.target is not WAIT:
+            t = self._compute_time(n)
+        self._cache[n] = t
+        return t
+
+    def _compute_time(self, n: fx.Node) -> float:
+        # Repeated layers repeat the same op on the same shapes: cost each
+        # (op, argument shapes and values) once. The key holds what the
+        # roofline model reads (shapes, dtypes, plain values).
+        target = n.target
+        free = self._free.get(target)
+        if free is None:
+            free = self._free[target] = cost_model.is_free_op(target)
+        if free:
+            return 0.0
+        try:
+            key = (target, _shape_key(n.args), _shape_key(n.kwargs), _shape_key(n.meta.get("val")))
+            hit = self._by_shape.get(key)
+        except (_NoKey, TypeError):  # symbolic or unusual arguments: no caching
+            key = hit = None
+        if hit is None:
+            try:
+                hit = cost_model.node_compute_time(n, None, None, self.device)
+            except Exception:  # ops the roofline model cannot cost
+                hit = 0.0
+            if key is not None:
+                self._by_shape[key] = hit
+        return hit
+
+
+class _NoKey(Exception):
+    pass
+
+
+_TENSOR = object()  # marks a tensor in a shape key (no literal argument is it)
+_PLAIN = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout})
+
+
+def _shape_key(x):
+    t = type(x)
+    if t is fx.Node:
+        v = x.meta.get("val")
+        return (_TENSOR, v.shape, v.dtype) if isinstance(v, torch.Tensor) else None
+    if t in _PLAIN:
+        return x
+    if isinstance(x, torch.Tensor):
+        return (_TENSOR, x.shape, x.dtype)
+    if isinstance(x, (tuple, list)):  # fx args hold immutable lists
+        return tuple([_shape_key(v) for v in x])
+    if isinstance(x, dict):
+        return tuple([(k, _shape_key(v)) for k, v in x.items()])
+    raise _NoKey
+
+
+class Info:
+    """Per-node facts of one graph, computed once and shared by the
+    estimates and the scheduler: inputs, kind, cost, compute flag, and the
+    memory model of :func:`estimate` (views alias their base: storage roots;
+    which roots each node keeps alive; root sizes). Built from ``nodes`` in
+    the given order (roots follow the first input already seen, as in a
+    walk over that order); any topological order gives the same facts."""
+
+    def __init__(self, nodes: list[fx.Node], costs: Costs):
+        self.nodes = nodes
+        self.index = {n: i for i, n in enumerate(nodes)}
+        ins: dict[fx.Node, list[fx.Node]] = {}
+        kind: dict[fx.Node, int] = {}  # 0 not a call, 1 collective start, 2 wait, 3 other call
+        time: dict[fx.Node, float] = {}
+        compute: set[fx.Node] = set()
+        root: dict[fx.Node, fx.Node] = {}
+        for n in nodes:
+            inputs = n.all_input_nodes
+            ins[n] = inputs
+            if _is_alias(n):
+                root[n] = next((root[a] for a in inputs if a in root), n)
+            else:
+                root[n] = n
+            if n.op != "call_function":
+                kind[n] = 0
+                continue
+            target = n.target
+            if target in STARTS:
+                kind[n] = 1
+                time[n] = costs.time(n)
+            elif target is WAIT:
+                kind[n] = 2
+            else:
+                kind[n] = 3
+                time[n] = costs.time(n)
+                if is_compute(n):
+                    compute.add(n)
+        kept_by: dict[fx.Node, set[fx.Node]] = {}
+        keepers: dict[fx.Node, int] = {}
+        for n in nodes:
+            kept = {root.get(a, a) for a in ins[n]}
+            if kind[n] == 2:  # the collective's input lives until its wait
+                for a in ins[n]:
+                    kept.update(root.get(b, b) for b in (ins[a] if a in ins else a.all_input_nodes))
+            kept_by[n] = kept
+            for r in kept:
+                keepers[r] = keepers.get(r, 0) + 1
+        self.ins, self.kind, self.time, self.compute = ins, kind, time, compute
+        self.root, self.kept_by, self.keepers = root, kept_by, keepers
+        self.size = {n: nbytes(n.meta.get("val")) for n in nodes if root[n] is n and n.op != "output"}
+        self.reductions = {n for n in nodes if kind[n] and n.target in GRAD_REDUCTIONS}
+
+    def longest_compute_run(self, order: list[fx.Node]) -> int:
+        run = best = 0
+        seen = False
+        compute, reductions = self.compute, self.reductions
+        for n in order:
+            if n in reductions:
+                best, run, seen = max(best, run), 0, True
+            elif n in compute:
+                run += 1
+        return best if seen else 0
+
+    def estimate(self, order: list[fx.Node]) -> tuple[float, int]:
+        """:func:`estimate` of ``order`` (a topological order of the nodes)."""
+        kind, time = self.kind, self.time
+        now = comm_free = exposed = 0.0
+        done: dict[fx.Node, float] = {}
+        for n in order:
+            k = kind[n]
+            if k == 0:
+                continue
+            if k == 1:
+                start = max(now, comm_free)
+                comm_free = done[n] = start + time[n]
+            elif k == 2:
+                end = done.get(n.args[0], 0.0)
+                if end > now:
+                    exposed += end - now
+                    now = end
+            else:
+                now += time[n]
+        # memory: storage roots, freed after the last use of any alias
+        kept_by = self.kept_by
+        last: dict[fx.Node, int] = {}
+        for p, n in enumerate(order):
+            for r in kept_by[n]:
+                last[r] = p  # positions ascend: the latest keeper wins
+        end = len(order)
+        out = [n for n in order if n.op == "output"]
+        if out:
+            (out,) = out
+            root = self.root
+            for a in self.ins[out]:
+                last[root.get(a, a)] = end
+        size = self.size
+        frees: dict[int, int] = {}
+        live = peak = 0
+        for p, n in enumerate(order):
+            s = size.get(n)
+            if s is not None:
+                live += s
+                i = last.get(n, p)
+                frees[i] = frees.get(i, 0) + s
+            if live > peak:
+                peak = live
+            live -= frees.pop(p, 0)
+        return exposed, peak
+
+
+def estimate(nodes: list[fx.Node], costs: Costs) -> tuple[float, int]:
+    """(exposed communication seconds, peak live bytes) of running ``nodes``
+    in this order."""
+    return Info(list(nodes), costs).estimate(list(nodes))
+
+
+class LiveBytes:
+    """Live bytes as nodes run in some order, in :func:`estimate`'s memory
+    model: a root's bytes count from its node until its last keeper ran (a
+    root nobody reads is freed at once)."""
+
+    def __init__(self, info: "Info"):
+        self.kept_by, self.size = info.kept_by, info.size
+        self.pending = dict(info.keepers)  # root -> keepers not run yet
+        self.live = 0
+
+    def emit(self, n: fx.Node) -> int:
+        s = self.size.get(n, 0)
+        if s and self.pending.get(n):
+            self.live += s
+        pending, size = self.pending, self.size
+        for r in self.kept_by[n]:
+            left = pending[r] - 1
+            pending[r] = left
+            if left == 0:
+                self.live -= size.get(r, 0)
+        return self.live
+
+
+def live_curve(info: "Info", nodes: list[fx.Node]) -> list[int]:
+    """Live bytes after each node of ``nodes``."""
+    tracker = LiveBytes(info)
+    return [tracker.emit(n) for n in nodes]
