@@ -22,8 +22,6 @@ a redistribution on the edge.
 from __future__ import annotations
 
 import contextlib
-import functools
-import itertools
 import logging
 import operator
 from dataclasses import dataclass, field
@@ -40,17 +38,21 @@ from torch.distributed.tensor._op_schema import (
     OpStrategy,
     TupleStrategy,
 )
-from torch.distributed.tensor.placement_types import (
-    Partial,
-    Placement,
-    Replicate,
-    Shard,
-)
+from torch.distributed.tensor.placement_types import Replicate, Shard
 from torch.utils._pytree import tree_leaves, tree_map
 
-logger = logging.getLogger(__name__)
+# the placement helpers moved to .placements; imported from here by rules and users
+from .placements import (  # noqa: F401
+    Specs,
+    all_placements,
+    format_specs,
+    is_evenly_sharded,
+    placements_of,
+    tensor_meta_of,
+    tp_outer_placements,
+)
 
-Specs = Any  # DTensorSpec | tuple[DTensorSpec | None, ...] | None
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -112,10 +114,6 @@ def register_rule(*ops: Any) -> Callable[[RuleFn], RuleFn]:
     return wrap
 
 
-def tensor_meta_of(val: torch.Tensor) -> TensorMeta:
-    return TensorMeta(shape=val.shape, stride=val.stride(), dtype=val.dtype)
-
-
 def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The node's tensor-valued inputs, flattened in argument order (dups kept)."""
     leaves = tree_leaves((node.args, node.kwargs))
@@ -123,48 +121,6 @@ def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
         a
         for a in leaves
         if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
-    ]
-
-
-def is_evenly_sharded(shape: torch.Size, placements: tuple[Placement, ...], mesh: DeviceMesh) -> bool:
-    """Every sharded tensor dim divides by the product of mesh sizes sharding
-    it, and every shard is a plain ``Shard``.
-
-    ``_StridedShard`` (what DTensor's view rules produce for a dim split
-    after sharding) is rejected: it is no ``Shard`` subclass any more, so it
-    has to be caught as "neither Shard, Replicate nor Partial".
-    """
-    ways = [1] * len(shape)
-    mesh_shape = _mesh_shape(mesh)
-    for mesh_dim, p in enumerate(placements):
-        t = type(p)  # exact type checks first: isinstance on placements is slow
-        if t is not Shard:
-            if t is Replicate or t is Partial or isinstance(p, (Replicate, Partial)):
-                continue
-            return False  # _StridedShard and any other shard-like placement
-        d = p.dim
-        if d < 0 or d >= len(shape):
-            return False
-        ways[d] *= mesh_shape[mesh_dim]
-    return all(ways[d] == 1 or shape[d] % ways[d] == 0 for d in range(len(shape)))
-
-
-@functools.lru_cache(maxsize=None)
-def _mesh_shape(mesh: DeviceMesh) -> tuple[int, ...]:
-    return tuple(mesh.shape)
-
-
-def all_placements(shape: torch.Size, mesh: DeviceMesh) -> list[tuple[Placement, ...]]:
-    """Every Replicate/Shard(d) combination over the mesh that shards evenly.
-
-    Order: Replicate first, then shard dims ascending, mesh dim 0 outermost;
-    the order is the deterministic tie-break rule for equal-cost options.
-    """
-    per_dim: list[Placement] = [Replicate()] + [Shard(d) for d in range(len(shape))]
-    return [
-        combo
-        for combo in itertools.product(per_dim, repeat=mesh.ndim)
-        if is_evenly_sharded(shape, combo, mesh)
     ]
 
 
@@ -180,21 +136,6 @@ def placeholder_options(val: torch.Tensor, mesh: DeviceMesh, *, parameter: bool 
     if parameter:
         placements += tp_outer_placements(val.shape, mesh)
     return [Option(_spec(mesh, p, meta), ()) for p in placements]
-
-
-def tp_outer_placements(shape: torch.Size, mesh: DeviceMesh) -> list[tuple[Placement, ...]]:
-    """``(_StridedShard(d, tp), Shard(d))`` for every tensor dim ``d`` that
-    splits evenly over a 2-D mesh of two non-trivial dims (none otherwise).
-
-    >>> # 2x4 mesh, shape (8, 6): [(_StridedShard(dim=0, sf=4), Shard(dim=0))]
-    """
-    from .cost_model import tp_outer_placements as layout
-
-    mesh_shape = _mesh_shape(mesh)
-    if len(mesh_shape) != 2 or min(mesh_shape) < 2:
-        return []
-    n = mesh_shape[0] * mesh_shape[1]
-    return [layout(d, mesh_shape) for d in range(len(shape)) if shape[d] % n == 0]
 
 
 # --------------------------------------------------------------------------
@@ -429,35 +370,6 @@ def _options_from_op_strategy(
         in_specs = tuple(pool.get(p, m) for p, m in zip(in_placements, in_metas))
         options.append(Option(_pooled_out(out, out_meta, pool), in_specs))
     return options
-
-
-def placements_of(specs: Specs):
-    """The placements of a spec, or a tuple of them for multi-output specs."""
-    if isinstance(specs, DTensorSpec):
-        return specs.placements
-    if isinstance(specs, (tuple, list)):
-        return tuple(placements_of(s) for s in specs)
-    return None
-
-
-def format_placement(p: Placement) -> str:
-    if isinstance(p, Shard):
-        return f"S({p.dim})"
-    if isinstance(p, Partial):
-        return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
-    if isinstance(p, Replicate):
-        return "R"
-    return str(p)
-
-
-def format_specs(specs: Specs) -> str:
-    """``S(0)R`` for a spec on a 2-D mesh, ``(S(0)R, RR)`` for several, ``-``
-    for none."""
-    if specs is None:
-        return "-"
-    if isinstance(specs, (tuple, list)):
-        return "(" + ", ".join(format_specs(s) for s in specs) + ")"
-    return "".join(format_placement(p) for p in specs.placements)
 
 
 def replicate_options(node: torch.fx.Node, inputs: list[torch.fx.Node], mesh: DeviceMesh) -> list[Option]:
