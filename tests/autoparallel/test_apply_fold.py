@@ -175,6 +175,14 @@ def _stack_plan(odd):
     return autop, autop.optimize_placement()
 
 
+def _apply_stack(odd=None):
+    autop, plan = _stack_plan(odd)
+    try:
+        return autop.apply_placement(plan)
+    finally:
+        autop.__exit__(None, None, None)
+
+
 def test_middle_layer_that_differs_is_not_folded(fake_world, caplog):
     fake_world(4)
     autop, plan = _stack_plan(odd=3)
@@ -192,11 +200,7 @@ def test_middle_layer_that_differs_is_not_folded(fake_world, caplog):
 
 def test_uniform_stack_folds(fake_world):
     fake_world(4)
-    autop, plan = _stack_plan(odd=None)
-    try:
-        parallel = autop.apply_placement(plan)
-    finally:
-        autop.__exit__(None, None, None)
+    parallel = _apply_stack()
     assert parallel.parallel_state.local.extra.get("folded")
     params = [n for n, _ in parallel.named_parameters()]
     assert params == [f"layers.{i}.0.{w}" for i in range(MIN_LAYERS) for w in ("weight", "bias")]
@@ -204,17 +208,13 @@ def test_uniform_stack_folds(fake_world):
 
 def test_failed_unfold_falls_back_to_full_graphs(fake_world, monkeypatch, caplog):
     fake_world(4)
-    autop, plan = _stack_plan(odd=None)
 
     def refuse(*args, **kwargs):
         raise FoldRejected("refused for the test")
 
     monkeypatch.setattr(apply_mod, "unfold_step", refuse)
-    try:
-        with caplog.at_level(logging.WARNING, logger="autoparallel.apply"):
-            parallel = autop.apply_placement(plan)
-    finally:
-        autop.__exit__(None, None, None)
+    with caplog.at_level(logging.WARNING, logger="autoparallel.apply"):
+        parallel = _apply_stack()
     assert not parallel.parallel_state.local.extra.get("folded")
     assert "refused for the test" in caplog.text
     assert len(list(parallel.parameters())) == 2 * MIN_LAYERS
@@ -294,33 +294,19 @@ def test_folded_module_compiles_like_eager(fake_world):
     """torch.compile through autoparallel_backend() of a folded module: the
     second partition saves what the first saved and the numbers match eager
     (the fake process group's collectives are deterministic)."""
-    from autoparallel import autoparallel_backend
+    from test_compile import _compiled_matches_eager
+
     from autoparallel.apply.partition import SAVE_TAG
     from autoparallel.compile import LAST_PARTITION
 
     fake_world(4)
-    autop, plan = _stack_plan(odd=None)
-    try:
-        parallel = autop.apply_placement(plan)
-    finally:
-        autop.__exit__(None, None, None)
+    parallel = _apply_stack()
     assert parallel.parallel_state.local.extra.get("folded")
     torch.manual_seed(0)
     ref = _Stack(MIN_LAYERS, None)
     parallel.to_empty(device="cpu")
     parallel.load_state_dict(ref.state_dict())
-    x = torch.randn(2, 16)
-    out = parallel(x)
-    out.pow(2).sum().backward()
-    eager = {n: p.grad.to_local().clone() for n, p in parallel.named_parameters()}
-    for p in parallel.parameters():
-        p.grad = None
-    compiled = torch.compile(parallel, backend=autoparallel_backend())
-    out2 = compiled(x)
-    out2.pow(2).sum().backward()
-    torch.testing.assert_close(out2, out, rtol=0, atol=0)
-    for name, p in parallel.named_parameters():
-        torch.testing.assert_close(p.grad.to_local(), eager[name], rtol=0, atol=0, msg=name)
+    _compiled_matches_eager(parallel, torch.randn(2, 16))
     graphs = parallel.parallel_state.step.graphs
     (fw_out,) = graphs.fw.graph.find_nodes(op="output")
     first = [n for n in fw_out.args[0][graphs.num_fwd_outputs :] if n.op != "placeholder"]
