@@ -40,7 +40,7 @@ from .fold import fold_layers as fold_layers_of
 from .local_graph import ApplyError, LocalJoint, build_local_joint, full_local_joint, local_shape
 from .module import InputSlot, ParallelModuleMixin, ParallelState, make_parallel_module
 from .partition import StepGraphs, split_joint
-from .redistribute import SOURCE_KEY, UnsupportedRedistribution, redistribute
+from .redistribute import UnsupportedRedistribution, redistribute
 from .runtime import ParallelStep
 from .unfold import check_shift, layer_tags, stamp, unfold_step
 
@@ -104,7 +104,7 @@ def _apply_folded(autop: "AutoParallel", ctx: "passes.PassContext", disabled, pa
         return None
     try:
         short = build_local_joint(fold.traced, fold.strategies, choice, autop.mesh)
-        stamp(short.gm, fold, short.param_fqns, SOURCE_KEY)
+        stamp(short.gm, fold, short.param_fqns)
         tags = layer_tags(short.gm.graph)
         check_shift(short.gm.graph, tags, "local joint graph")
         ctx.local = short

@@ -22,8 +22,11 @@ have shared them between layers, and the copies share them too.
 
 A node of layer 1 copied as real layer ``r`` reads, for an input of short
 layer ``s`` (the node's own being 1), the node with the same key in real
-layer ``r + s - 1``. Copies run in increasing ``r`` in the forward graph
-and decreasing ``r`` in the backward graph (gradients flow down).
+layer ``r + s - 1``. Each run of consecutive layer-1 nodes is repeated in
+place, once per copy, in increasing ``r`` where layer 1 reads the layer
+below, decreasing where it reads the layer above (gradients flow down);
+:func:`unfolded_order` has the rules. Saved tensors and backward inputs
+follow the order PyTorch's partitioner gives a full graph.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_modu
 from .node_templates import insert_like
 from .fold import FIRST, LAST, MIDDLE, NEXT, FoldRejected, LayerFold, arg_pairs
 from .partition import StepGraphs, _output_nodes
+from .redistribute import SOURCE_KEY
 
 if TYPE_CHECKING:
     from .local_graph import LocalJoint
@@ -52,7 +56,7 @@ FOLD_KEY = "ap_fold"
 Tag = tuple  # (short layer, key)
 
 
-def stamp(gm: fx.GraphModule, fold: LayerFold, param_fqns: list[str], source_key: str) -> None:
+def stamp(gm: fx.GraphModule, fold: LayerFold, param_fqns: list[str]) -> None:
     """Set ``meta[FOLD_KEY]`` on the folded local joint graph's nodes."""
     slot = fold.slot
     param_slot = {}
@@ -69,7 +73,7 @@ def stamp(gm: fx.GraphModule, fold: LayerFold, param_fqns: list[str], source_key
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
-        src = n.meta.get(source_key)
+        src = n.meta.get(SOURCE_KEY)
         s = slot.get(src) if src is not None else None
         if s is None:
             continue
