@@ -218,7 +218,11 @@ class AutoParallel:
         self._pin(node, self._check_placements(placements, node, what), f"input constraint {i}")
 
     def add_input_constraints(self, constraints: Sequence[Sequence[Placement] | None]) -> None:
-        """One placement tuple (or None) per tensor input, in flattened order."""
+        """One placement tuple (or None) per TENSOR input, in the flattened
+        ``(args, kwargs)`` order (``torch.utils._pytree.tree_flatten``;
+        keyword inputs in the order given). Non-tensor arguments (floats,
+        ints, bools, strings, None) are constants of the traced step: they
+        take no placement and are not counted."""
         self._require_open()
         n = len(self.traced.input_nodes)
         if len(constraints) != n:

@@ -4,7 +4,18 @@ The model (usually on the meta device) is copied, its parameters and buffers
 replaced by fake tensors on the mesh's device type, and the step is exported
 with AOT autograd's ``aot_export_joint_with_descriptors``. The descriptors on
 placeholders and outputs tell which graph input is which parameter, buffer,
-user input or tangent, and which output is which gradient.
+user input or tangent, and which output is which gradient or mutated input.
+
+What is exported is a :class:`_TraceRoot` around the copy: it holds each
+parameter and buffer OBJECT once (tied/shared parameters are one graph input,
+one decision, one gradient summing every use; ``tied_params`` lists the other
+names), and its forward takes only the TENSOR leaves of the flattened
+``(args, kwargs)``: non-tensor leaves (floats, ints, bools, strings) are
+constants of the traced step, baked into the graph. User inputs are indexed
+by their position among the tensor leaves (``input_nodes``; input
+constraints use the same index). In-place updates of buffers and inputs
+(BatchNorm's running statistics, ``x.mul_(2)``) are listed in ``mutations``:
+the graph outputs the new value, and the parallel module writes it back.
 
 Nothing of the user's model is modified: the copy holds the fake tensors.
 
@@ -49,6 +60,7 @@ import torch.nn as nn
 from torch._functorch._aot_autograd.descriptors import (
     BufferAOTInput,
     GradAOTOutput,
+    InputMutationAOTOutput,
     ParamAOTInput,
     PlainAOTInput,
     PlainAOTOutput,
@@ -60,7 +72,7 @@ from torch._subclasses import FakeTensorMode
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import activation_checkpointing
 
@@ -69,6 +81,17 @@ logger = logging.getLogger(__name__)
 
 class DataDependentTraceError(RuntimeError):
     """The traced step branches on (or reads) the value of a tensor."""
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """The step updates a buffer (``kind="buffer"``, ``target`` its FQN) or a
+    user tensor input (``kind="input"``, ``target`` its tensor index) in
+    place; ``node`` computes the new value."""
+
+    kind: str
+    target: str | int
+    node: torch.fx.Node
 
 
 @dataclass
@@ -92,6 +115,8 @@ class TracedStep:
     grad_nodes: dict[str, torch.fx.Node | None]  # param FQN -> gradient node
     # Aliases of tied parameters: alias FQN -> FQN used in param_nodes.
     tied_params: dict[str, str] = field(default_factory=dict)
+    # In-place updates the step makes, in graph output order.
+    mutations: list["Mutation"] = field(default_factory=list)
     # Recompute tags that module-level activation checkpointing left.
     ac_stats: activation_checkpointing.ACTagStats | None = None
     trace_seconds: float = 0.0
@@ -250,6 +275,47 @@ class _ParamCastWrapper(nn.Module):
         )
 
 
+class _TraceRoot(nn.Module):
+    """The module AOT export traces (see the module docstring).
+
+    Parameters ``p<i>`` and buffers ``b<i>``: one per distinct tensor object
+    of the model; ``names[attr]`` are every FQN that object has in ``inner``.
+    ``forward`` takes the tensor leaves of the example inputs, puts the
+    constants back, and runs ``inner`` with its state swapped for these.
+    The model is held outside the module tree so that its own (possibly
+    duplicated) parameters are not graph inputs.
+    """
+
+    def __init__(self, inner: nn.Module, model: nn.Module, prefix: str, leaves: list, in_spec):
+        super().__init__()
+        self.names: dict[str, list[str]] = {}
+        seen: dict[int, str] = {}
+        for kind, named in (("p", model.named_parameters(remove_duplicate=False)), ("b", model.named_buffers(remove_duplicate=False))):
+            for fqn, t in named:
+                attr = seen.get(id(t))
+                if attr is None:
+                    attr = seen[id(t)] = f"{kind}{len(seen)}"
+                    if kind == "p":
+                        self.register_parameter(attr, t)
+                    else:
+                        self.register_buffer(attr, t)
+                self.names.setdefault(attr, []).append(prefix + fqn)
+        object.__setattr__(self, "_inner", inner)
+        self._leaves = leaves  # None where a tensor goes
+        self._in_spec = in_spec
+
+    def canonical(self, attr: str) -> str:
+        """The FQN (without the wrapper prefix) a graph input is known by."""
+        return self.names[attr][0]
+
+    def forward(self, *tensors):
+        it = iter(tensors)
+        leaves = [next(it) if leaf is None else leaf for leaf in self._leaves]
+        args, kwargs = tree_unflatten(leaves, self._in_spec)
+        state = {fqn: getattr(self, attr) for attr, fqns in self.names.items() for fqn in fqns}
+        return torch.func.functional_call(self._inner, state, tuple(args), kwargs, strict=False)
+
+
 MODULE_PATH_KEY = "module_path"
 
 _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
@@ -348,18 +414,23 @@ def trace_training_step(
     fake_model, tied = fake_model_copy(model, fake_mode, device_type)
     args, kwargs, placements = make_fake_inputs(inputs, fake_mode, device_type)
 
-    to_trace: nn.Module = fake_model
+    inner: nn.Module = fake_model
     prefix = ""
     if param_dtype is not None or reduce_dtype is not None:
-        to_trace = _ParamCastWrapper(fake_model, param_dtype, reduce_dtype, cast_inputs)
+        inner = _ParamCastWrapper(fake_model, param_dtype, reduce_dtype, cast_inputs)
         prefix = "module."
+    leaves, in_spec = tree_flatten((args, kwargs))
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    to_trace = _TraceRoot(
+        inner, fake_model, prefix, [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], in_spec
+    )
 
     running: list[str] = []
     with fake_mode, activation_checkpointing.graph_ac_tracing(), _module_path_annotations(
         fake_model, running
     ), _compiling_state_context():
         try:
-            joint = aot_export_joint_with_descriptors(stack, to_trace, args, kwargs)
+            joint = aot_export_joint_with_descriptors(stack, to_trace, tuple(tensors), {})
         except _DATA_DEPENDENT as e:
             raise _data_dependent_error(e, running) from e
         except RuntimeError as e:
@@ -376,7 +447,8 @@ def trace_training_step(
     ac_stats = activation_checkpointing.tag_recompute(gm)
 
     def fqn(target: str) -> str:
-        return target[len(prefix) :] if prefix and target.startswith(prefix) else target
+        name = to_trace.canonical(target)
+        return name[len(prefix) :] if prefix and name.startswith(prefix) else name
 
     param_nodes: dict[str, torch.fx.Node] = {}
     buffer_nodes: dict[str, torch.fx.Node] = {}
@@ -404,9 +476,21 @@ def trace_training_step(
     outputs: dict[int, torch.fx.Node] = {}
     grad_nodes: dict[str, torch.fx.Node | None] = {}
     descs = output_node.meta.get("desc") or []
+    mutations: list[Mutation] = []
     for value, desc in zip(output_node.args[0], descs):
         if isinstance(desc, PlainAOTOutput):
             outputs[desc.idx] = value
+        elif isinstance(desc, InputMutationAOTOutput):
+            target = desc.mutated_input
+            if isinstance(target, BufferAOTInput):
+                mutations.append(Mutation("buffer", fqn(target.target), value))
+            elif isinstance(target, PlainAOTInput):
+                mutations.append(Mutation("input", target.idx, value))
+            else:
+                raise NotImplementedError(
+                    f"the step updates {target!r} in place ({value}); autoparallel writes back "
+                    "in-place updates of buffers and tensor inputs only (not of parameters)"
+                )
         elif isinstance(desc, GradAOTOutput):
             grad_of = desc.grad_of
             if isinstance(grad_of, ParamAOTInput):
@@ -433,6 +517,7 @@ def trace_training_step(
         tangent_nodes=tangent_by_output,
         grad_nodes=grad_nodes,
         tied_params=tied,
+        mutations=mutations,
         ac_stats=ac_stats,
         trace_seconds=seconds,
     )

@@ -152,7 +152,7 @@ def apply_placement(
     )
     stats = passes.run_stage("plan", ctx, disabled)
     folded = None
-    if fold_layers:
+    if fold_layers and not traced.mutations:  # folding keeps no mutation outputs
         folded = _apply_folded(autop, ctx, disabled, partitioner)
     if folded is not None:
         local, graphs, joint_stats = folded

@@ -76,13 +76,16 @@ class LocalJoint:
     differentiable_outputs: list[int]
     # Parameters that receive a gradient output (the rest get None).
     has_grad: list[bool]
+    # In-place updates the step makes, ("buffer", FQN) or ("input", tensor
+    # index): forward outputs after the user's, each in its target's layout.
+    mutations: list[tuple[str, str | int]] = field(default_factory=list)
     seconds: float = 0.0
     ac_stats: object = None
     extra: dict = field(default_factory=dict)
 
     @property
     def num_fwd_outputs(self) -> int:
-        return len(self.output_specs)
+        return len(self.output_specs) + len(self.mutations)
 
     @property
     def num_primals(self) -> int:
@@ -348,6 +351,12 @@ class _Interpreter:
                     self._redistribute(self.env[node], self.spec[node], layout.output_specs[i], f"output {i}", node)
                 )
             _set_source(graph, last, node)
+        for m, spec in zip(traced.mutations, layout.mutation_specs):
+            # the new value of a mutated buffer/input, laid out as its target
+            last = graph._root.prev if graph is not None else None
+            with fx_traceback.set_current_meta(m.node):
+                outs.append(self._redistribute(self.env[m.node], self.spec[m.node], spec, f"update of {m.kind} {m.target}", m.node))
+            _set_source(graph, last, m.node)
         for fqn, wants in zip(layout.param_fqns, layout.has_grad):
             grad = traced.grad_nodes.get(fqn)
             if not wants:
@@ -378,6 +387,7 @@ class _Layout:
     output_specs: list[DTensorSpec]
     differentiable_outputs: list[int]
     has_grad: list[bool]
+    mutation_specs: list[DTensorSpec] = field(default_factory=list)
 
 
 def build_local_joint(
@@ -413,7 +423,12 @@ def build_local_joint(
         output_specs.append(user_spec(spec))
     differentiable = sorted(traced.tangent_nodes)
     has_grad = [traced.grad_nodes.get(fqn) is not None for fqn in param_fqns]
-    layout = _Layout(param_fqns, buffer_fqns, input_nodes, param_specs, output_specs, differentiable, has_grad)
+    mutation_specs = [
+        buffer_specs[m.target] if m.kind == "buffer" else spec_of(traced.input_nodes[m.target]) for m in traced.mutations
+    ]
+    layout = _Layout(
+        param_fqns, buffer_fqns, input_nodes, param_specs, output_specs, differentiable, has_grad, mutation_specs
+    )
 
     def fake_local(spec: DTensorSpec):
         shape = local_shape(spec)
@@ -460,6 +475,7 @@ def build_local_joint(
         output_specs=output_specs,
         differentiable_outputs=differentiable,
         has_grad=has_grad,
+        mutations=[(m.kind, m.target) for m in traced.mutations],
         seconds=seconds,
         ac_stats=ac_stats,
     )

@@ -119,12 +119,29 @@ class ParallelModuleMixin:
     def forward(self, *args, **kwargs):
         st = self.parallel_state
         self._check_world(st)
-        primals = self._param_locals(st) + self._buffer_locals(st) + self._input_locals(st, args, kwargs)
+        callers: list[torch.Tensor] = []  # the caller's tensor inputs, for in-place updates
+        primals = self._param_locals(st) + self._buffer_locals(st) + self._input_locals(st, args, kwargs, callers)
         primals.append(_coords(st.mesh, primals[0].device if primals else None))
         outs = st.step(primals)
+        n_out = len(st.local.output_specs)
+        if st.local.mutations:
+            self._write_back(st, outs[n_out:], callers)
+            outs = outs[:n_out]
         if st.out_spec is None:
             return outs[0] if len(outs) == 1 else outs
         return tree_unflatten(list(outs), st.out_spec)
+
+    def _write_back(self, st: ParallelState, values, callers: list[torch.Tensor]) -> None:
+        """The step's in-place updates of buffers and inputs, as eager makes them."""
+        with torch.no_grad():
+            for (kind, target), value in zip(st.local.mutations, values):
+                if kind == "buffer":
+                    dest = getattr(*st.buffer_slots[target][0])
+                else:
+                    dest = callers[target]
+                if isinstance(dest, DTensor):
+                    dest = dest._local_tensor
+                dest.copy_(value)
 
     def _check_world(self, st: ParallelState) -> None:
         if not dist.is_initialized():
@@ -171,10 +188,13 @@ class ParallelModuleMixin:
                     mod._buffers[name] = b
             if b.is_meta:
                 raise RuntimeError(f"buffer {fqn} is on the meta device: call to_empty(device=...) first")
-            out.append(b.to_local())
+            local = b.to_local()
+            # the step may save the value it read for backward; the update
+            # written back after the forward must not change that copy
+            out.append(local.clone() if ("buffer", fqn) in st.local.mutations else local)
         return out
 
-    def _input_locals(self, st: ParallelState, args, kwargs) -> list[torch.Tensor]:
+    def _input_locals(self, st: ParallelState, args, kwargs, callers: list) -> list[torch.Tensor]:
         leaves, spec = tree_flatten_with_path((args, kwargs))
         if spec != st.in_spec:
             raise TypeError(
@@ -184,11 +204,16 @@ class ParallelModuleMixin:
         for (path, leaf), slot in zip(leaves, st.inputs):
             name = _input_name(path)
             if slot.kind == "unused":
+                callers.append(leaf)
                 continue
             if slot.kind == "const":
-                if isinstance(leaf, torch.Tensor) or leaf != slot.value:
-                    raise ValueError(f"input {name}: traced with the constant {slot.value!r}, got {leaf!r}")
+                if isinstance(leaf, torch.Tensor) or type(leaf) is not type(slot.value) or leaf != slot.value:
+                    raise ValueError(
+                        f"input {name}: the step was traced with {name}={slot.value!r} (a non-tensor argument is a "
+                        f"constant of the traced step), got {leaf!r}; plan again with this value to use it"
+                    )
                 continue
+            callers.append(leaf)
             if isinstance(leaf, DTensor):
                 if tuple(leaf.placements) != tuple(slot.spec.placements):
                     raise ValueError(
@@ -212,7 +237,8 @@ class ParallelModuleMixin:
                 raise ValueError(
                     f"input {name}: on device {leaf.device}, expected a {st.mesh.device_type} tensor"
                 )
-            out.append(leaf.contiguous())
+            local = leaf.contiguous()
+            out.append(local.clone() if ("input", len(callers) - 1) in st.local.mutations and local is leaf else local)
         return out
 
 
@@ -329,7 +355,12 @@ def make_parallel_module(
         param_slots: dict[str, list[tuple[nn.Module, str]]] = {}
         for fqn, slots in _slots(copy_, model.named_parameters(remove_duplicate=False)).items():
             param_slots.setdefault(tied_params.get(fqn, fqn), []).extend(slots)
-        buffer_slots = _slots(copy_, model.named_buffers(remove_duplicate=False))
+        # a buffer shared by several modules: all its names under the first
+        first: dict[int, str] = {}
+        buffer_slots: dict[str, list[tuple[nn.Module, str]]] = {}
+        for fqn, b in model.named_buffers(remove_duplicate=False):
+            canonical = first.setdefault(id(b), fqn)
+            buffer_slots.setdefault(canonical, []).extend(_slots(copy_, [(fqn, b)])[fqn])
         missing = set(param_slots) - set(local.param_specs)
         if missing:
             raise RuntimeError(f"parameters not in the traced graph: {sorted(missing)}")

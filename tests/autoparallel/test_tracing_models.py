@@ -64,7 +64,9 @@ def test_hugging_face_models_trace(name):
         model, inputs = build()
     with contextlib.ExitStack() as stack:
         traced = trace_training_step(model, inputs, "cpu", stack=stack)
+    # every parameter object is one graph input, reachable under every name
     n_unique = len({id(p) for p in model.parameters()})
+    assert len(traced.param_nodes) == n_unique
     for alias, canonical in tied.items():
         assert traced.tied_params[alias] == canonical
     assert set(traced.param_nodes) | set(traced.tied_params) == {n for n, _ in model.named_parameters(remove_duplicate=False)}

@@ -1,0 +1,132 @@
+"""Tied and shared parameters: one ``nn.Parameter`` under several names is one
+graph input, one decision and one DTensor in the parallel module, reachable
+under every name the original model has; names, ``state_dict`` keys, loading
+the original's full state dict, gradients (summing every use) and a DCP round
+trip match the single-device model (4 simulated ranks on a 2x2 ("dp", "tp")
+mesh, batch on dp; DCP on 4 gloo processes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from _dist_utils import run_ranks
+from autoparallel import AutoParallel
+from autoparallel.passes import PassOptions
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:DTensor random operators.*:UserWarning"),
+]
+
+LOCAL_TENSOR_PASSES = PassOptions(column_major_all_gather="reorder")
+N, VOCAB, DIM, BATCH, SEQ = 4, 32, 16, 8, 4
+BATCH_ON_DP = (Shard(0), Replicate())
+
+
+class TiedLM(nn.Module):
+    """Embedding tied to the output head, and one layer under two names."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.shared = nn.Linear(DIM, DIM)
+        self.again = self.shared  # the same module (and parameters) twice
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        h = self.shared(self.emb(tokens))
+        h = self.again(torch.relu(h))
+        return self.head(h)
+
+
+def _tokens(seed=0):
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def _plan_and_apply(mesh, passes=None):
+    with torch.device("meta"):
+        model = TiedLM()
+    with AutoParallel(model, mesh, torch.empty(BATCH, SEQ, dtype=torch.long, device="meta")) as autop:
+        autop.add_input_constraints([BATCH_ON_DP])
+        autop.add_output_constraints([BATCH_ON_DP])
+        plan = autop.optimize_placement()
+        # one decision per parameter object: the aliases are not graph inputs
+        assert set(autop.traced.param_nodes) == {"emb.weight", "shared.weight", "shared.bias"}
+        assert autop.traced.tied_params == {"again.weight": "shared.weight", "again.bias": "shared.bias", "head.weight": "emb.weight"}
+        return autop.apply_placement(plan, pass_options=passes)
+
+
+def _full(t):
+    full = t.full_tensor() if isinstance(t, DTensor) else t
+    return full.reconcile() if isinstance(full, LocalTensor) else full
+
+
+def test_tied_parameters(fake_world):
+    fake_world(N)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    parallel = _plan_and_apply(mesh, LOCAL_TENSOR_PASSES)
+    torch.manual_seed(0)
+    ref = TiedLM()
+
+    # names as the original model's, the tied ones one DTensor
+    assert [n for n, _ in parallel.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    assert list(parallel.state_dict()) == list(ref.state_dict())
+    assert parallel.head.weight is parallel.emb.weight
+    assert parallel.again.weight is parallel.shared.weight
+    assert isinstance(parallel.head.weight, DTensor)
+
+    x = _tokens()
+    out = ref(x)
+    out.pow(2).mean().backward()
+    with LocalTensorMode(N) as lm:
+        parallel.to_empty(device="cpu")
+        parallel.load_state_dict(ref.state_dict())  # holds both keys of each tie
+        assert parallel.head.weight is parallel.emb.weight
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(_full(parallel.get_parameter(name)), p.detach(), msg=name)
+        per = BATCH // mesh.size(0)
+        local_x = lm.rank_map(lambda r: x[(r // mesh.size(1)) * per : (r // mesh.size(1) + 1) * per].clone())
+        local_out = parallel(local_x)
+        local_out.pow(2).sum().div(out.numel()).backward()
+        got = torch.cat([local_out._local_tensors[int(mesh.mesh[i, 0])] for i in range(mesh.size(0))])
+        grads = {n: _full(p.grad) for n, p in parallel.named_parameters()}
+    torch.testing.assert_close(got, out.detach(), rtol=1e-5, atol=1e-6)
+    for name, p in ref.named_parameters():  # emb.weight: embedding + head; shared: both calls
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _dcp_rank(rank, world, path):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    parallel = _plan_and_apply(mesh)
+    torch.manual_seed(0)
+    ref = TiedLM()
+    parallel.to_empty(device="cpu")
+    parallel.load_state_dict(ref.state_dict())
+    dcp.save(parallel.state_dict(), checkpoint_id=path)
+    # a second copy, zeroed, loads the checkpoint in place
+    other = _plan_and_apply(mesh)
+    other.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in other.parameters():
+            p.zero_()
+    state = other.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    other.load_state_dict(state)
+    assert other.head.weight is other.emb.weight
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(other.get_parameter(name).full_tensor(), p.detach(), msg=name)
+
+
+def test_tied_parameters_dcp_round_trip_gloo(tmp_path):
+    run_ranks(_dcp_rank, 4, str(tmp_path / "ckpt"), timeout=240)
