@@ -77,7 +77,21 @@ class _FullTensorRNG(TorchDispatchMode):
             return _full_then_shard(func, args, kwargs, inplace=packet in _RANDOM_INPLACE)
         if func is aten._local_scalar_dense.default and isinstance(args[0], DTensor):
             return _item(args[0])
+        if func is aten.copy_.default and isinstance(args[0], DTensor) and not isinstance(args[1], DTensor):
+            return _copy_full(args[0], args[1])
         return func(*args, **kwargs)
+
+
+def _copy_full(dt: DTensor, src: torch.Tensor) -> DTensor:
+    """``dt.copy_(full)`` with a plain tensor: an init computing a whole
+    buffer (Hugging Face's ``init.copy_(module.position_ids, torch.arange(...))``)
+    keeps this rank's shard of it."""
+    local = dt._local_tensor
+    if local.is_meta:
+        return dt
+    full = src.to(dtype=dt.dtype, device=local.device).expand(dt.shape).contiguous()
+    local.copy_(distribute_tensor(full, dt.device_mesh, dt.placements, src_data_rank=None)._local_tensor)
+    return dt
 
 
 def _item(dt: DTensor):

@@ -130,3 +130,57 @@ def _dcp_rank(rank, world, path):
 
 def test_tied_parameters_dcp_round_trip_gloo(tmp_path):
     run_ranks(_dcp_rank, 4, str(tmp_path / "ckpt"), timeout=240)
+
+
+def _hf_gpt2():
+    import transformers
+
+    cfg = transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=DIM, n_layer=1, n_head=4, n_positions=SEQ, use_cache=False,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )
+    return transformers.GPT2LMHeadModel(cfg), ("lm_head.weight", "transformer.wte.weight")
+
+
+def _hf_bert():
+    import transformers
+
+    cfg = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=DIM, num_hidden_layers=1, num_attention_heads=4, intermediate_size=32,
+        max_position_embeddings=SEQ, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    return transformers.BertForMaskedLM(cfg), ("cls.predictions.decoder.weight", "bert.embeddings.word_embeddings.weight")
+
+
+@pytest.mark.parametrize("build", [_hf_gpt2, _hf_bert], ids=["gpt2", "bert"])
+def test_hugging_face_tied_heads(fake_world, build):
+    pytest.importorskip("transformers")
+    fake_world(N)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with torch.device("meta"):
+        model, (alias, canonical) = build()
+    with AutoParallel(model, mesh, {"input_ids": torch.empty(BATCH, SEQ, dtype=torch.long, device="meta")}) as autop:
+        autop.add_input_constraints([BATCH_ON_DP])
+        autop.add_output_constraints([BATCH_ON_DP])  # the logits
+        parallel = autop.apply_placement(autop.optimize_placement(), pass_options=LOCAL_TENSOR_PASSES)
+    torch.manual_seed(0)
+    ref, _ = build()
+    assert parallel.get_parameter(alias) is parallel.get_parameter(canonical)
+    assert list(parallel.state_dict()) == list(ref.state_dict())
+    x = _tokens()
+    out = ref(input_ids=x).logits
+    out.pow(2).mean().backward()
+    with LocalTensorMode(N) as lm:
+        parallel.to_empty(device="cpu")
+        parallel.init_weights()  # Hugging Face's init also computes the non-persistent buffers
+        parallel.load_state_dict(ref.state_dict())
+        per = BATCH // mesh.size(0)
+        local_x = lm.rank_map(lambda r: x[(r // mesh.size(1)) * per : (r // mesh.size(1) + 1) * per].clone())
+        local_out = parallel(input_ids=local_x).logits
+        local_out.pow(2).sum().div(out.numel()).backward()
+        got = torch.cat([local_out._local_tensors[int(mesh.mesh[i, 0])] for i in range(mesh.size(0))])
+        grads = {n: _full(p.grad) for n, p in parallel.named_parameters()}
+    torch.testing.assert_close(got, out.detach(), rtol=1e-5, atol=1e-6)
+    assert grads.keys() == dict(ref.named_parameters()).keys()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
