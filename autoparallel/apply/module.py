@@ -18,7 +18,12 @@ as is; ``load_state_dict`` also takes full tensors.
 
 The forward takes this rank's LOCAL shard of every input (what the input's
 planned placement gives this rank) and returns local outputs (Partial mesh
-dims reduced).
+dims reduced). Non-tensor arguments must equal the traced constants. The
+step's in-place updates (buffers, e.g. BatchNorm's running statistics, and
+tensor inputs) come back as extra forward outputs and are copied into this
+rank's shard of the buffer / the caller's tensor after the step; a mutated
+buffer or input is handed to the step as a copy, so the value the step
+saved for backward is not the one overwritten.
 """
 
 from __future__ import annotations
