@@ -268,7 +268,8 @@ class _ParamCastWrapper(nn.Module):
             name: _MixedPrecisionCast.apply(p, self.param_dtype, self.reduce_dtype)
             if p.is_floating_point()
             else p
-            for name, p in self.module.named_parameters(remove_duplicate=False)
+            # each parameter object once: tie_weights gives its aliases the same cast
+            for name, p in self.module.named_parameters()
         }
         return torch.func.functional_call(
             self.module, params, args, kwargs, tie_weights=True, strict=False

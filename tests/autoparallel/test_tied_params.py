@@ -49,10 +49,11 @@ def _tokens(seed=0):
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
-def _plan_and_apply(mesh, passes=None):
+def _plan_and_apply(mesh, passes=None, mp_policy=None):
     with torch.device("meta"):
         model = TiedLM()
-    with AutoParallel(model, mesh, torch.empty(BATCH, SEQ, dtype=torch.long, device="meta")) as autop:
+    tokens = torch.empty(BATCH, SEQ, dtype=torch.long, device="meta")
+    with AutoParallel(model, mesh, tokens, mp_policy=mp_policy) as autop:
         autop.add_input_constraints([BATCH_ON_DP])
         autop.add_output_constraints([BATCH_ON_DP])
         plan = autop.optimize_placement()
@@ -67,10 +68,15 @@ def _full(t):
     return full.reconcile() if isinstance(full, LocalTensor) else full
 
 
-def test_tied_parameters(fake_world):
+@pytest.mark.parametrize("mixed_precision", [False, True], ids=["fp32", "bf16"])
+def test_tied_parameters(fake_world, mixed_precision):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     fake_world(N)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    parallel = _plan_and_apply(mesh, LOCAL_TENSOR_PASSES)
+    # bf16 compute: each alias of a tied parameter gets the same cast
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else None
+    parallel = _plan_and_apply(mesh, LOCAL_TENSOR_PASSES, mp)
     torch.manual_seed(0)
     ref = TiedLM()
 
@@ -96,8 +102,14 @@ def test_tied_parameters(fake_world):
         local_out.pow(2).sum().div(out.numel()).backward()
         got = torch.cat([local_out._local_tensors[int(mesh.mesh[i, 0])] for i in range(mesh.size(0))])
         grads = {n: _full(p.grad) for n, p in parallel.named_parameters()}
+    # emb.weight: embedding + head; shared: both calls
+    if mixed_precision:  # against the fp32 reference, at bf16's precision
+        torch.testing.assert_close(got.float(), out.detach(), rtol=0.05, atol=0.05)
+        for name, p in ref.named_parameters():
+            assert (grads[name] - p.grad).abs().max() <= 0.05 * p.grad.abs().max(), name
+        return
     torch.testing.assert_close(got, out.detach(), rtol=1e-5, atol=1e-6)
-    for name, p in ref.named_parameters():  # emb.weight: embedding + head; shared: both calls
+    for name, p in ref.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
