@@ -140,6 +140,33 @@ def _dcp_rank(rank, world, path):
         torch.testing.assert_close(other.get_parameter(name).full_tensor(), p.detach(), msg=name)
 
 
+def test_tied_parameters_dcp_round_trip(fake_world, tmp_path):
+    """In one process (rank 0 of a fake world, ``no_dist``): both keys of a
+    tie save and load rank 0's shards of the one DTensor."""
+    import torch.distributed.checkpoint as dcp
+
+    fake_world(N)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    parallel = _plan_and_apply(mesh)
+    torch.manual_seed(0)
+    ref = TiedLM()
+    parallel.to_empty(device="cpu")
+    parallel.load_state_dict(ref.state_dict())
+    dcp.save(parallel.state_dict(), checkpoint_id=str(tmp_path), no_dist=True)
+    other = _plan_and_apply(mesh)
+    other.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in other.parameters():
+            p.zero_()
+    state = other.state_dict()
+    dcp.load(state, checkpoint_id=str(tmp_path), no_dist=True)
+    other.load_state_dict(state)
+    assert other.head.weight is other.emb.weight
+    for key, value in parallel.state_dict().items():
+        torch.testing.assert_close(other.state_dict()[key].to_local(), value.to_local(), rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.slow
 def test_tied_parameters_dcp_round_trip_gloo(tmp_path):
     run_ranks(_dcp_rank, 4, str(tmp_path / "ckpt"), timeout=240)
 
@@ -193,6 +220,44 @@ def test_hugging_face_tied_heads(fake_world, build):
         got = torch.cat([local_out._local_tensors[int(mesh.mesh[i, 0])] for i in range(mesh.size(0))])
         grads = {n: _full(p.grad) for n, p in parallel.named_parameters()}
     torch.testing.assert_close(got, out.detach(), rtol=1e-5, atol=1e-6)
+    assert grads.keys() == dict(ref.named_parameters()).keys()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_llama3_tied_embeddings(fake_world):
+    import dataclasses
+
+    from autoparallel.models import LLAMA3_CONFIGS, Transformer
+
+    fake_world(N)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    config = dataclasses.replace(LLAMA3_CONFIGS["debug"], tie_embeddings=True)
+    with torch.device("meta"):
+        model = Transformer(config)
+    with AutoParallel(model, mesh, torch.empty(BATCH, 16, dtype=torch.long, device="meta")) as autop:
+        autop.add_input_constraints([BATCH_ON_DP])
+        autop.add_output_constraints([BATCH_ON_DP])
+        parallel = autop.apply_placement(autop.optimize_placement(), pass_options=LOCAL_TENSOR_PASSES)
+    assert parallel.output.weight is parallel.tok_embeddings.weight
+    ref = Transformer(config)
+    torch.manual_seed(0)
+    ref.init_weights()
+    x = torch.randint(0, config.vocab_size, (BATCH, 16), generator=torch.Generator().manual_seed(1))
+    out = ref(x)
+    out.pow(2).mean().backward()
+    with LocalTensorMode(N) as lm:
+        parallel.to_empty(device="cpu")
+        torch.manual_seed(0)
+        parallel.init_weights()  # the same seeded init as the reference
+        assert parallel.output.weight is parallel.tok_embeddings.weight
+        per = BATCH // mesh.size(0)
+        local_x = lm.rank_map(lambda r: x[(r // mesh.size(1)) * per : (r // mesh.size(1) + 1) * per].clone())
+        local_out = parallel(local_x)
+        local_out.pow(2).sum().div(out.numel()).backward()
+        got = torch.cat([local_out._local_tensors[int(mesh.mesh[i, 0])] for i in range(mesh.size(0))])
+        grads = {n: _full(p.grad) for n, p in parallel.named_parameters()}
+    torch.testing.assert_close(got, out.detach(), rtol=1e-5, atol=1e-5)
     assert grads.keys() == dict(ref.named_parameters()).keys()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
