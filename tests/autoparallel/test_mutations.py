@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from autoparallel import AutoParallel
+from autoparallel.cost_model import DeviceSpec
 from autoparallel.passes import PassOptions
 
 pytestmark = [
@@ -39,10 +40,18 @@ class ConvBN(nn.Module):
         return self.head(h.mean((2, 3))) + y
 
 
-def _plan(model_fn, inputs, constraints, mesh, outputs=(BATCH_ON_DP,), buffers=None):
+# compute so slow that the plan shards it (conv over the batch, BatchNorm
+# over channels): the updates then come from sharded compute
+SLOW_COMPUTE = DeviceSpec(
+    name="slow", peak_bf16=1e9, peak_fp32=1e9, peak_tf32=1e9, peak_fp8=None, hbm_bw=1e9,
+    intra_node_bw=1e12, inter_node_bw=1e12, launch_floor=0.0,
+)
+
+
+def _plan(model_fn, inputs, constraints, mesh, outputs=(BATCH_ON_DP,), buffers=None, device="H100"):
     with torch.device("meta"):
         model = model_fn()
-    with AutoParallel(model, mesh, inputs) as autop:
+    with AutoParallel(model, mesh, inputs, device=device) as autop:
         autop.add_input_constraints(constraints)
         autop.add_output_constraints(list(outputs))
         for fqn, placements in (buffers or {}).items():
@@ -79,16 +88,25 @@ def _gathered(lm_out: LocalTensor, mesh, placements) -> torch.Tensor:
 # running statistics replicated (what the cost model picks here), or pinned
 # sharded over channels: the update reaches each rank's shard
 @pytest.mark.parametrize(
-    "buffers", [None, {"bn.running_mean": (Replicate(), Shard(0)), "bn.running_var": (Shard(0), Shard(0))}]
+    "buffers, device",
+    [
+        (None, "H100"),
+        ({"bn.running_mean": (Replicate(), Shard(0)), "bn.running_var": (Shard(0), Shard(0))}, "H100"),
+        (None, SLOW_COMPUTE),
+    ],
+    ids=["default", "sharded-stats", "sharded-compute"],
 )
-def test_batchnorm_running_stats_and_input_update(fake_world, buffers):
+def test_batchnorm_running_stats_and_input_update(fake_world, buffers, device):
     fake_world(N)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(BATCH, 3, 6, 6, generator=g) for _ in range(2)]
     ys = [torch.randn(BATCH, 4, generator=g) for _ in range(2)]
     meta = (torch.empty(BATCH, 3, 6, 6, device="meta"), torch.empty(BATCH, 4, device="meta"))
-    parallel = _plan(ConvBN, meta, [BATCH_ON_DP, BATCH_ON_DP], mesh, buffers=buffers)
+    parallel = _plan(ConvBN, meta, [BATCH_ON_DP, BATCH_ON_DP], mesh, buffers=buffers, device=device)
+    if device is SLOW_COMPUTE:
+        conv = [n for n in parallel.parallel_state.local.gm.graph.nodes if n.target == torch.ops.aten.convolution.default]
+        assert conv and all(n.meta["val"].shape[0] < BATCH or n.meta["val"].shape[1] < 8 for n in conv)
     if buffers:
         assert parallel.bn.running_var.placements == (Shard(0), Shard(0))
 
