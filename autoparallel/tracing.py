@@ -6,7 +6,7 @@ with AOT autograd's ``aot_export_joint_with_descriptors``. The descriptors on
 placeholders and outputs tell which graph input is which parameter, buffer,
 user input or tangent, and which output is which gradient or mutated input.
 
-What is exported is a :class:`_TraceRoot` around the copy: it holds each
+What is exported is a :class:`~.trace_wrappers.TraceRoot` around the copy: it holds each
 parameter and buffer OBJECT once (tied/shared parameters are one graph input,
 one decision, one gradient summing every use; ``tied_params`` lists the other
 names), and its forward takes only the TENSOR leaves of the flattened
@@ -37,8 +37,10 @@ pre/post hooks that enter ``fx.traceback.annotate``, which dynamo refuses
 (about 40% of the call nodes), so the backward nodes that the planner's
 repeated-layer detection and the passes key on lose their module; (2)
 parameter and buffer names come back mangled (``L__self___layers_0_...``)
-and need restoring; (3) a second set of failure modes (graph breaks) for no
-gain here: every model that traced with the flag set traced identically.
+and need restoring; (3) it adds a second set of failure modes (graph
+breaks) for no gain here: setting the flag alone made every model tried
+(Hugging Face Llama, GPT-2, BERT, T5) trace, with every node keeping its
+module path.
 
 Python control flow that genuinely depends on tensor data (``if x.sum() >
 0:``) cannot be traced either way; it raises :class:`DataDependentTraceError`
@@ -72,9 +74,10 @@ from torch._subclasses import FakeTensorMode
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from . import activation_checkpointing
+from .trace_wrappers import ParamCastWrapper, TraceRoot
 
 logger = logging.getLogger(__name__)
 
@@ -207,116 +210,6 @@ def make_fake_inputs(
     return tree_map(to_fake, args), tree_map(to_fake, kwargs), placements
 
 
-class _MixedPrecisionCast(torch.autograd.Function):
-    """Cast a parameter to ``param_dtype`` for compute; in backward, bring its
-    gradient to ``reduce_dtype`` first, then to the parameter's dtype.
-
-    The two backward casts put a node of dtype ``reduce_dtype`` on the
-    gradient's path: the planner reduces partial gradients there or after it,
-    never before, so the reduction runs in ``reduce_dtype`` (FSDP's
-    ``MixedPrecisionPolicy.reduce_dtype`` semantics).
-    """
-
-    @staticmethod
-    def forward(ctx, param, param_dtype, reduce_dtype):
-        ctx.storage_dtype = param.dtype
-        ctx.reduce_dtype = reduce_dtype
-        return param.to(param_dtype or param.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.reduce_dtype is not None and ctx.reduce_dtype != grad.dtype:
-            grad = grad.to(ctx.reduce_dtype)
-            # A view after the cast gives the reduction a place in
-            # reduce_dtype even when no cast to the storage dtype follows.
-            grad = grad.to(ctx.storage_dtype) if grad.dtype != ctx.storage_dtype else grad.view(grad.shape)
-        return grad.to(ctx.storage_dtype), None, None
-
-
-class _ParamCastWrapper(nn.Module):
-    """Runs the model with parameters cast to ``param_dtype`` (mixed precision).
-
-    The cast happens inside the traced graph, so parameters stay in their
-    storage dtype as graph inputs and gradients flow back through the cast
-    (in ``reduce_dtype`` when given). Registered as a plain attribute-free
-    wrapper so FQNs are unchanged (``module.`` prefix stripped by the tracer).
-    """
-
-    def __init__(
-        self,
-        module: nn.Module,
-        param_dtype: torch.dtype | None,
-        reduce_dtype: torch.dtype | None,
-        cast_inputs: bool = True,
-    ):
-        super().__init__()
-        self.module = module
-        self.param_dtype = param_dtype
-        self.reduce_dtype = reduce_dtype
-        self.cast_inputs = cast_inputs
-
-    def _cast_input(self, x):
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
-            return x.to(self.param_dtype)
-        return x
-
-    def forward(self, *args, **kwargs):
-        if self.cast_inputs and self.param_dtype is not None:
-            # FSDP's cast_forward_inputs: floating inputs run in param_dtype.
-            args, kwargs = tree_map(self._cast_input, (args, kwargs))
-        params = {
-            name: _MixedPrecisionCast.apply(p, self.param_dtype, self.reduce_dtype)
-            if p.is_floating_point()
-            else p
-            # each parameter object once: tie_weights gives its aliases the same cast
-            for name, p in self.module.named_parameters()
-        }
-        return torch.func.functional_call(
-            self.module, params, args, kwargs, tie_weights=True, strict=False
-        )
-
-
-class _TraceRoot(nn.Module):
-    """The module AOT export traces (see the module docstring).
-
-    Parameters ``p<i>`` and buffers ``b<i>``: one per distinct tensor object
-    of the model; ``names[attr]`` are every FQN that object has in ``inner``.
-    ``forward`` takes the tensor leaves of the example inputs, puts the
-    constants back, and runs ``inner`` with its state swapped for these.
-    The model is held outside the module tree so that its own (possibly
-    duplicated) parameters are not graph inputs.
-    """
-
-    def __init__(self, inner: nn.Module, model: nn.Module, prefix: str, leaves: list, in_spec):
-        super().__init__()
-        self.names: dict[str, list[str]] = {}
-        seen: dict[int, str] = {}
-        for kind, named in (("p", model.named_parameters(remove_duplicate=False)), ("b", model.named_buffers(remove_duplicate=False))):
-            for fqn, t in named:
-                attr = seen.get(id(t))
-                if attr is None:
-                    attr = seen[id(t)] = f"{kind}{len(seen)}"
-                    if kind == "p":
-                        self.register_parameter(attr, t)
-                    else:
-                        self.register_buffer(attr, t)
-                self.names.setdefault(attr, []).append(prefix + fqn)
-        object.__setattr__(self, "_inner", inner)
-        self._leaves = leaves  # None where a tensor goes
-        self._in_spec = in_spec
-
-    def canonical(self, attr: str) -> str:
-        """The FQN (without the wrapper prefix) a graph input is known by."""
-        return self.names[attr][0]
-
-    def forward(self, *tensors):
-        it = iter(tensors)
-        leaves = [next(it) if leaf is None else leaf for leaf in self._leaves]
-        args, kwargs = tree_unflatten(leaves, self._in_spec)
-        state = {fqn: getattr(self, attr) for attr, fqns in self.names.items() for fqn in fqns}
-        return torch.func.functional_call(self._inner, state, tuple(args), kwargs, strict=False)
-
-
 MODULE_PATH_KEY = "module_path"
 
 _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
@@ -418,11 +311,11 @@ def trace_training_step(
     inner: nn.Module = fake_model
     prefix = ""
     if param_dtype is not None or reduce_dtype is not None:
-        inner = _ParamCastWrapper(fake_model, param_dtype, reduce_dtype, cast_inputs)
+        inner = ParamCastWrapper(fake_model, param_dtype, reduce_dtype, cast_inputs)
         prefix = "module."
     leaves, in_spec = tree_flatten((args, kwargs))
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-    to_trace = _TraceRoot(
+    to_trace = TraceRoot(
         inner, fake_model, prefix, [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], in_spec
     )
 
