@@ -125,6 +125,17 @@ def _dcp_rank(rank, world, path):
     ref = TiedLM()
     parallel.to_empty(device="cpu")
     parallel.load_state_dict(ref.state_dict())
+    # one step on real ranks: the tied gradient sums both uses
+    x = _tokens()
+    out = ref(x)
+    out.pow(2).mean().backward()
+    per = BATCH // mesh.size(0)
+    dp = mesh.get_local_rank("dp")
+    local_out = parallel(x[dp * per : (dp + 1) * per].clone())
+    local_out.pow(2).sum().div(out.numel()).backward()
+    torch.testing.assert_close(local_out, out.detach()[dp * per : (dp + 1) * per], rtol=1e-5, atol=1e-6)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(parallel.get_parameter(name).grad.full_tensor(), p.grad, rtol=1e-4, atol=1e-6, msg=name)
     dcp.save(parallel.state_dict(), checkpoint_id=path)
     # a second copy, zeroed, loads the checkpoint in place
     other = _plan_and_apply(mesh)
@@ -167,7 +178,7 @@ def test_tied_parameters_dcp_round_trip(fake_world, tmp_path):
 
 
 @pytest.mark.slow
-def test_tied_parameters_dcp_round_trip_gloo(tmp_path):
+def test_tied_parameters_step_and_dcp_round_trip_gloo(tmp_path):
     run_ranks(_dcp_rank, 4, str(tmp_path / "ckpt"), timeout=240)
 
 
