@@ -77,6 +77,29 @@ def test_hugging_face_models_trace(name):
     assert not torch.compiler.is_compiling()  # the flag does not leak
 
 
+class _GuardedCheck(nn.Module):
+    """A data-dependent check skipped under compile/export, as libraries do."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if not (torch.compiler.is_compiling() and torch.compiler.is_exporting()):
+            if (x[:, -1] == 0).all():  # would need the data
+                x = x + 1
+        return self.proj(x)
+
+
+def test_library_guards_see_the_trace():
+    with torch.device("meta"):
+        model = _GuardedCheck()
+    with contextlib.ExitStack() as stack:
+        traced = trace_training_step(model, torch.empty(4, 8, device="meta"), "cpu", stack=stack)
+    assert set(traced.param_nodes) == {"proj.weight", "proj.bias"}
+    assert not torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+
+
 class _Gate(nn.Module):
     def forward(self, x):
         if x.sum() > 0:  # depends on the data: cannot be traced
