@@ -11,11 +11,13 @@ from .compile import autoparallel_backend
 from .cost_model import CommOverlapPolicy, DeviceSpec
 from .plan import NodePlan, Plan, diff
 from .strategies import register_rule
+from .tracing import DataDependentTraceError
 
 __all__ = [
     "AutoParallel",
     "CommOverlapPolicy",
     "ConstraintError",
+    "DataDependentTraceError",
     "DeviceSpec",
     "NodePlan",
     "autoparallel_backend",

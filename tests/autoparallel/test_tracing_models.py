@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from autoparallel.tracing import DataDependentTraceError, trace_training_step
+from autoparallel import DataDependentTraceError
+from autoparallel.tracing import trace_training_step
 
 transformers = pytest.importorskip("transformers")
 
