@@ -221,8 +221,8 @@ def _user_frame(tb) -> str:
     import traceback
 
     torch_dir = os.path.dirname(torch.__file__) + os.sep
-    here = os.path.dirname(__file__) + os.sep
-    frames = [f for f in traceback.extract_tb(tb) if not f.filename.startswith((torch_dir, here))]
+    ours = {__file__, os.path.join(os.path.dirname(__file__), "trace_wrappers.py")}
+    frames = [f for f in traceback.extract_tb(tb) if not f.filename.startswith(torch_dir) and f.filename not in ours]
     if not frames:
         return "an unknown line"
     f = frames[-1]
