@@ -312,7 +312,7 @@ class SpecPool:
 
 def _out_placements_ok(out, meta, mesh: DeviceMesh) -> bool:
     if isinstance(out, DTensorSpec):
-        m = out.tensor_meta if out.tensor_meta is not None else meta
+        m = meta if isinstance(meta, TensorMeta) else out.tensor_meta
         return not isinstance(m, TensorMeta) or is_evenly_sharded(m.shape, out.placements, mesh)
     if isinstance(out, (tuple, list)):
         metas = meta if isinstance(meta, (tuple, list)) else [None] * len(out)
@@ -321,10 +321,11 @@ def _out_placements_ok(out, meta, mesh: DeviceMesh) -> bool:
 
 
 def _pooled_out(out, meta, pool: SpecPool) -> Specs:
-    """Output spec(s) from the pool, with the node's tensor metas attached
-    where DTensor left them unset."""
+    """Output spec(s) from the pool, with the node's own tensor metas: DTensor
+    may leave them unset, and some of its view rules hand back the input's
+    spec (with the input's shape) for a replicated output."""
     if isinstance(out, DTensorSpec):
-        m = out.tensor_meta if out.tensor_meta is not None else meta
+        m = meta if isinstance(meta, TensorMeta) else out.tensor_meta
         return pool.get(out.placements, m if isinstance(m, TensorMeta) else None)
     if isinstance(out, (tuple, list)):
         metas = meta if isinstance(meta, (tuple, list)) else [None] * len(out)
