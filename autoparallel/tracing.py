@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import activation_checkpointing
+from .rules.linalg import linalg_checks_without_effect_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -292,7 +293,7 @@ def trace_training_step(
 
     with fake_mode, activation_checkpointing.graph_ac_tracing(), _module_path_annotations(
         fake_model
-    ):
+    ), linalg_checks_without_effect_tokens():
         joint = aot_export_joint_with_descriptors(stack, to_trace, args, kwargs)
     gm = joint.graph_module
     # Checkpointed modules reach the graph as annotations; turn them into the
