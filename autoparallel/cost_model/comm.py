@@ -312,19 +312,16 @@ def _plan(src: DTensorSpec, dst: DTensorSpec) -> _Plan:
       look at the shape, so cached per shape.
     """
     mesh_shape = _mesh_shape(src.mesh)
-    placements_key = (mesh_shape, src.placements, src.shard_order, dst.placements, dst.shard_order)
-    shape_key = (placements_key, src.mesh, tuple(src.tensor_meta.shape))
-    plan = _PLAN_CACHE.get(placements_key)
+    base = key = (mesh_shape, src.placements, src.shard_order, dst.placements, dst.shard_order)
+    plan = _PLAN_CACHE.get(base)
     if plan is _SHAPE_DEPENDENT:
-        plan = _PLAN_CACHE.get(shape_key)
+        key = (base, src.mesh, tuple(src.tensor_meta.shape))
+        plan = _PLAN_CACHE.get(key)
     if plan is not None:
         return plan
-    # (a placements-only key is marked shape-dependent once; the plan itself
-    # is then cached per shape, never under a nested marker)
-    key = placements_key
     if is_tp_outer(src.placements, mesh_shape) or is_tp_outer(dst.placements, mesh_shape):
-        _PLAN_CACHE[placements_key] = _SHAPE_DEPENDENT
-        key = shape_key
+        _PLAN_CACHE[base] = _SHAPE_DEPENDENT
+        key = (base, src.mesh, tuple(src.tensor_meta.shape))
         raw = _transform_steps(src, dst)
     elif any(_kind(p) == "X" for p in (*src.placements, *dst.placements)):
         raw = _strided_steps(mesh_shape, src.placements, dst.placements)
@@ -333,8 +330,8 @@ def _plan(src: DTensorSpec, dst: DTensorSpec) -> _Plan:
     ):
         raw = _greedy_steps(mesh_shape, src.placements, dst.placements)
     else:
-        _PLAN_CACHE[placements_key] = _SHAPE_DEPENDENT
-        key = shape_key
+        _PLAN_CACHE[base] = _SHAPE_DEPENDENT
+        key = (base, src.mesh, tuple(src.tensor_meta.shape))
         raw = _transform_steps(src, dst)
     current, steps = list(src.placements), []
     for mesh_dim, a, b in raw:

@@ -1,0 +1,139 @@
+"""Models users bring, built from tiny configs (no downloads): each planned
+on a 2x2 ("dp", "tp") mesh twice, with the default cost model and with a
+slow-compute device that makes the plan shard compute, applied, and one
+training step on 4 simulated ranks checked against single-device: the loss,
+every gradient and every buffer (fp32, relative 1e-4)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from _parity import check_step, plan_and_apply, sharded_matmul_fraction, slow_compute_device
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+]
+
+B, S, VOCAB, HIDDEN = 4, 8, 128, 32
+
+
+def _tokens(seed=1):
+    return torch.randint(1, VOCAB, (B, S), generator=torch.Generator().manual_seed(seed))
+
+
+class LMLoss(nn.Module):
+    """A Hugging Face model and a mean-square loss of its logits."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args, **kwargs):
+        out = self.model(*args, **kwargs)
+        return out.logits.float().pow(2).mean()
+
+
+def _hf(config_cls, model_cls, **config):
+    def build():
+        return LMLoss(model_cls(config_cls(**config)))
+
+    return build
+
+
+def _llama():
+    return _hf(
+        transformers.LlamaConfig, transformers.LlamaForCausalLM,
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        attn_implementation="sdpa", use_cache=False,
+    ), (_tokens(),)
+
+
+def _gpt2():
+    return _hf(
+        transformers.GPT2Config, transformers.GPT2LMHeadModel,
+        vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=64,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, attn_implementation="eager",
+    ), (_tokens(),)
+
+
+def _bert():
+    return _hf(
+        transformers.BertConfig, transformers.BertForMaskedLM,
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=64, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, attn_implementation="eager",
+    ), (_tokens(),)
+
+
+def _t5():
+    return _hf(
+        transformers.T5Config, transformers.T5ForConditionalGeneration,
+        vocab_size=VOCAB, d_model=HIDDEN, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+        num_heads=4, dropout_rate=0.0, use_cache=False, decoder_start_token_id=0,
+    ), {"input_ids": _tokens(1), "decoder_input_ids": _tokens(2)}
+
+
+def _vit():
+    return _hf(
+        transformers.ViTConfig, transformers.ViTForImageClassification,
+        image_size=16, patch_size=4, num_channels=3, hidden_size=HIDDEN, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_labels=8, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    ), (torch.randn(B, 3, 16, 16, generator=torch.Generator().manual_seed(1)),)
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        )
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.head(self.features(x)).pow(2).mean()
+
+
+def _convnet():
+    return ConvNet, (torch.randn(B, 3, 8, 8, generator=torch.Generator().manual_seed(1)),)
+
+
+def _blocked(reason):
+    return pytest.mark.xfail(strict=True, reason=reason)
+
+
+TRACE_HF = "helper trace, issue 10 item 1: HF tracing (masking_utils data-dependent check)"
+TIED = "helper trace, issue 10 item 2: tied weights (KeyError in apply/module.py)"
+BUFFERS = "helper trace, issue 10 item 3: BatchNorm buffer mutations are dropped"
+
+CASES = [
+    pytest.param("llama", _llama, marks=_blocked(TRACE_HF)),
+    pytest.param("gpt2", _gpt2, marks=_blocked(TRACE_HF)),
+    pytest.param("bert", _bert, marks=_blocked(TIED)),
+    pytest.param("t5", _t5, marks=_blocked(TIED)),
+    pytest.param("vit", _vit),
+    pytest.param("convnet", _convnet, marks=_blocked(BUFFERS)),
+]
+
+# T5's layers are not linked and its ILP is large: bound the solve.
+SOLVE_LIMITS = {"t5": dict(time_limit=60, rel_gap=0.05)}
+
+
+@pytest.mark.parametrize("cost", ["default", "sharded_compute"])
+@pytest.mark.parametrize("name,case", CASES)
+def test_zoo(fake_world, name, case, cost):
+    fake_world(4)
+    build, inputs = case()
+    device = slow_compute_device() if cost == "sharded_compute" else None
+    parallel, plan, mesh = plan_and_apply(build, inputs, device=device, **SOLVE_LIMITS.get(name, {}))
+    if cost == "sharded_compute":
+        frac = sharded_matmul_fraction(plan)
+        assert frac > 0.5, f"{name}: only {frac:.0%} of forward matmuls split\n{plan.summary()}"
+    check_step(parallel, mesh, build, inputs)
