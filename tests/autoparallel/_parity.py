@@ -23,7 +23,7 @@ import torch.nn as nn
 from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from autoparallel import AutoParallel
 from autoparallel.cost_model import DeviceSpec
@@ -160,25 +160,20 @@ def assert_close_rel(actual: torch.Tensor, expected: torch.Tensor, rel: float, w
     torch.testing.assert_close(actual, expected, rtol=rel, atol=max(floor, 1e-7), msg=lambda m: f"{what}: {m}")
 
 
-def check_step(parallel, mesh, build, inputs, *, rel: float = 1e-4) -> dict:
-    """One step of ``parallel`` on 4 simulated ranks equals the single-device
-    step of ``build()``: loss, every gradient, every buffer. Returns the
-    largest relative errors seen (for reports)."""
-    state, ref_loss, ref_grads, ref_buffers = reference_step(build, inputs)
-    with LocalTensorMode(WORLD) as lm:
-        parallel.to_empty(device="cpu")
-        persistent = parallel.state_dict().keys()
-        parallel.load_state_dict({k: v for k, v in state.items() if k in persistent})
-        for name, full in state.items():
-            if name not in persistent:
-                mod_name, _, attr = name.rpartition(".")
-                buf = getattr(parallel.get_submodule(mod_name), attr)
-                buf.copy_(distribute_tensor(full, buf.device_mesh, buf.placements))
-        loss = _call(parallel, local_inputs(lm, inputs, mesh))
-        loss.backward()
-        losses = [loss._local_tensors[r] for r in range(WORLD)] if isinstance(loss, LocalTensor) else [loss] * WORLD
-        grads = {n: _full(p.grad, f"gradient of {n}") for n, p in parallel.named_parameters() if p.grad is not None}
-        buffers = {n: _full(b, f"buffer {n}") for n, b in parallel.named_buffers()}
+def _load(parallel, state: dict) -> None:
+    """Load ``state`` (full tensors, non-persistent buffers included) into the
+    parallel module's shards."""
+    persistent = parallel.state_dict().keys()
+    parallel.load_state_dict({k: v for k, v in state.items() if k in persistent})
+    for name, full in state.items():
+        if name not in persistent:
+            mod_name, _, attr = name.rpartition(".")
+            buf = getattr(parallel.get_submodule(mod_name), attr)
+            buf.copy_(distribute_tensor(full, buf.device_mesh, buf.placements))
+
+
+def _compare(losses, grads, buffers, reference, rel: float) -> dict:
+    _, ref_loss, ref_grads, ref_buffers = reference
     errors = {}
     for r, lo in enumerate(losses):
         assert_close_rel(lo, ref_loss, rel, f"loss on rank {r}")
@@ -190,3 +185,39 @@ def check_step(parallel, mesh, build, inputs, *, rel: float = 1e-4) -> dict:
     for name, b in ref_buffers.items():
         assert_close_rel(buffers[name], b, rel, f"buffer {name}")
     return errors
+
+
+def check_step(parallel, mesh, build, inputs, *, rel: float = 1e-4) -> dict:
+    """One step of ``parallel`` on 4 simulated ranks equals the single-device
+    step of ``build()``: loss, every gradient, every buffer. Returns the
+    largest relative error per gradient (for reports)."""
+    reference = reference_step(build, inputs)
+    with LocalTensorMode(WORLD) as lm:
+        parallel.to_empty(device="cpu")
+        _load(parallel, reference[0])
+        loss = _call(parallel, local_inputs(lm, inputs, mesh))
+        loss.backward()
+        losses = [loss._local_tensors[r] for r in range(WORLD)] if isinstance(loss, LocalTensor) else [loss] * WORLD
+        grads = {n: _full(p.grad, f"gradient of {n}") for n, p in parallel.named_parameters() if p.grad is not None}
+        buffers = {n: _full(b, f"buffer {n}") for n, b in parallel.named_buffers()}
+    return _compare(losses, grads, buffers, reference, rel)
+
+
+def check_step_on_rank(parallel, mesh, build, inputs, rank: int, *, rel: float = 1e-4) -> dict:
+    """:func:`check_step` for one real process (gloo) of the 2x2 mesh."""
+    reference = reference_step(build, inputs)
+    parallel.to_empty(device="cpu")
+    _load(parallel, reference[0])
+    n_tp = mesh.size(1)
+
+    def shard(t):
+        if not _is_tensor(t) or batch_placement(t, mesh)[0] == Replicate():
+            return t
+        per = t.shape[0] // mesh.size(0)
+        return t[(rank // n_tp) * per : (rank // n_tp + 1) * per].clone()
+
+    loss = _call(parallel, tree_map(shard, inputs))
+    loss.backward()
+    grads = {n: p.grad.full_tensor() for n, p in parallel.named_parameters() if p.grad is not None}
+    buffers = {n: b.full_tensor() if isinstance(b, DTensor) else b for n, b in parallel.named_buffers()}
+    return _compare([loss], grads, buffers, reference, rel)

@@ -70,10 +70,6 @@ def _tokens():
 
 CASES = {
     "multihead_attention": (SelfAttention, lambda: (_float(B, S, D),)),
-    "encoder_layer": (
-        lambda: nn.TransformerEncoderLayer(D, H, 2 * D, dropout=0.0, batch_first=True),
-        lambda: (_float(B, S, D),),
-    ),
     "encoder_norm_first": (lambda: _encoder(True), lambda: (_float(B, S, D),)),
     "embedding_padding_idx": (EmbeddingHead, lambda: (_tokens(),)),
     "conv1d_groupnorm": (

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from _parity import check_step, plan_and_apply, sharded_matmul_fraction, slow_compute_device
+from _dist_utils import run_ranks
+from _parity import check_step, check_step_on_rank, plan_and_apply, sharded_matmul_fraction, slow_compute_device
 
 transformers = pytest.importorskip("transformers")
 
@@ -137,3 +138,22 @@ def test_zoo(fake_world, name, case, cost):
         frac = sharded_matmul_fraction(plan)
         assert frac > 0.5, f"{name}: only {frac:.0%} of forward matmuls split\n{plan.summary()}"
     check_step(parallel, mesh, build, inputs)
+
+
+def _gloo_rank(rank: int, world: int, name: str) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    build, inputs = {"gpt2": _gpt2, "bert": _bert}[name]()
+    parallel, plan, mesh = plan_and_apply(build, inputs, device=slow_compute_device())
+    check_step_on_rank(parallel, mesh, build, inputs, rank)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name", [pytest.param("gpt2", marks=_blocked(TRACE_HF)), pytest.param("bert", marks=_blocked(TIED))]
+)
+def test_zoo_gloo(name):
+    """Every one of 4 real gloo processes plans (compute-sharding cost model),
+    applies and takes one step equal to single-device."""
+    run_ranks(_gloo_rank, 4, name, timeout=600)
