@@ -180,7 +180,8 @@ def _compare(losses, grads, buffers, reference, rel: float) -> dict:
     assert grads.keys() == ref_grads.keys(), (sorted(grads), sorted(ref_grads))
     for name, g in ref_grads.items():
         assert_close_rel(grads[name], g, rel, f"gradient of {name}")
-        errors[name] = float((grads[name] - g).abs().max() / g.abs().max().clamp_min(1e-30))
+        if g.abs().max() > 1e-8:  # mathematically-zero gradients (a bias before a norm) are noise
+            errors[name] = float((grads[name] - g).abs().max() / g.abs().max())
     assert buffers.keys() == ref_buffers.keys(), (sorted(buffers), sorted(ref_buffers))
     for name, b in ref_buffers.items():
         assert_close_rel(buffers[name], b, rel, f"buffer {name}")
@@ -190,7 +191,7 @@ def _compare(losses, grads, buffers, reference, rel: float) -> dict:
 def check_step(parallel, mesh, build, inputs, *, rel: float = 1e-4) -> dict:
     """One step of ``parallel`` on 4 simulated ranks equals the single-device
     step of ``build()``: loss, every gradient, every buffer. Returns the
-    largest relative error per gradient (for reports)."""
+    largest relative error per gradient that is not ~0 (for reports)."""
     reference = reference_step(build, inputs)
     with LocalTensorMode(WORLD) as lm:
         parallel.to_empty(device="cpu")
