@@ -210,7 +210,10 @@ def _build_schema(
 
     args = tuple(tuple_wrap(a) for a in args)
     kwargs = {k: tuple_wrap(v) for k, v in kwargs.items()}
-    return OpSchema(op, args, kwargs, schema_info=prop.op_to_schema_info.get(op))
+    # single-dim strategies keep theirs apart (index.Tensor's needs_pytree:
+    # its list of optional index tensors holds strategies)
+    info = prop.op_to_schema_info.get(op) or prop.op_to_schema_info_for_single_dim_strategy.get(op)
+    return OpSchema(op, args, kwargs, schema_info=info)
 
 
 def _dtensor_strategy(node: torch.fx.Node, schema: OpSchema, mesh: DeviceMesh):
