@@ -106,6 +106,28 @@ def _convnet():
     return ConvNet, (torch.randn(B, 3, 8, 8, generator=torch.Generator().manual_seed(1)),)
 
 
+class OurLlama(nn.Module):
+    """autoparallel's own LLaMA-3 (debug config) with a mean-square loss."""
+
+    def __init__(self):
+        super().__init__()
+        from autoparallel.models import LLAMA3_CONFIGS, Transformer
+
+        self.model = Transformer(LLAMA3_CONFIGS["debug"])
+        if not next(self.parameters()).is_meta:
+            self.model.init_weights()
+
+    def forward(self, tokens):
+        return self.model(tokens).float().pow(2).mean()
+
+
+def _llama3_debug():
+    from autoparallel.models import LLAMA3_CONFIGS
+
+    vocab = LLAMA3_CONFIGS["debug"].vocab_size
+    return OurLlama, (torch.randint(0, vocab, (8, 16), generator=torch.Generator().manual_seed(1)),)
+
+
 def _blocked(reason):
     return pytest.mark.xfail(strict=True, reason=reason)
 
@@ -121,6 +143,7 @@ CASES = [
     pytest.param("t5", _t5, marks=_blocked(TIED)),
     pytest.param("vit", _vit),
     pytest.param("convnet", _convnet, marks=_blocked(BUFFERS)),
+    pytest.param("llama3_debug", _llama3_debug),
 ]
 
 # T5's layers are not linked and its ILP is large: bound the solve.
