@@ -6,8 +6,10 @@ PyTorch's own DTensor sharding propagation (strategy functions, single-mesh-dim
 strategies expanded over the mesh, decomposition-based strategies), called
 with every candidate placement of every input at once. Rules DTensor lacks,
 or that a user wants to override, go in :data:`RULES` via
-:func:`register_rule`. Ops without any rule fall back to replicate-only, with
-one warning listing them.
+:func:`register_rule`. Ops without any rule, or whose DTensor rule raises,
+fall back to replicate-only (every input gathered, the op run in full on
+every rank: correct for any deterministic op), with one warning listing
+them, why, and their module paths.
 
 Options that shard a tensor dim unevenly, or use ``_StridedShard``, are
 dropped at planning time so that planning and apply always agree. One
@@ -208,7 +210,10 @@ def _build_schema(
 
     args = tuple(tuple_wrap(a) for a in args)
     kwargs = {k: tuple_wrap(v) for k, v in kwargs.items()}
-    return OpSchema(op, args, kwargs, schema_info=prop.op_to_schema_info.get(op))
+    # single-dim strategies keep theirs apart (index.Tensor's needs_pytree:
+    # its list of optional index tensors holds strategies)
+    info = prop.op_to_schema_info.get(op) or prop.op_to_schema_info_for_single_dim_strategy.get(op)
+    return OpSchema(op, args, kwargs, schema_info=info)
 
 
 def _dtensor_strategy(node: torch.fx.Node, schema: OpSchema, mesh: DeviceMesh):
@@ -310,9 +315,29 @@ class SpecPool:
         return spec
 
 
+def _for_each_output(out, meta):
+    """DTensor gives one spec for every output of some multi-output ops
+    (``linalg_qr``, ``_linalg_svd``: all replicated): one per output then."""
+    # (TensorMeta is a NamedTuple: test for it first)
+    if isinstance(out, DTensorSpec) and not isinstance(meta, TensorMeta) and isinstance(meta, (tuple, list)):
+        return tuple(out if isinstance(m, TensorMeta) else None for m in meta)
+    return out
+
+
+def _same_structure(out, meta) -> bool:
+    """``out`` (specs) has one spec per tensor output of the node."""
+    if isinstance(meta, TensorMeta):
+        return isinstance(out, DTensorSpec)
+    if isinstance(meta, (tuple, list)):
+        return isinstance(out, (tuple, list)) and len(out) == len(meta) and all(
+            o is None or _same_structure(o, m) for o, m in zip(out, meta) if m is not None
+        )
+    return True
+
+
 def _out_placements_ok(out, meta, mesh: DeviceMesh) -> bool:
     if isinstance(out, DTensorSpec):
-        m = out.tensor_meta if out.tensor_meta is not None else meta
+        m = meta if isinstance(meta, TensorMeta) else out.tensor_meta
         return not isinstance(m, TensorMeta) or is_evenly_sharded(m.shape, out.placements, mesh)
     if isinstance(out, (tuple, list)):
         metas = meta if isinstance(meta, (tuple, list)) else [None] * len(out)
@@ -321,10 +346,11 @@ def _out_placements_ok(out, meta, mesh: DeviceMesh) -> bool:
 
 
 def _pooled_out(out, meta, pool: SpecPool) -> Specs:
-    """Output spec(s) from the pool, with the node's tensor metas attached
-    where DTensor left them unset."""
+    """Output spec(s) from the pool, with the node's own tensor metas: DTensor
+    may leave them unset, and some of its view rules hand back the input's
+    spec (with the input's shape) for a replicated output."""
     if isinstance(out, DTensorSpec):
-        m = out.tensor_meta if out.tensor_meta is not None else meta
+        m = meta if isinstance(meta, TensorMeta) else out.tensor_meta
         return pool.get(out.placements, m if isinstance(m, TensorMeta) else None)
     if isinstance(out, (tuple, list)):
         metas = meta if isinstance(meta, (tuple, list)) else [None] * len(out)
@@ -349,7 +375,12 @@ def _options_from_op_strategy(
     options: list[Option] = []
     seen: set = set()
     for op_spec in strategy.strategies:
-        out = op_spec.output_specs
+        out = _for_each_output(op_spec.output_specs, out_meta)
+        if not _same_structure(out, out_meta):
+            raise ValueError(
+                f"DTensor's strategy for {node.target} gives output specs {format_specs(out)} "
+                f"for a node with outputs {out_meta}"
+            )
         if op_spec.input_specs is None:
             in_placements = tuple(op_spec.output_spec.placements for _ in in_metas)
         else:
@@ -402,7 +433,24 @@ class StrategyStats:
     # node reuses one of them.
     computed: int = 0
     cache_hits: int = 0
+    # Nodes run replicate-only for want of a usable rule: op -> count, and
+    # op -> (why, module paths of its nodes).
     fallback_ops: dict[str, int] = field(default_factory=dict)
+    fallback_nodes: dict[str, tuple[str, list[str]]] = field(default_factory=dict)
+
+    def fallback_warning(self) -> str:
+        """One message naming every replicate-only op, why, and where."""
+        parts = []
+        for op, count in sorted(self.fallback_ops.items()):
+            why, paths = self.fallback_nodes[op]
+            where = sorted(set(paths))
+            shown = ", ".join(where[:6]) + (f" and {len(where) - 6} more" if len(where) > 6 else "")
+            parts.append(f"{op} x{count} ({why}) in {shown}")
+        return (
+            f"{len(self.fallback_ops)} op(s) have no usable sharding rule and run replicated (correct, "
+            f"but every rank computes them in full): " + "; ".join(parts)
+            + ". Register a rule with autoparallel.strategies.register_rule."
+        )
 
 
 class StrategyEnumerator:
@@ -423,6 +471,8 @@ class StrategyEnumerator:
         self._produced: dict[int, tuple[tuple, int, list[Option]]] = {}
         # Options of multi-output nodes, for their getitem users.
         self._multi_output_options: dict[torch.fx.Node, list[Option]] = {}
+        # op -> why it fell back to replicate-only (for the warning)
+        self._fallback_why: dict[str, str] = {}
         self.stats = StrategyStats()
 
     def _placeholder_options(self, val: torch.Tensor, parameter: bool) -> list[Option]:
@@ -471,12 +521,7 @@ class StrategyEnumerator:
             if isinstance(val, torch.Tensor):
                 produced[node] = self._offered(result[node].options)
         if self.stats.fallback_ops:
-            logger.warning(
-                "no sharding rule for %d op(s); they will run replicated: %s "
-                "(register one with autoparallel.strategies.register_rule)",
-                len(self.stats.fallback_ops),
-                ", ".join(f"{k} x{v}" for k, v in sorted(self.stats.fallback_ops.items())),
-            )
+            logger.warning("%s", self.stats.fallback_warning())
         return result
 
     def _node_strategy(self, node, produced) -> NodeStrategy:
@@ -508,6 +553,11 @@ class StrategyEnumerator:
             opts, source = self._compute(node, inputs, candidates)
             self._cache[key] = (opts, source)
             self.stats.computed += 1
+        if source == "fallback":
+            name = str(node.target)
+            self.stats.fallback_ops[name] = self.stats.fallback_ops.get(name, 0) + 1
+            why, paths = self.stats.fallback_nodes.setdefault(name, (self._fallback_why.get(name, "no rule"), []))
+            paths.append(_module_path(node))
         strat = NodeStrategy(node, inputs, opts, source)
         if not isinstance(node.meta.get("val"), torch.Tensor):
             self._multi_output_options[node] = opts
@@ -520,11 +570,13 @@ class StrategyEnumerator:
         if not inputs:
             # Factories (zeros, full, arange, ...) may produce any layout.
             return placeholder_options(node.meta["val"], self.mesh), "factory"
-        options = _dtensor_options(node, inputs, candidates, self._pool)
+        failures: list[Exception] = []
+        options = _dtensor_options(node, inputs, candidates, self._pool, failures)
         if options:
             return options, "dtensor"
-        name = str(op)
-        self.stats.fallback_ops[name] = self.stats.fallback_ops.get(name, 0) + 1
+        self._fallback_why.setdefault(
+            str(op), f"DTensor's rule raised {type(failures[0]).__name__}: {failures[0]}" if failures else "no rule"
+        )
         return replicate_options(node, inputs, self.mesh), "fallback"
 
 
@@ -543,7 +595,7 @@ def _propagate(node, inputs, candidates, pool: SpecPool) -> list[Option]:
     return _options_from_op_strategy(node, strategy, inputs, pool)
 
 
-def _dtensor_options(node, inputs, candidates, pool: SpecPool) -> list[Option]:
+def _dtensor_options(node, inputs, candidates, pool: SpecPool, failures: list | None = None) -> list[Option]:
     """DTensor's options for ``node`` given every candidate of every input.
 
     Strategy functions that follow their input's layout (all view ops) go
@@ -558,12 +610,14 @@ def _dtensor_options(node, inputs, candidates, pool: SpecPool) -> list[Option]:
     through a redistribution on the incoming edge.
     """
     op = node.target
+    failures = failures if failures is not None else []
     try:
         return _propagate(node, inputs, candidates, pool)
     except NotImplementedError as e:
         logger.debug("no DTensor strategy for %s: %s", op, e)
         return []
     except Exception as e:  # noqa: BLE001 - DTensor rules assert on odd inputs
+        failures.append(e)
         if len(candidates[0]) < 2:
             logger.debug("DTensor strategy for %s (%s) failed: %r", op, node.name, e, exc_info=True)
             return []
@@ -585,6 +639,12 @@ def _dtensor_options(node, inputs, candidates, pool: SpecPool) -> list[Option]:
                 seen.add(key)
                 options.append(o)
     return options
+
+
+def _module_path(node: torch.fx.Node) -> str:
+    from .tracing import module_path
+
+    return module_path(node) or "<top level>"
 
 
 def _produces_tensors(val) -> bool:

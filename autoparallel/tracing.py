@@ -77,6 +77,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import activation_checkpointing
+from .rules.linalg import linalg_checks_without_effect_tokens
 from .trace_wrappers import ParamCastWrapper, TraceRoot
 
 logger = logging.getLogger(__name__)
@@ -322,7 +323,7 @@ def trace_training_step(
     running: list[str] = []
     with fake_mode, activation_checkpointing.graph_ac_tracing(), _module_path_annotations(
         fake_model, running
-    ), _compiling_state_context():
+    ), _compiling_state_context(), linalg_checks_without_effect_tokens():
         try:
             joint = aot_export_joint_with_descriptors(stack, to_trace, tuple(tensors), {})
         except _DATA_DEPENDENT as e:

@@ -37,12 +37,12 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._op_schema import OpSchema
 from torch.distributed.tensor.placement_types import Shard, _StridedShard
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make_fx
 from torch.utils._pytree import tree_map
 
 from .. import activation_checkpointing
 from ..strategies import NodeStrategy, format_specs
-from ..tracing import TracedStep
+from ..tracing import TracedStep, module_path
 from .node_templates import Template, has_mask_partial, nodes_after, template_key, tracer_of_proxy_mode
 from .redistribute import (
     REDISTRIBUTE_KEY,
@@ -165,6 +165,41 @@ _SIZE_FACTORIES = {
 }
 
 
+# Ops that need their input's strides to be compatible with the result
+# (aliasing views, and ``_unsafe_view``, which AOT autograd emits in place
+# of views of fresh results).
+_UNSAFE_VIEWS = {torch.ops.aten._unsafe_view.default}
+
+
+def _needs_view_strides(op) -> bool:
+    return isinstance(op, torch._ops.OpOverload) and (op.is_view or op in _UNSAFE_VIEWS)
+
+
+def _viewable_args(op, args: tuple, kwargs: dict) -> tuple:
+    """``args`` with the viewed tensor made contiguous where the local shard
+    cannot be viewed as the op asks.
+
+    A redistribution does not keep the strides the global trace had (an
+    all-to-all returns a permuted-then-flattened tensor, a gathered transpose
+    is contiguous in another order), so a ``view`` that was valid on the
+    global tensor can be invalid on the local one. Only those ops get a
+    copy; a view that works stays a view. Probed on the fake value outside
+    the tracer, so a failed try leaves no node behind.
+    """
+    if not _needs_view_strides(op) or not args or not isinstance(args[0], torch.Tensor):
+        return args
+    x = args[0]
+    if x.is_contiguous():
+        return args
+    with disable_proxy_modes_tracing():
+        try:
+            op(*args, **kwargs)
+            return args
+        except (RuntimeError, ValueError):
+            pass
+    return (x.contiguous(),) + tuple(args[1:])
+
+
 class _Interpreter:
     """Runs the joint graph's nodes on local (fake) shards under make_fx."""
 
@@ -222,6 +257,21 @@ class _Interpreter:
             for v, s in zip(value, specs):
                 if isinstance(v, torch.Tensor):
                     self._check(node, v, s)
+
+    def _node_error(self, node: torch.fx.Node, e: Exception) -> ApplyError:
+        """``e`` raised while running ``node``, said with what it was doing:
+        the node, its module path and the placements involved."""
+        strat = self.strategies.get(node)
+        idx = self.choice.get(node.name)
+        where = f"node {node.name} ({node.target}) in module {module_path(node) or '<top level>'}"
+        if strat is None or idx is None:
+            return ApplyError(f"{where}: {type(e).__name__}: {e}")
+        opt = strat.options[idx]
+        have = ", ".join(f"{p.name} {format_specs(self.spec.get(p))}" for p in strat.inputs) or "-"
+        return ApplyError(
+            f"{where}: {type(e).__name__}: {e}\n  input layouts {have}; planned option: inputs "
+            f"{format_specs(opt.input_specs)} -> output {format_specs(opt.output_specs)}"
+        )
 
     # -- nodes -------------------------------------------------------------------
     def call_function(self, node: torch.fx.Node):
@@ -288,6 +338,7 @@ class _Interpreter:
 
         largs = tree_map(to_local, tuple(schema.args_schema))
         lkwargs = tree_map(to_local, dict(schema.kwargs_schema))
+        largs = _viewable_args(schema.op, largs, lkwargs)
         out = schema.op(*largs, **lkwargs)
         self._check(node, out, opt.output_specs)
         return out
@@ -338,7 +389,10 @@ class _Interpreter:
                     else:
                         raise ApplyError(f"graph input {node.name} is not a parameter, buffer, input or tangent")
                 elif node.op == "call_function":
-                    self.env[node] = self.call_function(node)
+                    try:
+                        self.env[node] = self.call_function(node)
+                    except Exception as e:
+                        raise self._node_error(node, e) from e
                 else:
                     raise ApplyError(f"unsupported node kind {node.op} ({node.name})")
             _set_source(graph, last, node)
