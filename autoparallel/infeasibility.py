@@ -94,11 +94,12 @@ def explain_unavailable_layout(
             )
     for mesh_dim, p in enumerate(placements):
         if isinstance(p, Partial) and not any(isinstance(lay[mesh_dim], Partial) for lay in layouts):
-            return (
-                f"{what}: {subject} cannot be Partial() on {mesh_dim_name(mesh, mesh_dim)}: "
-                f"{'a graph input is a whole value, never a pending sum' if node.op == 'placeholder' else 'no option of ' + node.name + ' produces a partial sum there'} "
-                f"({valid})"
+            why = (
+                "a graph input is a whole value, never a pending sum"
+                if node.op == "placeholder"
+                else f"no option of {node.name} leaves a pending sum there"
             )
+            return f"{what}: {subject} cannot be Partial() on {mesh_dim_name(mesh, mesh_dim)}: {why} ({valid})"
     return f"{what}: {subject} (node {node.name}) has no option laid out as {describe_placements(placements)} ({valid})"
 
 

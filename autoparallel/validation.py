@@ -18,7 +18,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, Shard
 from torch.utils._pytree import TreeSpec, tree_flatten
 
 from .placements import format_placement
@@ -305,6 +305,3 @@ __all__ = [
     "mesh_dim_name",
     "outside_tracing",
 ]
-
-# Partial and Replicate are re-exported for messages' examples in tests.
-_ = (Partial, Replicate)

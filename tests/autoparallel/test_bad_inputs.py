@@ -82,6 +82,7 @@ def mesh2(fake_world):
     [
         ({"mp_policy": "bf16"}, TypeError, r"mp_policy must be None or a .*MixedPrecisionPolicy.*got str 'bf16'"),
         ({"mp_policy": types.SimpleNamespace(param_dtype="bf16")}, TypeError, r"mp_policy.param_dtype must be None or a torch.dtype"),
+        ({"mp_policy": MixedPrecisionPolicy(param_dtype=torch.int8)}, ValueError, r"mp_policy.param_dtype must be a floating dtype, got torch.int8"),
         ({"gpus_per_node": 0}, ValueError, r"gpus_per_node must be >= 1, got 0"),
         ({"gpus_per_node": 2.5}, TypeError, r"gpus_per_node must be an int, got float"),
         ({"device": "Z100"}, ValueError, r"unknown device 'Z100'; presets: A100, B200, H100, H200"),
