@@ -227,8 +227,8 @@ class AutoParallel:
         node = self.traced.input_nodes[i]
         if node is None:
             return
-        what = f"{cname_prefix} {i}"
-        self._pin(node, self._check_placements(placements, node, what), f"input constraint {i}", f"input {i}")
+        what = f"{cname_prefix} {i}"  # "input constraint 0" or "DTensor input 0"
+        self._pin(node, self._check_placements(placements, node, what), what, f"input {i}")
 
     def add_input_constraints(self, constraints: Sequence[Sequence[Placement] | None]) -> None:
         """One placement tuple (or None) per tensor input, in flattened order."""
@@ -281,6 +281,12 @@ class AutoParallel:
         self._constraints.memory_high = high
         self._constraint_log["parameter memory budget"] = {"low": low, "high": high}
 
+    def _node_roles(self) -> dict[str, str]:
+        """What parameter and gradient nodes are, for messages."""
+        roles = {n.name: f"parameter {fqn}" for fqn, n in self.traced.param_nodes.items()}
+        roles.update({n.name: f"the gradient of {fqn}" for fqn, n in self.traced.grad_nodes.items() if n is not None})
+        return roles
+
     # -- solving -------------------------------------------------------------------
     def build_problem(self) -> BuiltProblem:
         self._require_open()
@@ -311,7 +317,7 @@ class AutoParallel:
                 built.problem, backend=self.backend, time_limit=self.time_limit, rel_gap=self.rel_gap
             )
         except solver.InfeasibleError as err:
-            raise infeasibility.describe_conflict(err, self._constraint_log) from err
+            raise infeasibility.describe_conflict(err, self._constraint_log, self._node_roles()) from err
         self.timings["solve"] = time.perf_counter() - t0
         for phase, seconds in solution.timings.items():
             self.timings[f"solver.{phase}"] = seconds

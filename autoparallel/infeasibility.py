@@ -178,22 +178,35 @@ def check_memory_budget(
         )
 
 
-def describe_conflict(err: solver.InfeasibleError, constraint_log: dict[str, Any]) -> solver.InfeasibleError:
+def describe_conflict(
+    err: solver.InfeasibleError, constraint_log: dict[str, Any], roles: dict[str, str] | None = None
+) -> solver.InfeasibleError:
     """The solver's conflict with what each named constraint asked for
-    (``'input constraint 0' (primals_3 as S(0)R)``)."""
+    (``'input constraint 0' (primals_3 as S(0)R)``). ``roles`` names what a
+    node is to the user (``the gradient of w1.weight``); a parameter pinned
+    apart from its own gradient gets the reason said."""
+    roles = roles or {}
     described = []
+    pinned_roles = []
     for name in err.conflict:
         entry = constraint_log.get(name)
         if isinstance(entry, dict) and "node" in entry:
-            described.append(f"'{name}' ({entry['node']} as {''.join(entry['placements'])})")
+            role = roles.get(entry["node"])
+            pinned_roles.append(role or "")
+            node = f"{entry['node']}, {role}," if role else entry["node"]
+            described.append(f"'{name}' ({node} as {''.join(entry['placements'])})")
         elif isinstance(entry, dict) and ("low" in entry or "high" in entry):
             described.append(f"'{name}' (low={entry.get('low')}, high={entry.get('high')})")
         else:
             described.append(f"'{name}'")
     if not described:
         return err
+    reason = ""
+    params = {r.removeprefix("parameter ") for r in pinned_roles if r.startswith("parameter ")}
+    if any(r.removeprefix("the gradient of ") in params for r in pinned_roles if r.startswith("the gradient of ")):
+        reason = " (a parameter's gradient takes the parameter's layout)"
     message = (
-        f"Infeasible: these constraints cannot hold together: {', '.join(described)}; "
+        f"Infeasible: these constraints cannot hold together: {', '.join(described)}{reason}; "
         "removing any one of them makes the problem feasible"
     )
     return solver.InfeasibleError(message, conflict=err.conflict, decisions=err.decisions, edges=err.edges)

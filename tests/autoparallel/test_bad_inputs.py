@@ -175,7 +175,7 @@ def test_conflicting_constraints_on_one_node(mesh2):
 def test_dtensor_input_conflicts_with_input_constraint(mesh2):
     x = DTensor.from_local(torch.empty(4, 16, device="meta"), mesh2, S0R, run_check=False)
     with AutoParallel(_model(), mesh2, x) as autop:
-        with pytest.raises(ConstraintError, match=r"to \(R, R\), but input constraint 0 already pins it to \(S\(0\), R\)"):
+        with pytest.raises(ConstraintError, match=r"input constraint 0 pins node \w+ to \(R, R\), but DTensor input 0 already pins it to \(S\(0\), R\)"):
             autop.add_input_constraints([RR])
 
 
@@ -227,7 +227,7 @@ def test_solver_conflict_names_what_each_constraint_asked(mesh2):
         weight, grad = autop.traced.param_nodes["l.weight"], autop.traced.grad_nodes["l.weight"]
         autop.add_node_constraint(weight, RR)
         autop.add_node_constraint(grad, (Shard(0), Shard(0)))
-        with pytest.raises(solver.InfeasibleError, match=rf"'node constraint {weight.name}' \({weight.name} as RR\), 'node constraint {grad.name}' \({grad.name} as S\(0\)S\(0\)\)"):
+        with pytest.raises(solver.InfeasibleError, match=rf"'node constraint {weight.name}' \({weight.name}, parameter l.weight, as RR\), 'node constraint {grad.name}' \({grad.name}, the gradient of l.weight, as S\(0\)S\(0\)\) \(a parameter's gradient takes the parameter's layout\)"):
             autop.optimize_placement()
 
 
