@@ -156,7 +156,8 @@ def check_memory_budget(
     with_pins = f" with {', '.join(f'{c} ({t})' for c, t in pinned)}" if pinned else ""
     conflict = ["parameter memory budget"] + [c for c, _ in pinned]
     # the builder's relative slack of 1e-9 is the tolerance here too
-    if high is None and low is None and smallest > unpinned_smallest * (1 + 1e-9):
+    default_high = unpinned_smallest / total  # what high=None means to the builder
+    if high is None and smallest > unpinned_smallest * (1 + 1e-9):
         raise InfeasibleConstraintError(
             f"parameter memory budget: the default budget (every parameter as sharded as the mesh allows, "
             f"{unpinned_smallest / total:.4g} of the replicated size) cannot hold{with_pins}; call "
@@ -174,6 +175,12 @@ def check_memory_budget(
         raise InfeasibleConstraintError(
             f"parameter memory budget: low={low:g} is above the largest per-rank parameter memory "
             f"reachable{with_pins}, {hi:.4g} of the replicated size; use low <= {hi:.4g}",
+            conflict=conflict,
+        )
+    if low is not None and high is None and low * (1 - 1e-9) > default_high:
+        raise InfeasibleConstraintError(
+            f"parameter memory budget: low={low:g} is above the default high (every parameter as sharded as "
+            f"the mesh allows, {default_high:.4g} of the replicated size); pass high as well, e.g. high=1.0",
             conflict=conflict,
         )
 

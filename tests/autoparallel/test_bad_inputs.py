@@ -191,6 +191,12 @@ def _pin_weight(a):
     a.optimize_placement()
 
 
+def _pin_weight_sharded_low(a):
+    a.add_node_constraint(a.traced.param_nodes["l.weight"], (Shard(0), Shard(1)))
+    a.add_parameter_memory_constraint(low=0.9, high=1.0)
+    a.optimize_placement()
+
+
 @pytest.mark.parametrize(
     "batch, call, message",
     [
@@ -200,8 +206,10 @@ def _pin_weight(a):
         (8, lambda a: a.add_output_constraints([(Partial(), Replicate())]), r"output constraint 0: output 0 \(its incoming gradient, tangents_1, takes the same layout\) cannot be Partial\(\) on 'dp'"),
         (8, _budget(0.01), r"parameter memory budget: high=0.01 is below the smallest per-rank parameter memory reachable, 0.125 of the replicated size; use high >= 0.125"),
         (8, _pin_weight, r"the default budget \(every parameter as sharded as the mesh allows, 0.125 of the replicated size\) cannot hold with node constraint primals_1 \(l.weight as \(R, R\)\); call add_parameter_memory_constraint\(high=0.9"),
+        (8, lambda a: (a.add_parameter_memory_constraint(low=0.5), a.optimize_placement()), r"low=0.5 is above the default high \(every parameter as sharded as the mesh allows, 0.125 of the replicated size\); pass high as well"),
+        (8, _pin_weight_sharded_low, r"low=0.9 is above the largest per-rank parameter memory reachable with node constraint primals_1 \(l.weight as \(S\(0\), S\(1\)\)\), 0.1765 of the replicated size; use low <= 0.1765"),
     ],
-    ids=["batch7-dp2", "batch4-dp-x-tp", "partial-input", "partial-output", "budget-below-min", "pin-vs-default-budget"],
+    ids=["batch7-dp2", "batch4-dp-x-tp", "partial-input", "partial-output", "budget-below-min", "pin-vs-default-budget", "low-above-default-high", "low-above-pinned-max"],
 )
 def test_infeasible_explained(mesh2, batch, call, message):
     with AutoParallel(_model(), mesh2, _x(batch)) as autop:
