@@ -141,12 +141,13 @@ class AutoParallel:
                 f"mesh has {self.mesh.size()} ranks (up to rank {highest}) but the process group has "
                 f"{dist.get_world_size()}"
             )
+        validation.check_dtensor_inputs(self.inputs, self.mesh)
         # DTensor caches sharding propagation by op schema, and specs on an
         # equal mesh of an earlier process group hit that cache: the new
         # parameters (``nn.Parameter(dtensor)`` runs ``detach``) would then
         # live on the old mesh object, whose groups may be gone.
-        validation.check_dtensor_inputs(self.inputs, self.mesh)
         _clear_sharding_caches()
+        self._closed = False
         self._stack = contextlib.ExitStack()
         self._stack.__enter__()
         try:
