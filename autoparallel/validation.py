@@ -189,6 +189,12 @@ def check_placements(placements: Any, node: Any, mesh: DeviceMesh, what: str) ->
             f"{what}: placements must be a tuple with one Placement per mesh dim, e.g. ({example},); "
             f"got {placements!r}"
         )
+    if len(placements) != mesh.ndim and what.startswith("DTensor input"):
+        raise ConstraintError(
+            f"{what}: a DTensor with {len(placements)} placements lives on another mesh than the "
+            f"{mesh.ndim}-D mesh {_mesh_str(mesh)} being planned for: redistribute it onto that mesh, or pass "
+            "a plain tensor and use add_input_constraints"
+        )
     if len(placements) != mesh.ndim:
         raise ConstraintError(
             f"{what}: {len(placements)} placements given for a {mesh.ndim}-D mesh {_mesh_str(mesh)}; "

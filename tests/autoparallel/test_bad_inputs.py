@@ -126,6 +126,17 @@ def test_dtensor_input_on_another_mesh(mesh2):
             pass
 
 
+def test_dtensor_input_on_another_mesh_from_a_callable(mesh2):
+    other = init_device_mesh("cpu", (8,), mesh_dim_names=("dp",))
+
+    def inputs():  # built while tracing: the mesh is seen through its placements
+        return DTensor.from_local(torch.empty(1, 16, device="meta"), other, [Shard(0)], run_check=False)
+
+    with pytest.raises(ConstraintError, match=r"DTensor input 0: a DTensor with 1 placements lives on another mesh than the 2-D mesh \(2, 4\)"):
+        with AutoParallel(_model(), mesh2, inputs):
+            pass
+
+
 # -- constraint methods ---------------------------------------------------------------
 
 RR = (Replicate(), Replicate())
