@@ -21,11 +21,11 @@ import torch.fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.distributed.tensor.placement_types import Placement, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 import solver
 
-from . import cost_model, rules  # noqa: F401 - rules register on import
+from . import cost_model, infeasibility, rules, validation  # noqa: F401 - rules register on import
 from .plan import NodePlan, Plan
 from .problem_builder import BuiltProblem, Constraints, build_problem
 from .repeated_layers import RepeatedLayers, find_repeated_layers
@@ -37,8 +37,7 @@ logger = logging.getLogger(__name__)
 DUMP_DIR_ENV = "AUTOPARALLEL_DUMP_DIR"
 
 
-class ConstraintError(ValueError):
-    """A user constraint is malformed (wrong count, length, dim, node name)."""
+ConstraintError = validation.ConstraintError
 
 
 def _clear_sharding_caches() -> None:
@@ -85,10 +84,18 @@ class AutoParallel:
         time_limit: float | None = None,
         rel_gap: float | None = None,
     ):
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        if not isinstance(mesh, DeviceMesh):
-            raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
+        validation.check_arguments(
+            model=model,
+            mesh=mesh,
+            mp_policy=mp_policy,
+            device=device,
+            gpus_per_node=gpus_per_node,
+            overlap=overlap,
+            link_repeated_layers=link_repeated_layers,
+            backend=backend,
+            time_limit=time_limit,
+            rel_gap=rel_gap,
+        )
         self.model = model
         self.mesh = mesh
         self.inputs = inputs
@@ -111,6 +118,7 @@ class AutoParallel:
             )
         self._constraint_log: dict[str, Any] = {}
         self._stack: contextlib.ExitStack | None = None
+        self._closed = False
         self.traced: TracedStep | None = None
         self.strategies: dict[torch.fx.Node, NodeStrategy] | None = None
         self.repeats: RepeatedLayers | None = None
@@ -133,15 +141,22 @@ class AutoParallel:
                 f"mesh has {self.mesh.size()} ranks (up to rank {highest}) but the process group has "
                 f"{dist.get_world_size()}"
             )
+        validation.check_dtensor_inputs(self.inputs, self.mesh)
         # DTensor caches sharding propagation by op schema, and specs on an
         # equal mesh of an earlier process group hit that cache: the new
         # parameters (``nn.Parameter(dtensor)`` runs ``detach``) would then
         # live on the old mesh object, whose groups may be gone.
         _clear_sharding_caches()
+        self._closed = False
         self._stack = contextlib.ExitStack()
         self._stack.__enter__()
         try:
             self._trace()
+            validation.check_outputs(self.traced.output_nodes)
+            # AOT export leaves its fake mode entered on the stack; the
+            # user's `with` body runs outside it (real tensors, runnable
+            # parallel modules), and so does planning (real metadata).
+            self._stack.enter_context(validation.outside_tracing())
         except BaseException:
             self._close()
             raise
@@ -154,9 +169,16 @@ class AutoParallel:
     def _close(self) -> None:
         stack, self._stack = self._stack, None
         if stack is not None:
+            self._closed = True
             stack.__exit__(None, None, None)
 
     def _require_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(
+                "this AutoParallel context has closed: add constraints, optimize_placement and "
+                "apply_placement inside `with AutoParallel(...) as autop:`; run the parallel module "
+                "after the block"
+            )
         if self._stack is None or self.traced is None:
             raise RuntimeError("use AutoParallel as a context manager: `with AutoParallel(...) as autop:`")
 
@@ -188,34 +210,26 @@ class AutoParallel:
                 self._pin_input(i, placements, "DTensor input")
 
     # -- constraints -------------------------------------------------------------
-    def _check_placements(self, placements: Sequence, node: torch.fx.Node, what: str) -> tuple:
-        if not isinstance(placements, (tuple, list)):
-            raise ConstraintError(f"{what}: placements must be a tuple, got {placements!r}")
-        if len(placements) != self.mesh.ndim:
-            raise ConstraintError(
-                f"{what}: {len(placements)} placements given for a {self.mesh.ndim}-D mesh "
-                f"{tuple(self.mesh.shape)}"
-            )
-        ndim = node.meta["val"].ndim
-        for p in placements:
-            if not isinstance(p, Placement):
-                raise ConstraintError(f"{what}: {p!r} is not a Placement")
-            if isinstance(p, Shard) and not -ndim <= p.dim < max(ndim, 1):
-                raise ConstraintError(
-                    f"{what}: {p} is out of range for a {ndim}-D tensor (node {node.name})"
-                )
-        return tuple(Shard(p.dim % ndim) if isinstance(p, Shard) else p for p in placements)
+    def _check_placements(self, placements: Sequence, node: Any, what: str) -> tuple:
+        return validation.check_placements(placements, node, self.mesh, what)
 
-    def _pin(self, node: torch.fx.Node, placements: tuple, cname: str) -> None:
-        self._constraints.pins[node.name] = (cname, placements)
+    def _pin(self, node: torch.fx.Node, placements: tuple, cname: str, subject: str | None = None) -> None:
+        # a pinned layout no option offers is infeasible whatever else holds:
+        # say why now, in the user's terms, not after an ILP
+        infeasibility.check_pin(
+            cname, subject or f"node {node.name}", node, placements, self.strategies[node].options, self.mesh
+        )
+        validation.conflicting_pin(self._constraints.pins.get(node.name), cname, placements, node.name)
+        # the same layout twice: the first constraint's name stays the pin's
+        self._constraints.pins.setdefault(node.name, (cname, placements))
         self._constraint_log[cname] = {"node": node.name, "placements": [str(p) for p in placements]}
 
     def _pin_input(self, i: int, placements, cname_prefix: str) -> None:
         node = self.traced.input_nodes[i]
         if node is None:
             return
-        what = f"{cname_prefix} {i}"
-        self._pin(node, self._check_placements(placements, node, what), f"input constraint {i}")
+        what = f"{cname_prefix} {i}"  # "input constraint 0" or "DTensor input 0"
+        self._pin(node, self._check_placements(placements, node, what), what, f"input {i}")
 
     def add_input_constraints(self, constraints: Sequence[Sequence[Placement] | None]) -> None:
         """One placement tuple (or None) per TENSOR input, in the flattened
@@ -225,9 +239,7 @@ class AutoParallel:
         take no placement and are not counted."""
         self._require_open()
         n = len(self.traced.input_nodes)
-        if len(constraints) != n:
-            raise ConstraintError(f"{len(constraints)} input constraints given for {n} inputs")
-        for i, placements in enumerate(constraints):
+        for i, placements in enumerate(validation.check_constraint_list(constraints, n, "input constraint")):
             if placements is not None:
                 self._pin_input(i, placements, "input constraint")
 
@@ -235,24 +247,32 @@ class AutoParallel:
         """One placement tuple (or None) per output of the forward, flattened."""
         self._require_open()
         outs = self.traced.output_nodes
-        if len(constraints) != len(outs):
-            raise ConstraintError(f"{len(constraints)} output constraints given for {len(outs)} outputs")
-        for i, placements in enumerate(constraints):
+        for i, placements in enumerate(validation.check_constraint_list(constraints, len(outs), "output constraint")):
             if placements is None:
                 continue
             node = outs[i]
-            checked = self._check_placements(placements, node, f"output constraint {i}")
-            self._pin(node, checked, f"output constraint {i}")
+            cname = f"output constraint {i}"
+            checked = self._check_placements(placements, node, cname)
+            infeasibility.check_pin(cname, f"output {i}", node, checked, self.strategies[node].options, self.mesh)
+            # the output's incoming gradient is laid out like the output
+            tangent = self.traced.tangent_nodes.get(i)
+            if tangent is not None and tangent in self.strategies:
+                subject = f"output {i} (its incoming gradient, {tangent.name}, takes the same layout)"
+                infeasibility.check_pin(cname, subject, tangent, checked, self.strategies[tangent].options, self.mesh)
+            self._pin(node, checked, cname, f"output {i}")
 
     def add_node_constraint(self, node: torch.fx.Node | str, placements: Sequence[Placement]) -> None:
         """Pin the output placement of one graph node (an FX node or its name)."""
         self._require_open()
         name = getattr(node, "name", node)
+        if not isinstance(name, str):
+            raise TypeError(f"node must be an FX node or a node name (str), got {type(node).__name__} {node!r}")
         target = next((n for n in self.strategies if n.name == name), None)
         if target is None:
             raise ConstraintError(f"no graph node named {name!r} (see plan JSON for node names)")
         checked = self._check_placements(placements, target, f"node constraint on {name}")
-        self._pin(target, checked, f"node constraint {name}")
+        path = module_path(target) or next((f for f, n in self.traced.param_nodes.items() if n is target), None)
+        self._pin(target, checked, f"node constraint {name}", f"node {name}" + (f" ({path})" if path else ""))
 
     def add_parameter_memory_constraint(self, low: float | None = None, high: float | None = None) -> None:
         """Bound per-rank parameter memory as a fraction of the replicated size.
@@ -261,18 +281,24 @@ class AutoParallel:
         mesh allows, which makes FSDP emerge); ``high=1.0`` allows full
         replication (DDP).
         """
-        for name, v in (("low", low), ("high", high)):
-            if v is not None and not (0.0 <= v):
-                raise ConstraintError(f"parameter memory constraint: {name}={v} must be >= 0")
-        if low is not None and high is not None and low > high:
-            raise ConstraintError(f"parameter memory constraint: low={low} > high={high}")
+        validation.check_memory_bounds(low, high)
         self._constraints.memory_low = low
         self._constraints.memory_high = high
         self._constraint_log["parameter memory budget"] = {"low": low, "high": high}
 
+    def _node_roles(self) -> dict[str, str]:
+        """What parameter and gradient nodes are, for messages."""
+        roles = {n.name: f"parameter {fqn}" for fqn, n in self.traced.param_nodes.items()}
+        roles.update({n.name: f"the gradient of {fqn}" for fqn, n in self.traced.grad_nodes.items() if n is not None})
+        return roles
+
     # -- solving -------------------------------------------------------------------
     def build_problem(self) -> BuiltProblem:
         self._require_open()
+        c = self._constraints
+        infeasibility.check_memory_budget(
+            self.traced.param_nodes, self.strategies, self.mesh, c.pins, c.memory_low, c.memory_high
+        )
         t0 = time.perf_counter()
         with unset_fake_temporarily():
             self.built = build_problem(
@@ -291,9 +317,12 @@ class AutoParallel:
         built = self.build_problem()
         dump_dir = os.environ.get(DUMP_DIR_ENV)
         t0 = time.perf_counter()
-        solution = solver.solve(
-            built.problem, backend=self.backend, time_limit=self.time_limit, rel_gap=self.rel_gap
-        )
+        try:
+            solution = solver.solve(
+                built.problem, backend=self.backend, time_limit=self.time_limit, rel_gap=self.rel_gap
+            )
+        except solver.InfeasibleError as err:
+            raise infeasibility.describe_conflict(err, self._constraint_log, self._node_roles()) from err
         self.timings["solve"] = time.perf_counter() - t0
         for phase, seconds in solution.timings.items():
             self.timings[f"solver.{phase}"] = seconds

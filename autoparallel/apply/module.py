@@ -115,7 +115,7 @@ class ParallelModuleMixin:
             for fqn, slots in st.buffer_slots.items():
                 old = getattr(*slots[0])
                 spec = st.local.buffer_specs[fqn]
-                new = _empty_dtensor(_as_dtensor(old, spec), device)
+                new = _empty_dtensor(_as_dtensor(old, spec, f"buffer {fqn}"), device)
                 for mod, name in slots:
                     mod._buffers[name] = new
         return self
@@ -188,7 +188,7 @@ class ParallelModuleMixin:
             spec = st.local.buffer_specs[fqn]
             if not isinstance(b, DTensor):
                 # e.g. init_weights() recomputed a buffer as a plain (full) tensor
-                b = _as_dtensor(b, spec)
+                b = _as_dtensor(b, spec, f"buffer {fqn}")
                 for mod, name in slots:
                     mod._buffers[name] = b
             if b.is_meta:
@@ -202,8 +202,11 @@ class ParallelModuleMixin:
     def _input_locals(self, st: ParallelState, args, kwargs, callers: list) -> list[torch.Tensor]:
         leaves, spec = tree_flatten_with_path((args, kwargs))
         if spec != st.in_spec:
+            from ..validation import describe_call
+
             raise TypeError(
-                f"the parallel module was traced with inputs structured as {st.in_spec}, got {spec}"
+                f"the parallel module was traced with inputs structured as {describe_call(st.in_spec)}, "
+                f"got {describe_call(spec)}: call it the way the example inputs were given"
             )
         out = []
         for (path, leaf), slot in zip(leaves, st.inputs):
@@ -285,13 +288,16 @@ def _meta_dtensor(spec: DTensorSpec, requires_grad: bool = False) -> DTensor:
     )
 
 
-def _as_dtensor(t: torch.Tensor, spec: DTensorSpec) -> DTensor:
+def _as_dtensor(t: torch.Tensor, spec: DTensorSpec, name: str = "tensor") -> DTensor:
     if isinstance(t, DTensor):
         return t
     if t.is_meta:
         return _meta_dtensor(spec)
     if tuple(t.shape) != tuple(spec.tensor_meta.shape):
-        raise ValueError(f"expected a full tensor of shape {tuple(spec.tensor_meta.shape)}, got {tuple(t.shape)}")
+        raise ValueError(
+            f"{name}: expected a full tensor of shape {tuple(spec.tensor_meta.shape)} (or a DTensor laid out "
+            f"as the plan says), got shape {tuple(t.shape)}"
+        )
     # every rank holds the full value: split locally, no communication
     return distribute_tensor(t, spec.mesh, spec.placements, src_data_rank=None)
 
@@ -331,7 +337,7 @@ def _full_state_dict_hook(module, state_dict, prefix, local_metadata, strict, mi
         fqn = key[len(prefix) :]
         spec = specs.get(tied.get(fqn, fqn))
         if spec is not None:
-            state_dict[key] = _as_dtensor(value, spec)
+            state_dict[key] = _as_dtensor(value, spec, f"load_state_dict key {key!r}")
 
 
 def _aliases(root: nn.Module, slots) -> list[str]:
