@@ -62,6 +62,7 @@ def solve(
     :class:`~solver.problem.ProblemError` when it is malformed, and
     :class:`SolverError` when the backend stops without any solution.
     """
+    _check_limits(time_limit, rel_gap)
     t_start = time.perf_counter()
     pre_mod = _presolve_module() if presolve else None
     if pre_mod is None:
@@ -153,6 +154,20 @@ def solve(
         num_constraints=model.num_rows,
         presolve=stats,
     )
+
+
+def _check_limits(time_limit, rel_gap) -> None:
+    """Reject limits a backend would misread (nan, negative) before any work."""
+    for name, value, ok, valid in (
+        ("time_limit", time_limit, lambda v: v > 0, "a positive number of seconds or None"),
+        ("rel_gap", rel_gap, lambda v: 0 <= v < 1, "a number in [0, 1) (e.g. 0.01) or None"),
+    ):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be {valid}, got {type(value).__name__} {value!r}")
+        if not ok(value):  # nan fails every comparison
+            raise ValueError(f"{name} must be {valid}, got {value!r}")
 
 
 def _presolve_module():
