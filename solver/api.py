@@ -140,9 +140,17 @@ def solve(
         result.gap,
         timings["total"],
     )
+    objective = unary + edge
+    if result.status == "optimal":
+        bound = objective
+    elif result.bound is None or not math.isfinite(result.bound):
+        bound = None
+    else:  # the ILP's bound, never above the re-evaluated objective
+        bound = min(result.bound, objective)
     return Solution(
         choice=choice,
-        objective=unary + edge,
+        objective=objective,
+        bound=bound,
         unary_cost=unary,
         edge_cost=edge,
         status=result.status,

@@ -346,7 +346,8 @@ class Solution:
     ``choice`` maps every decision name to its chosen option id. ``status`` is
     ``"optimal"`` (proven) or ``"feasible"`` (time limit or gap reached with an
     incumbent). ``gap`` is the relative optimality gap reported by the backend
-    (0.0 when proven optimal). ``timings`` maps phase names (``presolve``,
+    (0.0 when proven optimal) and ``bound`` the proven lower bound: no choice
+    costs less than ``bound``. ``timings`` maps phase names (``presolve``,
     ``build``, ``solve``, ...) to seconds.
     """
 
@@ -358,6 +359,9 @@ class Solution:
     optimal: bool
     gap: float | None = None
     backend: str = ""
+    # The backend's proven lower bound on the objective (true units); equal
+    # to the objective when optimal, ``None`` when the backend gave none.
+    bound: float | None = None
     timings: dict[str, float] = field(default_factory=dict)
     num_variables: int = 0
     num_constraints: int = 0
