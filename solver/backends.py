@@ -244,15 +244,29 @@ class HighsBackend(Backend):
 
 
 def _rounded(model: IlpModel, values) -> "np.ndarray":
-    """Binary values: per decision, its option with the largest LP value."""
+    """Binary values: per decision, its option with the largest LP value,
+    then polished by :func:`solver.local_search.improve`."""
     import numpy as np
+
+    from .local_search import improve
 
     x = np.zeros(model.num_x)
     values = np.asarray(values)
-    for cols in model.option_cols.values():
-        cols = [c for c in cols if c is not None]
-        if cols:  # linked decisions share columns and agree on their largest
-            x[cols[int(np.argmax(values[cols]))]] = 1.0
+    choice = {}
+    for name, cols in model.option_cols.items():
+        live = [(o, c) for o, c in enumerate(cols) if c is not None]
+        if live:  # linked decisions share columns and agree on their largest
+            choice[name] = max(live, key=lambda oc: values[oc[1]])[0]
+    if len(choice) == len(model.option_cols):
+        t0 = time.perf_counter()
+        full = model.decode([0.0] * model.num_x)  # fixed decisions' options
+        full.update(choice)
+        polished = improve(model.problem, full)
+        logger.debug("highs: local search on the rounded LP took %.3fs", time.perf_counter() - t0)
+        if all(model.option_cols[n][polished[n]] is not None for n in choice):
+            choice = {n: polished[n] for n in choice}
+    for name, o in choice.items():
+        x[model.option_cols[name][o]] = 1.0
     return x
 
 
