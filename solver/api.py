@@ -118,7 +118,7 @@ def solve(
     if result.status == "unknown":
         raise SolverError(
             f"{solver.name} found no feasible solution within the time limit "
-            f"({time_limit} s)"
+            f"({time_limit} s); give it more time (time_limit=None: no limit)"
         )
 
     t0 = time.perf_counter()
