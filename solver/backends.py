@@ -149,6 +149,9 @@ class HighsBackend(Backend):
         # optimum, where HiGHS' own heuristics spent 20 s at a 10% gap. With
         # a time limit, the plan is then this good however early HiGHS stops.
         start = _rounded(model, h.getSolution().col_value) if ms == S.kOptimal else None
+        # The relaxation's optimum bounds the MIP: the bound to report if the
+        # MIP stops (time limit) before its own root LP is solved.
+        lp_bound = h.getInfo().objective_function_value * scale + off if ms == S.kOptimal else None
 
         remaining = None
         if time_limit is not None:
@@ -197,6 +200,8 @@ class HighsBackend(Backend):
         objective = info.objective_function_value * scale + off
         bound = info.mip_dual_bound * scale + off if math.isfinite(info.mip_dual_bound) else None
         gap = info.mip_gap if math.isfinite(info.mip_gap) else _relative_gap(objective, bound)
+        if lp_bound is not None and (bound is None or lp_bound > bound):
+            bound, gap = lp_bound, _relative_gap(objective, lp_bound)
         # Asked for no gap, HiGHS stops at optimality within its tolerances.
         optimal = ms == S.kOptimal and (rel_gap is None or (gap is not None and gap <= OPTIMAL_GAP))
         if optimal:
