@@ -11,6 +11,7 @@ Asserts nothing; a model that fails prints its error and the rest go on::
     python benchmarks/plan_zoo.py                 # all
     python benchmarks/plan_zoo.py t5 llama1_4x2   # some
     python benchmarks/plan_zoo.py --time-limit 0  # no time limit (0 = None)
+    python benchmarks/plan_zoo.py --slow-compute  # a device where compute dominates
 """
 
 from __future__ import annotations
@@ -121,7 +122,23 @@ MODELS = {
 }
 
 
-def plan_one(name: str, time_limit: float | None) -> dict:
+def slow_compute_device(factor: float = 1000.0):
+    """H100 with compute and memory bandwidth ``factor`` times slower: plans
+    that shard compute (the zoo tests' second cost model)."""
+    from autoparallel.cost_model import DeviceSpec
+
+    h100 = DeviceSpec.get("H100")
+    return dataclasses.replace(
+        h100,
+        peak_bf16=h100.peak_bf16 / factor,
+        peak_fp32=h100.peak_fp32 / factor,
+        peak_tf32=h100.peak_tf32 / factor,
+        peak_fp8=None if h100.peak_fp8 is None else h100.peak_fp8 / factor,
+        hbm_bw=h100.hbm_bw / factor,
+    )
+
+
+def plan_one(name: str, time_limit: float | None, slow_compute: float | None = None) -> dict:
     with torch.device("meta"):
         model, inputs, mesh_shape = MODELS[name]()
     if dist.is_initialized():
@@ -130,7 +147,8 @@ def plan_one(name: str, time_limit: float | None) -> dict:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
     t0 = time.perf_counter()
-    with AutoParallel(model, mesh, inputs, time_limit=time_limit) as autop:
+    device = slow_compute_device(slow_compute) if slow_compute else "H100"
+    with AutoParallel(model, mesh, inputs, time_limit=time_limit, device=device) as autop:
         batch_on_dp = (Shard(0), Replicate())
         autop.add_input_constraints([batch_on_dp] * len(autop.traced.input_nodes))
         plan = autop.optimize_placement()
@@ -157,6 +175,8 @@ def main(argv=None) -> int:
     p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT,
                    help="solver time limit in seconds (0: none)")
     p.add_argument("--verbose", action="store_true")
+    p.add_argument("--slow-compute", type=float, nargs="?", const=1000.0, default=None, metavar="FACTOR",
+                   help="a device FACTOR (default 1000) times slower at compute, so plans shard compute")
     p.add_argument("--one", metavar="MODEL", help=argparse.SUPPRESS)  # the per-model child
     a = p.parse_args(argv)
     unknown = [m for m in [*a.models, *([a.one] if a.one else [])] if m not in MODELS]
@@ -166,7 +186,7 @@ def main(argv=None) -> int:
     time_limit = a.time_limit or None
     if a.one:
         try:
-            r = plan_one(a.one, time_limit)
+            r = plan_one(a.one, time_limit, a.slow_compute)
         except Exception as exc:  # noqa: BLE001 -- report and go on with the next model
             where = traceback.extract_tb(exc.__traceback__)[-1]
             print(f"{a.one:11s} FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:120]} "
@@ -177,14 +197,17 @@ def main(argv=None) -> int:
                 dist.destroy_process_group()
         print(_row(a.one, r), flush=True)
         return 0
-    print(f"time (s), objective and bound (us per step); solver time limit {time_limit}")
+    print(f"time (s), objective and bound (us per step); solver time limit {time_limit}"
+          f"{f'; device {a.slow_compute:g}x slower at compute' if a.slow_compute else ''}")
     print(f"{'model':11s} {'total':>6s} {'trace':>6s} {'opts':>6s} {'build':>6s} {'presol':>6s} "
           f"{'ilp':>6s} {'solve':>6s} {'vars':>8s} {'status':9s} {'objective':>10s} {'bound':>10s} {'gap':>7s}")
     for name in a.models or MODELS:
         # One process per model: timings as a user's first plan sees them
         # (no warm caches), and one model's failure cannot affect the next.
         cmd = [sys.executable, os.path.abspath(__file__), "--one", name, "--time-limit", str(a.time_limit)]
-        out = subprocess.run(cmd + (["--verbose"] if a.verbose else []), capture_output=True, text=True)
+        cmd += ["--verbose"] if a.verbose else []
+        cmd += ["--slow-compute", str(a.slow_compute)] if a.slow_compute else []
+        out = subprocess.run(cmd, capture_output=True, text=True)
         rows = [line for line in out.stdout.splitlines() if line.startswith(f"{name:11s} ")]
         print(rows[-1] if rows else f"{name:11s} CRASHED rc {out.returncode}: {out.stderr[-300:]}", flush=True)
     return 0
