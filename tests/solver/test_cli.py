@@ -90,9 +90,15 @@ def _valid_dict():
     }
 
 
-def _huge_int() -> bytes:
+def _huge_int(where: str) -> bytes:
     d = _valid_dict()
-    d["decisions"][0]["costs"][0] = 10**400
+    d["decisions"].append({"name": "b", "options": ["R", "S"], "costs": [1.0, 2.0]})
+    if where == "cost":
+        d["decisions"][0]["costs"][0] = 10**400
+    elif where == "edge":
+        d["edges"] = [{"producer": "a", "consumer": "b", "arg_index": 0, "costs": [[10**400, 1], [1, 0]]}]
+    else:
+        d["resources"] = [{"name": "mem", "terms": {"a": [1, 2]}, "low": None, "high": -(10**400)}]
     return json.dumps(d).encode()
 
 
@@ -105,10 +111,13 @@ def _huge_int() -> bytes:
         (b"{" * 1 + b"\"schema\": ", "not valid JSON"),
         (b"[" * 200000, "nested too deeply"),
         (b'{"schema": NaN}', "non-standard JSON constant"),
-        (_huge_int(), "$.decisions[0].costs[0]: number too large"),
+        (_huge_int("cost"), "decision 'a' (#0), option 0: cost is an integer of 401 digits"),
+        (_huge_int("edge"), "entry [0][0]: cost is an integer of 401 digits"),
+        (_huge_int("bound"), "$.resources[0].high: number too large for a float"),
         (json.dumps(_valid_dict()).replace('"costs"', '"kosts"').encode(), "missing key 'costs'"),
     ],
-    ids=["binary", "bom-ish", "empty", "truncated", "deep", "nan", "huge-int", "missing-key"],
+    ids=["binary", "bom-ish", "empty", "truncated", "deep", "nan", "huge-cost", "huge-edge-cost",
+         "huge-bound", "missing-key"],
 )
 def test_malformed_dump_is_2(tmp_path, capsys, data, words):
     code, err = _run([_write_bytes(tmp_path, data)], capsys)
