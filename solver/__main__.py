@@ -107,7 +107,8 @@ def summary(sol: Solution) -> str:
     """A few lines describing ``sol`` (status, costs, timings, size, presolve)."""
     gap = "n/a" if sol.gap is None else f"{sol.gap:.3g}"
     lines = [
-        f"status     {sol.status} ({sol.backend}), gap {gap}",
+        f"status     {sol.status} ({sol.backend}), gap {gap}"
+        + ("" if sol.bound is None or sol.optimal else f", bound {sol.bound:.9g}"),
         f"objective  {sol.objective:.9g} = unary {sol.unary_cost:.9g} + edge {sol.edge_cost:.9g}",
         f"ILP        {sol.num_variables} variables, {sol.num_constraints} constraints",
         "timings    "
