@@ -40,6 +40,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from .highs_bb import branch_and_bound
 from .ilp import IlpModel
 
 logger = logging.getLogger(__name__)
@@ -155,6 +156,28 @@ class HighsBackend(Backend):
         # The relaxation's optimum bounds the MIP: the bound to report if the
         # MIP stops (time limit) before its own root LP is solved.
         lp_bound = h.getInfo().objective_function_value * scale + off if ms == S.kOptimal else None
+        if ms == S.kOptimal:
+            # Our own branching on decisions first (see solver.highs_bb):
+            # it proved the 1-layer LLaMA in 15 LP re-solves (2 s) where
+            # HiGHS' MIP took 50 s. Half the time limit at most.
+            deadline = None if time_limit is None else t1 + 0.5 * time_limit
+            bb = branch_and_bound(
+                h, model, h.getInfo().objective_function_value, start, deadline, rel_gap
+            )
+            if bb.values is not None:
+                start = np.asarray(bb.values[: model.num_x])
+                objective = bb.objective * scale + off
+                bound = bb.bound * scale + off
+                lp_bound = max(lp_bound, bound)
+                gap = _relative_gap(objective, bound)
+                if bb.proven or (rel_gap is not None and gap is not None and gap <= rel_gap):
+                    status = "optimal" if bb.proven else "feasible"
+                    timings.update(solve=time.perf_counter() - t1, extract=0.0)
+                    return BackendResult(
+                        status, bb.values, objective, objective if bb.proven else bound,
+                        0.0 if bb.proven else gap, timings,
+                    )
+            logger.debug("highs: branching on decisions did not finish; solving the MIP")
 
         remaining = None
         if time_limit is not None:

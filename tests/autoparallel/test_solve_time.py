@@ -22,10 +22,11 @@ def _plan(model, mesh, inputs, **kwargs):
         return autop.optimize_placement()
 
 
-def test_llama_one_layer_4x2_stops_with_a_proven_gap(fake_world):
+def test_llama_one_layer_4x2_proven_or_bounded(fake_world):
     """The 1-layer debug LLaMA on 4x2: the LP relaxation is 0.7% below the
-    optimum and HiGHS needs ~60 s to prove it. Within the default time limit
-    the plan is the rounded, polished LP optimum, with the LP's bound."""
+    optimum and HiGHS' MIP needed 50-65 s to prove it; branching on decisions
+    proves it in ~15 LP re-solves (2-4 s). Should a loaded machine hit the
+    default time limit, the plan says so and still carries a bound within 1%."""
     fake_world(8)
     mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
     cfg = dataclasses.replace(LLAMA3_CONFIGS["debug"], n_layers=1, max_seq_len=64)
@@ -34,7 +35,7 @@ def test_llama_one_layer_4x2_stops_with_a_proven_gap(fake_world):
     plan = _plan(model, mesh, lambda: (torch.randint(0, cfg.vocab_size, (8, 64), device="meta"),))
     assert plan.status in ("optimal", "feasible")
     assert plan.bound is not None and plan.bound <= plan.objective
-    assert plan.gap < 0.01  # proven within 1% (measured: 0.67%; true distance 0.02%)
+    assert plan.gap < 0.01  # measured: 0 (optimal); the LP bound alone is within 0.7%
     if plan.status == "feasible":
         assert plan.gap == pytest.approx((plan.objective - plan.bound) / plan.objective, rel=1e-2)
         assert "NOT proven optimal" in plan.summary() and "bound" in plan.summary()

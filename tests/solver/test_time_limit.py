@@ -102,3 +102,44 @@ def test_local_search_respects_pins_resources_and_links():
 
     linked = Problem([a, b], links=[Link("l", "a", "b", [0, 1])])
     assert improve(linked, {"a": 0, "b": 0}) == {"a": 0, "b": 0}
+
+
+@pytest.mark.parametrize("n, seed", [(6, 0), (8, 1), (10, 1)])
+def test_branching_on_decisions_matches_the_mip(monkeypatch, n, seed, caplog):
+    """The decision branch and bound (solver.highs_bb) proves these grids
+    itself; with no node budget HiGHS' MIP solves them: same optimum."""
+    import logging
+
+    from solver import highs_bb
+
+    p = grid(n, 3, seed)
+    with caplog.at_level(logging.DEBUG, logger="solver"):
+        ours = solve(p)
+    assert ours.status == "optimal" and ours.gap == 0.0
+    fractional = any("LP relaxation is fractional" in r.getMessage() for r in caplog.records)
+    if fractional:  # else the LP alone proved it, and there was nothing to branch on
+        assert not any("did not finish" in r.getMessage() for r in caplog.records)
+    monkeypatch.setattr(highs_bb.branch_and_bound, "__defaults__", (None, 0))
+    mip = solve(p)
+    assert mip.status == "optimal"
+    assert ours.objective == pytest.approx(mip.objective, rel=1e-9, abs=1e-12)
+
+
+def test_branching_on_decisions_with_brute_force(caplog):
+    """Small random problems (pins, resources, inf pairs) and small grids
+    (fractional relaxations, so the branching runs): the brute-force optimum."""
+    import logging
+
+    problems = [random_problem(seed) for seed in range(60)] + [grid(3, 2, seed) for seed in range(40)]
+    checked = 0
+    with caplog.at_level(logging.DEBUG, logger="solver"):
+        for p in problems:
+            ref = brute_force(p)
+            if ref is None:
+                continue
+            s = solve(p, presolve=False)
+            assert s.status == "optimal"
+            assert s.objective == pytest.approx(ref[0], rel=1e-9, abs=1e-9), p.name
+            checked += 1
+    branched = sum("LP relaxation is fractional" in r.getMessage() for r in caplog.records)
+    assert checked > 50 and branched >= 3, (checked, branched)
