@@ -73,8 +73,15 @@ def branch_and_bound(
     groups = list({tuple(c for c in cols if c is not None): None for cols in model.option_cols.values()})
     groups = [np.asarray(g, dtype=np.int64) for g in groups if len(g) > 1]
 
+    current = [lower.copy(), upper.copy()]  # the bounds h holds now
+
     def resolve(lo, ub):
-        h.changeColsBounds(nx, idx, lo, ub)
+        # Change only the bounds that differ: HiGHS then keeps more of
+        # the previous basis warm.
+        diff = np.flatnonzero((current[0] != lo) | (current[1] != ub)).astype(np.int32)
+        if len(diff):
+            h.changeColsBounds(len(diff), diff, lo[diff], ub[diff])
+            current[0], current[1] = lo.copy(), ub.copy()
         h.run()
         if h.getModelStatus() != optimal:
             return None, None
@@ -114,10 +121,10 @@ def branch_and_bound(
             used = branch[x[branch] > ZERO_TOL]
             for c in used:  # one child per fractionally used option
                 count += 1
-                heapq.heappush(heap, (value, count, off + tuple(int(o) for o in branch if o != c)))
+                heapq.heappush(heap, (value, -count, off + tuple(int(o) for o in branch if o != c)))
             if len(used) < len(branch):  # and one for all the unused ones
                 count += 1
-                heapq.heappush(heap, (value, count, off + tuple(int(o) for o in used)))
+                heapq.heappush(heap, (value, -count, off + tuple(int(o) for o in used)))
     finally:
         h.changeColsBounds(nx, idx, lower, upper)
     open_bound = min((n[0] for n in heap), default=np.inf)
