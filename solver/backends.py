@@ -156,6 +156,7 @@ class HighsBackend(Backend):
         # The relaxation's optimum bounds the MIP: the bound to report if the
         # MIP stops (time limit) before its own root LP is solved.
         lp_bound = h.getInfo().objective_function_value * scale + off if ms == S.kOptimal else None
+        incumbent = None  # (values, objective) found before the MIP
         if ms == S.kOptimal:
             # Our own branching on decisions first (see solver.highs_bb):
             # it proved the 1-layer LLaMA in 15 LP re-solves (2 s) where
@@ -180,6 +181,7 @@ class HighsBackend(Backend):
                         status, bb.values, objective, objective if bb.proven else bound,
                         0.0 if bb.proven else gap, timings,
                     )
+                incumbent = (bb.values, objective)
             logger.debug("highs: branching on decisions did not finish; solving the MIP")
 
         remaining = None
@@ -219,14 +221,18 @@ class HighsBackend(Backend):
         if ms in (S.kInfeasible, S.kUnboundedOrInfeasible):
             timings["extract"] = 0.0
             return BackendResult("infeasible", timings=timings)
-        if not has_solution:
+        if not has_solution and incumbent is None:
             timings["extract"] = 0.0
             if ms in (S.kTimeLimit, S.kIterationLimit, S.kInterrupt, S.kSolutionLimit):
                 return BackendResult("unknown", timings=timings)
             raise SolverError(f"HiGHS stopped with status {h.modelStatusToString(ms)}")
 
-        values = h.getSolution().col_value
-        objective = info.objective_function_value * scale + off
+        if has_solution:
+            values = h.getSolution().col_value
+            objective = info.objective_function_value * scale + off
+        if incumbent is not None and (not has_solution or objective > incumbent[1]):
+            # HiGHS stopped without improving on (or dropped) the start.
+            values, objective = incumbent
         bound = info.mip_dual_bound * scale + off if math.isfinite(info.mip_dual_bound) else None
         gap = info.mip_gap if math.isfinite(info.mip_gap) else _relative_gap(objective, bound)
         if lp_bound is not None and (bound is None or lp_bound > bound):
