@@ -83,6 +83,39 @@ class Plan:
     def comm_cost(self) -> float:
         return sum(n.comm_cost for n in self.nodes.values())
 
+    # -- how good the solver's answer is ---------------------------------------
+    @property
+    def status(self) -> str:
+        """``"optimal"`` (proven) or ``"feasible"`` (stopped by the time limit or gap)."""
+        return self.solution.status
+
+    @property
+    def objective(self) -> float:
+        """Estimated seconds per step of this plan (the ILP objective)."""
+        return self.solution.objective
+
+    @property
+    def bound(self) -> float | None:
+        """Proven lower bound on any plan's objective (``objective`` when optimal)."""
+        return self.solution.bound
+
+    @property
+    def gap(self) -> float | None:
+        """Proven relative gap ``(objective - bound) / objective``; 0 when optimal."""
+        return self.solution.gap
+
+    def optimality(self) -> str:
+        """One line: proven optimal, or how far from optimal it may be."""
+        s = self.solution
+        if s.status == "optimal":
+            return f"proven optimal: objective {_us(s.objective)}"
+        bound = "no bound" if s.bound is None else f"bound {_us(s.bound)}"
+        gap = "" if s.gap is None else f", gap {100 * s.gap:.3g}%"
+        return (
+            f"NOT proven optimal (solver stopped at its time limit or gap): "
+            f"objective {_us(s.objective)}, {bound}{gap}"
+        )
+
     def placements(self, name: str) -> str:
         return self.nodes[name].output_placements
 
@@ -107,6 +140,7 @@ class Plan:
         lines = [
             f"plan for mesh {self.mesh_shape}: {len(self.nodes)} nodes, solver {s.status}"
             f" ({s.backend}, gap {s.gap if s.gap is not None else 'n/a'})",
+            f"  {self.optimality()}",
             f"  estimated compute {_ms(self.compute_cost)}, communication {_ms(self.comm_cost)} per step",
             f"  parameters per rank {self.parameter_bytes_per_rank / 2**30:.3f} GiB"
             f" of {self.parameter_bytes_total / 2**30:.3f} GiB",
@@ -156,6 +190,7 @@ class Plan:
                 "status": s.status,
                 "optimal": s.optimal,
                 "gap": s.gap,
+                "bound": s.bound,
                 "backend": s.backend,
                 "objective": s.objective,
                 "unary_cost": s.unary_cost,

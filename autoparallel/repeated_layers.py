@@ -7,6 +7,10 @@ order, have the same op, the same output shape/dtype and the same argument
 structure (in-group producers referenced by position, parameters by their
 FQN inside the layer). Each node of a repeat is then paired with the node at
 the same position in the first group, so the solver can link their decisions.
+Layers are linked only when wholly identical: the first block of a T5 stack
+(which alone computes the relative position bias) stays unlinked, its
+siblings link to block 1. Unlinked layers only cost solve time, which the
+solver's time limit bounds (the plan then reports its proven gap).
 
 Autograd's gradient accumulations (the ``add`` summing the residual stream's
 gradient with a block's input gradient) run outside any module's forward and
@@ -115,7 +119,14 @@ def find_repeated_layers(traced: TracedStep) -> RepeatedLayers:
                 for node, ref in zip(groups[key], ref_nodes):
                     result.reference[node] = ref
     if result.mismatched:
-        logger.info("layers not linked (structure differs): %s", result.mismatched)
+        # Typical: the first block of a T5 stack also computes the relative
+        # position bias that later blocks receive as an input, so with two
+        # blocks per stack neither has a twin (with more, blocks 1.. link).
+        logger.info(
+            "layers not linked (no other layer of the stack has the same ops, shapes and "
+            "arguments): %s",
+            [f"{prefix}.{i}" for prefix, i in result.mismatched],
+        )
     logger.info(
         "repeated layers: %d groups, %d nodes linked to a reference layer",
         len(groups),

@@ -31,10 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("dump", help="problem or bundle JSON written by solver.serialize.dump")
     parser.add_argument("--backend", choices=["highs", "cbc"], default=None,
                         help="ILP backend (default: the fastest available)")
-    parser.add_argument("--time-limit", type=float, default=None, metavar="S",
-                        help="stop after S seconds with the best solution found")
-    parser.add_argument("--gap", type=float, default=None, metavar="G",
-                        help="stop at relative optimality gap G (e.g. 0.01)")
+    parser.add_argument("--time-limit", type=_positive_seconds, default=None, metavar="S",
+                        help="stop after S seconds (> 0) with the best solution found")
+    parser.add_argument("--gap", type=_relative_gap, default=None, metavar="G",
+                        help="stop at relative optimality gap G (0 <= G < 1, e.g. 0.01)")
     parser.add_argument("--no-presolve", action="store_true", help="solve the problem as is")
     parser.add_argument("--output", metavar="SOLUTION.json",
                         help="write the new solution (as a bundle with the problem)")
@@ -52,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
         return _error(f"cannot read {args.dump}: {exc.strerror or exc}", EXIT_BAD_INPUT)
     except DumpError as exc:
         return _error(f"malformed dump: {exc}", EXIT_BAD_INPUT)
+    except Exception as exc:  # noqa: BLE001 -- any other fault in the input is still rc 2
+        logging.getLogger(__name__).debug("loading %s failed", args.dump, exc_info=True)
+        return _error(
+            f"malformed dump: {args.dump}: {type(exc).__name__}: {exc}", EXIT_BAD_INPUT
+        )
     previous: Solution | None = None
     if isinstance(obj, Bundle):
         problem, previous = obj.problem, obj.solution
@@ -102,7 +107,8 @@ def summary(sol: Solution) -> str:
     """A few lines describing ``sol`` (status, costs, timings, size, presolve)."""
     gap = "n/a" if sol.gap is None else f"{sol.gap:.3g}"
     lines = [
-        f"status     {sol.status} ({sol.backend}), gap {gap}",
+        f"status     {sol.status} ({sol.backend}), gap {gap}"
+        + ("" if sol.bound is None or sol.optimal else f", bound {sol.bound:.9g}"),
         f"objective  {sol.objective:.9g} = unary {sol.unary_cost:.9g} + edge {sol.edge_cost:.9g}",
         f"ILP        {sol.num_variables} variables, {sol.num_constraints} constraints",
         "timings    "
@@ -138,6 +144,26 @@ def compare(previous: Solution, new: Solution, rel_tol: float = 1e-6) -> str:
         f"dumped     objective {a:.9g} ({previous.status}, {previous.backend or '?'}): "
         f"new objective {verdict}; {changed} decisions chose differently"
     )
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (value > 0):  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def _relative_gap(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a relative gap such as 0.01, got {text!r}") from None
+    if not (0.0 <= value < 1.0):  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be in [0, 1) (e.g. 0.01 for 1%), got {text!r}")
+    return value
 
 
 def _error(message: str, code: int) -> int:

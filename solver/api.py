@@ -62,6 +62,7 @@ def solve(
     :class:`~solver.problem.ProblemError` when it is malformed, and
     :class:`SolverError` when the backend stops without any solution.
     """
+    _check_limits(time_limit, rel_gap)
     t_start = time.perf_counter()
     pre_mod = _presolve_module() if presolve else None
     if pre_mod is None:
@@ -117,7 +118,7 @@ def solve(
     if result.status == "unknown":
         raise SolverError(
             f"{solver.name} found no feasible solution within the time limit "
-            f"({time_limit} s)"
+            f"({time_limit} s); give it more time (time_limit=None: no limit)"
         )
 
     t0 = time.perf_counter()
@@ -139,9 +140,17 @@ def solve(
         result.gap,
         timings["total"],
     )
+    objective = unary + edge
+    if result.status == "optimal":
+        bound = objective
+    elif result.bound is None or not math.isfinite(result.bound):
+        bound = None
+    else:  # the ILP's bound, never above the re-evaluated objective
+        bound = min(result.bound, objective)
     return Solution(
         choice=choice,
-        objective=unary + edge,
+        objective=objective,
+        bound=bound,
         unary_cost=unary,
         edge_cost=edge,
         status=result.status,
@@ -153,6 +162,20 @@ def solve(
         num_constraints=model.num_rows,
         presolve=stats,
     )
+
+
+def _check_limits(time_limit, rel_gap) -> None:
+    """Reject limits a backend would misread (nan, negative) before any work."""
+    for name, value, ok, valid in (
+        ("time_limit", time_limit, lambda v: v > 0, "a positive number of seconds or None"),
+        ("rel_gap", rel_gap, lambda v: 0 <= v < 1, "a number in [0, 1) (e.g. 0.01) or None"),
+    ):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be {valid}, got {type(value).__name__} {value!r}")
+        if not ok(value):  # nan fails every comparison
+            raise ValueError(f"{name} must be {valid}, got {value!r}")
 
 
 def _presolve_module():

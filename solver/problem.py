@@ -28,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 
 INF = math.inf
@@ -303,13 +304,20 @@ def _all_costs(values: list, nested: bool = False) -> bool:
         total = sum(map(sum, values)) if nested else sum(values)
     except (TypeError, OverflowError):
         return False
-    return type(total) in _PLAIN_NUMBERS and total == total and total != -INF
+    if type(total) is int:  # all integers: each must fit a float
+        return abs(total) <= _FLOAT_MAX
+    return type(total) is float and total == total and total != -INF
 
 
-_PLAIN_NUMBERS = (float, int)
+_FLOAT_MAX = sys.float_info.max
 
 
 def _check_cost(value: float, where: str) -> None:
+    if isinstance(value, int) and abs(value) > _FLOAT_MAX:  # JSON allows any digits
+        raise ProblemError(
+            f"{where}: cost is an integer of {len(str(abs(value)))} digits, too large for a float "
+            f"(at most {_FLOAT_MAX:.3g}; +inf forbids an option)"
+        )
     if not isinstance(value, (int, float)) or math.isnan(value) or value == -INF:
         raise ProblemError(f"{where}: cost {value!r} is not a number or +inf")
 
@@ -346,7 +354,8 @@ class Solution:
     ``choice`` maps every decision name to its chosen option id. ``status`` is
     ``"optimal"`` (proven) or ``"feasible"`` (time limit or gap reached with an
     incumbent). ``gap`` is the relative optimality gap reported by the backend
-    (0.0 when proven optimal). ``timings`` maps phase names (``presolve``,
+    (0.0 when proven optimal) and ``bound`` the proven lower bound: no choice
+    costs less than ``bound``. ``timings`` maps phase names (``presolve``,
     ``build``, ``solve``, ...) to seconds.
     """
 
@@ -358,6 +367,9 @@ class Solution:
     optimal: bool
     gap: float | None = None
     backend: str = ""
+    # The backend's proven lower bound on the objective (true units); equal
+    # to the objective when optimal, ``None`` when the backend gave none.
+    bound: float | None = None
     timings: dict[str, float] = field(default_factory=dict)
     num_variables: int = 0
     num_constraints: int = 0

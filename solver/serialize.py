@@ -34,6 +34,7 @@ import json
 import math
 import os
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -534,18 +535,50 @@ def load(path: str | os.PathLike) -> Union[Problem, Solution, Bundle]:
     Raises :class:`DumpError` when the file is not valid JSON or not a valid
     dump (the message names the file and the JSON path of the fault).
     """
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    where = os.fspath(path)
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DumpError(
+            f"{where}: not a JSON text file (byte {exc.start} is not UTF-8); "
+            "expected a dump written by solver.serialize.dump"
+        ) from None
     try:
         d = json.loads(text, parse_constant=_reject_constant)
     except json.JSONDecodeError as exc:
-        raise DumpError(f"{os.fspath(path)}: not valid JSON: {exc}") from None
+        raise DumpError(f"{where}: not valid JSON: {exc}") from None
     except DumpError as exc:
-        raise DumpError(f"{os.fspath(path)}: {exc}") from None
+        raise DumpError(f"{where}: {exc}") from None
+    except RecursionError:
+        raise DumpError(f"{where}: JSON nested too deeply to be a solver dump") from None
     try:
         return from_json(d)
     except DumpError as exc:
-        raise DumpError(f"{os.fspath(path)}: {exc}") from None
+        raise DumpError(f"{where}: {exc}") from None
+    except OverflowError:
+        # An integer literal beyond float range (JSON allows any digits).
+        raise DumpError(
+            f"{where}: {_huge_int_path(d) or '$'}: number too large for a float "
+            f'(at most {sys.float_info.max:.3g}; write infinity as the string "inf")'
+        ) from None
+
+
+def _huge_int_path(v: Any, path: str = "$") -> str | None:
+    """The JSON path of the first integer that does not fit a float."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        try:
+            float(v)
+        except OverflowError:
+            return path
+        return None
+    items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
+    for k, x in items:
+        found = _huge_int_path(x, _key(path, k) if isinstance(k, str) else f"{path}[{k}]")
+        if found:
+            return found
+    return None
 
 
 def _reject_constant(name: str):
