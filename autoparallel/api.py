@@ -27,6 +27,7 @@ import solver
 
 from . import cost_model, rules  # noqa: F401 - rules register on import
 from .plan import NodePlan, Plan
+from .provenance import PlanMismatch, check_applicable, provenance  # noqa: F401 - PlanMismatch re-exported
 from .problem_builder import BuiltProblem, Constraints, build_problem
 from .repeated_layers import RepeatedLayers, find_repeated_layers
 from .strategies import NodeStrategy, StrategyEnumerator, format_specs
@@ -362,6 +363,7 @@ class AutoParallel:
             timings=dict(self.timings),
             parameter_bytes_per_rank=per_rank,
             parameter_bytes_total=total,
+            provenance=provenance(self),
         )
 
     def apply_placement(
@@ -384,6 +386,11 @@ class AutoParallel:
         self._require_open()
         from .apply import apply_placement
 
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be an autoparallel Plan (or Plan.load_json(path)), got {type(plan).__name__}")
+        # A plan from elsewhere (a file, another context): refuse it when it
+        # was made for another model, mesh or input shape, naming which.
+        check_applicable(plan, self)
         return apply_placement(
             self,
             plan,

@@ -9,8 +9,12 @@ dtype, placements, number of options, costs).
 
 from __future__ import annotations
 
+import contextlib
+import gzip
 import json
 import math
+import os
+import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -73,6 +77,9 @@ class Plan:
     parameter_bytes_total: float = 0.0
     # Rewrite passes run by apply_placement: name -> stats (see autoparallel.passes).
     pass_stats: dict[str, Any] = field(default_factory=dict)
+    # What the plan was made for (see autoparallel.provenance): graph
+    # fingerprint, input shapes, device spec, mixed precision.
+    provenance: dict[str, Any] = field(default_factory=dict)
 
     # -- summaries --------------------------------------------------------
     @property
@@ -170,15 +177,83 @@ class Plan:
                 "parameter_bytes_per_rank": self.parameter_bytes_per_rank,
                 "parameter_bytes_total": self.parameter_bytes_total,
             },
+            "provenance": self.provenance,
             "constraints": self.constraints,
+            "timings": self.timings,
             "passes": stats_to_json(self.pass_stats),
             "nodes": [asdict(n) for n in self.nodes.values()],
         }
 
-    def dump_json(self, path: str) -> None:
-        with open(path, "w") as f:
-            json.dump(self.to_json(), f, indent=1, sort_keys=False, default=_json_default)
-            f.write("\n")
+    def dump_json(self, path: str, *, indent: int | None = 1) -> None:
+        """Write the plan (gzip when ``path`` ends in ``.gz``), replacing any
+        old file atomically."""
+        text = json.dumps(self.to_json(), indent=indent, sort_keys=False, default=_json_default) + "\n"
+        write_atomic(path, text)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Plan":
+        if not isinstance(d, dict) or d.get("schema") != PLAN_SCHEMA:
+            got = d.get("schema") if isinstance(d, dict) else type(d).__name__
+            raise ValueError(f"not a plan: schema {got!r}, expected {PLAN_SCHEMA!r}")
+        nodes = {}
+        for nd in d["nodes"]:
+            nd = dict(nd)
+            nd["incoming"] = [tuple(t) for t in nd.get("incoming", [])]
+            nodes[nd["name"]] = NodePlan(**nd)
+        sv = d.get("solver", {})
+        solution = solver.Solution(
+            choice={name: n.option for name, n in nodes.items()},
+            objective=sv.get("objective", 0.0),
+            unary_cost=sv.get("unary_cost", 0.0),
+            edge_cost=sv.get("edge_cost", 0.0),
+            status=sv.get("status", "loaded"),
+            optimal=bool(sv.get("optimal", False)),
+            gap=sv.get("gap"),
+            backend=sv.get("backend", ""),
+            num_variables=sv.get("num_variables", 0),
+            num_constraints=sv.get("num_constraints", 0),
+        )
+        totals = d.get("totals", {})
+        return cls(
+            mesh_shape=list(d["mesh_shape"]),
+            mesh_dim_names=d.get("mesh_dim_names"),
+            nodes=nodes,
+            solution=solution,
+            constraints=d.get("constraints", {}),
+            timings=d.get("timings", {}),
+            parameter_bytes_per_rank=totals.get("parameter_bytes_per_rank", 0.0),
+            parameter_bytes_total=totals.get("parameter_bytes_total", 0.0),
+            pass_stats=d.get("passes", {}),
+            provenance=d.get("provenance", {}),
+        )
+
+    @classmethod
+    def load_json(cls, path: str) -> "Plan":
+        """A plan written by :meth:`dump_json` (``.gz`` read as gzip); apply
+        it with ``autop.apply_placement(plan)``, which checks it was made for
+        the same model, mesh and input shapes."""
+        opener = gzip.open if str(path).endswith(".gz") else open
+        with opener(path, "rt") as f:
+            return cls.from_json(json.load(f))
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` (gzip for ``.gz``) through a temporary file
+    in the same directory and ``os.replace``: readers never see half a file,
+    and a failed write leaves no stale or partial file behind."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as raw:
+            data = text.encode()
+            if str(path).endswith(".gz"):
+                data = gzip.compress(data, compresslevel=3, mtime=0)
+            raw.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def diff(a: Plan, b: Plan) -> list[str]:

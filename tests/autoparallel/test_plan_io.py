@@ -1,0 +1,95 @@
+"""Plans that travel: a plan written to JSON, loaded and applied gives the
+same parallel graphs as the in-memory plan; applying it to another model,
+mesh or input shape is refused, naming what differs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
+
+from autoparallel import AutoParallel
+from autoparallel.apply.fingerprint import differences, fingerprint
+from autoparallel.models import LLAMA3_CONFIGS, Transformer
+from autoparallel.plan import Plan
+from autoparallel.provenance import PlanMismatch
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning"),
+]
+
+ARGS = dataclasses.replace(LLAMA3_CONFIGS["debug"], n_layers=2)
+BATCH, SEQ = 8, 16
+
+
+def _autop(mesh_shape, *, args=ARGS, batch=BATCH, names=("dp", "tp")):
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names[: len(mesh_shape)])
+    with torch.device("meta"):
+        model = Transformer(args)
+    autop = AutoParallel(model, mesh, torch.empty(batch, SEQ, dtype=torch.long, device="meta"))
+    autop.__enter__()
+    spec = (Shard(0),) * mesh.ndim
+    autop.add_input_constraints([spec])
+    autop.add_output_constraints([spec])
+    return autop
+
+
+@pytest.fixture(scope="module")
+def saved_plan(tmp_path_factory):
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    autop = _autop((4, 2))
+    try:
+        plan = autop.optimize_placement()
+        model = autop.apply_placement(plan)
+        fp = fingerprint(model.parallel_state.step.graphs)
+    finally:
+        autop.__exit__(None, None, None)
+    path = tmp_path_factory.mktemp("plan") / "plan.json.gz"
+    plan.dump_json(str(path))
+    yield plan, path, fp
+    dist.destroy_process_group()
+
+
+def test_load_apply_gives_the_same_graphs(saved_plan):
+    plan, path, fp = saved_plan
+    loaded = Plan.load_json(str(path))
+    assert loaded.provenance == plan.provenance and loaded.provenance["graph_fingerprint"]
+    assert {n: p.output_placements for n, p in loaded.nodes.items()} == {
+        n: p.output_placements for n, p in plan.nodes.items()
+    }
+    autop = _autop((4, 2))  # a fresh context: no solve
+    try:
+        model = autop.apply_placement(loaded)
+    finally:
+        autop.__exit__(None, None, None)
+    assert autop.built is None
+    assert differences(fingerprint(model.parallel_state.step.graphs), fp) == []
+
+
+@pytest.mark.parametrize(
+    "what, kwargs, message",
+    [
+        ("mesh", dict(mesh_shape=(2, 4)), "mesh (4, 2)"),
+        ("mesh names", dict(mesh_shape=(4, 2), names=("a", "b")), "named ['dp', 'tp']"),
+        ("input shape", dict(mesh_shape=(4, 2), batch=16), "input 0"),
+        ("model", dict(mesh_shape=(4, 2), args=dataclasses.replace(ARGS, n_layers=3)), "model differs"),
+    ],
+)
+def test_mismatch_is_named(saved_plan, what, kwargs, message):
+    _, path, _ = saved_plan
+    loaded = Plan.load_json(str(path))
+    mesh_shape = kwargs.pop("mesh_shape")
+    autop = _autop(mesh_shape, **kwargs)
+    try:
+        with pytest.raises(PlanMismatch, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+            autop.apply_placement(loaded)
+    finally:
+        autop.__exit__(None, None, None)
