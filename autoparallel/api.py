@@ -391,7 +391,9 @@ class AutoParallel:
         # A plan from elsewhere (a file, another context): refuse it when it
         # was made for another model, mesh or input shape, naming which.
         check_applicable(plan, self)
-        return apply_placement(
+        t0 = time.perf_counter()
+        logger.info("apply: start")
+        model = apply_placement(
             self,
             plan,
             partitioner=partitioner,
@@ -399,3 +401,10 @@ class AutoParallel:
             pass_options=pass_options,
             fold_layers=fold_layers,
         )
+        from .apply.collectives import traffic_table
+
+        plan.collectives = traffic_table(
+            {"forward": model.forward_graph, "backward": model.backward_graph}, self.mesh, self.device
+        )
+        logger.info("apply: done in %.2fs", time.perf_counter() - t0)
+        return model

@@ -80,6 +80,9 @@ class Plan:
     # What the plan was made for (see autoparallel.provenance): graph
     # fingerprint, input shapes, device spec, mixed precision.
     provenance: dict[str, Any] = field(default_factory=dict)
+    # Collectives of the applied graphs per (phase, kind, group): count,
+    # traffic bytes per rank, estimated seconds (apply.collectives.traffic_table).
+    collectives: list[dict] = field(default_factory=list)
 
     # -- summaries --------------------------------------------------------
     @property
@@ -109,21 +112,31 @@ class Plan:
             lines.append(f"    from {producer} ({placement}): {_us(seconds)}")
         return "\n".join(lines)
 
-    def summary(self) -> str:
+    def summary(self, *, legend: bool = True) -> str:
+        """What the plan is in words, the notation, then the numbers:
+        estimated step time, per-rank memory against HBM, collectives,
+        placements per kind (forward/backward labelled) and pass stats."""
+        from . import memory
+        from .report import numbers, words
+
         s = self.solution
         lines = [
             f"plan for mesh {self.mesh_shape}: {len(self.nodes)} nodes, solver {s.status}"
             f" ({s.backend}, gap {s.gap if s.gap is not None else 'n/a'})",
-            f"  estimated compute {_ms(self.compute_cost)}, communication {_ms(self.comm_cost)} per step",
-            f"  parameters per rank {self.parameter_bytes_per_rank / 2**30:.3f} GiB"
-            f" of {self.parameter_bytes_total / 2**30:.3f} GiB",
         ]
+        lines += ["  " + line for line in words.describe(self)]
+        if legend:
+            lines += ["  " + line for line in words.LEGEND]
+        lines += ["  " + line for line in numbers.step_lines(self)]
+        lines.append("  memory per rank:")
+        lines += ["    " + line for line in memory.breakdown(self).lines()]
+        lines.append("  collectives per step and rank:")
+        lines += ["  " + line for line in numbers.collective_lines(self)]
         if self.timings:
-            lines.append(
-                "  timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items())
-            )
-        for name, stats in self.pass_stats.items():
-            lines.append(f"  pass {name}: {stats}")
+            lines.append("  timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()))
+        if self.pass_stats:
+            lines.append("  passes:")
+            lines += ["  " + line for line in numbers.pass_stat_lines(self)]
         return "\n".join(lines)
 
     def placements_by_kind(self) -> list[PlacementKind]:
@@ -135,6 +148,7 @@ class Plan:
         Sorted by phase, then the first node of each kind in graph order.
         """
         kinds: dict[tuple, PlacementKind] = {}
+        param_shapes = {n.module_path: n.shape for n in self.nodes.values() if n.is_parameter}
         for n in self.nodes.values():
             if n.module_path is None or n.shape is None:
                 continue
@@ -148,6 +162,11 @@ class Plan:
             signature = (
                 n.output_placements if is_param else f"{','.join(n.input_placements)} -> {n.output_placements}"
             )
+            if n.phase == "backward" and n.op in ("aten.mm.default", "aten.addmm.default"):
+                # the two matmuls of a linear layer's backward: which is which
+                w = param_shapes.get(n.module_path + ".weight")
+                is_dw = w is not None and n.shape is not None and sorted(n.shape) == sorted(w) and len(n.shape) == 2
+                signature = ("weight grad " if is_dw else "input grad ") + signature
             kind.placements[signature] = kind.placements.get(signature, 0) + 1
         order = {"parameter": 0, "forward": 1, "backward": 2}
         return sorted(kinds.values(), key=lambda k: order[k.role])
@@ -181,6 +200,7 @@ class Plan:
             "constraints": self.constraints,
             "timings": self.timings,
             "passes": stats_to_json(self.pass_stats),
+            "collectives": self.collectives,
             "nodes": [asdict(n) for n in self.nodes.values()],
         }
 
@@ -225,6 +245,7 @@ class Plan:
             parameter_bytes_total=totals.get("parameter_bytes_total", 0.0),
             pass_stats=d.get("passes", {}),
             provenance=d.get("provenance", {}),
+            collectives=d.get("collectives", []),
         )
 
     @classmethod

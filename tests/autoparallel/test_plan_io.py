@@ -93,3 +93,16 @@ def test_mismatch_is_named(saved_plan, what, kwargs, message):
             autop.apply_placement(loaded)
     finally:
         autop.__exit__(None, None, None)
+
+
+def test_memory_matches_traced_sizes(saved_plan):
+    from autoparallel import memory
+
+    plan, _, _ = saved_plan
+    b = memory.breakdown(plan)
+    # the ILP's parameter-memory term is computed from the traced tensors
+    assert b.parameters == pytest.approx(plan.parameter_bytes_per_rank)
+    assert b.optimizer == pytest.approx(2 * b.parameters)
+    assert b.activations > 0  # measured by the overlap scheduler on apply
+    text = plan.summary()
+    assert "estimated step" in text and "overlap scheduler" in text and "traffic/rank" in text
