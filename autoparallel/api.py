@@ -36,6 +36,8 @@ from .tracing import TracedStep, module_path, trace_training_step
 logger = logging.getLogger(__name__)
 
 DUMP_DIR_ENV = "AUTOPARALLEL_DUMP_DIR"
+# set to 1 to gzip the dumps (problem.json.gz, ...)
+DUMP_GZIP_ENV = "AUTOPARALLEL_DUMP_GZIP"
 
 
 class ConstraintError(ValueError):
@@ -288,26 +290,61 @@ class AutoParallel:
         built = self.build_problem()
         dump_dir = os.environ.get(DUMP_DIR_ENV)
         t0 = time.perf_counter()
-        solution = solver.solve(
-            built.problem, backend=self.backend, time_limit=self.time_limit, rel_gap=self.rel_gap
-        )
+        logger.info("solve: start (%d decisions)", len(built.problem.decisions))
+        try:
+            solution = solver.solve(
+                built.problem, backend=self.backend, time_limit=self.time_limit, rel_gap=self.rel_gap
+            )
+        except Exception as exc:
+            # the problem is what one needs to debug a failed solve
+            if dump_dir:
+                self._dump(dump_dir, built, None, None, status=f"{type(exc).__name__}: {exc}")
+            raise
         self.timings["solve"] = time.perf_counter() - t0
+        logger.info("solve: %s in %.2fs", solution.status, self.timings["solve"])
         for phase, seconds in solution.timings.items():
             self.timings[f"solver.{phase}"] = seconds
         plan = self._make_plan(built, solution)
         if dump_dir:
             self._dump(dump_dir, built, solution, plan)
-        logger.info("%s", plan.summary())
+        logger.info("%s", plan.summary(legend=False))
         return plan
 
-    def _dump(self, directory: str, built: BuiltProblem, solution: solver.Solution, plan: Plan) -> None:
+    def _dump(
+        self,
+        directory: str,
+        built: BuiltProblem,
+        solution: solver.Solution | None,
+        plan: Plan | None,
+        status: str | None = None,
+    ) -> None:
+        """Write problem.json (each distinct cost table once: repeated layers
+        cost one layer), solution.json and plan.json to ``directory``, from
+        rank 0 of the mesh only, each replaced atomically. A failed solve
+        writes the problem with ``status`` saying why and removes the
+        previous run's solution and plan, which would no longer match."""
         from solver import serialize
 
+        with unset_fake_temporarily():  # the mesh tensor, outside tracing's fake mode
+            first = int(self.mesh.mesh.flatten()[0])
+        if first != dist.get_rank():
+            return  # one writer: rank 0 of the mesh
+        t0 = time.perf_counter()
         os.makedirs(directory, exist_ok=True)
-        serialize.dump(built.problem, os.path.join(directory, "problem.json"))
-        serialize.dump(solution, os.path.join(directory, "solution.json"))
-        plan.dump_json(os.path.join(directory, "plan.json"))
-        logger.info("wrote solver dumps to %s", directory)
+        gz = ".gz" if os.environ.get(DUMP_GZIP_ENV, "") not in ("", "0") else ""
+        extra = {"status": status or (solution.status if solution is not None else "not solved")}
+        serialize.dump(built.problem, os.path.join(directory, "problem.json" + gz), shared=True, extra=extra)
+        for name, obj in (("solution.json", solution), ("plan.json", plan)):
+            path = os.path.join(directory, name + gz)
+            if obj is None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+            elif name == "solution.json":
+                serialize.dump(obj, path)
+            else:
+                obj.dump_json(path, indent=None)
+        self.timings["dump"] = time.perf_counter() - t0
+        logger.info("wrote solver dumps to %s in %.2fs", directory, self.timings["dump"])
 
     def _make_plan(self, built: BuiltProblem, solution: solver.Solution) -> Plan:
         choice = solution.choice

@@ -25,7 +25,19 @@ ARGS = dataclasses.replace(LLAMA3_CONFIGS["debug"], n_layers=2)
 BATCH, SEQ = 8, 16
 
 
+def _world(size: int) -> None:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized() and dist.get_world_size() == size:
+        return
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+
+
 def _autop(mesh_shape, *, args=ARGS, batch=BATCH, names=("dp", "tp")):
+    _world(8)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names[: len(mesh_shape)])
     with torch.device("meta"):
         model = Transformer(args)
@@ -40,11 +52,7 @@ def _autop(mesh_shape, *, args=ARGS, batch=BATCH, names=("dp", "tp")):
 @pytest.fixture(scope="module")
 def saved_plan(tmp_path_factory):
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
     autop = _autop((4, 2))
     try:
         plan = autop.optimize_placement()
@@ -54,12 +62,13 @@ def saved_plan(tmp_path_factory):
         autop.__exit__(None, None, None)
     path = tmp_path_factory.mktemp("plan") / "plan.json.gz"
     plan.dump_json(str(path))
-    yield plan, path, fp
-    dist.destroy_process_group()
+    yield plan, path, fp, autop.built.problem
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def test_load_apply_gives_the_same_graphs(saved_plan):
-    plan, path, fp = saved_plan
+    plan, path, fp, _ = saved_plan
     loaded = Plan.load_json(str(path))
     assert loaded.provenance == plan.provenance and loaded.provenance["graph_fingerprint"]
     assert {n: p.output_placements for n, p in loaded.nodes.items()} == {
@@ -84,7 +93,7 @@ def test_load_apply_gives_the_same_graphs(saved_plan):
     ],
 )
 def test_mismatch_is_named(saved_plan, what, kwargs, message):
-    _, path, _ = saved_plan
+    _, path, _, _ = saved_plan
     loaded = Plan.load_json(str(path))
     mesh_shape = kwargs.pop("mesh_shape")
     autop = _autop(mesh_shape, **kwargs)
@@ -98,7 +107,7 @@ def test_mismatch_is_named(saved_plan, what, kwargs, message):
 def test_memory_matches_traced_sizes(saved_plan):
     from autoparallel import memory
 
-    plan, _, _ = saved_plan
+    plan, _, _, _ = saved_plan
     b = memory.breakdown(plan)
     # the ILP's parameter-memory term is computed from the traced tensors
     assert b.parameters == pytest.approx(plan.parameter_bytes_per_rank)
@@ -106,3 +115,52 @@ def test_memory_matches_traced_sizes(saved_plan):
     assert b.activations > 0  # measured by the overlap scheduler on apply
     text = plan.summary()
     assert "estimated step" in text and "overlap scheduler" in text and "traffic/rank" in text
+
+
+def test_problem_dump_round_trips_and_resolves(saved_plan, tmp_path):
+    import json
+
+    import solver
+    from solver import serialize
+
+    plan, _, _, problem = saved_plan
+    for name in ("problem.json", "problem.json.gz"):
+        path = tmp_path / name
+        serialize.dump(problem, path, shared=True, extra={"status": "optimal"})
+        assert serialize.load(path) == problem
+    compact, plain = serialize.dumps(problem, shared=True), serialize.dumps(problem)
+    assert len(compact) < len(plain) / 1.5  # the two linked layers' tables once
+    assert "tables" in json.loads(compact) and serialize.from_json(json.loads(plain)) == problem  # old form
+    again = solver.solve(serialize.load(tmp_path / "problem.json"))
+    assert again.objective == pytest.approx(plan.solution.objective, rel=1e-6)
+
+
+def test_failed_solve_still_dumps_the_problem(tmp_path, monkeypatch):
+    import json
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import solver
+
+    from autoparallel.models import FFN
+
+    (tmp_path / "plan.json").write_text("stale")
+    monkeypatch.setenv("AUTOPARALLEL_DUMP_DIR", str(tmp_path))
+
+    def fail(*args, **kwargs):
+        raise solver.InfeasibleError("no placement satisfies 'input constraint 0'")
+
+    _world(2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        monkeypatch.setattr(solver, "solve", fail)
+        with AutoParallel(FFN(16, 32), mesh, torch.randn(4, 16)) as autop:
+            with pytest.raises(solver.InfeasibleError):
+                autop.optimize_placement()
+    finally:
+        dist.destroy_process_group()
+    d = json.loads((tmp_path / "problem.json").read_text())
+    assert d["status"].startswith("InfeasibleError: no placement")
+    assert not (tmp_path / "plan.json").exists()  # the previous run's plan is gone
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp")] == []
