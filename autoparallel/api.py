@@ -440,8 +440,12 @@ class AutoParallel:
         )
         from .apply.collectives import traffic_table
 
-        plan.collectives = traffic_table(
-            {"forward": model.forward_graph, "backward": model.backward_graph}, self.mesh, self.device
-        )
+        from .report.timeline import simulate
+
+        graphs = {"forward": model.forward_graph, "backward": model.backward_graph}
+        plan.collectives = traffic_table(graphs, self.mesh, self.device)
+        # what the HTML report draws: the scheduler's timeline and memory curve
+        with unset_fake_temporarily():
+            plan.timeline = {phase: simulate(gm, self.mesh, self.device) for phase, gm in graphs.items()}
         logger.info("apply: done in %.2fs", time.perf_counter() - t0)
         return model

@@ -83,6 +83,8 @@ class Plan:
     # Collectives of the applied graphs per (phase, kind, group): count,
     # traffic bytes per rank, estimated seconds (apply.collectives.traffic_table).
     collectives: list[dict] = field(default_factory=list)
+    # phase -> the scheduler's intervals and memory curve (report.timeline.simulate)
+    timeline: dict[str, Any] = field(default_factory=dict)
 
     # -- summaries --------------------------------------------------------
     @property
@@ -138,6 +140,13 @@ class Plan:
             lines.append("  passes:")
             lines += ["  " + line for line in numbers.pass_stat_lines(self)]
         return "\n".join(lines)
+
+    def to_html(self, path: str) -> None:
+        """One self-contained HTML file (no network): summary, placements per
+        layer, timeline, memory curve, collectives, pass stats."""
+        from .report.html import write_html
+
+        write_html(self, path)
 
     def placements_by_kind(self) -> list[PlacementKind]:
         """Chosen placements grouped by what a node is, for a readable overview.
@@ -201,6 +210,7 @@ class Plan:
             "timings": self.timings,
             "passes": stats_to_json(self.pass_stats),
             "collectives": self.collectives,
+            "timeline": self.timeline,
             "nodes": [asdict(n) for n in self.nodes.values()],
         }
 
@@ -246,6 +256,7 @@ class Plan:
             pass_stats=d.get("passes", {}),
             provenance=d.get("provenance", {}),
             collectives=d.get("collectives", []),
+            timeline=d.get("timeline", {}),
         )
 
     @classmethod

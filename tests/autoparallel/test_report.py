@@ -104,3 +104,44 @@ def test_backward_matmuls_are_labelled():
     assert w.shape == [64, 64]
     text = "\n".join(str(k) for k in plan.placements_by_kind() if k.role == "backward")
     assert "weight grad S(1),S(0) -> P" in text and "input grad S(0),R -> S(0)" in text
+
+
+def test_html_has_every_section_and_no_url(tmp_path):
+    import re
+
+    plan = _plan([4, 2], ["dp", "tp"], "_S(0, 2)S(0)", MIXED, norm="S(0)S(1)")
+    plan.collectives = [{"phase": "forward", "kind": "all_gather", "group": "dp", "group_size": 4, "count": 3,
+                         "output_bytes": 4000, "traffic_bytes": 3000.0, "seconds": 2e-5}]
+    plan.timeline = {
+        phase: {"end": 1e-3, "compute": [[0.0, 4e-4], [5e-4, 1e-3]], "comm": [[0.0, 5e-4, "all_gather"]],
+                "exposed": [[4e-4, 5e-4]], "memory": [[0.0, 1e6], [1e-3, 2e6]], "peak_bytes": 2e6}
+        for phase in ("forward", "backward")
+    }
+    plan.pass_stats = {"schedule_overlap": {"forward": {"exposed_comm_before_s": 2e-4, "exposed_comm_after_s": 1e-4,
+                                                        "peak_memory_after": 2_000_000}}}
+    path = tmp_path / "r.html"
+    plan.to_html(str(path))
+    html = path.read_text()
+    for section in ('id="summary"', 'id="memory"', 'id="timeline"', 'id="collectives"', 'id="placements"',
+                    'id="passes"', "<details>", "HBM 80 GB", "exposed", "FSDP", "tp-outer layout", "layers.*.attention"):
+        assert section in html, section
+    assert "<svg" in html and "<polyline" in html and "traffic / rank" in html
+    assert not re.search(r"https?://", html)
+    assert "<script src" not in html and "<link" not in html
+
+
+def test_cli_diff_and_report(tmp_path, capsys):
+    from autoparallel.__main__ import main
+
+    a = _plan([8], ["dp"], "S(0)", DATA)
+    b = _plan([8], ["dp"], "R", DATA)
+    a.dump_json(str(tmp_path / "a.json"))
+    b.dump_json(str(tmp_path / "b.json.gz"))
+    assert main(["diff", str(tmp_path / "a.json"), str(tmp_path / "a.json")]) == 0
+    assert main(["diff", str(tmp_path / "a.json"), str(tmp_path / "b.json.gz")]) == 1
+    out = capsys.readouterr().out
+    assert "p_0_attention.wq: ->S(0)  vs  ->R" in out and "6 of" in out
+    assert main(["report", str(tmp_path / "a.json"), "-o", str(tmp_path / "r.html")]) == 0
+    assert "FSDP" in (tmp_path / "r.html").read_text()
+    (tmp_path / "bad.json").write_text("{")
+    assert main(["summary", str(tmp_path / "bad.json")]) == 2
