@@ -28,6 +28,7 @@ import solver
 from . import cost_model, rules  # noqa: F401 - rules register on import
 from .plan import NodePlan, Plan
 from .provenance import PlanMismatch, check_applicable, provenance  # noqa: F401 - PlanMismatch re-exported
+from .progress import Stages
 from .problem_builder import BuiltProblem, Constraints, build_problem
 from .repeated_layers import RepeatedLayers, find_repeated_layers
 from .strategies import NodeStrategy, StrategyEnumerator, format_specs
@@ -164,28 +165,26 @@ class AutoParallel:
             raise RuntimeError("use AutoParallel as a context manager: `with AutoParallel(...) as autop:`")
 
     def _trace(self) -> None:
-        t0 = time.perf_counter()
-        self.traced = trace_training_step(
-            self.model,
-            self.inputs,
-            self.mesh.device_type,
-            param_dtype=getattr(self.mp_policy, "param_dtype", None),
-            reduce_dtype=getattr(self.mp_policy, "reduce_dtype", None),
-            cast_inputs=getattr(self.mp_policy, "cast_forward_inputs", True),
-            stack=self._stack,
-        )
-        t1 = time.perf_counter()
-        self.timings["tracing"] = t1 - t0
+        self._stages = Stages(self.timings)
+        self._stack.callback(self._stages.close)
+        with self._stages.stage("tracing", "tracing"):
+            self.traced = trace_training_step(
+                self.model,
+                self.inputs,
+                self.mesh.device_type,
+                param_dtype=getattr(self.mp_policy, "param_dtype", None),
+                reduce_dtype=getattr(self.mp_policy, "reduce_dtype", None),
+                cast_inputs=getattr(self.mp_policy, "cast_forward_inputs", True),
+                stack=self._stack,
+            )
         enumerator = StrategyEnumerator(self.mesh)
         # AOT export leaves its fake mode entered on the stack; planning
         # works on real metadata, outside it.
-        with unset_fake_temporarily():
+        with self._stages.stage("options", "options"), unset_fake_temporarily():
             self.strategies = enumerator.enumerate(self.traced.gm, set(self.traced.param_nodes.values()))
         self.strategy_stats = enumerator.stats
-        t2 = time.perf_counter()
-        self.timings["options"] = t2 - t1
-        self.repeats = find_repeated_layers(self.traced) if self.link_repeated_layers else None
-        self.timings["repeated_layers"] = time.perf_counter() - t2
+        with self._stages.stage("repeated layers", "repeated_layers"):
+            self.repeats = find_repeated_layers(self.traced) if self.link_repeated_layers else None
         for i, placements in enumerate(self.traced.input_placements):
             if placements is not None:
                 self._pin_input(i, placements, "DTensor input")
@@ -272,8 +271,7 @@ class AutoParallel:
     # -- solving -------------------------------------------------------------------
     def build_problem(self) -> BuiltProblem:
         self._require_open()
-        t0 = time.perf_counter()
-        with unset_fake_temporarily():
+        with self._stages.stage("problem build", "problem_build"), unset_fake_temporarily():
             self.built = build_problem(
                 self.traced,
                 self.strategies,
@@ -283,25 +281,21 @@ class AutoParallel:
                 overlap=self.overlap,
                 repeats=self.repeats,
             )
-        self.timings["problem_build"] = time.perf_counter() - t0
         return self.built
 
     def optimize_placement(self) -> Plan:
         built = self.build_problem()
         dump_dir = os.environ.get(DUMP_DIR_ENV)
-        t0 = time.perf_counter()
-        logger.info("solve: start (%d decisions)", len(built.problem.decisions))
         try:
-            solution = solver.solve(
-                built.problem, backend=self.backend, time_limit=self.time_limit, rel_gap=self.rel_gap
-            )
+            with self._stages.stage(f"solve ({len(built.problem.decisions)} decisions)", "solve"):
+                solution = solver.solve(
+                    built.problem, backend=self.backend, time_limit=self.time_limit, rel_gap=self.rel_gap
+                )
         except Exception as exc:
             # the problem is what one needs to debug a failed solve
             if dump_dir:
                 self._dump(dump_dir, built, None, None, status=f"{type(exc).__name__}: {exc}")
             raise
-        self.timings["solve"] = time.perf_counter() - t0
-        logger.info("solve: %s in %.2fs", solution.status, self.timings["solve"])
         for phase, seconds in solution.timings.items():
             self.timings[f"solver.{phase}"] = seconds
         plan = self._make_plan(built, solution)
@@ -428,16 +422,15 @@ class AutoParallel:
         # A plan from elsewhere (a file, another context): refuse it when it
         # was made for another model, mesh or input shape, naming which.
         check_applicable(plan, self)
-        t0 = time.perf_counter()
-        logger.info("apply: start")
-        model = apply_placement(
-            self,
-            plan,
-            partitioner=partitioner,
-            disable_passes=disable_passes,
-            pass_options=pass_options,
-            fold_layers=fold_layers,
-        )
+        with self._stages.stage("apply", "apply"):
+            model = apply_placement(
+                self,
+                plan,
+                partitioner=partitioner,
+                disable_passes=disable_passes,
+                pass_options=pass_options,
+                fold_layers=fold_layers,
+            )
         from .apply.collectives import traffic_table
 
         from .report.timeline import simulate
@@ -447,5 +440,4 @@ class AutoParallel:
         # what the HTML report draws: the scheduler's timeline and memory curve
         with unset_fake_temporarily():
             plan.timeline = {phase: simulate(gm, self.mesh, self.device) for phase, gm in graphs.items()}
-        logger.info("apply: done in %.2fs", time.perf_counter() - t0)
         return model
