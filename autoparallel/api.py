@@ -340,6 +340,37 @@ class AutoParallel:
         self.timings["dump"] = time.perf_counter() - t0
         logger.info("wrote solver dumps to %s in %.2fs", directory, self.timings["dump"])
 
+    def _runner_ups(self, built: BuiltProblem, choice: dict[str, int], nodes: dict[str, NodePlan], k: int = 3) -> None:
+        """Per node, the ``k`` cheapest other options and how much more the
+        step would cost with each, the rest of the plan held fixed (its
+        compute plus the redistributions on its edges; for ``plan.explain``)."""
+        edges_of: dict[str, list] = {}
+        for e in built.problem.edges:
+            edges_of.setdefault(e.consumer, []).append(e)
+            edges_of.setdefault(e.producer, []).append(e)
+        for node in built.nodes:
+            name = node.name
+            compute = built.compute[name]
+            total = list(compute)
+            for e in edges_of.get(name, ()):
+                if e.consumer == name:
+                    row = e.costs[choice[e.producer]]
+                    total = [t + row[o] for o, t in enumerate(total)]
+                else:
+                    total = [t + e.costs[o][choice[e.consumer]] for o, t in enumerate(total)]
+            mine = total[choice[name]]
+            others = sorted(
+                (t - mine, o) for o, t in enumerate(total) if o != choice[name] and t != float("inf")
+            )[:k]
+            opts = built.strategies[node].options
+            nodes[name].runner_ups = [
+                (
+                    f"{','.join(format_specs(s) for s in opts[o].input_specs)} -> {format_specs(opts[o].output_specs)}",
+                    delta,
+                )
+                for delta, o in others
+            ]
+
     def _make_plan(self, built: BuiltProblem, solution: solver.Solution) -> Plan:
         choice = solution.choice
         incoming: dict[str, list] = {}
@@ -380,6 +411,7 @@ class AutoParallel:
             )
         for consumer, items in incoming.items():
             nodes[consumer].incoming = [(p, nodes[p].output_placements, c) for p, c in items]
+        self._runner_ups(built, choice, nodes)
         per_rank = total = 0.0
         for term_name, weights in built.problem.resources[0].terms.items():
             per_rank += weights[choice[term_name]]

@@ -46,6 +46,9 @@ class NodePlan:
     recompute: str | None = None
     # (producer name, producer placement, seconds) for non-free transitions
     incoming: list[tuple[str, str, float]] = field(default_factory=list)
+    # the cheapest other options: ("inputs -> output", seconds more per step
+    # with the rest of the plan fixed)
+    runner_ups: list[tuple[str, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -99,19 +102,39 @@ class Plan:
         return self.nodes[name].output_placements
 
     def explain(self, node: Any) -> str:
-        """Why ``node`` (an FX node or its name) is placed the way it is."""
+        """Why a node is placed the way it is. ``node``: an FX node, a node
+        name, or a module path (``layers.3.attention.wq``: all its nodes,
+        forward and backward), with the runner-up options and what each
+        would add to the step."""
         name = getattr(node, "name", node)
-        if name not in self.nodes:
-            raise KeyError(f"no node named {name!r} in the plan")
-        n = self.nodes[name]
+        if name in self.nodes:
+            return self._explain_node(self.nodes[name])
+        members = [n for n in self.nodes.values() if n.module_path == name and n.shape is not None]
+        members += [n for n in self.nodes.values() if n.is_parameter and n.module_path and n.module_path.startswith(name + ".")]
+        if not members:
+            paths = sorted({n.module_path for n in self.nodes.values() if n.module_path and not n.is_parameter})
+            near = [p for p in paths if p.endswith(name.rsplit(".", 1)[-1])][:5]
+            raise KeyError(
+                f"no node or module named {name!r} in the plan"
+                + (f"; modules with that name: {', '.join(near)}" if near else "")
+            )
+        header = f"module {name}: {len(members)} nodes (parameters, then forward, then backward)"
+        order = {True: 0, False: 1}
+        members.sort(key=lambda n: (order[n.is_parameter], n.phase != "forward"))
+        return "\n".join([header] + [self._explain_node(n) for n in members])
+
+    def _explain_node(self, n: NodePlan) -> str:
+        what = "parameter" if n.is_parameter else n.op
         lines = [
-            f"{n.name} = {n.op}  [{n.phase}, module {n.module_path or '-'}]",
+            f"{n.name} = {what}  [{n.phase}, module {n.module_path or '-'}]",
             f"  shape {n.shape} {n.dtype}; {n.num_options} options considered",
             f"  chosen: inputs {', '.join(n.input_placements) or '-'} -> output {n.output_placements}",
             f"  compute {_us(n.compute_cost)}, incoming communication {_us(n.comm_cost)}",
         ]
         for producer, placement, seconds in n.incoming:
             lines.append(f"    from {producer} ({placement}): {_us(seconds)}")
+        for sig, delta in n.runner_ups:
+            lines.append(f"  runner-up {sig}: +{_us(delta)} per step (rest of the plan fixed)")
         return "\n".join(lines)
 
     def summary(self, *, legend: bool = True) -> str:
@@ -229,6 +252,7 @@ class Plan:
         for nd in d["nodes"]:
             nd = dict(nd)
             nd["incoming"] = [tuple(t) for t in nd.get("incoming", [])]
+            nd["runner_ups"] = [tuple(t) for t in nd.get("runner_ups", [])]
             nodes[nd["name"]] = NodePlan(**nd)
         sv = d.get("solver", {})
         solution = solver.Solution(

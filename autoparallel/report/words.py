@@ -146,6 +146,15 @@ def describe(plan) -> list[str]:
                 what += "; weights stored sharded (FSDP-style storage)"
         else:
             what = "mixed"
+        # families that use this dim differently from most matmuls
+        odd = defaultdict(list)
+        for fam, per_dim in roles.items():
+            role = per_dim[d].most_common(1)[0][0]
+            if role != main:
+                odd["tensor parallel" if role in ("column", "row") else (
+                    "data parallel" if role == "data" else role)].append(fam)
+        if odd:
+            what += "; except " + "; ".join(f"{k} for {', '.join(v)}" for k, v in odd.items())
         overall.append(f"{name} ({mesh[d]}): {what}")
     lines = ["parallelism per mesh dim: " + "; ".join(overall)]
 

@@ -164,3 +164,15 @@ def test_failed_solve_still_dumps_the_problem(tmp_path, monkeypatch):
     assert d["status"].startswith("InfeasibleError: no placement")
     assert not (tmp_path / "plan.json").exists()  # the previous run's plan is gone
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp")] == []
+
+
+def test_explain_by_module_path(saved_plan):
+    plan, _, _, _ = saved_plan
+    text = plan.explain("layers.1.attention.wq")
+    assert text.startswith("module layers.1.attention.wq:")
+    assert "aten.mm.default" in text and "layers.1.attention.wq.weight" in text
+    assert "runner-up" in text and "per step" in text
+    deltas = [[d for _, d in n.runner_ups] for n in plan.nodes.values() if n.runner_ups]
+    assert deltas and all(r == sorted(r) for r in deltas)  # cheapest first
+    with pytest.raises(KeyError, match="no node or module named 'layers.1.attention.wz'"):
+        plan.explain("layers.1.attention.wz")
