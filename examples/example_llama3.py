@@ -58,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="model config (default: 8B; debug with --real)")
     ap.add_argument("--mesh", type=int, nargs="+", default=[16, 8], help="mesh shape: dp [tp]")
     ap.add_argument("--layers", type=int, default=None, help="override the config's layer count")
+    ap.add_argument("--dim", type=int, default=None,
+                    help="override the config's model width (default with --real: 256, so that the "
+                         "plan shards the matmuls)")
     ap.add_argument("--seq", type=int, default=None, help="sequence length (default: 8192; 64 with --real)")
     ap.add_argument("--batch", type=int, default=None, help="global batch size (default: 32; 8 with --real)")
     ap.add_argument("--ac", default="selective", choices=["selective", "full", "none"],
@@ -90,9 +93,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.model is None:
         args.model = "debug" if args.real else "8B"
     if args.seq is None:
-        args.seq = 64 if args.real else 8192
+        args.seq = 256 if args.real else 8192
     if args.batch is None:
         args.batch = 8 if args.real else 32
+    if args.dim is None and args.real and args.model == "debug":
+        args.dim = 256
     if args.mp is None:
         args.mp = "fp32" if args.real and not torch.cuda.is_available() else "bf16"
     return args
@@ -111,6 +116,7 @@ def build_model(args: argparse.Namespace) -> tuple[Transformer, object]:
     config = dataclasses.replace(
         config,
         n_layers=args.layers or config.n_layers,
+        dim=args.dim or config.dim,
         max_seq_len=max(args.seq, config.max_seq_len),
     )
     with torch.device("meta"):

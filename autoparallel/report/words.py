@@ -107,16 +107,16 @@ def describe(plan) -> list[str]:
 
     # -- matmuls: per family and mesh dim ----------------------------------
     roles: dict[str, list[Counter]] = defaultdict(lambda: [Counter() for _ in mesh])
-    widest: dict[str, int] = {}
+    last_family = None  # the output projection: the last forward matmul
     for n in nodes:
         if n.phase != "forward" or n.op not in _MATMULS or not n.module_path:
             continue
         fam = _family(n.module_path)
         for d in range(len(mesh)):
             roles[fam][d][matmul_role(n.input_placements, n.output_placements, d)] += 1
-        if n.shape:
-            widest[fam] = max(widest.get(fam, 0), n.shape[-1])
-    logits_family = max(widest, key=widest.get) if widest else None
+        last_family = fam
+    # (outside the repeated layers: the vocabulary projection)
+    logits_family = last_family if last_family and "*" not in last_family else None
 
     # -- sequence split of norms / element-wise ops (3-D activations) -------
     seq_split = [Counter() for _ in mesh]
