@@ -346,6 +346,11 @@ def run_real(args: argparse.Namespace) -> None:
         plan, parallel, report = plan_model(args, mesh, model, config)
         if rank == 0:
             print(f"planned in {time.perf_counter() - t0 - report.wall:.2f} s, applied in {report.wall:.2f} s")
+            from autoparallel.report import describe
+
+            print("\n== the plan ==")
+            for line in describe(plan):
+                print("  " + line)
             print_apply_report(plan, report)
 
         parallel.to_empty(device=device)
@@ -376,6 +381,7 @@ def run_real(args: argparse.Namespace) -> None:
             total = loss.detach().clone()
             dist.all_reduce(total)
             if rank == 0:
+                # the global loss: the mean over all tokens (summed over dp shards)
                 print(f"  step {step}: loss {total.item() / replicas:.4f}  ({time.perf_counter() - t:.2f} s)")
     finally:
         dist.destroy_process_group()
