@@ -6,13 +6,16 @@ with selective activation checkpointing for 128 GPUs arranged as a 16 x 8
 a fake one and the model lives on the meta device, so only shapes flow
 through the planner and the rank-local graphs.
 
-It prints the time of each planning stage, the placement chosen for each
-kind of weight and activation, the estimated compute and communication per
-step and the per-rank parameter memory, and writes the solver's debug dumps
-(problem.json, solution.json, plan.json) to a folder it names. Then it
-prints the apply time per stage, the rewrite passes' stats and the
-collectives of the parallel forward and backward graphs per kind and mesh
-dim, with bytes per rank.
+It plans bf16 compute with fp32 gradient reduction (``--mp fp32``: none)
+and prints the time of each planning stage, the plan in words (FSDP, TP,
+sequence parallel... per mesh dim and kind of weight and matmul) with a
+legend of the notation, the estimated step time and per-rank memory against
+HBM, the placement chosen for each kind of weight and activation; then the
+apply time per stage, the rewrite passes' stats and the collectives of the
+parallel forward and backward graphs (traffic per rank, estimated time).
+``--report plan.html`` writes the HTML report, ``--save-plan`` /
+``--plan-file`` save a plan and apply a saved one (no solve), ``--dump-dir``
+writes the solver's debug dumps.
 
     python examples/example_llama3.py
     python examples/example_llama3.py --mesh 8 8 --layers 4 --seq 2048 --batch 16
@@ -23,7 +26,9 @@ With ``--real`` under torchrun it trains a small config for real (gloo on
 CPU, NCCL on GPU): every rank plans for the actual world size (the --mesh
 shape if it multiplies to it, else 1-D), applies, initialises the weights
 under a fixed seed and runs a few AdamW steps on random tokens, each rank
-feeding its local shard of the batch; rank 0 prints the loss.
+feeding its local shard of the batch; rank 0 prints the global loss
+(reduced over dp). The default --real config (width 256, seq 256) is big
+enough that the plan shards the matmuls.
 
     torchrun --nproc-per-node 4 examples/example_llama3.py --real --mesh 2 2
 """
