@@ -176,3 +176,26 @@ def test_explain_by_module_path(saved_plan):
     assert deltas and all(r == sorted(r) for r in deltas)  # cheapest first
     with pytest.raises(KeyError, match="no node or module named 'layers.1.attention.wz'"):
         plan.explain("layers.1.attention.wz")
+
+
+def test_only_rank_zero_of_the_mesh_dumps(tmp_path, monkeypatch):
+    import autoparallel.api as api
+    from autoparallel.models import FFN
+
+    import torch.distributed as dist
+
+    monkeypatch.setenv("AUTOPARALLEL_DUMP_DIR", str(tmp_path))
+    _world(2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        monkeypatch.setattr(api.dist, "get_rank", lambda *a: 1)
+        with AutoParallel(FFN(16, 32), mesh, torch.randn(4, 16)) as autop:
+            autop.optimize_placement()
+        assert list(tmp_path.iterdir()) == []
+        monkeypatch.undo()
+        monkeypatch.setenv("AUTOPARALLEL_DUMP_DIR", str(tmp_path))
+        with AutoParallel(FFN(16, 32), mesh, torch.randn(4, 16)) as autop:
+            autop.optimize_placement()
+    finally:
+        dist.destroy_process_group()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "problem.json", "solution.json"]
