@@ -121,10 +121,15 @@ def breakdown(plan, *, optimizer: OptimizerSpec = ADAMW, hbm_bytes: float | None
         gbytes = DTYPE_BYTES.get(reduce_dtype, pbytes) if reduce_dtype not in (None, "None") else pbytes
         p, g, o = param_state_bytes(math.prod(n.shape), shard_factor(n.output_placements, mesh), pbytes, gbytes, optimizer)
         params, grads, opt = params + p, grads + g, opt + o
+    notes: list[str] = []
     if hbm_bytes is None:
-        name = (prov.get("device") or {}).get("name", "H100")
-        hbm_bytes = HBM_BYTES.get(name, HBM_BYTES["H100"])
-    activations, source, notes = 0.0, "", []
+        device = prov.get("device") or {}
+        name = device.get("name", "H100")
+        hbm_bytes = device.get("hbm_bytes") or HBM_BYTES.get(name)
+        if hbm_bytes is None:
+            hbm_bytes = HBM_BYTES["H100"]
+            notes.append(f"device {name!r} has no known HBM size: 80 GB assumed (pass hbm_bytes=)")
+    activations, source = 0.0, ""
     peaks = _scheduler_peaks(plan.pass_stats)
     if peaks:
         fw, bw = peaks.get("forward", 0), peaks.get("backward", 0)
