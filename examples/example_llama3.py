@@ -185,7 +185,7 @@ def main(argv=None) -> None:
         total = time.perf_counter() - t0 - (report.wall if report else 0.0)
     finally:
         dist.destroy_process_group()
-    print_report(plan, total, args.dump_dir, args.all_kinds)
+    print_report(plan, total, args.dump_dir, args.all_kinds, args.plan_file)
     if report is not None:
         print_apply_report(plan, report)
     if args.save_plan:
@@ -210,12 +210,15 @@ STORY_OPS = (
 )
 
 
-def print_report(plan, total: float, dump_dir: str | None, all_kinds: bool = False) -> None:
+def print_report(plan, total: float, dump_dir: str | None, all_kinds: bool = False,
+                 plan_file: str | None = None) -> None:
     from autoparallel import memory
     from autoparallel.report import LEGEND, describe, numbers
 
     t = plan.timings
     print("\n== planning time ==")
+    if plan_file:
+        print(f"  (stages as recorded when {plan_file} was made; this run traced and applied only)")
     for stage in ("tracing", "options", "repeated_layers", "problem_build"):
         print(f"  {stage:16s} {t.get(stage, 0.0):7.2f} s")
     for phase in ("presolve", "build", "solve"):
