@@ -30,6 +30,7 @@ LEGEND = [
 ]
 
 _MATMULS = ("aten.mm.default", "aten.addmm.default")
+_ROLE_WORDS = {"data": "data parallel", "column": "column-parallel", "row": "row-parallel", "replicated": "replicated"}
 
 
 def _kind(tok: str) -> str:
@@ -107,13 +108,17 @@ def describe(plan) -> list[str]:
 
     # -- matmuls: per family and mesh dim ----------------------------------
     roles: dict[str, list[Counter]] = defaultdict(lambda: [Counter() for _ in mesh])
+    leaves: dict[tuple, dict[str, None]] = defaultdict(dict)  # (family, dim, role) -> module names
     last_family = None  # the output projection: the last forward matmul
     for n in nodes:
         if n.phase != "forward" or n.op not in _MATMULS or not n.module_path:
             continue
         fam = _family(n.module_path)
+        leaf = n.module_path.rsplit(".", 1)[-1]
         for d in range(len(mesh)):
-            roles[fam][d][matmul_role(n.input_placements, n.output_placements, d)] += 1
+            role = matmul_role(n.input_placements, n.output_placements, d)
+            roles[fam][d][role] += 1
+            leaves[(fam, d, role)].setdefault(leaf, None)
         last_family = fam
     # (outside the repeated layers: the vocabulary projection)
     logits_family = last_family if last_family and "*" not in last_family else None
@@ -147,12 +152,12 @@ def describe(plan) -> list[str]:
         else:
             what = "mixed"
         # families that use this dim differently from most matmuls
-        odd = defaultdict(list)
+        odd: dict[str, list] = defaultdict(list)
         for fam, per_dim in roles.items():
             role = per_dim[d].most_common(1)[0][0]
             if role != main:
                 odd["tensor parallel" if role in ("column", "row") else (
-                    "data parallel" if role == "data" else role)].append(fam)
+                    "data parallel" if role == "data" else role)].append("logits" if fam == logits_family else fam)
         if odd:
             what += "; except " + "; ".join(f"{k} for {', '.join(v)}" for k, v in odd.items())
         overall.append(f"{name} ({mesh[d]}): {what}")
@@ -182,8 +187,11 @@ def describe(plan) -> list[str]:
                 w = f"replicated over {names[d]}"
             else:
                 w = f"other split over {names[d]}"
-            if mixed and role != "column" and "then" not in w:
-                w += " (mostly)"
+            if mixed and not set(counter) <= {"column", "row"}:
+                # say which projection does what
+                w = ", ".join(
+                    f"{'/'.join(leaves[(fam, d, r)])} {_ROLE_WORDS.get(r, r)}" for r, _ in counter.most_common()
+                ) + f" over {names[d]}"
             words.append(w)
         label = "logits" if fam == logits_family and len(roles) > 1 else fam
         lines.append(f"{label} matmuls: " + ", ".join(words))

@@ -145,3 +145,10 @@ def test_cli_diff_and_report(tmp_path, capsys):
     assert "FSDP" in (tmp_path / "r.html").read_text()
     (tmp_path / "bad.json").write_text("{")
     assert main(["summary", str(tmp_path / "bad.json")]) == 2
+
+
+def test_mixed_family_names_each_projection():
+    mm = dict(MIXED)
+    mm["feed_forward.w2"] = (["S(0)S(0)", "RR"], "S(0)S(0)")  # w2 data parallel over tp, w1 column
+    text = "\n".join(describe(_plan([4, 2], ["dp", "tp"], "_S(0, 2)S(0)", mm)))
+    assert "w1 column-parallel, w2 data parallel over tp" in text, text
