@@ -10,6 +10,7 @@ from .api import AutoParallel, ConstraintError
 from .compile import autoparallel_backend
 from .cost_model import CommOverlapPolicy, DeviceSpec
 from .plan import NodePlan, Plan, diff
+from .provenance import PlanMismatch
 from .strategies import register_rule
 from .tracing import DataDependentTraceError
 
@@ -22,6 +23,7 @@ __all__ = [
     "NodePlan",
     "autoparallel_backend",
     "Plan",
+    "PlanMismatch",
     "diff",
     "register_rule",
 ]

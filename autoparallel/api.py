@@ -27,6 +27,8 @@ import solver
 
 from . import cost_model, infeasibility, rules, validation  # noqa: F401 - rules register on import
 from .plan import NodePlan, Plan
+from .provenance import PlanMismatch, check_applicable, provenance  # noqa: F401 - PlanMismatch re-exported
+from .progress import Stages
 from .problem_builder import BuiltProblem, Constraints, build_problem
 from .repeated_layers import RepeatedLayers, find_repeated_layers
 from .strategies import NodeStrategy, StrategyEnumerator, format_specs
@@ -40,6 +42,8 @@ DUMP_DIR_ENV = "AUTOPARALLEL_DUMP_DIR"
 # are unaffected, and the solver's branching proves the fractional 1-layer
 # debug LLaMA on 4x2 in 2-4 s; this bounds the cases it cannot (issue 10).
 DEFAULT_TIME_LIMIT = 10.0
+# set to 1 to gzip the dumps (problem.json.gz, ...)
+DUMP_GZIP_ENV = "AUTOPARALLEL_DUMP_GZIP"
 
 
 ConstraintError = validation.ConstraintError
@@ -193,28 +197,26 @@ class AutoParallel:
             raise RuntimeError("use AutoParallel as a context manager: `with AutoParallel(...) as autop:`")
 
     def _trace(self) -> None:
-        t0 = time.perf_counter()
-        self.traced = trace_training_step(
-            self.model,
-            self.inputs,
-            self.mesh.device_type,
-            param_dtype=getattr(self.mp_policy, "param_dtype", None),
-            reduce_dtype=getattr(self.mp_policy, "reduce_dtype", None),
-            cast_inputs=getattr(self.mp_policy, "cast_forward_inputs", True),
-            stack=self._stack,
-        )
-        t1 = time.perf_counter()
-        self.timings["tracing"] = t1 - t0
+        self._stages = Stages(self.timings)
+        self._stack.callback(self._stages.close)
+        with self._stages.stage("tracing", "tracing"):
+            self.traced = trace_training_step(
+                self.model,
+                self.inputs,
+                self.mesh.device_type,
+                param_dtype=getattr(self.mp_policy, "param_dtype", None),
+                reduce_dtype=getattr(self.mp_policy, "reduce_dtype", None),
+                cast_inputs=getattr(self.mp_policy, "cast_forward_inputs", True),
+                stack=self._stack,
+            )
         enumerator = StrategyEnumerator(self.mesh)
         # AOT export leaves its fake mode entered on the stack; planning
         # works on real metadata, outside it.
-        with unset_fake_temporarily():
+        with self._stages.stage("options", "options"), unset_fake_temporarily():
             self.strategies = enumerator.enumerate(self.traced.gm, set(self.traced.param_nodes.values()))
         self.strategy_stats = enumerator.stats
-        t2 = time.perf_counter()
-        self.timings["options"] = t2 - t1
-        self.repeats = find_repeated_layers(self.traced) if self.link_repeated_layers else None
-        self.timings["repeated_layers"] = time.perf_counter() - t2
+        with self._stages.stage("repeated layers", "repeated_layers"):
+            self.repeats = find_repeated_layers(self.traced) if self.link_repeated_layers else None
         for i, placements in enumerate(self.traced.input_placements):
             if placements is not None:
                 self._pin_input(i, placements, "DTensor input")
@@ -309,8 +311,7 @@ class AutoParallel:
         infeasibility.check_memory_budget(
             self.traced.param_nodes, self.strategies, self.mesh, c.pins, c.memory_low, c.memory_high
         )
-        t0 = time.perf_counter()
-        with unset_fake_temporarily():
+        with self._stages.stage("problem build", "problem_build"), unset_fake_temporarily():
             self.built = build_problem(
                 self.traced,
                 self.strategies,
@@ -320,36 +321,97 @@ class AutoParallel:
                 overlap=self.overlap,
                 repeats=self.repeats,
             )
-        self.timings["problem_build"] = time.perf_counter() - t0
         return self.built
 
     def optimize_placement(self) -> Plan:
         built = self.build_problem()
         dump_dir = os.environ.get(DUMP_DIR_ENV)
-        t0 = time.perf_counter()
         try:
-            solution = solver.solve(
-                built.problem, backend=self.backend, time_limit=self.time_limit, rel_gap=self.rel_gap
-            )
-        except solver.InfeasibleError as err:
-            raise infeasibility.describe_conflict(err, self._constraint_log, self._node_roles()) from err
-        self.timings["solve"] = time.perf_counter() - t0
+            with self._stages.stage(f"solve ({len(built.problem.decisions)} decisions)", "solve"):
+                solution = solver.solve(
+                    built.problem, backend=self.backend, time_limit=self.time_limit, rel_gap=self.rel_gap
+                )
+        except Exception as exc:
+            # the problem is what one needs to debug a failed solve
+            if dump_dir:
+                self._dump(dump_dir, built, None, None, status=f"{type(exc).__name__}: {exc}")
+            if isinstance(exc, solver.InfeasibleError):
+                raise infeasibility.describe_conflict(exc, self._constraint_log, self._node_roles()) from exc
+            raise
         for phase, seconds in solution.timings.items():
             self.timings[f"solver.{phase}"] = seconds
         plan = self._make_plan(built, solution)
         if dump_dir:
             self._dump(dump_dir, built, solution, plan)
-        logger.info("%s", plan.summary())
+        logger.info("%s", plan.summary(legend=False))
         return plan
 
-    def _dump(self, directory: str, built: BuiltProblem, solution: solver.Solution, plan: Plan) -> None:
+    def _dump(
+        self,
+        directory: str,
+        built: BuiltProblem,
+        solution: solver.Solution | None,
+        plan: Plan | None,
+        status: str | None = None,
+    ) -> None:
+        """Write problem.json (each distinct cost table once: repeated layers
+        cost one layer), solution.json and plan.json to ``directory``, from
+        rank 0 of the mesh only, each replaced atomically. A failed solve
+        writes the problem with ``status`` saying why and removes the
+        previous run's solution and plan, which would no longer match."""
         from solver import serialize
 
+        with unset_fake_temporarily():  # the mesh tensor, outside tracing's fake mode
+            first = int(self.mesh.mesh.flatten()[0])
+        if first != dist.get_rank():
+            return  # one writer: rank 0 of the mesh
+        t0 = time.perf_counter()
         os.makedirs(directory, exist_ok=True)
-        serialize.dump(built.problem, os.path.join(directory, "problem.json"))
-        serialize.dump(solution, os.path.join(directory, "solution.json"))
-        plan.dump_json(os.path.join(directory, "plan.json"))
-        logger.info("wrote solver dumps to %s", directory)
+        gz = ".gz" if os.environ.get(DUMP_GZIP_ENV, "") not in ("", "0") else ""
+        extra = {"status": status or (solution.status if solution is not None else "not solved")}
+        serialize.dump(built.problem, os.path.join(directory, "problem.json" + gz), shared=True, extra=extra)
+        for name, obj in (("solution.json", solution), ("plan.json", plan)):
+            path = os.path.join(directory, name + gz)
+            if obj is None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+            elif name == "solution.json":
+                serialize.dump(obj, path)
+            else:
+                obj.dump_json(path, indent=None)
+        self.timings["dump"] = time.perf_counter() - t0
+        logger.info("wrote solver dumps to %s in %.2fs", directory, self.timings["dump"])
+
+    def _runner_ups(self, built: BuiltProblem, choice: dict[str, int], nodes: dict[str, NodePlan], k: int = 3) -> None:
+        """Per node, the ``k`` cheapest other options and how much more the
+        step would cost with each, the rest of the plan held fixed (its
+        compute plus the redistributions on its edges; for ``plan.explain``)."""
+        edges_of: dict[str, list] = {}
+        for e in built.problem.edges:
+            edges_of.setdefault(e.consumer, []).append(e)
+            edges_of.setdefault(e.producer, []).append(e)
+        for node in built.nodes:
+            name = node.name
+            compute = built.compute[name]
+            total = list(compute)
+            for e in edges_of.get(name, ()):
+                if e.consumer == name:
+                    row = e.costs[choice[e.producer]]
+                    total = [t + row[o] for o, t in enumerate(total)]
+                else:
+                    total = [t + e.costs[o][choice[e.consumer]] for o, t in enumerate(total)]
+            mine = total[choice[name]]
+            others = sorted(
+                (t - mine, o) for o, t in enumerate(total) if o != choice[name] and t != float("inf")
+            )[:k]
+            opts = built.strategies[node].options
+            nodes[name].runner_ups = [
+                (
+                    f"{','.join(format_specs(s) for s in opts[o].input_specs)} -> {format_specs(opts[o].output_specs)}",
+                    delta,
+                )
+                for delta, o in others
+            ]
 
     def _make_plan(self, built: BuiltProblem, solution: solver.Solution) -> Plan:
         choice = solution.choice
@@ -391,6 +453,7 @@ class AutoParallel:
             )
         for consumer, items in incoming.items():
             nodes[consumer].incoming = [(p, nodes[p].output_placements, c) for p, c in items]
+        self._runner_ups(built, choice, nodes)
         per_rank = total = 0.0
         for term_name, weights in built.problem.resources[0].terms.items():
             per_rank += weights[choice[term_name]]
@@ -405,6 +468,7 @@ class AutoParallel:
             timings=dict(self.timings),
             parameter_bytes_per_rank=per_rank,
             parameter_bytes_total=total,
+            provenance=provenance(self),
         )
 
     def apply_placement(
@@ -427,11 +491,27 @@ class AutoParallel:
         self._require_open()
         from .apply import apply_placement
 
-        return apply_placement(
-            self,
-            plan,
-            partitioner=partitioner,
-            disable_passes=disable_passes,
-            pass_options=pass_options,
-            fold_layers=fold_layers,
-        )
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be an autoparallel Plan (or Plan.load_json(path)), got {type(plan).__name__}")
+        # A plan from elsewhere (a file, another context): refuse it when it
+        # was made for another model, mesh or input shape, naming which.
+        check_applicable(plan, self)
+        with self._stages.stage("apply", "apply"):
+            model = apply_placement(
+                self,
+                plan,
+                partitioner=partitioner,
+                disable_passes=disable_passes,
+                pass_options=pass_options,
+                fold_layers=fold_layers,
+            )
+        from .apply.collectives import traffic_table
+
+        from .report.timeline import simulate
+
+        graphs = {"forward": model.forward_graph, "backward": model.backward_graph}
+        plan.collectives = traffic_table(graphs, self.mesh, self.device)
+        # what the HTML report draws: the scheduler's timeline and memory curve
+        with unset_fake_temporarily():
+            plan.timeline = {phase: simulate(gm, self.mesh, self.device) for phase, gm in graphs.items()}
+        return model

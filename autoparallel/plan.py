@@ -9,8 +9,12 @@ dtype, placements, number of options, costs).
 
 from __future__ import annotations
 
+import contextlib
+import gzip
 import json
 import math
+import os
+import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -42,6 +46,9 @@ class NodePlan:
     recompute: str | None = None
     # (producer name, producer placement, seconds) for non-free transitions
     incoming: list[tuple[str, str, float]] = field(default_factory=list)
+    # the cheapest other options: ("inputs -> output", seconds more per step
+    # with the rest of the plan fixed)
+    runner_ups: list[tuple[str, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -73,6 +80,14 @@ class Plan:
     parameter_bytes_total: float = 0.0
     # Rewrite passes run by apply_placement: name -> stats (see autoparallel.passes).
     pass_stats: dict[str, Any] = field(default_factory=dict)
+    # What the plan was made for (see autoparallel.provenance): graph
+    # fingerprint, input shapes, device spec, mixed precision.
+    provenance: dict[str, Any] = field(default_factory=dict)
+    # Collectives of the applied graphs per (phase, kind, group): count,
+    # traffic bytes per rank, estimated seconds (apply.collectives.traffic_table).
+    collectives: list[dict] = field(default_factory=list)
+    # phase -> the scheduler's intervals and memory curve (report.timeline.simulate)
+    timeline: dict[str, Any] = field(default_factory=dict)
 
     # -- summaries --------------------------------------------------------
     @property
@@ -120,38 +135,75 @@ class Plan:
         return self.nodes[name].output_placements
 
     def explain(self, node: Any) -> str:
-        """Why ``node`` (an FX node or its name) is placed the way it is."""
+        """Why a node is placed the way it is. ``node``: an FX node, a node
+        name, or a module path (``layers.3.attention.wq``: all its nodes,
+        forward and backward), with the runner-up options and what each
+        would add to the step."""
         name = getattr(node, "name", node)
-        if name not in self.nodes:
-            raise KeyError(f"no node named {name!r} in the plan")
-        n = self.nodes[name]
+        if name in self.nodes:
+            return self._explain_node(self.nodes[name])
+        members = [n for n in self.nodes.values() if n.module_path == name and n.shape is not None]
+        members += [n for n in self.nodes.values() if n.is_parameter and n.module_path and n.module_path.startswith(name + ".")]
+        if not members:
+            paths = sorted({n.module_path for n in self.nodes.values() if n.module_path and not n.is_parameter})
+            near = [p for p in paths if p.endswith(name.rsplit(".", 1)[-1])][:5]
+            raise KeyError(
+                f"no node or module named {name!r} in the plan"
+                + (f"; modules with that name: {', '.join(near)}" if near else "")
+            )
+        header = f"module {name}: {len(members)} nodes (parameters, then forward, then backward)"
+        order = {True: 0, False: 1}
+        members.sort(key=lambda n: (order[n.is_parameter], n.phase != "forward"))
+        return "\n".join([header] + [self._explain_node(n) for n in members])
+
+    def _explain_node(self, n: NodePlan) -> str:
+        what = "parameter" if n.is_parameter else n.op
         lines = [
-            f"{n.name} = {n.op}  [{n.phase}, module {n.module_path or '-'}]",
+            f"{n.name} = {what}  [{n.phase}, module {n.module_path or '-'}]",
             f"  shape {n.shape} {n.dtype}; {n.num_options} options considered",
             f"  chosen: inputs {', '.join(n.input_placements) or '-'} -> output {n.output_placements}",
             f"  compute {_us(n.compute_cost)}, incoming communication {_us(n.comm_cost)}",
         ]
         for producer, placement, seconds in n.incoming:
             lines.append(f"    from {producer} ({placement}): {_us(seconds)}")
+        for sig, delta in n.runner_ups:
+            lines.append(f"  runner-up {sig}: +{_us(delta)} per step (rest of the plan fixed)")
         return "\n".join(lines)
 
-    def summary(self) -> str:
+    def summary(self, *, legend: bool = True) -> str:
+        """What the plan is in words, the notation, then the numbers:
+        estimated step time, per-rank memory against HBM, collectives,
+        placements per kind (forward/backward labelled) and pass stats."""
+        from . import memory
+        from .report import numbers, words
+
         s = self.solution
         lines = [
             f"plan for mesh {self.mesh_shape}: {len(self.nodes)} nodes, solver {s.status}"
             f" ({s.backend}, gap {s.gap if s.gap is not None else 'n/a'})",
             f"  {self.optimality()}",
-            f"  estimated compute {_ms(self.compute_cost)}, communication {_ms(self.comm_cost)} per step",
-            f"  parameters per rank {self.parameter_bytes_per_rank / 2**30:.3f} GiB"
-            f" of {self.parameter_bytes_total / 2**30:.3f} GiB",
         ]
+        lines += ["  " + line for line in words.describe(self)]
+        if legend:
+            lines += ["  " + line for line in words.LEGEND]
+        lines += ["  " + line for line in numbers.step_lines(self)]
+        lines.append("  memory per rank:")
+        lines += ["    " + line for line in memory.breakdown(self).lines()]
+        lines.append("  collectives per step and rank:")
+        lines += ["  " + line for line in numbers.collective_lines(self)]
         if self.timings:
-            lines.append(
-                "  timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items())
-            )
-        for name, stats in self.pass_stats.items():
-            lines.append(f"  pass {name}: {stats}")
+            lines.append("  timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()))
+        if self.pass_stats:
+            lines.append("  passes:")
+            lines += ["  " + line for line in numbers.pass_stat_lines(self)]
         return "\n".join(lines)
+
+    def to_html(self, path: str) -> None:
+        """One self-contained HTML file (no network): summary, placements per
+        layer, timeline, memory curve, collectives, pass stats."""
+        from .report.html import write_html
+
+        write_html(self, path)
 
     def placements_by_kind(self) -> list[PlacementKind]:
         """Chosen placements grouped by what a node is, for a readable overview.
@@ -162,6 +214,7 @@ class Plan:
         Sorted by phase, then the first node of each kind in graph order.
         """
         kinds: dict[tuple, PlacementKind] = {}
+        param_shapes = {n.module_path: n.shape for n in self.nodes.values() if n.is_parameter}
         for n in self.nodes.values():
             if n.module_path is None or n.shape is None:
                 continue
@@ -175,6 +228,11 @@ class Plan:
             signature = (
                 n.output_placements if is_param else f"{','.join(n.input_placements)} -> {n.output_placements}"
             )
+            if n.phase == "backward" and n.op in ("aten.mm.default", "aten.addmm.default"):
+                # the two matmuls of a linear layer's backward: which is which
+                w = param_shapes.get(n.module_path + ".weight")
+                is_dw = w is not None and n.shape is not None and sorted(n.shape) == sorted(w) and len(n.shape) == 2
+                signature = ("weight grad " if is_dw else "input grad ") + signature
             kind.placements[signature] = kind.placements.get(signature, 0) + 1
         order = {"parameter": 0, "forward": 1, "backward": 2}
         return sorted(kinds.values(), key=lambda k: order[k.role])
@@ -205,15 +263,88 @@ class Plan:
                 "parameter_bytes_per_rank": self.parameter_bytes_per_rank,
                 "parameter_bytes_total": self.parameter_bytes_total,
             },
+            "provenance": self.provenance,
             "constraints": self.constraints,
+            "timings": self.timings,
             "passes": stats_to_json(self.pass_stats),
+            "collectives": self.collectives,
+            "timeline": self.timeline,
             "nodes": [asdict(n) for n in self.nodes.values()],
         }
 
-    def dump_json(self, path: str) -> None:
-        with open(path, "w") as f:
-            json.dump(self.to_json(), f, indent=1, sort_keys=False, default=_json_default)
-            f.write("\n")
+    def dump_json(self, path: str, *, indent: int | None = 1) -> None:
+        """Write the plan (gzip when ``path`` ends in ``.gz``), replacing any
+        old file atomically."""
+        text = json.dumps(self.to_json(), indent=indent, sort_keys=False, default=_json_default) + "\n"
+        write_atomic(path, text)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Plan":
+        if not isinstance(d, dict) or d.get("schema") != PLAN_SCHEMA:
+            got = d.get("schema") if isinstance(d, dict) else type(d).__name__
+            raise ValueError(f"not a plan: schema {got!r}, expected {PLAN_SCHEMA!r}")
+        nodes = {}
+        for nd in d["nodes"]:
+            nd = dict(nd)
+            nd["incoming"] = [tuple(t) for t in nd.get("incoming", [])]
+            nd["runner_ups"] = [tuple(t) for t in nd.get("runner_ups", [])]
+            nodes[nd["name"]] = NodePlan(**nd)
+        sv = d.get("solver", {})
+        solution = solver.Solution(
+            choice={name: n.option for name, n in nodes.items()},
+            objective=sv.get("objective", 0.0),
+            unary_cost=sv.get("unary_cost", 0.0),
+            edge_cost=sv.get("edge_cost", 0.0),
+            status=sv.get("status", "loaded"),
+            optimal=bool(sv.get("optimal", False)),
+            gap=sv.get("gap"),
+            backend=sv.get("backend", ""),
+            num_variables=sv.get("num_variables", 0),
+            num_constraints=sv.get("num_constraints", 0),
+        )
+        totals = d.get("totals", {})
+        return cls(
+            mesh_shape=list(d["mesh_shape"]),
+            mesh_dim_names=d.get("mesh_dim_names"),
+            nodes=nodes,
+            solution=solution,
+            constraints=d.get("constraints", {}),
+            timings=d.get("timings", {}),
+            parameter_bytes_per_rank=totals.get("parameter_bytes_per_rank", 0.0),
+            parameter_bytes_total=totals.get("parameter_bytes_total", 0.0),
+            pass_stats=d.get("passes", {}),
+            provenance=d.get("provenance", {}),
+            collectives=d.get("collectives", []),
+            timeline=d.get("timeline", {}),
+        )
+
+    @classmethod
+    def load_json(cls, path: str) -> "Plan":
+        """A plan written by :meth:`dump_json` (``.gz`` read as gzip); apply
+        it with ``autop.apply_placement(plan)``, which checks it was made for
+        the same model, mesh and input shapes."""
+        opener = gzip.open if str(path).endswith(".gz") else open
+        with opener(path, "rt") as f:
+            return cls.from_json(json.load(f))
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` (gzip for ``.gz``) through a temporary file
+    in the same directory and ``os.replace``: readers never see half a file,
+    and a failed write leaves no stale or partial file behind."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as raw:
+            data = text.encode()
+            if str(path).endswith(".gz"):
+                data = gzip.compress(data, compresslevel=3, mtime=0)
+            raw.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def diff(a: Plan, b: Plan) -> list[str]:

@@ -54,6 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also time apply_placement and print its collectives and pass stats "
                         "(applies twice: without and with the rewrite passes)")
     p.add_argument("--verbose", action="store_true", help="log autoparallel's INFO messages")
+    p.add_argument("--no-dump", action="store_true", help="skip timing the debug dumps")
     return p.parse_args(argv)
 
 
@@ -143,6 +144,8 @@ def main(argv=None) -> None:
     )
     if applied is not None:
         _print_apply(applied, plan)
+    if not a.no_dump:
+        _print_dumps(problem, s, plan)
     print(f"peak RSS {_peak_rss_mib():.0f} MiB (before planning {rss_before:.0f} MiB)")
     dist.destroy_process_group()
 
@@ -178,6 +181,32 @@ def _apply_both_ways(autop, plan, mesh, compare_full: bool = False) -> dict:
         diff = differences(out["passes"]["fingerprint"], out["unfolded"]["fingerprint"])
         out["unfolded"]["same_graphs"] = "identical" if not diff else "DIFFERENT: " + ", ".join(diff)
     return out
+
+
+def _print_dumps(problem, solution, plan) -> None:
+    """Size and write time of the debug dumps (what AUTOPARALLEL_DUMP_DIR
+    writes): the problem with each distinct cost table once, plain and
+    gzip; the solution; the plan. Target for 8B: problem <= 20 MB, <= 1 s."""
+    import tempfile
+
+    from solver import serialize
+
+    print("dumps (size, write time)")
+    with tempfile.TemporaryDirectory() as d:
+        for label, write, name in [
+            ("problem.json", lambda p: serialize.dump(problem, p, shared=True), "problem.json"),
+            ("problem.json.gz", lambda p: serialize.dump(problem, p, shared=True), "problem.json.gz"),
+            ("solution.json", lambda p: serialize.dump(solution, p), "solution.json"),
+            ("plan.json", lambda p: plan.dump_json(p, indent=None), "plan.json"),
+        ]:
+            path = os.path.join(d, name)
+            t0 = time.perf_counter()
+            write(path)
+            sec = time.perf_counter() - t0
+            print(f"  {label:16s} {os.path.getsize(path) / 1e6:8.2f} MB {sec:6.2f} s")
+        t0 = time.perf_counter()
+        serialize.load(os.path.join(d, "problem.json"))
+        print(f"  problem.json read back in {time.perf_counter() - t0:.2f} s")
 
 
 def _count(items) -> dict:

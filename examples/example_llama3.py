@@ -6,13 +6,16 @@ with selective activation checkpointing for 128 GPUs arranged as a 16 x 8
 a fake one and the model lives on the meta device, so only shapes flow
 through the planner and the rank-local graphs.
 
-It prints the time of each planning stage, the placement chosen for each
-kind of weight and activation, the estimated compute and communication per
-step and the per-rank parameter memory, and writes the solver's debug dumps
-(problem.json, solution.json, plan.json) to a folder it names. Then it
-prints the apply time per stage, the rewrite passes' stats and the
-collectives of the parallel forward and backward graphs per kind and mesh
-dim, with bytes per rank.
+It plans bf16 compute with fp32 gradient reduction (``--mp fp32``: none)
+and prints the time of each planning stage, the plan in words (FSDP, TP,
+sequence parallel... per mesh dim and kind of weight and matmul) with a
+legend of the notation, the estimated step time and per-rank memory against
+HBM, the placement chosen for each kind of weight and activation; then the
+apply time per stage, the rewrite passes' stats and the collectives of the
+parallel forward and backward graphs (traffic per rank, estimated time).
+``--report plan.html`` writes the HTML report, ``--save-plan`` /
+``--plan-file`` save a plan and apply a saved one (no solve), ``--dump-dir``
+writes the solver's debug dumps.
 
     python examples/example_llama3.py
     python examples/example_llama3.py --mesh 8 8 --layers 4 --seq 2048 --batch 16
@@ -23,7 +26,9 @@ With ``--real`` under torchrun it trains a small config for real (gloo on
 CPU, NCCL on GPU): every rank plans for the actual world size (the --mesh
 shape if it multiplies to it, else 1-D), applies, initialises the weights
 under a fixed seed and runs a few AdamW steps on random tokens, each rank
-feeding its local shard of the batch; rank 0 prints the loss.
+feeding its local shard of the batch; rank 0 prints the global loss
+(reduced over dp). The default --real config (width 256, seq 256) is big
+enough that the plan shards the matmuls.
 
     torchrun --nproc-per-node 4 examples/example_llama3.py --real --mesh 2 2
 """
@@ -47,6 +52,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autoparallel import AutoParallel
+from autoparallel.plan import Plan
 from autoparallel.apply import collectives
 from autoparallel.models.llama3 import LLAMA3_CONFIGS, Transformer, apply_ac, count_params
 
@@ -57,6 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="model config (default: 8B; debug with --real)")
     ap.add_argument("--mesh", type=int, nargs="+", default=[16, 8], help="mesh shape: dp [tp]")
     ap.add_argument("--layers", type=int, default=None, help="override the config's layer count")
+    ap.add_argument("--dim", type=int, default=None,
+                    help="override the config's model width (default with --real: 256, so that the "
+                         "plan shards the matmuls)")
     ap.add_argument("--seq", type=int, default=None, help="sequence length (default: 8192; 64 with --real)")
     ap.add_argument("--batch", type=int, default=None, help="global batch size (default: 32; 8 with --real)")
     ap.add_argument("--ac", default="selective", choices=["selective", "full", "none"],
@@ -65,7 +74,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--memory-high", type=float, default=None,
                     help="parameter memory budget as a fraction of the replicated size "
                          "(default: fully sharded)")
-    ap.add_argument("--dump-dir", default="autoparallel_dumps", help="where the solver dumps go")
+    ap.add_argument("--dump-dir", default=None,
+                    help="write the solver dumps (problem/solution/plan.json) here; off by default "
+                         "(any run: set AUTOPARALLEL_DUMP_DIR)")
+    ap.add_argument("--plan-file", default=None,
+                    help="apply this plan (Plan.dump_json / --save-plan) instead of solving; it must "
+                         "have been made for the same model, mesh and input shape")
+    ap.add_argument("--save-plan", default=None, help="write the plan here (JSON; .gz compresses)")
+    ap.add_argument("--report", default=None, help="write the HTML report of the plan here")
+    ap.add_argument("--mp", choices=["bf16", "fp32"], default=None,
+                    help="bf16: bf16 compute with fp32 gradient reduction (MixedPrecisionPolicy), as "
+                         "torchtitan trains LLaMA-3; fp32: no mixed precision (default: bf16, "
+                         "fp32 with --real on CPU)")
     ap.add_argument("--all-kinds", action="store_true",
                     help="list the placements of every kind of op, not just weights and matmuls")
     ap.add_argument("--no-apply", action="store_true", help="plan only")
@@ -78,10 +98,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.model is None:
         args.model = "debug" if args.real else "8B"
     if args.seq is None:
-        args.seq = 64 if args.real else 8192
+        args.seq = 256 if args.real else 8192
     if args.batch is None:
         args.batch = 8 if args.real else 32
+    if args.dim is None and args.real and args.model == "debug":
+        args.dim = 256
+    if args.mp is None:
+        args.mp = "fp32" if args.real and not torch.cuda.is_available() else "bf16"
     return args
+
+
+def mp_policy(args: argparse.Namespace):
+    if args.mp == "fp32":
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 def build_model(args: argparse.Namespace) -> tuple[Transformer, object]:
@@ -89,6 +121,7 @@ def build_model(args: argparse.Namespace) -> tuple[Transformer, object]:
     config = dataclasses.replace(
         config,
         n_layers=args.layers or config.n_layers,
+        dim=args.dim or config.dim,
         max_seq_len=max(args.seq, config.max_seq_len),
     )
     with torch.device("meta"):
@@ -106,14 +139,18 @@ def plan_model(args: argparse.Namespace, mesh, model, config):
     def inputs():
         return torch.randint(0, config.vocab_size, (args.batch, args.seq), device="meta")
 
-    os.makedirs(args.dump_dir, exist_ok=True)
-    os.environ["AUTOPARALLEL_DUMP_DIR"] = args.dump_dir
+    if args.dump_dir:
+        os.makedirs(args.dump_dir, exist_ok=True)
+        os.environ["AUTOPARALLEL_DUMP_DIR"] = args.dump_dir
     parallel = report = None
-    with AutoParallel(model, mesh, inputs, device=args.device) as autop:
+    with AutoParallel(model, mesh, inputs, device=args.device, mp_policy=mp_policy(args)) as autop:
         autop.add_input_constraints([data_placements(mesh)])
         autop.add_output_constraints([data_placements(mesh)])
         autop.add_parameter_memory_constraint(high=args.memory_high)
-        plan = autop.optimize_placement()
+        if args.plan_file:
+            plan = Plan.load_json(args.plan_file)  # checked against this model/mesh on apply
+        else:
+            plan = autop.optimize_placement()
         if not args.no_apply:
             wall, cpu = time.perf_counter(), time.process_time()
             parallel = autop.apply_placement(plan)
@@ -141,14 +178,22 @@ def main(argv=None) -> None:
         print(f"LLaMA-3 {args.model}: {config.n_layers} layers, dim {config.dim}, "
               f"{count_params(model) / 1e9:.2f}B parameters, AC {args.ac}")
         print(f"planning for {world} ranks, mesh {dict(zip(names, args.mesh))}, "
-              f"batch {args.batch} x seq {args.seq}, device model {args.device}")
+              f"batch {args.batch} x seq {args.seq}, device model {args.device}, "
+              f"{'bf16 compute, fp32 gradient reduction' if args.mp == 'bf16' else 'fp32'}"
+              + (f", plan from {args.plan_file}" if args.plan_file else ""))
         plan, _, report = plan_model(args, mesh, model, config)
         total = time.perf_counter() - t0 - (report.wall if report else 0.0)
     finally:
         dist.destroy_process_group()
-    print_report(plan, total, args.dump_dir, args.all_kinds)
+    print_report(plan, total, args.dump_dir, args.all_kinds, args.plan_file)
     if report is not None:
         print_apply_report(plan, report)
+    if args.save_plan:
+        plan.dump_json(args.save_plan)
+        print(f"\nplan written to {args.save_plan} (apply it elsewhere: --plan-file {args.save_plan})")
+    if args.report:
+        plan.to_html(args.report)
+        print(f"HTML report: {os.path.abspath(args.report)}")
 
 
 # The ops whose placements tell the parallelism story (what runs sharded
@@ -165,9 +210,15 @@ STORY_OPS = (
 )
 
 
-def print_report(plan, total: float, dump_dir: str, all_kinds: bool = False) -> None:
+def print_report(plan, total: float, dump_dir: str | None, all_kinds: bool = False,
+                 plan_file: str | None = None) -> None:
+    from autoparallel import memory
+    from autoparallel.report import LEGEND, describe, numbers
+
     t = plan.timings
     print("\n== planning time ==")
+    if plan_file:
+        print(f"  (stages as recorded when {plan_file} was made; this run traced and applied only)")
     for stage in ("tracing", "options", "repeated_layers", "problem_build"):
         print(f"  {stage:16s} {t.get(stage, 0.0):7.2f} s")
     for phase in ("presolve", "build", "solve"):
@@ -184,19 +235,28 @@ def print_report(plan, total: float, dump_dir: str, all_kinds: bool = False) -> 
         print(f"  presolve: {pre.decisions_before} -> {pre.decisions_after} decisions, "
               f"{pre.options_before} -> {pre.options_after} options")
 
+    print("\n== the plan ==")
+    for line in describe(plan):
+        print("  " + line)
+    print()
+    for line in LEGEND:
+        print("  " + line)
+
+    print("\n== estimated per step and rank ==")
+    for line in numbers.step_lines(plan):
+        print("  " + line)
+    print("  memory per rank:")
+    for line in memory.breakdown(plan).lines():
+        print("    " + line)
+
     print("\n== placements by kind (mesh dims in order " + str(plan.mesh_dim_names) + ") ==")
     for kind in plan.placements_by_kind():
         if all_kinds or kind.role == "parameter" or kind.op in STORY_OPS:
             print("  " + str(kind))
-
-    print("\n== estimated per step and rank ==")
-    print(f"  compute        {plan.compute_cost * 1e3:9.2f} ms")
-    print(f"  communication  {plan.comm_cost * 1e3:9.2f} ms (after the overlap discount)")
-    print(f"  parameters     {plan.parameter_bytes_per_rank / 2**30:9.3f} GiB of "
-          f"{plan.parameter_bytes_total / 2**30:.3f} GiB")
-    print(f"\nsolver debug dumps: {os.path.abspath(dump_dir)}/"
-          "{problem,solution,plan}.json  (re-solve: python -m solver "
-          f"{os.path.join(dump_dir, 'problem.json')})")
+    if dump_dir:
+        print(f"\nsolver debug dumps: {os.path.abspath(dump_dir)}/"
+              "{problem,solution,plan}.json  (re-solve: python -m solver "
+              f"{os.path.join(dump_dir, 'problem.json')})")
 
 
 @dataclass
@@ -250,12 +310,17 @@ def print_apply_report(plan, report: ApplyReport) -> None:
     print(f"  {'total':18s} {report.wall:7.2f} s wall, {report.cpu:.2f} s CPU   "
           f"(graphs: joint {report.nodes['joint']}, forward {report.nodes['forward']}, "
           f"backward {report.nodes['backward']} nodes)")
+    from autoparallel.report import numbers
+
     print("\n== rewrite passes ==")
     if not plan.pass_stats:
         print("  (none ran)")
-    for name, stats in plan.pass_stats.items():
-        print(f"  {name}: {stats}")
-    print("\n== parallel graph collectives (per step, bytes per rank) ==")
+    for line in numbers.pass_stat_lines(plan):
+        print(line)
+    print("\n== collectives: traffic per rank and estimated time ==")
+    for line in numbers.collective_lines(plan):
+        print(line)
+    print("\n== parallel graph collectives (per step, output bytes per rank) ==")
     if not report.collectives:
         print("  (none)")
     rows = sorted(report.collectives.items(), key=lambda kv: (kv[0][0] != "forward", kv[0][1], kv[0][2]))
@@ -289,6 +354,11 @@ def run_real(args: argparse.Namespace) -> None:
         plan, parallel, report = plan_model(args, mesh, model, config)
         if rank == 0:
             print(f"planned in {time.perf_counter() - t0 - report.wall:.2f} s, applied in {report.wall:.2f} s")
+            from autoparallel.report import describe
+
+            print("\n== the plan ==")
+            for line in describe(plan):
+                print("  " + line)
             print_apply_report(plan, report)
 
         parallel.to_empty(device=device)
@@ -319,6 +389,7 @@ def run_real(args: argparse.Namespace) -> None:
             total = loss.detach().clone()
             dist.all_reduce(total)
             if rank == 0:
+                # the global loss: the mean over all tokens (summed over dp shards)
                 print(f"  step {step}: loss {total.item() / replicas:.4f}  ({time.perf_counter() - t:.2f} s)")
     finally:
         dist.destroy_process_group()

@@ -125,8 +125,41 @@ def _meta(obj: Any, path: str) -> Any:
     raise DumpError(f"{path}: cannot write a value of type {type(obj).__name__} to JSON")
 
 
-def problem_to_json(p: Problem) -> dict:
-    """A JSON-ready dict (only JSON types; non-finite floats as strings)."""
+class _Table:
+    """Content-deduplicated JSON values: repeated layers' option lists, cost
+    rows and edge matrices are written once and referred to by index."""
+
+    def __init__(self):
+        self.items: list = []
+        self._index: dict = {}
+        self._by_id: dict[int, int] = {}
+
+    def ref(self, obj, encode, key) -> int:
+        i = self._by_id.get(id(obj))
+        if i is not None:
+            return i
+        k = key(obj)
+        i = self._index.get(k)
+        if i is None:
+            i = self._index[k] = len(self.items)
+            self.items.append(encode(obj))
+        self._by_id[id(obj)] = i
+        return i
+
+
+def _matrix_key(m) -> tuple:
+    return tuple(map(tuple, m))
+
+
+def problem_to_json(p: Problem, *, shared: bool = False) -> dict:
+    """A JSON-ready dict (only JSON types; non-finite floats as strings).
+
+    ``shared=True`` writes each distinct option list, cost row and edge
+    matrix once under ``"tables"`` and refers to it by index (a model's
+    linked layers then cost one layer's worth of numbers; a 32-layer model's
+    dump shrinks about 30-fold); :func:`problem_from_json` reads both forms."""
+    if shared:
+        return _problem_to_json_shared(p)
     return {
         "schema": SCHEMA,
         "kind": "problem",
@@ -163,6 +196,36 @@ def problem_to_json(p: Problem) -> dict:
             for r in p.resources
         ],
     }
+
+
+def _problem_to_json_shared(p: Problem) -> dict:
+    d = problem_to_json(dataclasses.replace(p, decisions=[], edges=[], resources=[]))
+    opts, rows, mats = _Table(), _Table(), _Table()
+    # ids are stable only while the objects live: ``p`` keeps them alive
+    d["decisions"] = [
+        {"name": x.name, "options": opts.ref(x.options, list, tuple), "costs": rows.ref(x.costs, _nums, tuple)}
+        for x in p.decisions
+    ]
+    d["edges"] = [
+        {
+            "producer": e.producer,
+            "consumer": e.consumer,
+            "arg_index": e.arg_index,
+            "costs": mats.ref(e.costs, lambda m: [_nums(r) for r in m], _matrix_key),
+        }
+        for e in p.edges
+    ]
+    d["resources"] = [
+        {
+            "name": r.name,
+            "terms": {name: rows.ref(w, _nums, tuple) for name, w in r.terms.items()},
+            "low": None if r.low is None else _num(r.low),
+            "high": None if r.high is None else _num(r.high),
+        }
+        for r in p.resources
+    ]
+    d["tables"] = {"options": opts.items, "rows": rows.items, "matrices": mats.items}
+    return d
 
 
 def solution_to_json(s: Solution) -> dict:
@@ -203,18 +266,53 @@ def to_json(obj: Problem | Solution | Bundle | tuple) -> dict:
     raise TypeError(f"cannot dump a {type(obj).__name__}")
 
 
-def dumps(obj: Problem | Solution | Bundle | tuple, *, indent: int | None = None) -> str:
-    """The JSON text of a dump (strict JSON: no NaN/Infinity literals)."""
+def dumps(
+    obj: Problem | Solution | Bundle | tuple, *, indent: int | None = None, shared: bool = False
+) -> str:
+    """The JSON text of a dump (strict JSON: no NaN/Infinity literals);
+    ``shared``: a problem's repeated numbers once (see :func:`problem_to_json`)."""
     separators = (",", ":") if indent is None else None
-    return json.dumps(to_json(obj), allow_nan=False, indent=indent, separators=separators)
+    d = problem_to_json(obj, shared=True) if shared and isinstance(obj, Problem) else to_json(obj)
+    return json.dumps(d, allow_nan=False, indent=indent, separators=separators)
 
 
-def dump(obj: Problem | Solution | Bundle | tuple, path: str | os.PathLike) -> None:
-    """Write ``obj`` (see :func:`to_json`) to ``path`` as JSON."""
-    text = dumps(obj)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.write("\n")
+def dump(
+    obj: Problem | Solution | Bundle | tuple,
+    path: str | os.PathLike,
+    *,
+    shared: bool = False,
+    extra: dict | None = None,
+) -> None:
+    """Write ``obj`` (see :func:`to_json`) to ``path`` as JSON, gzip when the
+    name ends in ``.gz``, through a temporary file and ``os.replace`` (no
+    half-written or stale file is ever left). ``extra``: more top-level keys
+    (e.g. a ``status`` saying why a solve failed); loading ignores them."""
+    if extra:
+        d = problem_to_json(obj, shared=True) if shared and isinstance(obj, Problem) else to_json(obj)
+        d.update(extra)
+        text = json.dumps(d, allow_nan=False, separators=(",", ":"))
+    else:
+        text = dumps(obj, shared=shared)
+    data = (text + "\n").encode("utf-8")
+    path = os.fspath(path)
+    if path.endswith(".gz"):
+        import gzip
+
+        data = gzip.compress(data, compresslevel=1, mtime=0)
+    directory = os.path.dirname(os.path.abspath(path))
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 # ------------------------------------------------------------------ decoding
@@ -350,24 +448,67 @@ def _header(d: Any, kind: str, path: str, nested: bool = False) -> None:
 _HEADER = ("schema", "kind")
 
 
+def _shared(tables: Any, path: str) -> dict:
+    """The ``tables`` of a shared dump, checked and decoded once."""
+    if tables is None:
+        return {}
+    _obj(tables, path, (), ("options", "rows", "matrices"))
+    out = {
+        "options": [
+            [_str(o, f"{path}.options[{i}][{j}]") for j, o in enumerate(_list(x, f"{path}.options[{i}]"))]
+            for i, x in enumerate(_list(tables.get("options", []), f"{path}.options"))
+        ],
+        "rows": [
+            _numbers(x, f"{path}.rows[{i}]", ("inf",))
+            for i, x in enumerate(_list(tables.get("rows", []), f"{path}.rows"))
+        ],
+        "matrices": [
+            _matrix(x, f"{path}.matrices[{i}]", ("inf",))
+            for i, x in enumerate(_list(tables.get("matrices", []), f"{path}.matrices"))
+        ],
+    }
+    return out
+
+
+def _deref(v: Any, tables: dict, table: str, path: str) -> Any:
+    """``v`` itself, or (an int in a shared dump) entry ``v`` of ``table``
+    (a copy: decisions must not share lists the caller may edit)."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        items = tables.get(table)
+        if items is None:
+            raise DumpError(f"{path}: an index ({v}) but the dump has no tables.{table}")
+        if not 0 <= v < len(items):
+            raise DumpError(f"{path}: index {v} out of range of tables.{table} (0..{len(items) - 1})")
+        item = items[v]
+        return [list(r) for r in item] if table == "matrices" else list(item)
+    return None
+
+
 def _problem(d: Any, path: str, nested: bool = False) -> Problem:
     _header(d, "problem", path, nested)
     _obj(d, path, ("decisions",), (*_HEADER, "name", "metadata", "edges", "pins", "links",
-                                    "resources"))
+                                    "resources", "tables", "status"))
+    tables = _shared(d.get("tables"), f"{path}.tables")
     decisions = []
     for i, x in enumerate(_list(d["decisions"], f"{path}.decisions")):
         where = f"{path}.decisions[{i}]"
         _obj(x, where, ("name", "options", "costs"))
-        options = [
-            _str(o, f"{where}.options[{j}]") for j, o in enumerate(_list(x["options"], f"{where}.options"))
-        ]
-        costs = _numbers(x["costs"], f"{where}.costs", ("inf",))
+        options = _deref(x["options"], tables, "options", f"{where}.options")
+        if options is None:
+            options = [
+                _str(o, f"{where}.options[{j}]") for j, o in enumerate(_list(x["options"], f"{where}.options"))
+            ]
+        costs = _deref(x["costs"], tables, "rows", f"{where}.costs")
+        if costs is None:
+            costs = _numbers(x["costs"], f"{where}.costs", ("inf",))
         decisions.append(Decision(_str(x["name"], f"{where}.name"), options, costs))
     edges = []
     for k, x in enumerate(_list(d.get("edges", []), f"{path}.edges")):
         where = f"{path}.edges[{k}]"
         _obj(x, where, ("producer", "consumer", "arg_index", "costs"))
-        costs = _matrix(x["costs"], f"{where}.costs", ("inf",))
+        costs = _deref(x["costs"], tables, "matrices", f"{where}.costs")
+        if costs is None:
+            costs = _matrix(x["costs"], f"{where}.costs", ("inf",))
         edges.append(
             Edge(
                 _str(x["producer"], f"{where}.producer"),
@@ -408,7 +549,10 @@ def _problem(d: Any, path: str, nested: bool = False) -> Problem:
         terms_in = x["terms"]
         if not isinstance(terms_in, dict):
             raise _fail(f"{where}.terms", "an object", terms_in)
-        terms = {name: _numbers(w, _key(f"{where}.terms", name)) for name, w in terms_in.items()}
+        terms = {}
+        for name, w in terms_in.items():
+            row = _deref(w, tables, "rows", _key(f"{where}.terms", name))
+            terms[name] = row if row is not None else _numbers(w, _key(f"{where}.terms", name))
         bounds = []
         for b in ("low", "high"):
             v = x.get(b)
@@ -536,8 +680,14 @@ def load(path: str | os.PathLike) -> Union[Problem, Solution, Bundle]:
     dump (the message names the file and the JSON path of the fault).
     """
     where = os.fspath(path)
-    with open(path, "rb") as f:
-        raw = f.read()
+    if where.endswith(".gz"):
+        import gzip
+
+        with gzip.open(path, "rb") as f:
+            raw = f.read()
+    else:
+        with open(path, "rb") as f:
+            raw = f.read()
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -95,7 +95,7 @@ def _input_slots(inputs, local: LocalJoint, input_nodes) -> tuple:
 def _apply_folded(autop: "AutoParallel", ctx: "passes.PassContext", disabled, partitioner):
     """(local joint, step graphs, joint-stage pass stats) through layer
     folding, or None when the model's layers do not fold."""
-    traced, strategies, choice = autop.traced, autop.built.strategies, ctx.choice
+    traced, strategies, choice = autop.traced, ctx.strategies, ctx.choice
     repeats = autop.repeats if autop.repeats is not None else find_repeated_layers(traced)
     try:
         fold = fold_layers_of(traced, strategies, choice, repeats)
@@ -136,18 +136,19 @@ def apply_placement(
     deep layer stack and copy the middle one (:mod:`.fold`, :mod:`.unfold`;
     same graphs, much faster); falls back to the full graphs when the
     layers do not qualify."""
-    built = autop.built
-    if built is None:
-        raise RuntimeError("call optimize_placement() before apply_placement()")
+    from ..provenance import resolve_choice
+
+    # A loaded plan (Plan.load_json) needs no problem: the traced options suffice.
+    strategies = autop.built.strategies if autop.built is not None else autop.strategies
     disabled = passes.check_disabled(disable_passes)
     traced = autop.traced
-    choice = {name: node_plan.option for name, node_plan in plan.nodes.items()}
+    choice = resolve_choice(plan, strategies)
     ctx = passes.PassContext(
         mesh=autop.mesh,
         plan=plan,
         options=pass_options or passes.PassOptions(),
         traced=traced,
-        strategies=built.strategies,
+        strategies=strategies,
         choice=choice,
     )
     stats = passes.run_stage("plan", ctx, disabled)
@@ -157,7 +158,7 @@ def apply_placement(
     if folded is not None:
         local, graphs, joint_stats = folded
     else:
-        local = build_local_joint(traced, built.strategies, choice, autop.mesh)
+        local = build_local_joint(traced, strategies, choice, autop.mesh)
         ctx.local = local
         joint_stats = passes.run_stage("joint", ctx, disabled, local.gm)
         graphs = split_joint(local, partitioner)

@@ -107,3 +107,48 @@ def summarize(items: list[Collective]) -> dict[tuple[str, str, int | None], tupl
         count, size = table.get(key, (0, 0))
         table[key] = (count + 1, size + c.out_bytes)
     return dict(sorted(table.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] if kv[0][2] is not None else -1)))
+
+
+def traffic_bytes(kind: str, in_bytes: float, n: int) -> float:
+    """Bytes each rank sends for one ring collective of ``n`` ranks whose
+    per-rank input is ``in_bytes`` (not the output size: an all-gather's
+    output is ``n`` times its input, but each rank sends ``(n-1)`` inputs)."""
+    if n <= 1:
+        return 0.0
+    if kind.startswith("all_gather"):
+        return in_bytes * (n - 1)
+    if kind.startswith("all_reduce"):
+        return 2 * in_bytes * (n - 1) / n
+    return in_bytes * (n - 1) / n  # reduce_scatter, all_to_all
+
+
+def traffic_table(graphs: dict[str, torch.fx.GraphModule], mesh: DeviceMesh, device) -> list[dict]:
+    """Per (phase, kind, group): count, output bytes, traffic bytes per rank
+    and estimated seconds (:func:`autoparallel.cost_model.comm.collective_time`).
+    ``graphs``: phase -> graph (by graph, not by node tag: a backward graph
+    also runs recomputed forward ops)."""
+    from ..cost_model.comm import collective_time, mesh_dim_topology
+
+    with unset_fake_temporarily():
+        topo = mesh_dim_topology(mesh, device.gpus_per_node)
+    rows: dict[tuple, dict] = {}
+    for phase, gm in graphs.items():
+        for c in collectives(gm, mesh):
+            if c.mesh_dim is not None:
+                t = topo[c.mesh_dim]
+                n, intra, per_node = t.group_size, t.intra_node, t.ranks_per_node
+            else:  # a flattened (whole-mesh) group
+                n = mesh.size()
+                intra = n <= device.gpus_per_node
+                per_node = min(n, device.gpus_per_node)
+            kind = c.kind.removesuffix("_into_tensor").removesuffix("_tensor").removesuffix("_single")
+            row = rows.setdefault(
+                (phase, kind, c.group),
+                {"phase": phase, "kind": kind, "group": c.group, "group_size": n, "count": 0,
+                 "output_bytes": 0, "traffic_bytes": 0.0, "seconds": 0.0},
+            )
+            row["count"] += 1
+            row["output_bytes"] += c.out_bytes
+            row["traffic_bytes"] += traffic_bytes(kind, c.in_bytes, n)
+            row["seconds"] += collective_time(kind, c.in_bytes, n, intra, device, per_node)
+    return list(rows.values())

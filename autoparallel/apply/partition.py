@@ -106,7 +106,9 @@ def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     graph = torch.fx.Graph(tracer_cls=gm.graph._tracer_cls)
     out = graph.graph_copy(gm.graph, {}, return_output_node=True)
     out, out_node = out
-    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    # Shallow: the codegen's pytree info is immutable, and deep-copying its
+    # TreeSpecs warns (LeafSpec FutureWarning) on every apply.
+    graph._codegen = copy.copy(gm.graph._codegen)
     graph.output(out, type_expr=getattr(out_node, "type", None)).meta = copy.copy(out_node.meta)
     copied = _make_graph_module(gm, graph)
     copied.meta = copy.deepcopy(gm.meta)

@@ -1,0 +1,101 @@
+"""One set of numbers for a plan: estimated step time, collectives, memory,
+pass stats as short tables with rounded figures."""
+
+from __future__ import annotations
+
+from ..passes import stats_to_json
+
+
+def step_estimate(plan) -> dict[str, float | None]:
+    """Seconds per step and rank. ``exposed_after`` / ``exposed_before``:
+    communication the overlap scheduler cannot hide, after and before it
+    reorders the graphs (None until the plan is applied). ``compute``: the
+    applied graphs' compute (recomputation included) when the scheduler's
+    timeline is known, else the solver's compute term; ``step`` = compute +
+    exposed_after (the scheduler's estimate); ``step_before_overlap`` =
+    compute + exposed_before. ``solver_compute`` / ``solver_comm``: the
+    ILP's terms (no recomputation; communication with its own overlap
+    discount), for reference."""
+    stats = stats_to_json(plan.pass_stats or {}).get("schedule_overlap") or {}
+    after = sum(s.get("exposed_comm_after_s", 0.0) for s in stats.values()) if stats else None
+    before = sum(s.get("exposed_comm_before_s", 0.0) for s in stats.values()) if stats else None
+    timeline = plan.timeline or {}
+    compute = plan.compute_cost
+    if timeline and after is not None:
+        compute = sum(t["end"] for t in timeline.values()) - sum(
+            e - s for t in timeline.values() for s, e in t["exposed"]
+        )
+    return {
+        "compute": compute,
+        "exposed_after": after,
+        "exposed_before": before,
+        "step": compute + after if after is not None else None,
+        "step_before_overlap": compute + before if before is not None else None,
+        "solver_compute": plan.compute_cost,
+        "solver_comm": plan.comm_cost,
+    }
+
+
+def _ms(s: float | None) -> str:
+    return "n/a" if s is None else f"{s * 1e3:.1f} ms"
+
+
+def _size(b: float) -> str:
+    for unit, f in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if b >= f:
+            return f"{b / f:.1f} {unit}"
+    return f"{int(b)} B"
+
+
+def step_lines(plan) -> list[str]:
+    e = step_estimate(plan)
+    if e["step"] is None:
+        return [
+            f"estimated step: compute {_ms(e['compute'])} + communication {_ms(e['solver_comm'])} "
+            "(solver's estimate, before the passes; apply the plan for the scheduler's figure)"
+        ]
+    return [
+        f"estimated step {_ms(e['step'])} = compute {_ms(e['compute'])} + exposed communication "
+        f"{_ms(e['exposed_after'])} (overlap scheduler, after the passes; compute includes recomputation)",
+        f"  before overlap scheduling: {_ms(e['step_before_overlap'])} (exposed {_ms(e['exposed_before'])}); "
+        f"the solver's terms: compute {_ms(e['solver_compute'])}, communication {_ms(e['solver_comm'])}",
+    ]
+
+
+def collective_lines(plan) -> list[str]:
+    rows = plan.collectives or []
+    if not rows:
+        return ["collectives: apply the plan to list them"]
+    out = [f"  {'phase':9s} {'kind':15s} {'group':16s} {'count':>6s} {'traffic/rank':>13s} {'est. time':>10s}"]
+    for r in sorted(rows, key=lambda r: (r["phase"] != "forward", r["kind"], r["group"])):
+        out.append(
+            f"  {r['phase']:9s} {r['kind']:15s} {r['group'] + ' (' + str(r['group_size']) + ')':16s} "
+            f"{r['count']:6d} {_size(r['traffic_bytes']):>13s} {_ms(r['seconds']):>10s}"
+        )
+    total = sum(r["seconds"] for r in rows)
+    out.append(f"  total collective time {_ms(total)} if nothing overlapped")
+    return out
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        if 0 < abs(v) < 1:
+            return f"{v * 1e3:.2f}ms" if abs(v) >= 1e-5 else f"{v:.2g}"
+        return f"{v:.2f}"
+    if isinstance(v, int) and abs(v) >= 10**6:
+        return _size(v)
+    return str(v)
+
+
+def pass_stat_lines(plan) -> list[str]:
+    """One short line per pass and graph, figures rounded, zeros left out."""
+    out = []
+    for name, stats in stats_to_json(plan.pass_stats or {}).items():
+        per_graph = stats if isinstance(stats, dict) and all(isinstance(v, dict) for v in stats.values()) else {"": stats}
+        for graph, s in per_graph.items():
+            if isinstance(s, dict):
+                fields = ", ".join(f"{k} {_fmt(v)}" for k, v in s.items() if v not in (0, 0.0, "", None, [], {}) and k != "graph")
+            else:
+                fields = _fmt(s)
+            out.append(f"  {name:22s} {graph:9s} {fields or '(nothing to do)'}")
+    return out
