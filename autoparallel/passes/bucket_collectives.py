@@ -229,11 +229,47 @@ def _grad_layers(gm: fx.GraphModule, ctx: PassContext | None) -> dict[fx.Node, s
             if n in layer_of:
                 continue
             layer_of[n] = _layer_of(fqn)
-            if n.op == "call_function" and n.target is not _WAIT and (n.target in _CHEAP or getattr(n.target, "is_view", False)):
-                stack.extend(n.all_input_nodes)
-            elif n.target is _WAIT:
+            if n.op == "call_function" and (_is_layout(n) or n.target in _THROUGH):
                 stack.extend(n.all_input_nodes)
     return layer_of
+
+
+# Ops a gradient passes through on its way from the reduction to the output:
+# waits, chained reductions (a two-stage reduce-scatter), buckets' buffers.
+_THROUGH = {_WAIT, _RS, _AR, _aten.cat.default, _aten.split_with_sizes.default, operator.getitem}
+
+
+def _is_layout(n: fx.Node) -> bool:
+    return n.op == "call_function" and (n.target in _CHEAP or getattr(n.target, "is_view", False))
+
+
+def _tail(wait: fx.Node) -> set[fx.Node]:
+    """Layout ops after ``wait`` that only lead to the graph output: they may
+    move after a merged wait, so they do not pin where it goes."""
+    tail: set[fx.Node] = set()
+
+    def ok(n: fx.Node, depth: int) -> bool:
+        if n in tail:
+            return True
+        if depth > _MAX_CHAIN or not _is_layout(n) or any(a is not wait and a not in tail and a not in seen for a in n.all_input_nodes):
+            return False
+        seen.add(n)
+        if all(u.op == "output" or ok(u, depth + 1) for u in n.users):
+            tail.add(n)
+            return True
+        return False
+
+    for u in wait.users:
+        seen: set[fx.Node] = set()
+        ok(u, 0)
+    return tail
+
+
+def _first_use(m: _Member, index: dict[fx.Node, float]) -> float:
+    """Position of the first consumer of ``m``'s result outside its tail."""
+    tail = _tail(m.wait)
+    uses = [u for n in (m.wait, *tail) for u in n.users if u not in tail]
+    return min(index[u] for u in uses)
 
 
 def _reduction(n: fx.Node) -> tuple[tuple, _Member] | None:
@@ -295,7 +331,7 @@ def _reduction_buckets(gm: fx.GraphModule, ctx: PassContext | None, limit: int, 
                 cur, used, first_use = [], 0, float("inf")
             cur.append(m)
             used += m.nbytes
-            first_use = min([first_use, *(index[u] for u in m.wait.users)])
+            first_use = min(first_use, _first_use(m, index))
         out.append(cur)
     return [b for b in out if len(b) > 1]
 
@@ -324,6 +360,7 @@ def _merge_reduction(gm: fx.GraphModule, members: list[_Member], index: dict[fx.
         res_v = buf_v.new_empty((sum(cols),))
         parts_v = list(torch.split(res_v, cols))
         view_v = [p.view(o.shape) for p, o in zip(parts_v, outs_v)]
+    before_last = last.prev
     with g.inserting_before(last):
         flats = []
         for m, f_v, c in zip(members, flat_v, cols):
@@ -339,8 +376,11 @@ def _merge_reduction(gm: fx.GraphModule, members: list[_Member], index: dict[fx.
         else:
             coll = g.call_function(_AR, (cat, last.args[1], last.args[2]))
         _copy_meta(coll, last, res_v)
-    first_use = min((u for m in members for u in m.wait.users), key=index.__getitem__)
+    tails = [_tail(m.wait) for m in members]
+    users = [u for m, t in zip(members, tails) for n in (m.wait, *t) for u in n.users if u not in t]
+    first_use = min(users, key=index.__getitem__)
     # every result is needed after the last member (see _reduction_buckets)
+    before_use = first_use.prev
     with g.inserting_before(first_use):
         wait = g.call_function(_WAIT, (coll,))
         _copy_meta(wait, members[0].wait, res_v)
@@ -353,11 +393,29 @@ def _merge_reduction(gm: fx.GraphModule, members: list[_Member], index: dict[fx.
             out = g.call_function(_aten.view.default, (item, list(outs_v[i].shape)))
             _copy_meta(out, m.wait, view_v[i], keep_custom=True)
             outs.append(out)
+    # the tails (layout ops to the output) move after the new results
+    for n in sorted({n for t in tails for n in t}, key=index.__getitem__):
+        first_use.prepend(n)
+    # positions of the new and moved nodes, for the buckets still to merge
+    _renumber(index, before_last, last)
+    _renumber(index, before_use, first_use)
     for m, out in zip(members, outs):
         m.wait.replace_all_uses_with(out)
         g.erase_node(m.wait)
         g.erase_node(m.ag)
     return coll
+
+
+def _renumber(index: dict[fx.Node, float], a: fx.Node, b: fx.Node) -> None:
+    """Spread positions between ``a`` and ``b`` (both indexed) over the nodes now between them."""
+    between = []
+    n = a.next
+    while n is not b:
+        between.append(n)
+        n = n.next
+    lo, hi = index[a], index[b]
+    for k, n in enumerate(between):
+        index[n] = lo + (hi - lo) * (k + 1) / (len(between) + 1)
 
 
 def _copy_meta(new: fx.Node, old: fx.Node, val, keep_custom: bool = False) -> None:
@@ -450,6 +508,7 @@ def _merge(gm: fx.GraphModule, members: list[_Member], index: dict[fx.Node, floa
 # bucketed graph exceeds the original's by more than
 # PassOptions.bucket_peak_growth.
 _ATTEMPTS = 4
+_ROUNDS = 3
 
 
 def _copy_graph(g: fx.Graph) -> fx.Graph:
@@ -472,13 +531,20 @@ def _bucket_graph(g: fx.Graph, ctx: PassContext | None, limit: int, costs) -> Bu
         new = _merge(holder, members, index, vals_cache)
         stats.comm_time_saved_s += saved - costs.time(new)
         _count(stats, "all_gather", len(members))
-    index = {n: i for i, n in enumerate(g.nodes)}
-    for members in _reduction_buckets(holder, ctx, limit, index):
-        kind = kinds[members[0].ag.target]
-        saved = sum(costs.time(m.ag) for m in members)
-        new = _merge_reduction(holder, members, index)
-        stats.comm_time_saved_s += saved - costs.time(new)
-        _count(stats, kind, len(members))
+    # Reductions, in rounds: a two-stage reduce-scatter's first stages can
+    # share a bucket once its second stages do (they then all feed one
+    # merged collective placed after every first stage).
+    for _ in range(_ROUNDS):
+        index = {n: i for i, n in enumerate(g.nodes)}
+        found = _reduction_buckets(holder, ctx, limit, index)
+        for members in found:
+            kind = kinds[members[0].ag.target]
+            saved = sum(costs.time(m.ag) for m in members)
+            new = _merge_reduction(holder, members, index)
+            stats.comm_time_saved_s += saved - costs.time(new)
+            _count(stats, kind, len(members))
+        if not found:
+            break
     return stats
 
 
