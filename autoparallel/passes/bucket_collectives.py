@@ -1,10 +1,13 @@
-"""Bucket small parameter all-gathers of one layer into one all-gather.
+"""Bucket a layer's collectives into one per (group, dtype), as FSDP2 does.
 
-FSDP-style plans gather every parameter shard on its own. For the small ones
-(LLaMA's two RMSNorm weights per layer: 128 bytes per rank on a 16 x 8 mesh)
-each collective costs its latency and moves almost nothing. Gathers on the
-same process group, of the same dtype, whose parameters belong to the same
-layer (the FQN up to its first numeric component, ``layers.3``) become one::
+FSDP-style plans gather every parameter shard on its own and reduce every
+gradient on its own; each collective costs a launch and a latency floor.
+Collectives on the same process group, of the same dtype, whose parameters
+belong to the same layer (the FQN up to its first numeric component,
+``layers.3``) become one collective of one flat buffer, at most
+``PassOptions.bucket_bytes`` input bytes per rank (default 64 MiB):
+
+* parameter all-gathers (forward, and backward re-gathers)::
 
     ag(a, W, G) -> wait -> A        ag(b, W, G) -> wait -> B
 
@@ -12,29 +15,44 @@ layer (the FQN up to its first numeric component, ``layers.3``) become one::
         -> split_with_sizes([n_a, n_b], dim=1) -> clone -> view(A.shape)  (A)
                                                  -> clone -> view(B.shape)  (B)
 
-Data layout: an all-gather concatenates the ranks' inputs along dim 0, so
-row ``r`` of the ``(W, n_a + n_b)`` result is rank ``r``'s concatenated
-flattened shards; its first ``n_a`` columns are rank ``r``'s ``a``, and
-``A`` (rank 0's ``a``, then rank 1's, ...) is the contiguous copy of those
-columns viewed as ``A``'s shape.
+  Row ``r`` of the ``(W, n_a + n_b)`` result is rank ``r``'s concatenated
+  shards; ``A`` is the contiguous copy of its first ``n_a`` columns (one copy
+  per parameter out of the buffer, like FSDP2's split-with-sizes copy: rank
+  ``r``'s rows of ``A`` are not adjacent in the buffer, so no view can be
+  ``A``). The merged gather goes where the first member's was (later members'
+  input chains, casts and views of parameters, move up before it), the copies
+  out where the first wait was.
 
-Only provably equivalent rewrites: every member has the same group name,
-group size and dtype; its input is a contiguous tensor of at most
-``PassOptions.bucket_bytes`` bytes per rank that depends on graph inputs
-only (a parameter placeholder, or a short chain of casts and views of it),
-so it can be computed before any other member's collective; its all-gather
-has a single user, a ``wait_tensor``. The merged all-gather goes where the
-bucket's first all-gather was (chain nodes of later members move up before
-it), the wait and the copies out where its first wait was: before every
-consumer of every member, so the graph stays topologically valid and no
-consumer of one member can feed another member's input.
+* gradient reduce-scatters and all-reduces (backward; the layer is that of
+  the graph output, a parameter's gradient, the result flows to)::
+
+    cat([ga.view(W, n_a/W), gb.view(W, n_b/W)], 1).view(-1) -> rs(., W, G)
+        -> wait -> split_with_sizes([n_a/W, n_b/W]) -> view (A') / view (B')
+
+  Rank ``r`` receives row ``r``: its shards back to back, so the results are
+  views of the buffer (no copy out); the ``cat`` is the one copy in. The
+  merged reduction goes where the last member's was, the wait before the
+  first consumer of any result (layout ops that only lead to the output
+  move after it); a member joins a bucket only if no result of the bucket
+  is consumed before it. Rounds repeat so both stages of a two-stage
+  reduce-scatter are bucketed.
+
+Only provably equivalent rewrites: same group name, group size, dtype (and
+reduce op); contiguous inputs; a single ``wait_tensor`` user per collective.
+The estimated peak memory (:mod:`.overlap_model`) of the bucketed graph may
+exceed the original's by at most ``PassOptions.bucket_peak_growth`` (5%):
+beyond it the pass halves the byte limit and tries again (4 times), else
+leaves the graph alone. Stats say how much collective time the buckets save
+by the cost model (``comm_time_saved_s``): the planner's ILP and the plan's
+estimate cost every collective with its own latency and do not see this.
 
 ``bucket_bytes=0`` switches the pass off (or ``disable_passes=
 ("bucket_collectives",)``). Run before ``schedule_overlap``, which prefetches
-a bucket's all-gather as one of its layer's parameter gathers.
+a bucket's all-gather as one of its layer's parameter gathers and spaces
+bucketed reduce-scatters like any gradient reduction.
 
 >>> # stats = bucket_collectives(gm, ctx)   # doctest: +SKIP
->>> # BucketStats(buckets=32, collectives_merged=64, by_kind={"all_gather": 64})
+>>> # BucketStats(buckets=160, collectives_merged=640, by_kind={"all_gather": 288, "reduce_scatter": 352}, ...)
 """
 
 from __future__ import annotations
