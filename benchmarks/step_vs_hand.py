@@ -52,6 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--ac", default="selective", choices=["selective", "none"])
     p.add_argument("--steps", type=int, default=6, help="timed steps per plan (after one warm-up)")
     p.add_argument("--no-bucket", action="store_true", help="disable bucket_collectives in our plan")
+    p.add_argument("--optim", default="adamw", choices=["adamw", "sgd"],
+                   help="sgd: losses without Adam's amplification of tiny gradient differences")
     p.add_argument("--port", type=int, default=29731)
     return p.parse_args(argv)
 
@@ -115,9 +117,9 @@ class PeakLive(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and not type(t).__name__.startswith("DTensor"):
                 try:
                     st = t.untyped_storage()
-                except Exception:
+                    key = st.data_ptr()
+                except Exception:  # tensors without real storage (subclasses, meta)
                     continue
-                key = st.data_ptr()
                 if key in self.seen or st.nbytes() == 0:
                     continue
                 self.seen.add(key)
@@ -138,6 +140,12 @@ def _local_bytes(model) -> int:
         t = p.to_local() if hasattr(p, "to_local") else p
         total += t.numel() * t.element_size() * 3  # weights + AdamW's two moments
     return total
+
+
+def _optim(model, a):
+    if a.optim == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=1e-2)
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
 def _loss(out):
@@ -186,7 +194,7 @@ def _worker(rank: int, a, world: int, results):
     g = torch.Generator().manual_seed(1)
     data = [torch.randint(0, cfg.vocab_size, (a.batch, a.seq), generator=g) for _ in range(a.steps + 2)]
     models = {"ours": ours, "hand": hand}
-    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in models.items()}
+    opts = {k: _optim(m, a) for k, m in models.items()}
     times = {k: [] for k in models}
     losses = {k: [] for k in models}
     comm = {}
@@ -222,7 +230,7 @@ def _worker(rank: int, a, world: int, results):
             losses[k].append(lv)
     ref_losses = []
     if rank == 0:
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+        ref_opt = _optim(ref, a)
         for tokens in data:
             loss = _loss(ref(tokens))
             loss.backward()
