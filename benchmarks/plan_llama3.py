@@ -144,6 +144,7 @@ def main(argv=None) -> None:
     )
     if applied is not None:
         _print_apply(applied, plan)
+        _print_buckets(applied, plan)  # issue 15
     if not a.no_dump:
         _print_dumps(problem, s, plan)
     print(f"peak RSS {_peak_rss_mib():.0f} MiB (before planning {rss_before:.0f} MiB)")
@@ -231,6 +232,23 @@ def _print_apply(applied: dict, plan) -> None:
         print(f"    {graph:8s} " + ", ".join(f"{k} {before.get(k, 0)} -> {after.get(k, 0)}" for k in kinds))
     for name, stats in plan.pass_stats.items():
         print(f"  pass {name}: {stats}")
+
+
+# --- issue 15: collectives per step before/after bucket_collectives --------
+def _print_buckets(applied: dict, plan) -> None:
+    """Collectives per step (forward + backward) with all passes, and what
+    they would be without bucket_collectives (each bucket stands for the
+    collectives it merged)."""
+    stats = plan.pass_stats.get("bucket_collectives") or {}
+    after = sum(sum(applied["passes"][g].values()) for g in ("forward", "backward"))
+    merged = sum(s.collectives_merged - s.buckets for s in stats.values())
+    saved = sum(s.comm_time_saved_s for s in stats.values())
+    print(f"  collectives per step: {after + merged} before bucketing -> {after} after "
+          f"(est. {saved * 1e3:.2f} ms of latency saved, not in the plan's cost)")
+    for kind, s in stats.items():
+        print(f"    {kind:8s} {s.buckets} buckets replace {s.collectives_merged} {s.by_kind}; "
+              f"est. peak {s.peak_memory_before / 2**30:.2f} -> {s.peak_memory_after / 2**30:.2f} GiB "
+              f"(bucket_bytes {s.bucket_bytes_used >> 20} MiB)")
 
 
 if __name__ == "__main__":

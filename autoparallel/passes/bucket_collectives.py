@@ -1,10 +1,13 @@
-"""Bucket small parameter all-gathers of one layer into one all-gather.
+"""Bucket a layer's collectives into one per (group, dtype), as FSDP2 does.
 
-FSDP-style plans gather every parameter shard on its own. For the small ones
-(LLaMA's two RMSNorm weights per layer: 128 bytes per rank on a 16 x 8 mesh)
-each collective costs its latency and moves almost nothing. Gathers on the
-same process group, of the same dtype, whose parameters belong to the same
-layer (the FQN up to its first numeric component, ``layers.3``) become one::
+FSDP-style plans gather every parameter shard on its own and reduce every
+gradient on its own; each collective costs a launch and a latency floor.
+Collectives on the same process group, of the same dtype, whose parameters
+belong to the same layer (the FQN up to its first numeric component,
+``layers.3``) become one collective of one flat buffer, at most
+``PassOptions.bucket_bytes`` input bytes per rank (default 64 MiB):
+
+* parameter all-gathers (forward, and backward re-gathers)::
 
     ag(a, W, G) -> wait -> A        ag(b, W, G) -> wait -> B
 
@@ -12,34 +15,52 @@ layer (the FQN up to its first numeric component, ``layers.3``) become one::
         -> split_with_sizes([n_a, n_b], dim=1) -> clone -> view(A.shape)  (A)
                                                  -> clone -> view(B.shape)  (B)
 
-Data layout: an all-gather concatenates the ranks' inputs along dim 0, so
-row ``r`` of the ``(W, n_a + n_b)`` result is rank ``r``'s concatenated
-flattened shards; its first ``n_a`` columns are rank ``r``'s ``a``, and
-``A`` (rank 0's ``a``, then rank 1's, ...) is the contiguous copy of those
-columns viewed as ``A``'s shape.
+  Row ``r`` of the ``(W, n_a + n_b)`` result is rank ``r``'s concatenated
+  shards; ``A`` is the contiguous copy of its first ``n_a`` columns (one copy
+  per parameter out of the buffer, like FSDP2's split-with-sizes copy: rank
+  ``r``'s rows of ``A`` are not adjacent in the buffer, so no view can be
+  ``A``). The merged gather goes where the first member's was (later members'
+  input chains, casts and views of parameters, move up before it), the copies
+  out where the first wait was.
 
-Only provably equivalent rewrites: every member has the same group name,
-group size and dtype; its input is a contiguous tensor of at most
-``PassOptions.bucket_bytes`` bytes per rank that depends on graph inputs
-only (a parameter placeholder, or a short chain of casts and views of it),
-so it can be computed before any other member's collective; its all-gather
-has a single user, a ``wait_tensor``. The merged all-gather goes where the
-bucket's first all-gather was (chain nodes of later members move up before
-it), the wait and the copies out where its first wait was: before every
-consumer of every member, so the graph stays topologically valid and no
-consumer of one member can feed another member's input.
+* gradient reduce-scatters and all-reduces (backward; the layer is that of
+  the graph output, a parameter's gradient, the result flows to)::
+
+    cat([ga.view(W, n_a/W), gb.view(W, n_b/W)], 1).view(-1) -> rs(., W, G)
+        -> wait -> split_with_sizes([n_a/W, n_b/W]) -> view (A') / view (B')
+
+  Rank ``r`` receives row ``r``: its shards back to back, so the results are
+  views of the buffer (no copy out); the ``cat`` is the one copy in. The
+  merged reduction goes where the last member's was, the wait before the
+  first consumer of any result (layout ops that only lead to the output
+  move after it); a member joins a bucket only if no result of the bucket
+  is consumed before it. Rounds repeat so both stages of a two-stage
+  reduce-scatter are bucketed.
+
+Only provably equivalent rewrites: same group name, group size, dtype (and
+reduce op); contiguous inputs; a single ``wait_tensor`` user per collective.
+The estimated peak memory (:mod:`.overlap_model`) of the bucketed graph may
+exceed the original's by at most ``PassOptions.bucket_peak_growth`` (5%):
+beyond it the pass halves the byte limit and tries again (4 times), else
+leaves the graph alone. Stats say how much collective time the buckets save
+by the cost model (``comm_time_saved_s``): the planner's ILP and the plan's
+estimate cost every collective with its own latency and do not see this.
 
 ``bucket_bytes=0`` switches the pass off (or ``disable_passes=
 ("bucket_collectives",)``). Run before ``schedule_overlap``, which prefetches
-a bucket's all-gather as one of its layer's parameter gathers.
+a bucket's all-gather as one of its layer's parameter gathers and spaces
+bucketed reduce-scatters like any gradient reduction.
 
 >>> # stats = bucket_collectives(gm, ctx)   # doctest: +SKIP
->>> # BucketStats(buckets=32, collectives_merged=64, by_kind={"all_gather": 64})
+>>> # BucketStats(buckets=160, collectives_merged=640, by_kind={"all_gather": 288, "reduce_scatter": 352}, ...)
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import logging
+import types
 import operator
 import re
 from dataclasses import dataclass, field
@@ -51,9 +72,13 @@ from . import PassContext, register_pass
 
 __all__ = ["BucketStats", "bucket_collectives"]
 
+logger = logging.getLogger(__name__)
+
 _c10d = torch.ops._c10d_functional
 _aten = torch.ops.aten
 _AG = _c10d.all_gather_into_tensor.default
+_RS = _c10d.reduce_scatter_tensor.default
+_AR = _c10d.all_reduce.default
 _WAIT = _c10d.wait_tensor.default
 # Ops that only cast or lay out a parameter before its gather: a member's
 # input may be a short chain of these over graph inputs.
@@ -72,15 +97,23 @@ class BucketStats:
     buckets: int = 0  # merged collectives created
     collectives_merged: int = 0  # original collectives they replace
     by_kind: dict[str, int] = field(default_factory=dict)  # kind -> collectives merged
+    # What the cost model does not see: the ILP and the plan's estimate cost
+    # every collective with its own latency; bucketing saves the difference
+    # (estimated time of the members minus that of the buckets, summed).
+    comm_time_saved_s: float = 0.0
+    peak_memory_before: int = 0  # estimated bytes per rank (overlap_model)
+    peak_memory_after: int = 0
+    bucket_bytes_used: int = 0  # the limit kept (lowered when the peak grew)
 
 
 @dataclass
 class _Member:
-    ag: fx.Node
+    ag: fx.Node  # the collective (all-gather, reduce-scatter or all-reduce)
     wait: fx.Node
-    x: fx.Node  # the gathered input
-    chain: list[fx.Node]  # non-placeholder nodes x depends on (x included unless a placeholder)
+    x: fx.Node  # its input
+    chain: list[fx.Node]  # all-gathers: non-placeholder nodes x depends on
     numel: int
+    nbytes: int = 0
 
 
 def _layer_of(fqn: str) -> str:
@@ -121,7 +154,7 @@ def _input_chain(x: fx.Node) -> tuple[list[fx.Node], list[fx.Node]] | None:
     return list(chain), list(roots)
 
 
-def _member(ag: fx.Node, limit: int) -> tuple[tuple, _Member, list[fx.Node]] | None:
+def _member(ag: fx.Node) -> tuple[tuple, _Member, list[fx.Node]] | None:
     """(group key without the layer, member, roots) when ``ag`` may join a bucket."""
     if len(ag.args) != 3 or ag.kwargs:
         return None
@@ -134,7 +167,7 @@ def _member(ag: fx.Node, limit: int) -> tuple[tuple, _Member, list[fx.Node]] | N
     xv, wv = x.meta.get("val"), wait.meta.get("val")
     if not isinstance(xv, torch.Tensor) or not isinstance(wv, torch.Tensor) or xv.dim() == 0:
         return None
-    if not xv.is_contiguous() or xv.numel() * xv.element_size() > limit:
+    if not xv.is_contiguous():
         return None
     if tuple(wv.shape) != (size * xv.shape[0], *xv.shape[1:]) or wv.dtype != xv.dtype:
         return None
@@ -142,15 +175,33 @@ def _member(ag: fx.Node, limit: int) -> tuple[tuple, _Member, list[fx.Node]] | N
     if found is None:
         return None
     chain, roots = found
-    return (group, size, xv.dtype), _Member(ag, wait, x, chain, xv.numel()), roots
+    return (group, size, xv.dtype), _Member(ag, wait, x, chain, xv.numel(), xv.numel() * xv.element_size()), roots
+
+
+def _split_by_bytes(members: list[_Member], limit: int) -> list[list[_Member]]:
+    """Consecutive runs of ``members`` of at most ``limit`` input bytes each
+    (a member over the limit stays alone, i.e. unbucketed)."""
+    out: list[list[_Member]] = []
+    cur: list[_Member] = []
+    used = 0
+    for m in members:
+        if cur and used + m.nbytes > limit:
+            out.append(cur)
+            cur, used = [], 0
+        cur.append(m)
+        used += m.nbytes
+    if cur:
+        out.append(cur)
+    return [b for b in out if len(b) > 1]
 
 
 def _buckets(gm: fx.GraphModule, ctx: PassContext | None, limit: int, index: dict[fx.Node, float]) -> list[list[_Member]]:
-    """Mergeable gathers grouped by (layer, group, size, dtype), in graph order."""
+    """Mergeable gathers grouped by (layer, group, size, dtype), in graph
+    order, cut into runs of at most ``limit`` bytes."""
     layers = _param_layers(ctx)
     groups: dict[tuple, list[_Member]] = {}
     for ag in sorted(gm.graph.find_nodes(op="call_function", target=_AG), key=index.__getitem__):
-        found = _member(ag, limit)
+        found = _member(ag)
         if found is None:
             continue
         key, member, roots = found
@@ -163,7 +214,226 @@ def _buckets(gm: fx.GraphModule, ctx: PassContext | None, limit: int, index: dic
                 continue
             (layer,) = keys
         groups.setdefault((layer, *key), []).append(member)
-    return [members for members in groups.values() if len(members) > 1]
+    return [b for members in groups.values() for b in _split_by_bytes(members, limit)]
+
+
+# ---------------------------------------------------------------------------
+# reductions (reduce-scatters and all-reduces of gradients, in backward)
+
+
+def _grad_layers(gm: fx.GraphModule, ctx: PassContext | None) -> dict[fx.Node, str] | None:
+    """Node -> layer key of the gradient it becomes: graph outputs of a
+    backward graph are the parameters' gradients in ``param_fqns`` order
+    (None where a parameter has none), and the layout ops before an output
+    belong to it. None when no parameter names are known (a bare graph)."""
+    local = getattr(ctx, "local", None)
+    fqns = getattr(local, "param_fqns", None)
+    if fqns is None:
+        return None
+    has_grad = getattr(local, "has_grad", None) or [True] * len(fqns)
+    out_args = gm.graph.output_node().args[0]
+    if not isinstance(out_args, (list, tuple)):
+        return {}
+    grads = [fqn for fqn, g in zip(fqns, has_grad) if g]
+    if len(out_args) < len(fqns):
+        return {}
+    # outputs hold either one slot per parameter or one per parameter with a gradient
+    slots = fqns if sum(a is not None for a in out_args[: len(fqns)]) <= len(grads) else grads
+    layer_of: dict[fx.Node, str] = {}
+    for fqn, a in zip(slots, out_args):
+        stack = [a] if isinstance(a, fx.Node) else []
+        while stack:  # walk back through the gradient's layout ops
+            n = stack.pop()
+            if n in layer_of:
+                continue
+            layer_of[n] = _layer_of(fqn)
+            if n.op == "call_function" and (_is_layout(n) or n.target in _THROUGH):
+                stack.extend(n.all_input_nodes)
+    return layer_of
+
+
+# Ops a gradient passes through on its way from the reduction to the output:
+# waits, chained reductions (a two-stage reduce-scatter), buckets' buffers.
+_THROUGH = {_WAIT, _RS, _AR, _aten.cat.default, _aten.split_with_sizes.default, operator.getitem}
+
+
+def _is_layout(n: fx.Node) -> bool:
+    return n.op == "call_function" and (n.target in _CHEAP or getattr(n.target, "is_view", False))
+
+
+def _tail(wait: fx.Node) -> set[fx.Node]:
+    """Layout ops after ``wait`` that only lead to the graph output: they may
+    move after a merged wait, so they do not pin where it goes."""
+    tail: set[fx.Node] = set()
+
+    def ok(n: fx.Node, depth: int) -> bool:
+        if n in tail:
+            return True
+        if depth > _MAX_CHAIN or not _is_layout(n) or any(a is not wait and a not in tail and a not in seen for a in n.all_input_nodes):
+            return False
+        seen.add(n)
+        if all(u.op == "output" or ok(u, depth + 1) for u in n.users):
+            tail.add(n)
+            return True
+        return False
+
+    for u in wait.users:
+        seen: set[fx.Node] = set()
+        ok(u, 0)
+    return tail
+
+
+def _first_use(m: _Member, index: dict[fx.Node, float]) -> float:
+    """Position of the first consumer of ``m``'s result outside its tail."""
+    tail = _tail(m.wait)
+    uses = [u for n in (m.wait, *tail) for u in n.users if u not in tail]
+    return min(index[u] for u in uses)
+
+
+def _reduction(n: fx.Node) -> tuple[tuple, _Member] | None:
+    """(group key without the layer, member) for a reduce-scatter or an
+    all-reduce whose only user is its wait, on a contiguous input."""
+    if n.kwargs or len(n.users) != 1:
+        return None
+    (wait,) = n.users
+    if wait.target is not _WAIT or wait.args != (n,) or wait.kwargs:
+        return None
+    x = n.args[0]
+    xv = x.meta.get("val") if isinstance(x, fx.Node) else None
+    if not isinstance(xv, torch.Tensor) or xv.dim() == 0 or not xv.is_contiguous():
+        return None
+    if n.target is _RS:
+        if len(n.args) != 4:
+            return None
+        _, op, size, group = n.args
+        if not isinstance(size, int) or size <= 0 or xv.shape[0] % size:
+            return None
+        key = ("reduce_scatter", op, size, group, xv.dtype)
+    else:
+        if len(n.args) != 3:
+            return None
+        _, op, group = n.args
+        key = ("all_reduce", op, group, xv.dtype)
+    if not isinstance(group, str) or not isinstance(op, str):
+        return None
+    return key, _Member(n, wait, x, [], xv.numel(), xv.numel() * xv.element_size())
+
+
+def _reduction_buckets(gm: fx.GraphModule, ctx: PassContext | None, limit: int, index: dict[fx.Node, float]) -> list[list[_Member]]:
+    """Gradient reductions of one layer on the same group, op and dtype, in
+    graph order. A member joins the current bucket only when no consumer of
+    the bucket's results runs before it (the merged collective goes where
+    its last member was, so every result must be needed after that)."""
+    layers = _grad_layers(gm, ctx)
+    groups: dict[tuple, list[_Member]] = {}
+    starts = [n for t in (_RS, _AR) for n in gm.graph.find_nodes(op="call_function", target=t)]
+    for n in sorted(starts, key=index.__getitem__):
+        found = _reduction(n)
+        if found is None:
+            continue
+        key, member = found
+        if layers is None:
+            layer = None
+        else:
+            layer = layers.get(member.wait)
+            if layer is None:
+                continue
+        groups.setdefault((layer, *key), []).append(member)
+    out: list[list[_Member]] = []
+    for members in groups.values():
+        cur: list[_Member] = []
+        used, first_use = 0, float("inf")
+        for m in members:
+            if cur and (used + m.nbytes > limit or first_use < index[m.ag]):
+                out.append(cur)
+                cur, used, first_use = [], 0, float("inf")
+            cur.append(m)
+            used += m.nbytes
+            first_use = min(first_use, _first_use(m, index))
+        out.append(cur)
+    return [b for b in out if len(b) > 1]
+
+
+def _merge_reduction(gm: fx.GraphModule, members: list[_Member], index: dict[fx.Node, float]) -> fx.Node:
+    """One reduce-scatter (all-reduce) of a flat buffer for ``members``.
+
+    Reduce-scatter: rank ``r`` receives row ``r`` of the ``(W, total / W)``
+    buffer whose columns are the members' inputs viewed ``(W, n_i / W)``, so
+    its result is the members' shards back to back: each is a contiguous
+    slice viewed in its shape (no copy out). All-reduce: the buffer is the
+    flattened inputs back to back, and so is its result."""
+    g = gm.graph
+    members = sorted(members, key=lambda m: index[m.ag])
+    last = members[-1].ag
+    rs = last.target is _RS
+    size = last.args[2] if rs else 1
+    outs_v = [m.wait.meta["val"] for m in members]
+    xvals = [m.x.meta["val"] for m in members]
+    fake = getattr(xvals[0], "fake_mode", None)
+    cols = [m.numel // size for m in members]
+    with fake if fake is not None else contextlib.nullcontext():
+        flat_v = [x.view(size, c) for x, c in zip(xvals, cols)]
+        cat_v = torch.cat(flat_v, 1) if rs else torch.cat([x.view(-1) for x in xvals])
+        buf_v = cat_v.view(-1)
+        res_v = buf_v.new_empty((sum(cols),))
+        parts_v = list(torch.split(res_v, cols))
+        view_v = [p.view(o.shape) for p, o in zip(parts_v, outs_v)]
+    before_last = last.prev
+    with g.inserting_before(last):
+        flats = []
+        for m, f_v, c in zip(members, flat_v, cols):
+            f = g.call_function(_aten.view.default, (m.x, [size, c] if rs else [m.numel]))
+            _copy_meta(f, m.ag, f_v if rs else f_v.view(-1))
+            flats.append(f)
+        cat = g.call_function(_aten.cat.default, (flats, 1) if rs else (flats,))
+        _copy_meta(cat, last, cat_v)
+        if rs:
+            buf = g.call_function(_aten.view.default, (cat, [-1]))
+            _copy_meta(buf, last, buf_v)
+            coll = g.call_function(_RS, (buf, last.args[1], size, last.args[3]))
+        else:
+            coll = g.call_function(_AR, (cat, last.args[1], last.args[2]))
+        _copy_meta(coll, last, res_v)
+    tails = [_tail(m.wait) for m in members]
+    users = [u for m, t in zip(members, tails) for n in (m.wait, *t) for u in n.users if u not in t]
+    first_use = min(users, key=index.__getitem__)
+    # every result is needed after the last member (see _reduction_buckets)
+    before_use = first_use.prev
+    with g.inserting_before(first_use):
+        wait = g.call_function(_WAIT, (coll,))
+        _copy_meta(wait, members[0].wait, res_v)
+        parts = g.call_function(_aten.split_with_sizes.default, (wait, cols))
+        _copy_meta(parts, members[0].wait, parts_v)
+        outs = []
+        for i, m in enumerate(members):
+            item = g.call_function(operator.getitem, (parts, i))
+            _copy_meta(item, m.wait, parts_v[i])
+            out = g.call_function(_aten.view.default, (item, list(outs_v[i].shape)))
+            _copy_meta(out, m.wait, view_v[i], keep_custom=True)
+            outs.append(out)
+    # the tails (layout ops to the output) move after the new results
+    for n in sorted({n for t in tails for n in t}, key=index.__getitem__):
+        first_use.prepend(n)
+    # positions of the new and moved nodes, for the buckets still to merge
+    _renumber(index, before_last, last)
+    _renumber(index, before_use, first_use)
+    for m, out in zip(members, outs):
+        m.wait.replace_all_uses_with(out)
+        g.erase_node(m.wait)
+        g.erase_node(m.ag)
+    return coll
+
+
+def _renumber(index: dict[fx.Node, float], a: fx.Node, b: fx.Node) -> None:
+    """Spread positions between ``a`` and ``b`` (both indexed) over the nodes now between them."""
+    between = []
+    n = a.next
+    while n is not b:
+        between.append(n)
+        n = n.next
+    lo, hi = index[a], index[b]
+    for k, n in enumerate(between):
+        index[n] = lo + (hi - lo) * (k + 1) / (len(between) + 1)
 
 
 def _copy_meta(new: fx.Node, old: fx.Node, val, keep_custom: bool = False) -> None:
@@ -202,7 +472,7 @@ def _values(members: list[_Member], size: int, cache: dict) -> dict:
     return vals
 
 
-def _merge(gm: fx.GraphModule, members: list[_Member], index: dict[fx.Node, float], vals_cache: dict) -> None:
+def _merge(gm: fx.GraphModule, members: list[_Member], index: dict[fx.Node, float], vals_cache: dict) -> fx.Node:
     """Rewrite one bucket; ``index`` (graph positions of the old nodes) is
     kept up to date for the nodes moved."""
     g = gm.graph
@@ -240,34 +510,101 @@ def _merge(gm: fx.GraphModule, members: list[_Member], index: dict[fx.Node, floa
         for i, m in enumerate(members):
             item = g.call_function(operator.getitem, (parts, i))
             _copy_meta(item, m.wait, vals["parts"][i])
-            copy = g.call_function(_aten.clone.default, (item,), {"memory_format": torch.contiguous_format})
-            _copy_meta(copy, m.wait, vals["copy"][i])
-            out = g.call_function(_aten.view.default, (copy, list(m.wait.meta["val"].shape)))
+            cp = g.call_function(_aten.clone.default, (item,), {"memory_format": torch.contiguous_format})
+            _copy_meta(cp, m.wait, vals["copy"][i])
+            out = g.call_function(_aten.view.default, (cp, list(m.wait.meta["val"].shape)))
             _copy_meta(out, m.wait, vals["out"][i], keep_custom=True)
             outs.append(out)
     for m, out in zip(members, outs):
         m.wait.replace_all_uses_with(out)
         g.erase_node(m.wait)
         g.erase_node(m.ag)
+    return ag
+
+
+# Tries with the byte limit halved each time the estimated peak of the
+# bucketed graph exceeds the original's by more than
+# PassOptions.bucket_peak_growth.
+_ATTEMPTS = 4
+_ROUNDS = 3
+
+
+def _copy_graph(g: fx.Graph) -> fx.Graph:
+    new = fx.Graph(owning_module=g.owning_module, tracer_cls=g._tracer_cls)
+    new._codegen = copy.deepcopy(g._codegen)
+    rv = new.graph_copy(g, {})
+    new.output(rv)
+    return new
+
+
+def _bucket_graph(g: fx.Graph, ctx: PassContext | None, limit: int, costs) -> BucketStats:
+    """Bucket ``g`` in place with byte limit ``limit``."""
+    stats = BucketStats(bucket_bytes_used=limit)
+    holder = types.SimpleNamespace(graph=g)
+    index: dict[fx.Node, float] = {n: i for i, n in enumerate(g.nodes)}
+    vals_cache: dict = {}
+    kinds = {_AG: "all_gather", _RS: "reduce_scatter", _AR: "all_reduce"}
+    for members in _buckets(holder, ctx, limit, index):
+        saved = sum(costs.time(m.ag) for m in members)
+        new = _merge(holder, members, index, vals_cache)
+        stats.comm_time_saved_s += saved - costs.time(new)
+        _count(stats, "all_gather", len(members))
+    # Reductions, in rounds: a two-stage reduce-scatter's first stages can
+    # share a bucket once its second stages do (they then all feed one
+    # merged collective placed after every first stage).
+    for _ in range(_ROUNDS):
+        index = {n: i for i, n in enumerate(g.nodes)}
+        found = _reduction_buckets(holder, ctx, limit, index)
+        for members in found:
+            kind = kinds[members[0].ag.target]
+            saved = sum(costs.time(m.ag) for m in members)
+            new = _merge_reduction(holder, members, index)
+            stats.comm_time_saved_s += saved - costs.time(new)
+            _count(stats, kind, len(members))
+        if not found:
+            break
+    return stats
+
+
+def _count(stats: BucketStats, kind: str, n: int) -> None:
+    stats.buckets += 1
+    stats.collectives_merged += n
+    stats.by_kind[kind] = stats.by_kind.get(kind, 0) + n
 
 
 @register_pass("bucket_collectives", "graphs")
 def bucket_collectives(gm: fx.GraphModule, ctx: PassContext) -> BucketStats:
-    """Merge small same-group parameter all-gathers of one layer in ``gm`` (a
-    forward or backward graph, in place); see the module docstring."""
-    stats = BucketStats()
+    """Bucket a layer's parameter all-gathers, gradient reduce-scatters and
+    all-reduces in ``gm`` (a forward or backward graph, in place); see the
+    module docstring. Keeps the estimated peak memory within
+    ``PassOptions.bucket_peak_growth`` of the original graph's, halving the byte limit
+    until it does (or leaving the graph alone)."""
+    from .overlap_model import Costs, Info
+
     opts = getattr(ctx, "options", None)
     limit = opts.bucket_bytes if opts is not None else 0
+    growth = opts.bucket_peak_growth if opts is not None else 0.05
     if limit <= 0:
-        return stats
-    index: dict[fx.Node, float] = {n: i for i, n in enumerate(gm.graph.nodes)}
-    buckets = _buckets(gm, ctx, limit, index)
-    vals_cache: dict = {}
-    for members in buckets:
-        _merge(gm, members, index, vals_cache)
-        stats.buckets += 1
-        stats.collectives_merged += len(members)
-        stats.by_kind["all_gather"] = stats.by_kind.get("all_gather", 0) + len(members)
-    if stats.buckets:
-        gm.recompile()
+        return BucketStats()
+    costs = Costs(ctx)
+    nodes = list(gm.graph.nodes)
+    before = Info(nodes, costs).estimate(nodes)[1]
+    stats = BucketStats(peak_memory_before=before, peak_memory_after=before)
+    for _ in range(_ATTEMPTS):
+        g = _copy_graph(gm.graph)
+        trial = _bucket_graph(g, ctx, limit, costs)
+        if not trial.buckets:
+            return stats
+        order = list(g.nodes)
+        trial.peak_memory_before = before
+        trial.peak_memory_after = Info(order, costs).estimate(order)[1]
+        if trial.peak_memory_after <= before * (1 + growth):
+            gm.graph = g
+            gm.recompile()
+            return trial
+        logger.info(
+            "bucket_collectives: %s graph with bucket_bytes=%d raises the estimated peak %d -> %d bytes; halving",
+            getattr(ctx, "graph_kind", None), limit, before, trial.peak_memory_after,
+        )
+        limit //= 2
     return stats

@@ -51,6 +51,9 @@ def _count(gm):
 
 
 def _ctx(**options):
+    # tiny graphs: any bucket raises the peak by far more than 5% (its gathered
+    # buffer lives from the first member's use); the memory guard has its own test
+    options.setdefault("bucket_peak_growth", 10.0)
     return PassContext(mesh=None, plan=None, options=PassOptions(**options))
 
 
@@ -188,6 +191,81 @@ def test_schedule_overlap_treats_a_bucket_as_a_parameter_gather(mesh):
     check_topological(bucketed)
     assert stats.all_gathers == 1 and stats.layers == 1
     _check_same(gm, bucketed, _inputs((2,), (1, 3), (8,)))
+
+
+RS = _c10d.reduce_scatter_tensor.default
+AR = _c10d.all_reduce.default
+
+
+def _rs(x, group):
+    return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(x, "sum", 4, group))
+
+
+def _ar(x, group):
+    return _c10d.wait_tensor(_c10d.all_reduce(x, "sum", group))
+
+
+def _n(gm, target):
+    return len(gm.graph.find_nodes(op="call_function", target=target))
+
+
+def test_merges_reduce_scatters_and_all_reduces_exactly(mesh):
+    """Gradient-like reductions of one (bare) layer: two reduce-scatters in
+    one flat buffer (results are views of it), two all-reduces in another."""
+    group = mesh._flatten().get_group().group_name
+
+    def fn(a, b, x):
+        ga = a * x.sum()  # (8,) -> (2,) per rank
+        gb = b * 2.0  # (4, 3) -> (1, 3)
+        return _rs(ga, group), _rs(gb, group), _ar(ga * 3.0, group), _ar(gb.t().contiguous(), group)
+
+    gm = _trace(fn, *_fakes((8,), (4, 3), (5,)))
+    bucketed, stats = _bucket(gm, _ctx())
+    assert stats.by_kind == {"reduce_scatter": 2, "all_reduce": 2} and stats.buckets == 2
+    assert (_n(bucketed, RS), _n(bucketed, AR)) == (1, 1)
+    (rs,) = bucketed.graph.find_nodes(op="call_function", target=RS)
+    assert tuple(rs.meta["val"].shape) == (2 + 3,)
+    # no copy out of the reduce-scatter's result: split + views only
+    clone = torch.ops.aten.clone.default
+    assert _n(bucketed, clone) == _n(gm, clone)
+    assert stats.comm_time_saved_s > 0
+    _check_same(gm, bucketed, _inputs((8,), (4, 3), (5,)))
+
+
+def test_reduction_needed_before_the_next_is_not_merged(mesh):
+    # the second reduce-scatter's input depends on the first's result
+    group = mesh._flatten().get_group().group_name
+
+    def fn(a, b):
+        ra = _rs(a, group)
+        return ra, _rs(b * ra.sum(), group)
+
+    gm = _trace(fn, *_fakes((8,), (8,)))
+    bucketed, stats = _bucket(gm, _ctx())
+    assert stats.buckets == 0 and _n(bucketed, RS) == 2
+
+
+def test_byte_limit_cuts_buckets(mesh):
+    group = mesh._flatten().get_group().group_name
+
+    def fn(a, b, c, x):
+        return x * _ag_world(a, group), x * _ag_world(b, group), x * _ag_world(c, group)
+
+    gm = _trace(fn, *_fakes((2,), (2,), (2,), (8,)))
+    bucketed, stats = _bucket(gm, _ctx(bucket_bytes=16))  # two 8-byte inputs per bucket
+    assert (stats.buckets, stats.collectives_merged, _count(bucketed)) == (1, 2, 2)
+    _check_same(gm, bucketed, _inputs((2,), (2,), (2,), (8,)))
+
+
+def test_peak_memory_guard(mesh):
+    """Bucketing that would raise the estimated peak by more than
+    bucket_peak_growth is undone (tiny graphs: any bucket does)."""
+    gm = _trace(_layer_fn(mesh), *_fakes((2,), (1, 3), (8,)))
+    loose, s_loose = _bucket(gm, _ctx())
+    assert s_loose.buckets == 1 and s_loose.peak_memory_after > s_loose.peak_memory_before * 1.05
+    strict, s_strict = _bucket(gm, _ctx(bucket_peak_growth=0.05))
+    assert s_strict.buckets == 0 and _count(strict) == 2
+    assert s_strict.peak_memory_after == s_strict.peak_memory_before == s_loose.peak_memory_before
 
 
 # ---------------------------------------------------------------------------
