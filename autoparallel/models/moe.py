@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autoparallel.models.llama3 import (
     Attention,
@@ -221,6 +222,20 @@ def _(grad_out, x, topk_idx, topk_w, w1, w3, w2, expert_ids, n_experts):
     )
 
 
+@torch.library.custom_op("autoparallel::moe_grad_layout", mutates_args=())
+def moe_grad_layout(g: torch.Tensor) -> torch.Tensor:
+    """Identity (a copy) on an expert weight gradient. It gives the planner a
+    node between the backward op and the gradient output that may take any
+    layout, so a Partial weight gradient (token-parallel experts) can be
+    reduce-scattered to an FSDP-sharded parameter's layout on its input edge."""
+    return g.clone()
+
+
+@moe_grad_layout.register_fake
+def _(g):
+    return torch.empty_like(g)
+
+
 def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:7])
     ctx.n_experts = inputs[7]
@@ -231,6 +246,7 @@ def _backward(ctx, grad_out):
     gx, gtw, gw1, gw3, gw2 = moe_experts_backward(
         grad_out, x, idx, tw, w1, w3, w2, ids, ctx.n_experts
     )
+    gw1, gw3, gw2 = (moe_grad_layout(g) for g in (gw1, gw3, gw2))
     return gx, None, gtw, gw1, gw3, gw2, None, None
 
 
@@ -334,7 +350,10 @@ class MoE(nn.Module):
         if self.shared is not None:
             self.shared.init_weights(init_std)
         self.expert_bias.zero_()
-        self.expert_ids.copy_(torch.arange(self.args.n_experts, device=self.expert_ids.device))
+        ids = torch.arange(self.args.n_experts, device=self.expert_ids.device)
+        if isinstance(self.expert_ids, DTensor):  # after apply: sharded like the experts
+            ids = distribute_tensor(ids, self.expert_ids.device_mesh, self.expert_ids.placements)
+        self.expert_ids.copy_(ids)
 
 
 class MoEBlock(nn.Module):

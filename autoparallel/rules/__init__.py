@@ -4,3 +4,4 @@ Importing this package registers them in :data:`autoparallel.strategies.RULES`.
 """
 
 from . import attention  # noqa: F401
+from . import moe  # noqa: F401
