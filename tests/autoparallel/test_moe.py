@@ -180,3 +180,12 @@ def test_moe_plan_apply_2x2_fsdp_x_ep(fake_world):
     parallel, plan = _plan(mesh, SMALL, pin=(Shard(2), Shard(0)))
     assert set(_expert_param_placements(parallel).values()) == {(Shard(2), Shard(0))}
     _compare_one_step(parallel, mesh, SMALL)
+
+
+@pytest.mark.slow
+def test_moe_ep_1d_adamw(fake_world):
+    """Three AdamW steps under EP match single-device (losses and step-0 grads)."""
+    fake_world(4)
+    mesh = init_device_mesh("cpu", (4,))
+    parallel, _ = _plan(mesh, SMALL, pin=(Shard(0),))
+    _compare_one_step(parallel, mesh, SMALL, steps=3)
