@@ -26,6 +26,15 @@ combination across mesh dims is again exact:
 The backward op mirrors each mode (grad_out arrives like the output would
 leave, gradients of replicated inputs become ``Partial``).
 
+What a user annotates: nothing, when the model's routed experts call
+``autoparallel.models.moe.moe_experts`` (as :class:`~autoparallel.models.moe.MoE`
+does). Another MoE implementation plugs in by routing its expert compute
+through that op (stacked ``w1/w3 [E, dim, hidden]``, ``w2 [E, hidden, dim]``
+and an ``expert_ids = arange(E)`` buffer); a data-dependent dispatch traced
+op by op (``nonzero``, ``.item()``) cannot be traced on fake tensors.
+No region has to be declared: the planner chooses every placement around
+the op, and this rule's modes for the op itself.
+
 The FLOP formulas assume balanced routing: a rank holding ``E_local`` of
 ``E`` experts does ``E_local / E`` of the routed work.
 """
