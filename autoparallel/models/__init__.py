@@ -11,10 +11,14 @@ from autoparallel.models.llama3 import (
     TransformerBlock,
     count_params,
 )
+from autoparallel.models.moe import MOE_CONFIGS, MoEArgs, MoETransformer
 from autoparallel.models.simple import FFN, BlockModel
 
 __all__ = [
     "LLAMA3_CONFIGS",
+    "MOE_CONFIGS",
+    "MoEArgs",
+    "MoETransformer",
     "Attention",
     "BlockModel",
     "FFN",
