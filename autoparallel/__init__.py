@@ -10,6 +10,7 @@ from .api import AutoParallel, ConstraintError
 from .compile import autoparallel_backend
 from .cost_model import CommOverlapPolicy, DeviceSpec
 from .plan import NodePlan, Plan, diff
+from .problem_builder import ProblemTooLarge
 from .strategies import register_rule
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "NodePlan",
     "autoparallel_backend",
     "Plan",
+    "ProblemTooLarge",
     "diff",
     "register_rule",
 ]

@@ -27,7 +27,7 @@ import solver
 
 from . import cost_model, rules  # noqa: F401 - rules register on import
 from .plan import NodePlan, Plan
-from .problem_builder import BuiltProblem, Constraints, build_problem
+from .problem_builder import DEFAULT_MAX_PROBLEM_BYTES, BuiltProblem, Constraints, build_problem
 from .repeated_layers import RepeatedLayers, find_repeated_layers
 from .strategies import NodeStrategy, StrategyEnumerator, format_specs
 from .tracing import TracedStep, module_path, trace_training_step
@@ -68,6 +68,8 @@ class AutoParallel:
         overlap: how much of FSDP-style collectives the cost model counts.
         link_repeated_layers: let identical layers share one decision each.
         backend, time_limit, rel_gap: passed to the solver.
+        max_problem_bytes: refuse (``ProblemTooLarge``, before building any
+            cost matrix) a problem estimated to need more memory; None: no limit.
     """
 
     def __init__(
@@ -84,6 +86,7 @@ class AutoParallel:
         backend: str | None = None,
         time_limit: float | None = None,
         rel_gap: float | None = None,
+        max_problem_bytes: float | None = DEFAULT_MAX_PROBLEM_BYTES,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -102,7 +105,7 @@ class AutoParallel:
         self.backend = backend
         self.time_limit = time_limit
         self.rel_gap = rel_gap
-        self._constraints = Constraints()
+        self._constraints = Constraints(max_problem_bytes=max_problem_bytes)
         if mp_policy is not None:
             # FSDP semantics: gradients are reduced in reduce_dtype, which
             # defaults to param_dtype.
