@@ -129,8 +129,9 @@ class BuiltProblem:
     # decision name -> per-option compute seconds
     compute: dict[str, list[float]]
     seconds: float = 0.0
-    size: ProblemSize | None = None
+    size: ProblemSize | None = None  # as built (after pruning)
     pruning: PruneStats | None = None
+    size_unpruned: ProblemSize | None = None
 
 
 def local_numel(shape, placements, mesh: DeviceMesh) -> int:
@@ -486,7 +487,7 @@ def build_problem(
                 for o in strat.options
             ]
 
-    size = estimate_problem_size(traced, strategies)
+    size = size_unpruned = estimate_problem_size(traced, strategies)
     logger.info("problem size before pruning: %s", size.describe())
     pruning = None
     if constraints.prune_options and cost_model_allows_pruning(device):
@@ -579,7 +580,7 @@ def build_problem(
         len(links),
         seconds,
     )
-    return BuiltProblem(problem, nodes, strategies, compute, seconds, size, pruning)
+    return BuiltProblem(problem, nodes, strategies, compute, seconds, size, pruning, size_unpruned)
 
 
 def _layer_name(node: torch.fx.Node) -> str | None:
