@@ -107,6 +107,44 @@ def copy_cheaper_than_collectives(device) -> bool:
     return copy <= 1 / fastest_link
 
 
+@dataclass
+class _ListInfo:
+    mask: list[bool]  # option holds Partial(F) on d (input or output)
+    mask_any: bool
+    outputs: bool  # some option outputs it
+    takes: list[bool]  # per input: some option takes it there
+    why: str | None  # why its Partials must stay (creator, no substitute)
+
+
+def _list_info(options: list[Option], kept: list[int], costs: list[float], d: int, family) -> _ListInfo:
+    o_list = [options[i] for i in kept]
+    n_in = len(o_list[0].input_specs) if o_list else 0
+    mask, takes, outputs, why = [], [False] * n_in, False, None
+    index = None
+    for j, o in enumerate(o_list):
+        outs = any(_has(s, d, family) for s in _specs(o.output_specs))
+        ins = [_has(s, d, family) for s in o.input_specs]
+        held = outs or any(ins)
+        mask.append(held)
+        if not held:
+            continue
+        outputs |= outs
+        for k, t in enumerate(ins):
+            takes[k] |= t
+        if why is None:
+            if outs and not any(ins):
+                why = f"creates it ({o.label})"
+            else:
+                if index is None:
+                    index = {_key(x): i for i, x in enumerate(o_list)}
+                sub = index.get(_substitute_key(o, d, family))
+                if sub is None:
+                    why = f"no substitute for {o.label}"
+                elif costs[kept[sub]] > costs[kept[j]]:
+                    why = f"substitute costlier than {o.label}"
+    return _ListInfo(mask, any(mask), outputs, takes, why)
+
+
 def prune_partials(
     strategies: dict[torch.fx.Node, NodeStrategy],
     unary: dict[int, list[float]],
@@ -129,20 +167,14 @@ def prune_partials(
     for node, strat in strategies.items():
         users.setdefault(id(strat.options), []).append(node)
 
-    def opts(node):
-        key = id(strategies[node].options)
-        return [original[key][i] for i in current[key]]
-
     for family in FAMILIES:
         name = "/".join(sorted(family))
         for d in range(ndim):
+            # per option list: which options hold Partial(F) on d, whether
+            # some option outputs / takes it (per input), why it must stay
+            info = {key: _list_info(original[key], current[key], unary[key], d, family) for key in original}
             # vertices: nodes with an option holding Partial(F) on d
-            holds = {}
-            for node in strategies:
-                o_list = opts(node)
-                mask = [any(_has(s, d, family) for s in _specs(o.output_specs) + list(o.input_specs)) for o in o_list]
-                if any(mask):
-                    holds[node] = (o_list, mask)
+            holds = {node for node, strat in strategies.items() if info[id(strat.options)].mask_any}
             if not holds:
                 continue
             # union-find over static flow edges
@@ -156,44 +188,21 @@ def prune_partials(
 
             sticky: set = set()
             why: dict = {}
-            for node, (o_list, mask) in holds.items():
+            for node in holds:
                 strat = strategies[node]
+                mine = info[id(strat.options)]
                 if node in frozen:
                     sticky.add(node)
                     why.setdefault(node, "pinned to a Partial")
-                index = {_key(o): j for j, o in enumerate(o_list)}
-                costs = unary[id(strat.options)]
-                kept_idx = current[id(strat.options)]
-                for j, o in enumerate(o_list):
-                    if not mask[j]:
-                        continue
-                    # a creator: Partial(F) out on d without one coming in
-                    outs = _specs(o.output_specs)
-                    if any(_has(s, d, family) for s in outs) and not any(_has(s, d, family) for s in o.input_specs):
-                        sticky.add(node)
-                        why.setdefault(node, f"creates it ({o.label})")
-                    sub = index.get(_substitute_key(o, d, family))
-                    if sub is None or costs[kept_idx[sub]] > costs[kept_idx[j]]:
-                        sticky.add(node)
-                        why.setdefault(node, f"no substitute for {o.label}" if sub is None else f"substitute costlier than {o.label}")
+                if mine.why is not None:
+                    sticky.add(node)
+                    why.setdefault(node, mine.why)
                 if strat.getitem_index is not None:
-                    inputs = [(strat.inputs[0], None)]
+                    inputs = [(strat.inputs[0], mine.outputs)]
                 else:
-                    inputs = list(enumerate(strat.inputs))
-                    inputs = [(p, k) for k, p in inputs]
-                for producer, k in inputs:
-                    if producer not in holds:
-                        continue
-                    p_out = any(
-                        _has(s, d, family)
-                        for o, m in zip(*holds[producer]) if m
-                        for s in _specs(o.output_specs)
-                    )
-                    takes = any(
-                        (_has(o.input_specs[k], d, family) if k is not None else any(_has(s, d, family) for s in _specs(o.output_specs)))
-                        for o, m in zip(o_list, mask) if m
-                    )
-                    if p_out and takes:
+                    inputs = [(p, mine.takes[k]) for k, p in enumerate(strat.inputs)]
+                for producer, takes in inputs:
+                    if takes and producer in holds and info[id(strategies[producer].options)].outputs:
                         parent[find(producer)] = find(node)
             for a, b in linked:
                 if a in holds and b in holds:
@@ -210,9 +219,7 @@ def prune_partials(
                 if all(n in holds and find(n) not in sticky_roots for n in nodes)
             }
             for key in prunable_lists:
-                node = users[key][0]
-                o_list, mask = holds[node]
-                current[key] = [i for i, m in zip(current[key], mask) if not m]
+                current[key] = [i for i, m in zip(current[key], info[key].mask) if not m]
                 stats.pruned[(name, d)] = stats.pruned.get((name, d), 0) + len(users[key])
 
     result = {}
