@@ -14,6 +14,11 @@ torch-free :class:`solver.Problem`.
   a redistribution, costed on the parameter -> gradient edge;
 * user constraints as named pins, the parameter-memory budget as a named
   resource constraint, and repeated layers as links.
+
+Before any pair matrix exists, Partial options that cannot help are dropped
+(:mod:`autoparallel.option_pruning`, exact) and the problem's size is
+estimated (:func:`estimate_problem_size`); over ``max_problem_bytes`` the
+build stops with :class:`ProblemTooLarge` instead of exhausting memory.
 """
 
 from __future__ import annotations
