@@ -64,13 +64,13 @@ _PASS_THROUGH_OPS = {
 # Well under a 24 GB workstation, far above any 2-D plan of LLaMA-3 (<1 GB).
 DEFAULT_MAX_PROBLEM_BYTES = 4 * 2**30
 # Peak bytes of the whole pipeline (cost matrices, presolve, ILP) per option
-# pair, measured on LLaMA-3 8B: ~170 B per pair of a distinct (shared) edge
-# matrix, which presolve and the ILP materialise once per distinct block,
-# plus ~16 B per pair of every edge (merging repeated layers walks them all).
-# Calibrated on 4x4x8 at 1 and 2 layers (4.9 and 5.0 GB measured) and
-# consistent with the 19 GB of 32 layers.
-BYTES_PER_DISTINCT_PAIR = 170
-BYTES_PER_PAIR = 16
+# pair, measured on LLaMA-3 8B with pruning (benchmarks/plan_mesh3d.py):
+# ~200 B per pair of a distinct (shared) edge matrix, which presolve and the
+# ILP materialise once per distinct block (4x4x8, 1 layer: 4.4M pairs, +860
+# MiB), and ~1 B per pair of every edge, which shares rows (32 layers: 116M
+# more pairs, +100 MiB); 2 B leaves a margin.
+BYTES_PER_DISTINCT_PAIR = 200
+BYTES_PER_PAIR = 2
 
 
 class ProblemTooLarge(RuntimeError):

@@ -154,7 +154,7 @@ def _table(rows: list[dict]) -> str:
         line(f"{st} s", lambda r, st=st: f"{r['timings'][st]:.2f}")
     line("total s", lambda r: f"{r['total_s']:.1f}")
     line("peak RSS MiB", lambda r: f"{r['peak_rss_mib']:.0f}")
-    line("status", lambda r: r["status"][:16])
+    line("status", lambda r: r["status"][:15])
     line("est. step ms", lambda r: f"{r['step_ms']:.1f}")
     line("  of it comm ms", lambda r: f"{r['comm_ms']:.1f}")
     return "\n".join(lines)
