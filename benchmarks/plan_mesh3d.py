@@ -37,7 +37,8 @@ CONFIGS = {
     "8B-4x4x8": ("8B", 32, (4, 4, 8), ("dp_replicate", "dp_shard", "tp")),
     "8B-hsdp-2x8x8": ("8B", 32, (2, 8, 8), ("dp_replicate", "dp_shard", "tp")),
     "70B-16x8": ("70B", 80, (16, 8), ("dp", "tp")),
-    "70B-8x16x8": ("70B", 80, (8, 16, 8), ("dp_replicate", "dp_shard", "tp")),
+    # batch 128: sharded over the 128 data-parallel ranks (32 would not divide)
+    "70B-8x16x8": ("70B", 80, (8, 16, 8), ("dp_replicate", "dp_shard", "tp"), 128),
     "70B-4x4x8x8": ("70B", 80, (4, 4, 8, 8), ("dp_replicate", "dp_shard", "cp", "tp")),
 }
 
@@ -53,7 +54,8 @@ def _plan(name: str, layers: int | None, seq: int, batch: int, max_gib: float, q
     from autoparallel import AutoParallel
     from autoparallel.models.llama3 import LLAMA3_CONFIGS, Transformer, apply_ac
 
-    model_name, n_layers, shape, names = CONFIGS[name]
+    model_name, n_layers, shape, names, *batch_override = CONFIGS[name]
+    batch = batch_override[0] if batch_override else batch
     n_layers = layers or n_layers
     world = 1
     for n in shape:
@@ -66,7 +68,7 @@ def _plan(name: str, layers: int | None, seq: int, batch: int, max_gib: float, q
     apply_ac(model, mode="selective")
     dp = [i for i, n in enumerate(names) if n.startswith("dp")]
     data = tuple(Shard(0) if i in dp else Replicate() for i in range(len(shape)))
-    out = {"name": name, "model": model_name, "layers": n_layers, "mesh": shape}
+    out = {"name": name, "model": model_name, "layers": n_layers, "mesh": shape, "batch": batch}
     t0 = time.perf_counter()
     try:
         with AutoParallel(
@@ -101,7 +103,7 @@ def main(argv=None) -> None:
     p.add_argument("--only", nargs="+", default=None, choices=sorted(CONFIGS))
     p.add_argument("--layers", type=int, default=None, help="override every config's layer count")
     p.add_argument("--seq", type=int, default=8192)
-    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--batch", type=int, default=32, help="global batch (70B-8x16x8 uses 128)")
     p.add_argument("--max-gib", type=float, default=6.0, help="address-space limit per configuration")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration")
     a = p.parse_args(argv)
@@ -146,6 +148,7 @@ def _table(rows: list[dict]) -> str:
         lines.append(f"{label:24s}" + "".join(cells))
 
     line("layers", lambda r: r["layers"])
+    line("batch", lambda r: r["batch"])
     line("options (pruned)", lambda r: f"{r['options_before']}->{r['options_after']}")
     line("pairs unpruned", lambda r: f"{r['pairs_before']:,}")
     line("pairs pruned (built)", lambda r: f"{r['pairs']:,}")
