@@ -11,6 +11,7 @@ from .compile import autoparallel_backend
 from .cost_model import CommOverlapPolicy, DeviceSpec
 from .plan import NodePlan, Plan, diff
 from .provenance import PlanMismatch
+from .problem_builder import ProblemTooLarge
 from .strategies import register_rule
 from .tracing import DataDependentTraceError
 
@@ -24,6 +25,7 @@ __all__ = [
     "autoparallel_backend",
     "Plan",
     "PlanMismatch",
+    "ProblemTooLarge",
     "diff",
     "register_rule",
 ]

@@ -29,7 +29,7 @@ from . import cost_model, infeasibility, rules, validation  # noqa: F401 - rules
 from .plan import NodePlan, Plan
 from .provenance import PlanMismatch, check_applicable, provenance  # noqa: F401 - PlanMismatch re-exported
 from .progress import Stages
-from .problem_builder import BuiltProblem, Constraints, build_problem
+from .problem_builder import DEFAULT_MAX_PROBLEM_BYTES, BuiltProblem, Constraints, build_problem
 from .repeated_layers import RepeatedLayers, find_repeated_layers
 from .strategies import NodeStrategy, StrategyEnumerator, format_specs
 from .tracing import TracedStep, module_path, trace_training_step
@@ -81,6 +81,8 @@ class AutoParallel:
             whose LP relaxation is weak; a plan stopped by it has
             ``plan.status == "feasible"`` and reports ``plan.bound`` and
             ``plan.gap``. Plans proven optimal are unaffected.
+        max_problem_bytes: refuse (``ProblemTooLarge``, before building any
+            cost matrix) a problem estimated to need more memory; None: no limit.
     """
 
     def __init__(
@@ -97,6 +99,7 @@ class AutoParallel:
         backend: str | None = None,
         time_limit: float | None = DEFAULT_TIME_LIMIT,
         rel_gap: float | None = None,
+        max_problem_bytes: float | None = DEFAULT_MAX_PROBLEM_BYTES,
     ):
         validation.check_arguments(
             model=model,
@@ -123,7 +126,7 @@ class AutoParallel:
         self.backend = backend
         self.time_limit = time_limit
         self.rel_gap = rel_gap
-        self._constraints = Constraints()
+        self._constraints = Constraints(max_problem_bytes=max_problem_bytes)
         if mp_policy is not None:
             # FSDP semantics: gradients are reduced in reduce_dtype, which
             # defaults to param_dtype.

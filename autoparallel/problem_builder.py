@@ -14,6 +14,11 @@ torch-free :class:`solver.Problem`.
   a redistribution, costed on the parameter -> gradient edge;
 * user constraints as named pins, the parameter-memory budget as a named
   resource constraint, and repeated layers as links.
+
+Before any pair matrix exists, Partial options that cannot help are dropped
+(:mod:`autoparallel.option_pruning`, exact) and the problem's size is
+estimated (:func:`estimate_problem_size`); over ``max_problem_bytes`` the
+build stops with :class:`ProblemTooLarge` instead of exhausting memory.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from torch.distributed.tensor.placement_types import Shard, _StridedShard
 import solver
 
 from . import cost_model
+from .option_pruning import PruneStats, prune_partials
+from .option_pruning import copy_cheaper_than_collectives as cost_model_allows_pruning
 from .repeated_layers import RepeatedLayers
 from .strategies import NodeStrategy, Option, placements_of
 from .tracing import TracedStep
@@ -54,6 +61,48 @@ _PASS_THROUGH_OPS = {
 }
 
 
+# Well under a 24 GB workstation, far above any 2-D plan of LLaMA-3 (<1 GB).
+DEFAULT_MAX_PROBLEM_BYTES = 4 * 2**30
+# Peak bytes of the whole pipeline (cost matrices, presolve, ILP) per option
+# pair, measured on LLaMA-3 8B with pruning (benchmarks/plan_mesh3d.py):
+# ~200 B per pair of a distinct (shared) edge matrix, which presolve and the
+# ILP materialise once per distinct block (4x4x8, 1 layer: 4.4M pairs, +860
+# MiB), and ~1 B per pair of every edge, which shares rows (32 layers: 116M
+# more pairs, +100 MiB); 2 B leaves a margin.
+BYTES_PER_DISTINCT_PAIR = 200
+BYTES_PER_PAIR = 2
+
+
+class ProblemTooLarge(RuntimeError):
+    """The estimated problem exceeds ``Constraints.max_problem_bytes``."""
+
+    def __init__(self, message: str, size: "ProblemSize"):
+        super().__init__(message)
+        self.size = size
+
+
+@dataclass
+class ProblemSize:
+    """How big the ILP input will be, counted before any matrix is built."""
+
+    decisions: int
+    options: int
+    edges: int
+    # option pairs over all edges, and over distinct (shared) edge matrices
+    pairs: int
+    distinct_pairs: int
+    estimated_bytes: float
+    # (pairs, producer, consumer) of the largest distinct edge matrices
+    largest: list[tuple[int, str, str]] = field(default_factory=list)
+
+    def describe(self) -> str:
+        return (
+            f"{self.decisions} decisions, {self.options} options, {self.edges} edges, "
+            f"{self.pairs:,} option pairs ({self.distinct_pairs:,} in distinct matrices), "
+            f"estimated {self.estimated_bytes / 2**30:.2f} GiB"
+        )
+
+
 @dataclass
 class Constraints:
     """What the user asked for, in node terms (validated by the API)."""
@@ -68,6 +117,13 @@ class Constraints:
     # Mixed precision: dtype parameter gradients are reduced in (None: no
     # constraint). Partial gradients of another dtype may not be reduced.
     reduce_dtype: torch.dtype | None = None
+    # Refuse to build a problem whose estimated memory (see
+    # :func:`estimate_problem_size`) exceeds this many bytes; None: no limit.
+    max_problem_bytes: float | None = DEFAULT_MAX_PROBLEM_BYTES
+    # Drop Partial options no computation can make useful, before building
+    # pair matrices (exact: see autoparallel.option_pruning); off only to
+    # compare against.
+    prune_options: bool = True
 
 
 @dataclass
@@ -78,6 +134,9 @@ class BuiltProblem:
     # decision name -> per-option compute seconds
     compute: dict[str, list[float]]
     seconds: float = 0.0
+    size: ProblemSize | None = None  # as built (after pruning)
+    pruning: PruneStats | None = None
+    size_unpruned: ProblemSize | None = None
 
 
 def local_numel(shape, placements, mesh: DeviceMesh) -> int:
@@ -143,6 +202,17 @@ def _reduces_partial(src, dst) -> bool:
     return any(p.is_partial() and not q.is_partial() for p, q in zip(src.placements, dst.placements))
 
 
+@dataclass(frozen=True)
+class RedistEdge:
+    """An edge costed by redistribution."""
+
+    producer: torch.fx.Node
+    consumer: torch.fx.Node
+    arg: int
+    kind: str | None
+    keep_partial: bool
+
+
 class _EdgeMatrices:
     """Edge cost matrices, each computed once per distinct block.
 
@@ -172,16 +242,10 @@ class _EdgeMatrices:
             t = cost_model.TRANSITION_TIEBREAK
         return t
 
-    def redistribution(
-        self, prod: list[Option], cons: list[Option], arg: int, kind: str | None, keep_partial: bool = False
-    ):
-        """Producer option x consumer option: time to bring the producer's
-        output to what the consumer's option needs for argument ``arg``
-        (``keep_partial``: reducing a Partial mesh dim is forbidden)."""
-        key = (id(prod), id(cons), arg, kind, keep_partial)
-        hit = self._matrices.get(key)
-        if hit is not None:
-            return hit[0]
+    def classes(self, prod: list[Option], cons: list[Option], arg: int, kind: str | None, keep_partial: bool = False):
+        """The redistribution costs between distinct placements: a matrix
+        over (distinct producer outputs) x (distinct consumer inputs ``arg``),
+        and each producer / consumer option's row / column index in it."""
         src_specs, row_class = _spec_classes([po.output_spec for po in prod])
         dst_specs, col_class = _spec_classes([co.input_specs[arg] for co in cons])
         src_meta, dst_meta = src_specs[0].tensor_meta, dst_specs[0].tensor_meta
@@ -203,6 +267,19 @@ class _EdgeMatrices:
                 ]
                 for s in src_specs
             ]
+        return class_rows, row_class, col_class
+
+    def redistribution(
+        self, prod: list[Option], cons: list[Option], arg: int, kind: str | None, keep_partial: bool = False
+    ):
+        """Producer option x consumer option: time to bring the producer's
+        output to what the consumer's option needs for argument ``arg``
+        (``keep_partial``: reducing a Partial mesh dim is forbidden)."""
+        key = (id(prod), id(cons), arg, kind, keep_partial)
+        hit = self._matrices.get(key)
+        if hit is not None:
+            return hit[0]
+        class_rows, row_class, col_class = self.classes(prod, cons, arg, kind, keep_partial)
         # Options with the same output placements get the same row object.
         rows_by_class: dict[int, list[float]] = {}
         rows = []
@@ -263,6 +340,20 @@ class _EdgeMatrices:
         return hit[0]
 
 
+class _Progress:
+    """INFO log of a long loop's progress, at most every ``every`` seconds."""
+
+    def __init__(self, what: str, total: int, every: float = 5.0):
+        self.what, self.total, self.every = what, total, every
+        self.t0 = self.last = time.perf_counter()
+
+    def tick(self, done: int) -> None:
+        now = time.perf_counter()
+        if now - self.last >= self.every:
+            self.last = now
+            logger.info("%s: %d/%d after %.0fs", self.what, done, self.total, now - self.t0)
+
+
 def _spec_classes(specs: list) -> tuple[list, list[int]]:
     """Distinct specs (by placements) and, per input spec, its class index."""
     index: dict = {}
@@ -276,6 +367,90 @@ def _spec_classes(specs: list) -> tuple[list, list[int]]:
     return distinct, classes
 
 
+def _edge_endpoints(traced: TracedStep, strategies: dict[torch.fx.Node, NodeStrategy]):
+    """(producer, consumer, key of its shared matrix) of every edge
+    :func:`build_problem` will create, in its order."""
+    for node, strat in strategies.items():
+        if strat.getitem_index is not None:
+            parent = strat.inputs[0]
+            yield parent, node, ("getitem", id(strategies[parent].options), id(strat.options))
+            continue
+        for k, producer in enumerate(strat.inputs):
+            yield producer, node, (id(strategies[producer].options), id(strat.options), k)
+    for fqn, grad in traced.grad_nodes.items():
+        param = traced.param_nodes.get(fqn)
+        if grad is not None and param is not None and grad in strategies:
+            yield param, grad, ("gradient", id(strategies[param].options), id(strategies[grad].options))
+    for out_idx, tangent in traced.tangent_nodes.items():
+        out = traced.output_nodes[out_idx]
+        if out in strategies and tangent in strategies:
+            yield out, tangent, ("equal", id(strategies[out].options), id(strategies[tangent].options))
+
+
+def estimate_problem_size(traced: TracedStep, strategies: dict[torch.fx.Node, NodeStrategy]) -> ProblemSize:
+    """Count decisions, options and option pairs without building a matrix,
+    and estimate the pipeline's peak memory from them (cheap: one pass over
+    the edges, no cost evaluated)."""
+    pairs = 0
+    edges = 0
+    distinct: dict[tuple, tuple[int, str, str]] = {}
+    for producer, consumer, key in _edge_endpoints(traced, strategies):
+        n = len(strategies[producer].options) * len(strategies[consumer].options)
+        pairs += n
+        edges += 1
+        distinct.setdefault(key, (n, producer.name, consumer.name))
+    distinct_pairs = sum(v[0] for v in distinct.values())
+    largest = sorted(distinct.values(), reverse=True)[:3]
+    return ProblemSize(
+        decisions=len(strategies),
+        options=sum(len(s.options) for s in strategies.values()),
+        edges=edges,
+        pairs=pairs,
+        distinct_pairs=distinct_pairs,
+        estimated_bytes=float(BYTES_PER_DISTINCT_PAIR * distinct_pairs + BYTES_PER_PAIR * pairs),
+        largest=largest,
+    )
+
+
+def check_problem_size(size: ProblemSize, mesh: DeviceMesh, limit: float | None) -> None:
+    """Raise :class:`ProblemTooLarge` when ``size`` exceeds ``limit`` bytes."""
+    if limit is None or size.estimated_bytes <= limit:
+        return
+    biggest = "; ".join(f"{p} x {c}: {n:,} pairs" for n, p, c in size.largest)
+    raise ProblemTooLarge(
+        f"planning problem too large to build: {size.describe()}, over the limit of "
+        f"{limit / 2**30:.2f} GiB (max_problem_bytes). Why: on a {mesh.ndim}-D mesh "
+        f"{tuple(mesh.shape)} each node's options are the product of its per-mesh-dim "
+        f"placements and every edge holds options x options costs; largest edge matrices: "
+        f"{biggest}. To change: plan on fewer mesh dims (flatten data-parallel dims into one, "
+        f"e.g. mesh._flatten, and plan 2-D), pin layouts (add_input_constraints, "
+        f"add_node_constraint, add_parameter_memory_constraint), use a coarser option set "
+        f"(fewer layers: repeated layers share matrices), or raise max_problem_bytes "
+        f"(AutoParallel(..., max_problem_bytes=...)) if this machine has the memory.",
+        size,
+    )
+
+
+def _frozen_nodes(traced, strategies, constraints: Constraints, repeats) -> set[torch.fx.Node]:
+    """Nodes whose Partial options pruning must keep: pinned to a set of
+    placements that allows a Partial (a pin that allows none makes those
+    options infeasible anyway)."""
+    frozen: set[torch.fx.Node] = set()
+    for node in strategies:
+        pin = constraints.pins.get(node.name)
+        if pin is not None and any(p.is_partial() for p in _flat_placements(pin[1])):
+            frozen.add(node)
+    return frozen
+
+
+def _flat_placements(placements):
+    for p in placements:
+        if isinstance(p, (tuple, list)):
+            yield from _flat_placements(p)
+        else:
+            yield p
+
+
 def build_problem(
     traced: TracedStep,
     strategies: dict[torch.fx.Node, NodeStrategy],
@@ -287,41 +462,13 @@ def build_problem(
     repeats: RepeatedLayers | None = None,
 ) -> BuiltProblem:
     t0 = time.perf_counter()
-    nodes = list(strategies)
-    decisions: list[solver.Decision] = []
-    compute: dict[str, list[float]] = {}
-    # id(option list) -> (labels, compute costs). Structurally identical
-    # nodes (repeated layers, forward and backward) share one option list
-    # object (same op, arguments, shapes and input candidates), so their
-    # costs and labels are computed once and their decisions share the lists.
-    unary_cache: dict[int, tuple[list[str], list[float]]] = {}
-    for node in nodes:
-        strat = strategies[node]
-        key = id(strat.options)
-        hit = unary_cache.get(key)
-        if hit is None:
-            costs = [
-                cost_model.node_compute_time(node, o.input_specs, o.output_specs, device)
-                if node.op == "call_function" and strat.getitem_index is None
-                else 0.0
-                for o in strat.options
-            ]
-            hit = unary_cache[key] = ([o.label for o in strat.options], costs)
-        labels, costs = hit
-        compute[node.name] = costs
-        decisions.append(solver.Decision(node.name, labels, costs))
-
     param_chain = _forward_param_chain(traced)
     grad_tail = _grad_tail(traced)
     unreducible = _unreducible_grad_nodes(traced, constraints.reduce_dtype)
     matrices = _EdgeMatrices(device, overlap)
-    edges: list[solver.Edge] = []
-    for node in nodes:
-        strat = strategies[node]
+    redist_edges = []
+    for node, strat in strategies.items():
         if strat.getitem_index is not None:
-            parent = strat.inputs[0]
-            matrix = matrices.getitem(strategies[parent].options, strat.options, strat.getitem_index)
-            edges.append(solver.Edge(parent.name, node.name, 0, matrix))
             continue
         for k, producer in enumerate(strat.inputs):
             kind = None
@@ -329,10 +476,63 @@ def build_problem(
                 kind = cost_model.PARAM_ALL_GATHER
             elif node in grad_tail:
                 kind = cost_model.GRAD_REDUCE_SCATTER
+            redist_edges.append(RedistEdge(producer, node, k, kind, producer in unreducible))
+
+    # id(option list) -> compute costs. Structurally identical nodes
+    # (repeated layers, forward and backward) share one option list object
+    # (same op, arguments, shapes and input candidates), so their costs are
+    # computed once and their decisions share the lists.
+    unary: dict[int, list[float]] = {}
+    for node, strat in strategies.items():
+        if id(strat.options) not in unary:
+            unary[id(strat.options)] = [
+                cost_model.node_compute_time(node, o.input_specs, o.output_specs, device)
+                if node.op == "call_function" and strat.getitem_index is None
+                else 0.0
+                for o in strat.options
+            ]
+
+    size = size_unpruned = estimate_problem_size(traced, strategies)
+    logger.info("problem size before pruning: %s", size.describe())
+    pruning = None
+    if constraints.prune_options and cost_model_allows_pruning(device):
+        frozen = _frozen_nodes(traced, strategies, constraints, repeats)
+        linked = list(repeats.reference.items()) if repeats is not None else []
+        strategies, pruning = prune_partials(strategies, unary, frozen, mesh.ndim, linked)
+        size = estimate_problem_size(traced, strategies)
+        logger.info("problem size after pruning: %s", size.describe())
+    check_problem_size(size, mesh, constraints.max_problem_bytes)
+    nodes = list(strategies)
+    decisions: list[solver.Decision] = []
+    compute: dict[str, list[float]] = {}
+    labels_cache: dict[int, list[str]] = {}
+    for node in nodes:
+        strat = strategies[node]
+        key = id(strat.options)
+        labels = labels_cache.get(key)
+        if labels is None:
+            labels = labels_cache[key] = [o.label for o in strat.options]
+        compute[node.name] = unary[key]
+        decisions.append(solver.Decision(node.name, labels, unary[key]))
+
+    edges: list[solver.Edge] = []
+    progress = _Progress("costing edges", size.edges)
+    by_consumer: dict[torch.fx.Node, list] = {}
+    for e in redist_edges:
+        by_consumer.setdefault(e.consumer, []).append(e)
+    for node in nodes:
+        strat = strategies[node]
+        progress.tick(len(edges))
+        if strat.getitem_index is not None:
+            parent = strat.inputs[0]
+            matrix = matrices.getitem(strategies[parent].options, strat.options, strat.getitem_index)
+            edges.append(solver.Edge(parent.name, node.name, 0, matrix))
+            continue
+        for e in by_consumer.get(node, ()):
             matrix = matrices.redistribution(
-                strategies[producer].options, strat.options, k, kind, keep_partial=producer in unreducible
+                strategies[e.producer].options, strat.options, e.arg, e.kind, keep_partial=e.keep_partial
             )
-            edges.append(solver.Edge(producer.name, node.name, k, matrix))
+            edges.append(solver.Edge(e.producer.name, node.name, e.arg, matrix))
 
     # A gradient is laid out like its parameter (or redistributed to a
     # tp-outer one); a tangent like its output.
@@ -385,7 +585,7 @@ def build_problem(
         len(links),
         seconds,
     )
-    return BuiltProblem(problem, nodes, strategies, compute, seconds)
+    return BuiltProblem(problem, nodes, strategies, compute, seconds, size, pruning, size_unpruned)
 
 
 def _layer_name(node: torch.fx.Node) -> str | None:

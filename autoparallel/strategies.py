@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -501,9 +502,17 @@ class StrategyEnumerator:
         result: dict[torch.fx.Node, NodeStrategy] = {}
         # Distinct output specs each tensor node can produce, and their id.
         produced: dict[torch.fx.Node, tuple[tuple[DTensorSpec, ...], int]] = {}
+        total, t0 = len(gm.graph.nodes), time.perf_counter()
+        last = t0
         for node in gm.graph.nodes:
             if node.op == "output":
                 continue
+            if time.perf_counter() - last >= 5.0:  # progress on big meshes
+                last = time.perf_counter()
+                logger.info(
+                    "options: %d/%d nodes, %d options, %d lists computed after %.0fs",
+                    self.stats.nodes, total, self.stats.options, self.stats.computed, last - t0,
+                )
             val = node.meta.get("val")
             if node.op == "placeholder":
                 if not isinstance(val, torch.Tensor):

@@ -44,7 +44,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--mesh", type=int, nargs="+", default=[16, 8], help="mesh shape, e.g. 16 8")
+    p.add_argument("--mesh", type=int, nargs="+", default=[16, 8], help="mesh shape, e.g. 16 8 or 4 4 8")
+    p.add_argument("--mesh-names", nargs="+", default=None,
+                   help="mesh dim names (default dp tp for 2-D, d0 d1 ... otherwise); the batch is "
+                        "sharded over the dims named dp* (the first dim when none is)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="cost model: GPUs per node (default 8)")
     p.add_argument("--model", default="8B", choices=sorted(LLAMA3_CONFIGS))
     p.add_argument("--no-ac", action="store_true", help="no activation checkpointing")
     p.add_argument("--compare-full", action="store_true",
@@ -70,6 +74,10 @@ def main(argv=None) -> None:
     for n in a.mesh:
         world *= n
     names = ("dp", "tp") if len(a.mesh) == 2 else tuple(f"d{i}" for i in range(len(a.mesh)))
+    if a.mesh_names:
+        if len(a.mesh_names) != len(a.mesh):
+            raise SystemExit(f"--mesh-names needs {len(a.mesh)} names, got {a.mesh_names}")
+        names = tuple(a.mesh_names)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     mesh = init_device_mesh("cpu", tuple(a.mesh), mesh_dim_names=names)
     config = dataclasses.replace(LLAMA3_CONFIGS[a.model], n_layers=a.layers, max_seq_len=a.seq)
@@ -81,11 +89,12 @@ def main(argv=None) -> None:
     def inputs():
         return torch.randint(0, config.vocab_size, (a.batch, a.seq), device="meta")
 
-    constraint = [(Shard(0),) + (Replicate(),) * (len(a.mesh) - 1)]
+    dp_dims = [i for i, n in enumerate(names) if n.startswith("dp")] or [0]
+    constraint = [tuple(Shard(0) if i in dp_dims else Replicate() for i in range(len(a.mesh)))]
     rss_before = _peak_rss_mib()
     cpu0 = time.process_time()
     t0 = time.perf_counter()
-    with AutoParallel(model, mesh, inputs) as autop:
+    with AutoParallel(model, mesh, inputs, gpus_per_node=a.gpus_per_node) as autop:
         autop.add_input_constraints(constraint)
         autop.add_output_constraints(constraint)
         plan = autop.optimize_placement()

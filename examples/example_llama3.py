@@ -61,7 +61,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, choices=sorted(LLAMA3_CONFIGS),
                     help="model config (default: 8B; debug with --real)")
-    ap.add_argument("--mesh", type=int, nargs="+", default=[16, 8], help="mesh shape: dp [tp]")
+    ap.add_argument("--mesh", type=int, nargs="+", default=[16, 8],
+                    help="mesh shape, 1 to 4 dims: dp [tp], or e.g. 2 8 8 with --mesh-names")
+    ap.add_argument("--mesh-names", nargs="+", default=None,
+                    help="mesh dim names (default: dp tp cp ep); the batch is sharded over every "
+                         "dim whose name starts with 'dp', e.g. dp_replicate dp_shard tp for HSDP")
     ap.add_argument("--layers", type=int, default=None, help="override the config's layer count")
     ap.add_argument("--dim", type=int, default=None,
                     help="override the config's model width (default with --real: 256, so that the "
@@ -158,8 +162,20 @@ def plan_model(args: argparse.Namespace, mesh, model, config):
     return plan, parallel, report
 
 
+def mesh_names(args: argparse.Namespace, ndim: int) -> tuple[str, ...]:
+    if args.mesh_names is None:
+        return ("dp", "tp", "cp", "ep")[:ndim]
+    if len(args.mesh_names) != ndim:
+        raise SystemExit(f"--mesh-names needs {ndim} names for --mesh {args.mesh}, got {args.mesh_names}")
+    return tuple(args.mesh_names)
+
+
 def data_placements(mesh) -> tuple:
-    return (Shard(0),) + (Replicate(),) * (mesh.ndim - 1)
+    """The batch sharded over the data-parallel dims (names starting with
+    "dp"; the first dim when none does), replicated over the others."""
+    names = mesh.mesh_dim_names or ()
+    dp = [i for i, n in enumerate(names) if n.startswith("dp")] or [0]
+    return tuple(Shard(0) if i in dp else Replicate() for i in range(mesh.ndim))
 
 
 def main(argv=None) -> None:
@@ -169,7 +185,7 @@ def main(argv=None) -> None:
     if args.real:
         return run_real(args)
     world = math.prod(args.mesh)
-    names = ("dp", "tp", "cp", "ep")[: len(args.mesh)]
+    names = mesh_names(args, len(args.mesh))
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         mesh = init_device_mesh("cpu", tuple(args.mesh), mesh_dim_names=names)
@@ -341,7 +357,7 @@ def run_real(args: argparse.Namespace) -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         shape = tuple(args.mesh) if math.prod(args.mesh) == world else (world,)
-        names = ("dp", "tp", "cp", "ep")[: len(shape)]
+        names = mesh_names(args, len(shape)) if len(shape) == len(args.mesh) else ("dp",)
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
         model, config = build_model(args)
         if rank == 0:

@@ -1,0 +1,239 @@
+"""Drop Partial placements that no computation can make useful (issue 13).
+
+On a 3-D mesh most options of a linear op (add, mul, view, neg, ...) carry
+a ``Partial`` of some reduce op on some mesh dim: DTensor lets ``Partial(avg)``,
+``Partial(max)`` and ``Partial(min)`` flow through every linear op, and a
+``Replicate -> Partial`` redistribution (a local copy) can start such a flow
+anywhere. On LLaMA-3 that is over half of all options, and pair matrices
+grow with their square. Most of them can never be part of a better plan:
+
+For a family ``F`` of reduce ops ({avg}, {max, min}: ``neg`` swaps max and
+min; {sum}) and a mesh dim ``d``, take the static graph whose vertices are
+the nodes with an option holding ``Partial(F)`` on ``d`` and whose edges
+join a producer that can output it to a consumer that can take it. In a
+plan, the nodes holding ``Partial(F)`` on ``d`` form components of that
+graph's edges. In a component with no *creator* (an option that outputs
+``Partial(F)`` on ``d`` without taking one there, like ``mean`` over a
+sharded dim), every ``Partial(F)`` was started by a ``Replicate -> Partial``
+copy. Replacing ``Partial(F)`` by ``Replicate`` on ``d`` in the whole
+component does not raise the plan's cost when each such option has that
+substitute in its list with no more compute:
+
+* edges inside the component stay identity moves on ``d`` (other mesh dims
+  are planned and sized the same: Partial and Replicate both leave the
+  local shape whole);
+* an edge starting the flow (``R -> P`` copy) becomes ``R -> R`` (free);
+* an edge ending it (``P -> R`` all-reduce, ``P -> S`` reduce-scatter)
+  becomes ``R -> R`` (free) or ``R -> S`` (a local slice, cheaper than the
+  reduce-scatter: checked on the device figures below).
+
+So the options holding ``Partial(F)`` on ``d`` are dropped from every node
+of such components (if every node sharing an option list is in one), and
+the optimum of the cost model is unchanged. Components with a creator,
+a pinned or tangent/output node, or an option lacking its substitute keep
+all their options.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch.fx
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor.placement_types import Replicate
+
+from .strategies import NodeStrategy, Option, placements_of
+
+logger = logging.getLogger(__name__)
+
+FAMILIES: tuple[frozenset[str], ...] = (frozenset({"avg"}), frozenset({"max", "min"}), frozenset({"sum"}))
+
+
+@dataclass
+class PruneStats:
+    options_before: int = 0
+    options_after: int = 0
+    # (family, mesh dim) -> nodes whose options lost that Partial
+    pruned: dict[tuple[str, int], int] = field(default_factory=dict)
+    seconds: float = 0.0
+    # id(original list) -> (kept indices, the new list), for lists that lost options
+    kept: dict[int, tuple[list[int], list]] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        where = ", ".join(f"P({fam}) on dim {d}: {n} nodes" for (fam, d), n in sorted(self.pruned.items()))
+        return f"options {self.options_before} -> {self.options_after} ({where or 'nothing pruned'}) in {self.seconds:.2f}s"
+
+
+def _in_family(p, family: frozenset[str]) -> bool:
+    return p.is_partial() and getattr(p, "reduce_op", None) in family
+
+
+def _specs(specs) -> list:
+    if isinstance(specs, DTensorSpec):
+        return [specs]
+    if isinstance(specs, (tuple, list)):
+        return [s for s in specs if isinstance(s, DTensorSpec)]
+    return []
+
+
+def _has(spec, d: int, family) -> bool:
+    return spec is not None and _in_family(spec.placements[d], family)
+
+
+def _substitute_key(o: Option, d: int, family):
+    def sub(placements):
+        return tuple(Replicate() if i == d and _in_family(p, family) else p for i, p in enumerate(placements))
+
+    out = o.output_specs
+    out_key = sub(out.placements) if isinstance(out, DTensorSpec) else tuple(
+        sub(s.placements) if isinstance(s, DTensorSpec) else s for s in (out or ())
+    )
+    return out_key, tuple(sub(s.placements) for s in o.input_specs)
+
+
+def _key(o: Option):
+    return placements_of(o.output_specs), tuple(s.placements for s in o.input_specs)
+
+
+def copy_cheaper_than_collectives(device) -> bool:
+    """A local slice (read + write at HBM speed, no launch floor) costs less
+    than a reduce-scatter of the same tensor on any link: the premise of
+    ending a flow with a slice instead of a reduce-scatter."""
+    copy = 2 / (device.hbm_bw * device.memory_efficiency)  # s per byte of the shard
+    fastest_link = max(device.intra_node_bw, device.inter_node_bw) * device.comm_efficiency
+    # reduce-scatter over n >= 2 moves (n-1)/n >= 1/2 of the input = n/2 >= 1 shards
+    return copy <= 1 / fastest_link
+
+
+@dataclass
+class _ListInfo:
+    mask: list[bool]  # option holds Partial(F) on d (input or output)
+    mask_any: bool
+    outputs: bool  # some option outputs it
+    takes: list[bool]  # per input: some option takes it there
+    why: str | None  # why its Partials must stay (creator, no substitute)
+
+
+def _list_info(options: list[Option], kept: list[int], costs: list[float], d: int, family) -> _ListInfo:
+    o_list = [options[i] for i in kept]
+    n_in = len(o_list[0].input_specs) if o_list else 0
+    mask, takes, outputs, why = [], [False] * n_in, False, None
+    index = None
+    for j, o in enumerate(o_list):
+        outs = any(_has(s, d, family) for s in _specs(o.output_specs))
+        ins = [_has(s, d, family) for s in o.input_specs]
+        held = outs or any(ins)
+        mask.append(held)
+        if not held:
+            continue
+        outputs |= outs
+        for k, t in enumerate(ins):
+            takes[k] |= t
+        if why is None:
+            if outs and not any(ins):
+                why = f"creates it ({o.label})"
+            else:
+                if index is None:
+                    index = {_key(x): i for i, x in enumerate(o_list)}
+                sub = index.get(_substitute_key(o, d, family))
+                if sub is None:
+                    why = f"no substitute for {o.label}"
+                elif costs[kept[sub]] > costs[kept[j]]:
+                    why = f"substitute costlier than {o.label}"
+    return _ListInfo(mask, any(mask), outputs, takes, why)
+
+
+def prune_partials(
+    strategies: dict[torch.fx.Node, NodeStrategy],
+    unary: dict[int, list[float]],
+    frozen: set[torch.fx.Node],
+    ndim: int,
+    linked: list[tuple[torch.fx.Node, torch.fx.Node]] = (),
+) -> tuple[dict[torch.fx.Node, NodeStrategy], PruneStats]:
+    """Strategies without the Partial options described in the module
+    docstring. ``unary``: id(option list) -> compute cost per option (the
+    entries of new lists are added). ``frozen``: nodes whose options hold
+    (pinned to a Partial). ``linked``: pairs of linked decisions (repeated
+    layers); a link maps options by placements, as the substitution does, so
+    linked nodes are put in one component: both change or neither."""
+    t0 = time.perf_counter()
+    stats = PruneStats()
+    original = {id(s.options): s.options for s in strategies.values()}
+    stats.options_before = sum(len(o) for o in original.values())
+    current = {k: list(range(len(o))) for k, o in original.items()}  # kept indices
+    users: dict[int, list[torch.fx.Node]] = {}
+    for node, strat in strategies.items():
+        users.setdefault(id(strat.options), []).append(node)
+
+    for family in FAMILIES:
+        name = "/".join(sorted(family))
+        for d in range(ndim):
+            # per option list: which options hold Partial(F) on d, whether
+            # some option outputs / takes it (per input), why it must stay
+            info = {key: _list_info(original[key], current[key], unary[key], d, family) for key in original}
+            # vertices: nodes with an option holding Partial(F) on d
+            holds = {node for node, strat in strategies.items() if info[id(strat.options)].mask_any}
+            if not holds:
+                continue
+            # union-find over static flow edges
+            parent = {n: n for n in holds}
+
+            def find(n):
+                while parent[n] is not n:
+                    parent[n] = parent[parent[n]]
+                    n = parent[n]
+                return n
+
+            sticky: set = set()
+            why: dict = {}
+            for node in holds:
+                strat = strategies[node]
+                mine = info[id(strat.options)]
+                if node in frozen:
+                    sticky.add(node)
+                    why.setdefault(node, "pinned to a Partial")
+                if mine.why is not None:
+                    sticky.add(node)
+                    why.setdefault(node, mine.why)
+                if strat.getitem_index is not None:
+                    inputs = [(strat.inputs[0], mine.outputs)]
+                else:
+                    inputs = [(p, mine.takes[k]) for k, p in enumerate(strat.inputs)]
+                for producer, takes in inputs:
+                    if takes and producer in holds and info[id(strategies[producer].options)].outputs:
+                        parent[find(producer)] = find(node)
+            for a, b in linked:
+                if a in holds and b in holds:
+                    parent[find(a)] = find(b)
+            sticky_roots = {find(n) for n in sticky}
+            if logger.isEnabledFor(logging.DEBUG):
+                for n, reason in why.items():
+                    members = [m.name for m in holds if find(m) is find(n)]
+                    logger.debug("P(%s) on dim %d kept at %s (%d nodes joined: %s): %s", name, d, n.name, len(members), " ".join(members[:12]), reason)
+            # a shared option list is pruned only if all its users may be
+            prunable_lists = {
+                key
+                for key, nodes in users.items()
+                if all(n in holds and find(n) not in sticky_roots for n in nodes)
+            }
+            for key in prunable_lists:
+                current[key] = [i for i, m in zip(current[key], info[key].mask) if not m]
+                stats.pruned[(name, d)] = stats.pruned.get((name, d), 0) + len(users[key])
+
+    result = {}
+    for node, strat in strategies.items():
+        key = id(strat.options)
+        if len(current[key]) == len(original[key]):
+            result[node] = strat
+            continue
+        if key not in stats.kept:
+            new = [original[key][i] for i in current[key]]
+            stats.kept[key] = (current[key], new)
+            unary[id(new)] = [unary[key][i] for i in current[key]]
+        result[node] = NodeStrategy(strat.node, strat.inputs, stats.kept[key][1], strat.source, strat.getitem_index)
+    stats.options_after = sum(len(v) for v in current.values())
+    stats.seconds = time.perf_counter() - t0
+    logger.info("option pruning: %s", stats.describe())
+    return result, stats
