@@ -20,7 +20,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 import solver
-from autoparallel import AutoParallel, ConstraintError
+from autoparallel import AutoParallel, ConstraintError, PlanMismatch
 from autoparallel.infeasibility import InfeasibleConstraintError
 
 pytestmark = [
@@ -313,16 +313,15 @@ def test_bad_parallel_module_calls(lin_parallel, call, exc, message):
             call(lin_parallel)
 
 
-# -- a plan applies only where it was made (provenance: helper report) -----------------
+# -- a plan applies only where it was made (its provenance) ----------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="provenance: helper report")
 def test_plan_for_another_mesh_is_refused(fake_world):
     fake_world(8)
     with AutoParallel(_model(), init_device_mesh("cpu", (4, 2)), _x()) as autop:
         plan = autop.optimize_placement()
     with AutoParallel(_model(), init_device_mesh("cpu", (2, 4)), _x()) as autop:
-        with pytest.raises(Exception, match=r"\(4, 2\)"):
+        with pytest.raises(PlanMismatch, match=r"\(4, 2\)"):
             autop.apply_placement(plan)
 
 
