@@ -1,0 +1,62 @@
+"""Plan a Hugging Face model from its config (no weights are downloaded).
+
+    python examples/example_hf.py            # GPT-2 (tied head) on a fake 2x2 mesh
+    python examples/example_hf.py --model bert
+
+Builds the model on the meta device from a small config, plans it for a
+("dp", "tp") mesh on a fake process group with the batch split over dp, and
+prints the plan's summary.
+"""
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from autoparallel import AutoParallel
+
+
+def build(name: str):
+    import transformers
+
+    if name == "gpt2":
+        config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64, bos_token_id=0, eos_token_id=0)
+        config.use_cache = False
+        return transformers.GPT2LMHeadModel(config), config.vocab_size
+    if name == "bert":
+        config = transformers.BertConfig(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=128
+        )
+        return transformers.BertForMaskedLM(config), config.vocab_size
+    if name == "llama":
+        config = transformers.LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=128, use_cache=False,
+        )
+        return transformers.LlamaForCausalLM(config), config.vocab_size
+    raise SystemExit(f"unknown model {name!r}: choose gpt2, bert or llama")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gpt2", choices=["gpt2", "bert", "llama"])
+    ap.add_argument("--mesh", type=int, nargs=2, default=(2, 2))
+    args = ap.parse_args()
+    dp, tp = args.mesh
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dp * tp)
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    with torch.device("meta"):
+        model, vocab = build(args.model)
+    input_ids = torch.empty(8, 16, dtype=torch.long, device="meta")  # global batch
+    with AutoParallel(model, mesh, {"input_ids": input_ids}) as autop:
+        autop.add_input_constraints([(Shard(0), Replicate())])  # batch over dp
+        plan = autop.optimize_placement()
+    print(plan.summary())
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
