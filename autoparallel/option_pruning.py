@@ -67,7 +67,7 @@ class PruneStats:
 
 
 def _in_family(p, family: frozenset[str]) -> bool:
-    return p.is_partial() and getattr(p, "reduce_op", None) in family
+    return p is not None and p.is_partial() and getattr(p, "reduce_op", None) in family
 
 
 def _specs(specs) -> list:
