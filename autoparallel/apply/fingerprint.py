@@ -18,11 +18,26 @@ import torch.fx as fx
 from .partition import StepGraphs
 
 
+def _group_key(name: str) -> str:
+    """A process group by its ranks, not its name: equal meshes created in
+    another session (or context) get new group names."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        return "group" + repr(dist.get_process_group_ranks(_resolve_process_group(name)))
+    except Exception:  # not a registered group name: keep the string
+        return repr(name)
+
+
 def node_hashes(gm: fx.GraphModule, placeholder_key) -> dict[fx.Node, str]:
     """Structural hash of every node; ``placeholder_key(i)`` names the i-th placeholder."""
     h: dict[fx.Node, str] = {}
+    collective = False
 
     def arg(a) -> str:
+        if collective and isinstance(a, str):
+            return _group_key(a)
         if isinstance(a, fx.Node):
             return h[a]
         if isinstance(a, (list, tuple)):
@@ -37,6 +52,7 @@ def node_hashes(gm: fx.GraphModule, placeholder_key) -> dict[fx.Node, str]:
             s = placeholder_key(i)
             i += 1
         else:
+            collective = "c10d_functional" in str(n.target)
             v = n.meta.get("val")
             shape = tuple(v.shape) if isinstance(v, torch.Tensor) else None
             s = f"{n.op}|{n.target}|{shape}|{arg(n.args)}|{arg(n.kwargs)}|{n.meta.get('recompute')}"
