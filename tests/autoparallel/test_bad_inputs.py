@@ -6,6 +6,7 @@ fresh process with another hash seed. Tiny models on fake meshes: fast."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -354,6 +355,8 @@ def test_plan_json_identical_across_hash_seeds(tmp_path):
             [sys.executable, "-c", _PLAN_SCRIPT, str(path)], env=env, cwd=ROOT, check=True, capture_output=True, timeout=300
         )
         paths.append(path)
-    a, b = (p.read_bytes() for p in paths)
-    assert b'"nodes"' in a and len(a) > 1000
-    assert a == b
+    a, b = (json.loads(p.read_text()) for p in paths)
+    assert a["nodes"] and len(a["nodes"]) > 10
+    # stage timings are wall-clock; everything else must be identical
+    a.pop("timings"), b.pop("timings")
+    assert json.dumps(a, sort_keys=False) == json.dumps(b, sort_keys=False)
