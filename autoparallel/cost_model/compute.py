@@ -74,10 +74,15 @@ def is_free_op(op: Any) -> bool:
 
 
 def compute_time(
-    flops: float, bytes_moved: float, dtype: torch.dtype, device: DeviceSpec = H100
+    flops: float,
+    bytes_moved: float,
+    dtype: torch.dtype,
+    device: DeviceSpec = H100,
+    efficiency: float | None = None,
 ) -> float:
     """Roofline time of one kernel: the slower of math and memory, at least the
-    launch floor. Zero work costs zero.
+    launch floor. Zero work costs zero. ``efficiency`` overrides the device's
+    ``compute_efficiency`` (fused attention uses ``attention_efficiency``).
 
     >>> compute_time(0, 1e3, torch.float32, H100) == H100.launch_floor
     True
@@ -85,7 +90,7 @@ def compute_time(
     if flops <= 0 and bytes_moved <= 0:
         return 0.0
     return max(
-        flops / (device.peak_flops(dtype) * device.compute_efficiency),
+        flops / (device.peak_flops(dtype) * (efficiency or device.compute_efficiency)),
         bytes_moved / (device.hbm_bw * device.memory_efficiency),
         device.launch_floor,
     )
@@ -103,7 +108,7 @@ class TensorSig(NamedTuple):
 
 
 def _flop_formula(op: Any):
-    packet = op.overloadpacket if isinstance(op, torch._ops.OpOverload) else op
+    packet = _packet(op)
     f = _EXTRA_FLOP_FORMULAS.get(packet)
     if f is None:
         f = flop_counter.flop_registry.get(packet)
@@ -120,6 +125,28 @@ for _name, _f in (
 ):
     if hasattr(aten, _name):
         _EXTRA_FLOP_FORMULAS[getattr(aten, _name)] = _f
+
+# Fused attention kernels, forward and backward: costed at the device's
+# attention_efficiency (measured far below GEMM efficiency, see DeviceSpec).
+_ATTENTION_PACKETS = frozenset(
+    getattr(aten, name)
+    for name in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_backward",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention_for_cpu_backward",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_efficient_attention_backward",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_cudnn_attention_backward",
+    )
+    if hasattr(aten, name)
+)
+
+
+def _packet(op: Any) -> Any:
+    return op.overloadpacket if isinstance(op, torch._ops.OpOverload) else op
+
 
 # Gather-like ops read only the selected rows of their first input: bytes are
 # the indices plus the output read once and written once, not the whole table.
@@ -336,7 +363,8 @@ def op_compute_time(
 @lru_cache(maxsize=None)
 def _op_time_cached(op: Any, args: tuple, kwargs: tuple, out: Any, device: DeviceSpec) -> float:
     flops, nbytes = _flops_and_bytes_cached(op, args, kwargs, out)
-    return compute_time(flops, nbytes, _first_dtype(args, kwargs, out), device)
+    efficiency = device.attention_efficiency if _packet(op) in _ATTENTION_PACKETS else None
+    return compute_time(flops, nbytes, _first_dtype(args, kwargs, out), device, efficiency)
 
 
 def node_compute_time(

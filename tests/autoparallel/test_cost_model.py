@@ -141,6 +141,23 @@ def test_sdpa_flops_and_causal_halving():
     assert op_cost_from_shapes(op, (q, q, q), {"is_causal": True}, (q, lse))[0] == full / 2
 
 
+def test_attention_costed_at_attention_efficiency():
+    # Fused attention runs far below GEMM efficiency (calibrate_device.py on an
+    # H100: ~0.3 vs ~0.8); a GEMM with the same FLOPs keeps compute_efficiency.
+    q = torch.empty(4, 32, 4096, 128, dtype=BF16, device="meta")
+    lse = torch.empty(4, 32, 4096, device="meta")
+    op = aten._scaled_dot_product_flash_attention_for_cpu.default
+    flops = op_cost_from_shapes(op, (q, q, q), {}, (q, lse))[0]
+    t = op_compute_time(op, (q, q, q), {}, (q, lse), None, None, H100)
+    assert t == pytest.approx(flops / (H100.peak_bf16 * H100.attention_efficiency))
+    faster = dataclasses.replace(H100, attention_efficiency=2 * H100.attention_efficiency)
+    assert op_compute_time(op, (q, q, q), {}, (q, lse), None, None, faster) == pytest.approx(t / 2)
+    a, b = torch.empty(8192, 8192, dtype=BF16, device="meta"), torch.empty(8192, 8192, dtype=BF16, device="meta")
+    mm = aten.mm.default
+    t_mm = op_compute_time(mm, (a, b), {}, torch.empty(8192, 8192, dtype=BF16, device="meta"), None, None, faster)
+    assert t_mm == op_compute_time(mm, (a, b), {}, torch.empty(8192, 8192, dtype=BF16, device="meta"), None, None, H100)
+
+
 def test_op_compute_time_uses_local_shapes(mesh):
     m, k, n = 65536, 4096, 4096  # 16 x 4096 tokens through a 4096x4096 linear
     a, b = torch.empty(m, k, dtype=BF16, device="meta"), torch.empty(k, n, dtype=BF16, device="meta")
