@@ -21,7 +21,10 @@ belong to the same layer (the FQN up to its first numeric component,
   ``r``'s rows of ``A`` are not adjacent in the buffer, so no view can be
   ``A``). The merged gather goes where the first member's was (later members'
   input chains, casts and views of parameters, move up before it), the copies
-  out where the first wait was.
+  out where the first wait was. A gather whose input is a view of another
+  gather's result (the second stage of a parameter sharded on two mesh
+  dims) buckets with its layer's other second stages in a later round,
+  once the first stages are bucketed.
 
 * gradient reduce-scatters and all-reduces (backward; the layer is that of
   the graph output, a parameter's gradient, the result flows to)::
@@ -32,10 +35,11 @@ belong to the same layer (the FQN up to its first numeric component,
   Rank ``r`` receives row ``r``: its shards back to back, so the results are
   views of the buffer (no copy out); the ``cat`` is the one copy in. The
   merged reduction goes where the last member's was, the wait before the
-  first consumer of any result (layout ops that only lead to the output
-  move after it); a member joins a bucket only if no result of the bucket
-  is consumed before it. Rounds repeat so both stages of a two-stage
-  reduce-scatter are bucketed.
+  first consumer of any result (data movement computed from a result alone,
+  layout ops before the output or the split + cat that reorders a dim-1
+  shard's chunks before a second stage, moves down after it); a member
+  joins a bucket only if no result of the bucket is consumed before it.
+  Rounds repeat so both stages of a two-stage reduce-scatter are bucketed.
 
 Only provably equivalent rewrites: same group name, group size, dtype (and
 reduce op); contiguous inputs; a single ``wait_tensor`` user per collective.
@@ -114,6 +118,7 @@ class _Member:
     chain: list[fx.Node]  # all-gathers: non-placeholder nodes x depends on
     numel: int
     nbytes: int = 0
+    ready: float = -1.0  # all-gathers: position of the latest collective result its input needs
 
 
 def _layer_of(fqn: str) -> str:
@@ -133,25 +138,46 @@ def _param_layers(ctx: PassContext | None) -> dict[str, str] | None:
 
 
 def _input_chain(x: fx.Node) -> tuple[list[fx.Node], list[fx.Node]] | None:
-    """(chain nodes, placeholder roots) when ``x`` is computed from graph
-    inputs by cheap ops only; None otherwise."""
+    """(chain nodes, roots) when ``x`` is computed by cheap ops only from
+    graph inputs or from collective results (``wait_tensor``, e.g. the first
+    stage of a two-stage gather); None otherwise."""
     chain: set[fx.Node] = set()
     roots: set[fx.Node] = set()
     stack = [x]
     while stack:
         n = stack.pop()
-        if n.op == "placeholder":
+        if n.op == "placeholder" or n.target is _WAIT:
             roots.add(n)
             continue
         if n in chain:
             continue
-        t = n.target
-        cheap = n.op == "call_function" and (t in _CHEAP or (isinstance(t, torch._ops.OpOverload) and t.is_view))
-        if not cheap or len(chain) >= _MAX_CHAIN:
+        if not _is_move(n) or len(chain) >= _MAX_CHAIN:
             return None
         chain.add(n)
         stack.extend(n.all_input_nodes)
     return list(chain), list(roots)
+
+
+def _root_layers(root: fx.Node, layers: dict[str, str]) -> set[str]:
+    """Layer keys of the parameters a root stands for: its own for a
+    placeholder, those gathered into it for a collective's result."""
+    out: set[str] = set()
+    seen: set[fx.Node] = set()
+    stack = [root]
+    while stack and len(seen) < 4 * _MAX_CHAIN:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            if n.name in layers:
+                out.add(layers[n.name])
+            continue
+        if n.op == "call_function" and (_is_move(n) or n.target in (_WAIT, _AG)):
+            stack.extend(n.all_input_nodes)
+        else:
+            return set()  # computed from something else: not a parameter's gather
+    return out if not stack else set()
 
 
 def _member(ag: fx.Node) -> tuple[tuple, _Member, list[fx.Node]] | None:
@@ -178,14 +204,16 @@ def _member(ag: fx.Node) -> tuple[tuple, _Member, list[fx.Node]] | None:
     return (group, size, xv.dtype), _Member(ag, wait, x, chain, xv.numel(), xv.numel() * xv.element_size()), roots
 
 
-def _split_by_bytes(members: list[_Member], limit: int) -> list[list[_Member]]:
+def _split_by_bytes(members: list[_Member], limit: int, index: dict[fx.Node, float]) -> list[list[_Member]]:
     """Consecutive runs of ``members`` of at most ``limit`` input bytes each
-    (a member over the limit stays alone, i.e. unbucketed)."""
+    (a member over the limit stays alone, i.e. unbucketed). A member whose
+    input comes from a collective that finishes after the run's first gather
+    starts a new run: the merged gather goes where the first member's was."""
     out: list[list[_Member]] = []
     cur: list[_Member] = []
     used = 0
     for m in members:
-        if cur and used + m.nbytes > limit:
+        if cur and (used + m.nbytes > limit or m.ready > index[cur[0].ag]):
             out.append(cur)
             cur, used = [], 0
         cur.append(m)
@@ -197,7 +225,9 @@ def _split_by_bytes(members: list[_Member], limit: int) -> list[list[_Member]]:
 
 def _buckets(gm: fx.GraphModule, ctx: PassContext | None, limit: int, index: dict[fx.Node, float]) -> list[list[_Member]]:
     """Mergeable gathers grouped by (layer, group, size, dtype), in graph
-    order, cut into runs of at most ``limit`` bytes."""
+    order, cut into runs of at most ``limit`` bytes. Gathers of collective
+    results (second stages) wait for a later round when a first stage is
+    bucketed in this one: their input chains run through its result."""
     layers = _param_layers(ctx)
     groups: dict[tuple, list[_Member]] = {}
     for ag in sorted(gm.graph.find_nodes(op="call_function", target=_AG), key=index.__getitem__):
@@ -205,16 +235,29 @@ def _buckets(gm: fx.GraphModule, ctx: PassContext | None, limit: int, index: dic
         if found is None:
             continue
         key, member, roots = found
+        waits = [r for r in roots if r.op != "placeholder"]
+        member.ready = max((index[w] for w in waits), default=-1.0)
         if layers is None:
+            if waits:
+                continue
             layer = None
         else:
             # a parameter's gather (not an input's or a tangent's), one layer
-            keys = {layers[r.name] for r in roots if r.name in layers}
+            # (other inputs, such as the mesh coordinates, name no layer)
+            keys = {layers[r.name] for r in roots if r.op == "placeholder" and r.name in layers}
+            from_waits = [_root_layers(w, layers) for w in waits]
+            if not all(from_waits):
+                continue
+            keys = keys.union(*from_waits)
             if len(keys) != 1:
                 continue
             (layer,) = keys
-        groups.setdefault((layer, *key), []).append(member)
-    return [b for members in groups.values() for b in _split_by_bytes(members, limit)]
+        groups.setdefault((layer, bool(waits), *key), []).append(member)
+    first = {k: v for k, v in groups.items() if not k[1]}
+    found = [b for members in first.values() for b in _split_by_bytes(members, limit, index)]
+    if found:
+        return found
+    return [b for members in groups.values() for b in _split_by_bytes(members, limit, index)]
 
 
 # ---------------------------------------------------------------------------
@@ -255,31 +298,34 @@ def _grad_layers(gm: fx.GraphModule, ctx: PassContext | None) -> dict[fx.Node, s
 # Ops a gradient passes through on its way from the reduction to the output:
 # waits, chained reductions (a two-stage reduce-scatter), buckets' buffers.
 _THROUGH = {_WAIT, _RS, _AR, _aten.cat.default, _aten.split_with_sizes.default, operator.getitem}
+# Data movement on a collective's way in or out (a dim-1 shard's chunks
+# reordered by split + cat, a bucket's outputs taken apart).
+_MOVES = {_aten.cat.default, _aten.split.Tensor, _aten.split_with_sizes.default, _aten.slice.Tensor, operator.getitem}
 
 
 def _is_layout(n: fx.Node) -> bool:
     return n.op == "call_function" and (n.target in _CHEAP or getattr(n.target, "is_view", False))
 
 
+def _is_move(n: fx.Node) -> bool:
+    return _is_layout(n) or (n.op == "call_function" and n.target in _MOVES)
+
+
 def _tail(wait: fx.Node) -> set[fx.Node]:
-    """Layout ops after ``wait`` that only lead to the graph output: they may
-    move after a merged wait, so they do not pin where it goes."""
+    """Data movement after ``wait`` computed from its result alone (every
+    input in the tail or ``wait``): it may move down to just before its
+    first other consumer, after a merged wait, so it does not pin where
+    that wait goes (a local reorder of a reduce-scatter's chunks before the
+    next stage, layout ops before the graph output)."""
     tail: set[fx.Node] = set()
-
-    def ok(n: fx.Node, depth: int) -> bool:
-        if n in tail:
-            return True
-        if depth > _MAX_CHAIN or not _is_layout(n) or any(a is not wait and a not in tail and a not in seen for a in n.all_input_nodes):
-            return False
-        seen.add(n)
-        if all(u.op == "output" or ok(u, depth + 1) for u in n.users):
+    frontier = list(wait.users)
+    while frontier and len(tail) < 4 * _MAX_CHAIN:
+        n = frontier.pop(0)
+        if n in tail or not _is_move(n):
+            continue
+        if all(a is wait or a in tail for a in n.all_input_nodes):
             tail.add(n)
-            return True
-        return False
-
-    for u in wait.users:
-        seen: set[fx.Node] = set()
-        ok(u, 0)
+            frontier.extend(n.users)
     return tail
 
 
@@ -541,14 +587,20 @@ def _bucket_graph(g: fx.Graph, ctx: PassContext | None, limit: int, costs) -> Bu
     """Bucket ``g`` in place with byte limit ``limit``."""
     stats = BucketStats(bucket_bytes_used=limit)
     holder = types.SimpleNamespace(graph=g)
-    index: dict[fx.Node, float] = {n: i for i, n in enumerate(g.nodes)}
     vals_cache: dict = {}
     kinds = {_AG: "all_gather", _RS: "reduce_scatter", _AR: "all_reduce"}
-    for members in _buckets(holder, ctx, limit, index):
-        saved = sum(costs.time(m.ag) for m in members)
-        new = _merge(holder, members, index, vals_cache)
-        stats.comm_time_saved_s += saved - costs.time(new)
-        _count(stats, "all_gather", len(members))
+    # Gathers, in rounds: the second stages of two-stage gathers bucket
+    # once their first stages have been.
+    for _ in range(_ROUNDS):
+        index = {n: i for i, n in enumerate(g.nodes)}
+        found = _buckets(holder, ctx, limit, index)
+        for members in found:
+            saved = sum(costs.time(m.ag) for m in members)
+            new = _merge(holder, members, index, vals_cache)
+            stats.comm_time_saved_s += saved - costs.time(new)
+            _count(stats, "all_gather", len(members))
+        if not found:
+            break
     # Reductions, in rounds: a two-stage reduce-scatter's first stages can
     # share a bucket once its second stages do (they then all feed one
     # merged collective placed after every first stage).
