@@ -225,9 +225,12 @@ def test_merges_reduce_scatters_and_all_reduces_exactly(mesh):
     assert (_n(bucketed, RS), _n(bucketed, AR)) == (1, 1)
     (rs,) = bucketed.graph.find_nodes(op="call_function", target=RS)
     assert tuple(rs.meta["val"].shape) == (2 + 3,)
-    # no copy out of the reduce-scatter's result: split + views only
+    # no copy out of the reduce-scatter's result (split + views only), and
+    # the all-reduced transpose is written into the buffer straight from
+    # gb.t(): its contiguous copy is gone
     clone = torch.ops.aten.clone.default
-    assert _n(bucketed, clone) == _n(gm, clone)
+    assert _n(gm, clone) == 1 and _n(bucketed, clone) == 0 and stats.copies_removed == 1
+    assert _n(bucketed, torch.ops.aten._chunk_cat.default) == 2
     assert stats.comm_time_saved_s > 0
     _check_same(gm, bucketed, _inputs((8,), (4, 3), (5,)))
 
@@ -338,6 +341,10 @@ def test_two_stage_gathers_bucket_both_stages(mesh):
     bucketed.graph.lint()
     check_topological(bucketed)
     assert (stats.buckets, stats.collectives_merged, _count(gm), _count(bucketed)) == (2, 4, 4, 2)
+    # the second stage reads the first buffer's parts as they are: neither
+    # the contiguous copy out of the first buffer (ga) nor gb's transpose
+    # copy is made; each parameter is copied out of the second buffer
+    assert (stats.copies_removed, stats.copies_out) == (2, 4)
     _check_same(gm, bucketed, _inputs((2,), (1, 3), (8,)))
     # without parameter names a gather of a collective's result is not known
     # to be a parameter's: only the first stages bucket
