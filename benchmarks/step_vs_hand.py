@@ -322,7 +322,8 @@ def main(argv=None):
     if "bucket_collectives" in r["stats"]:
         for kind, s in r["stats"]["bucket_collectives"].items():
             print(f"  bucket_collectives {kind}: {s.buckets} buckets replace {s.collectives_merged} {s.by_kind}, "
-                  f"est. peak {s.peak_memory_before} -> {s.peak_memory_after} B, saves ~{s.comm_time_saved_s * 1e6:.0f} us")
+                  f"est. peak {s.peak_memory_before} -> {s.peak_memory_after} B, saves ~{s.comm_time_saved_s * 1e6:.0f} us; "
+                  f"copies out {s.copies_out}, copies made unnecessary {s.copies_removed}")
 
 
 if __name__ == "__main__":
