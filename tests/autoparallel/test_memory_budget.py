@@ -92,6 +92,13 @@ def _plan_llama(ac, *, apply: bool, budget=None, batch=BATCH, seq=SEQ):
         dp = (Shard(0), Shard(0))
         autop.add_input_constraints([dp])
         autop.add_output_constraints([dp])
+        if budget == "smallest":
+            # the smallest estimate any plan reaches: every term at its most
+            # sharded option (a budget with slack makes the ILP a knapsack
+            # HiGHS takes >10 s to prove on this model; see the wide model
+            # test for one with slack)
+            autop.build_problem()
+            budget = {"bytes": autop._constraint_log[BUDGET_NAME]["smallest_bytes"] * (1 + 1e-6)}
         if budget is not None:
             autop.add_memory_budget(**budget)
         plan = autop.optimize_placement()
@@ -105,21 +112,24 @@ def _plan_llama(ac, *, apply: bool, budget=None, batch=BATCH, seq=SEQ):
 # (AC, budget): the default budget (72 GB) leaves the cost model's cheapest
 # plan for this tiny model, activations replicated; a budget of a few MB
 # makes it shard them over all 4 ranks (data parallel).
-CASES = [(None, None), (None, 2.0e6), ("selective", None), ("selective", 1.2e6)]
+CASES = [(None, None), (None, "smallest"), ("selective", None), ("selective", "smallest")]
 
 
 @pytest.mark.parametrize("ac,budget", CASES)
 def test_estimate_matches_a_run(fake_world, ac, budget):
     fake_world(N)
-    plan, parallel, problem = _plan_llama(ac, apply=True, budget=budget and {"bytes": budget})
+    plan, parallel, problem = _plan_llama(ac, apply=True, budget=budget)
     est = memory.breakdown(plan)
     # the report's estimate is the ILP row's value at the chosen options
     assert est.total == pytest.approx(used_bytes(problem, plan.solution.choice), rel=1e-9)
-    assert est.budget == pytest.approx(budget or 0.9 * 80e9)
+    if budget is None:
+        assert est.budget == pytest.approx(0.9 * 80e9)
     assert est.total <= est.budget
     matmuls = {n.output_placements for n in plan.nodes.values() if n.op == "aten.mm.default" and n.phase == "forward"}
     if budget is not None:
         assert matmuls == {"S(0)S(0)"}  # the budget made it shard the batch
+    else:
+        assert "RR" in matmuls  # the cheapest plan replicates most tiny activations
     tokens = torch.randint(0, ARGS.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     with LocalTensorMode(N) as lm:
         parallel.to_empty(device="cpu")
@@ -133,13 +143,6 @@ def test_estimate_matches_a_run(fake_world, ac, budget):
     assert figures["optimizer"][0] == pytest.approx(got["optimizer"], rel=1e-3)
     assert est.activations == pytest.approx(got["activations"], rel=0.15)
     assert est.total == pytest.approx(sum(got.values()), rel=0.15)
-
-
-def test_selective_ac_saves_less(fake_world):
-    fake_world(N)
-    plain, _, _ = _plan_llama(None, apply=False)
-    sac, _, _ = _plan_llama("selective", apply=False)
-    assert memory.breakdown(sac).activations < 0.6 * memory.breakdown(plain).activations
 
 
 def test_report_names_the_budget(fake_world):
