@@ -297,7 +297,7 @@ def step_memory_model(
             continue
         terms.setdefault(node.name, {})["activations"] = float(val.numel() * val.element_size())
     if skipped:
-        logger.debug("memory model: %d saved values without a single-output decision not counted", skipped)
+        logger.warning("memory model: %d saved values without a single-output decision not counted", skipped)
     return StepMemoryModel(
         terms, optimizer.name, per_elem_opt, "forward values the backward reads, less AC-recomputed ones"
     )
@@ -310,8 +310,13 @@ def _single_output(strat) -> bool:
 # -- the constraint ---------------------------------------------------------------------
 
 
-def _labels(strategies, node) -> list[str]:
-    return [format_specs(o.output_specs) for o in strategies[node].options]
+def _labels(strategies, node, cache: dict) -> list[str]:
+    # option lists are shared by structurally equal nodes: format each once
+    opts = strategies[node].options
+    labels = cache.get(id(opts))
+    if labels is None:
+        labels = cache[id(opts)] = [format_specs(o.output_specs) for o in opts]
+    return labels
 
 
 def budget_constraint(
@@ -319,16 +324,15 @@ def budget_constraint(
 ) -> solver.ResourceConstraint:
     """``sum over decisions of weights[chosen option] <= budget``."""
     by_name = {n.name: n for n in strategies}
+    labels: dict[int, list[str]] = {}
     cache: dict[tuple, list[float]] = {}
     terms: dict[str, list[float]] = {}
     for name, cats in model.terms.items():
         node = by_name[name]
-        opts = strategies[node].options
-        # option lists are shared by structurally equal nodes (equal bytes)
-        key = (id(opts), tuple(sorted(cats.items())))
+        key = (id(strategies[node].options), tuple(sorted(cats.items())))
         w = cache.get(key)
         if w is None:
-            w = cache[key] = model.weights(name, _labels(strategies, node), mesh_shape)
+            w = cache[key] = model.weights(name, _labels(strategies, node, labels), mesh_shape)
         terms[name] = w
     # bytes are exact in float up to 2**53; the slack absorbs summation order
     return solver.ResourceConstraint(BUDGET_NAME, terms, high=budget * (1 + 1e-9))
@@ -337,19 +341,26 @@ def budget_constraint(
 def smallest(
     model: StepMemoryModel, strategies: dict[torch.fx.Node, Any], mesh_shape: list[int], pins: dict
 ) -> dict[str, float]:
-    """Per category, the per-rank bytes with every term at its smallest
+    """Per category, the per-rank bytes with every term at its most sharded
     option allowed by the pins: a lower bound on any plan's estimate."""
     by_name = {n.name: n for n in strategies}
+    labels: dict[int, list[str]] = {}
+    most_sharded: dict[int, str] = {}
     out = dict.fromkeys(CATEGORIES, 0.0)
     for name in model.terms:
         node = by_name[name]
-        labels = _labels(strategies, node)
+        opts = strategies[node].options
         pin = pins.get(name)
         if pin is not None:
             allowed = "".join(_fmt(p) for p in pin[1])
-            labels = [lab for lab in labels if lab == allowed] or labels
-        best = min((model.per_rank(name, lab, mesh_shape) for lab in set(labels)), key=lambda d: sum(d.values()))
-        for cat, b in best.items():
+            cands = [lab for lab in _labels(strategies, node, labels) if lab == allowed]
+            best = max(cands or _labels(strategies, node, labels), key=lambda lab: shard_factor(lab, mesh_shape))
+        else:
+            best = most_sharded.get(id(opts))
+            if best is None:
+                cands = set(_labels(strategies, node, labels))
+                best = most_sharded[id(opts)] = max(cands, key=lambda lab: shard_factor(lab, mesh_shape))
+        for cat, b in model.per_rank(name, best, mesh_shape).items():
             out[cat] += b
     return out
 

@@ -255,3 +255,20 @@ def test_saved_activations_follow_the_partitioner_rules():
         jd = aot_export_joint_with_descriptors(stack, M(), (torch.randn(4, 8, requires_grad=False),))
         saved = saved_activation_nodes(jd.graph_module)
     assert [str(n.target) for n in saved] == ["aten.relu.default"], [n.format_node() for n in saved]
+
+
+def test_solver_conflict_names_the_budget_with_its_numbers():
+    """A budget the sum of smallest layouts meets but the graph's edges do
+    not comes back from the solver's diagnosis; the message says the budget
+    and the smallest estimate."""
+    import solver
+    from autoparallel import infeasibility
+
+    err = solver.InfeasibleError("infeasible", conflict=[BUDGET_NAME, "input constraint 0"])
+    log = {
+        BUDGET_NAME: {"budget_bytes": 2e9, "source": "given", "smallest_bytes": 1.5e9, "model": {}},
+        "input constraint 0": {"node": "tokens", "placements": ["R"]},
+    }
+    msg = str(infeasibility.describe_conflict(err, log))
+    assert "'memory budget' (2.00 GB per rank, given; the smallest estimate any layout reaches is 1.50 GB)" in msg
+    assert "'input constraint 0' (tokens as R)" in msg
