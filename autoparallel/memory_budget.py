@@ -184,7 +184,9 @@ class StepMemoryModel:
         return cls(**{**d, "terms": {k: dict(v) for k, v in d["terms"].items()}})
 
 
-def saved_activation_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+def saved_activation_nodes(
+    gm: torch.fx.GraphModule, param_chain: set[torch.fx.Node] = frozenset()
+) -> list[torch.fx.Node]:
     """Forward nodes whose outputs the backward keeps, estimated as PyTorch's
     min-cut partitioner chooses them.
 
@@ -199,6 +201,9 @@ def saved_activation_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     ``should_ban_recomputation``. What a recomputed value reads is needed in
     turn. Graph inputs (parameters, the batch) are held anyway and not
     counted; a multi-output op is counted through its ``getitem`` nodes.
+    Nor are ``param_chain`` nodes (a parameter's casts and views in the
+    forward): the apply stage recomputes a parameter's cast and all-gather
+    for the backward (:mod:`autoparallel.passes.recompute_all_gathers`).
 
     The partitioner's cut is a min-cut over these candidates, so it may keep
     a different but equally large set (``a + b`` for ``a`` and ``b``); the
@@ -228,6 +233,8 @@ def saved_activation_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
         return False
 
     def recomputed(n: torch.fx.Node) -> bool:
+        if n in param_chain:
+            return True
         tag = n.meta.get("recompute")
         if tag in _RECOMPUTED:
             return True
@@ -289,7 +296,9 @@ def step_memory_model(
             "optimizer": float(numel * per_elem_opt) if grad is not None else 0.0,
         }
     skipped = 0
-    for node in saved_activation_nodes(traced.gm):
+    from .problem_builder import _forward_param_chain
+
+    for node in saved_activation_nodes(traced.gm, _forward_param_chain(traced)):
         val = node.meta["val"]
         strat = strategies.get(node)
         if strat is None or strat.getitem_index is None and not _single_output(strat):
@@ -311,6 +320,7 @@ def _single_output(strat) -> bool:
 
 
 def _labels(strategies, node, cache: dict) -> list[str]:
+    """Each option's output placements."""
     # option lists are shared by structurally equal nodes: format each once
     opts = strategies[node].options
     labels = cache.get(id(opts))
@@ -342,24 +352,22 @@ def smallest(
     model: StepMemoryModel, strategies: dict[torch.fx.Node, Any], mesh_shape: list[int], pins: dict
 ) -> dict[str, float]:
     """Per category, the per-rank bytes with every term at its most sharded
-    option allowed by the pins: a lower bound on any plan's estimate."""
+    option allowed by the pins: the smallest estimate any plan can reach
+    (a lower bound where the graph's edges rule some combinations out)."""
     by_name = {n.name: n for n in strategies}
     labels: dict[int, list[str]] = {}
-    most_sharded: dict[int, str] = {}
+    most_sharded: dict[tuple, str] = {}
     out = dict.fromkeys(CATEGORIES, 0.0)
     for name in model.terms:
         node = by_name[name]
-        opts = strategies[node].options
         pin = pins.get(name)
-        if pin is not None:
-            allowed = "".join(_fmt(p) for p in pin[1])
-            cands = [lab for lab in _labels(strategies, node, labels) if lab == allowed]
-            best = max(cands or _labels(strategies, node, labels), key=lambda lab: shard_factor(lab, mesh_shape))
-        else:
-            best = most_sharded.get(id(opts))
-            if best is None:
-                cands = set(_labels(strategies, node, labels))
-                best = most_sharded[id(opts)] = max(cands, key=lambda lab: shard_factor(lab, mesh_shape))
+        allowed = None if pin is None else "".join(_fmt(p) for p in pin[1])
+        key = (id(strategies[node].options), allowed)
+        best = most_sharded.get(key)
+        if best is None:
+            mine = _labels(strategies, node, labels)
+            cands = {lab for lab in mine if allowed is None or lab == allowed} or set(mine)
+            best = most_sharded[key] = max(cands, key=lambda lab: shard_factor(lab, mesh_shape))
         for cat, b in model.per_rank(name, best, mesh_shape).items():
             out[cat] += b
     return out

@@ -113,9 +113,14 @@ def _plan_llama(ac, *, apply: bool, budget=None, batch=BATCH, seq=SEQ):
 # plan for this tiny model, activations replicated; a budget of a few MB
 # makes it shard them over all 4 ranks (data parallel).
 CASES = [(None, None), (None, "smallest"), ("selective", None), ("selective", "smallest")]
+# without AC at the default budget and with AC sharded by the budget run by
+# default (~6 s each on an idle machine); the other two with -m slow
+_SLOW = {(None, "smallest"), ("selective", None)}
 
 
-@pytest.mark.parametrize("ac,budget", CASES)
+@pytest.mark.parametrize(
+    "ac,budget", [pytest.param(*c, marks=[pytest.mark.slow] if c in _SLOW else []) for c in CASES]
+)
 def test_estimate_matches_a_run(fake_world, ac, budget):
     fake_world(N)
     plan, parallel, problem = _plan_llama(ac, apply=True, budget=budget)
