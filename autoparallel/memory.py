@@ -184,7 +184,7 @@ def _budget_breakdown(plan, entry: dict, optimizer: OptimizerSpec | None, hbm: f
     from .memory_budget import StepMemoryModel
 
     model = StepMemoryModel.from_json(entry["model"])
-    est = model.estimate({name: plan.nodes[name].output_placements for name in model.terms}, plan.mesh_shape)
+    est = model.estimate(plan.nodes, plan.mesh_shape)
     name = model.optimizer
     if optimizer is not None and model.optimizer_bytes_per_element:
         per_elem = optimizer.state_bytes_per_element + optimizer.master_bytes_per_element

@@ -144,8 +144,10 @@ def hbm_bytes(device: Any) -> float | None:
 
 @dataclass
 class StepMemoryModel:
-    """Replicated bytes per decision and category; each shards with the
-    decision's chosen output placement.
+    """Replicated bytes per term and category. A term is a decision's output
+    (key: the decision's name), sharded as its chosen output placement, or
+    the ``k``-th input of a decision (key ``name:in:k``), sharded as the
+    chosen option needs that input (see :func:`step_memory_model`).
 
     >>> m = StepMemoryModel({"w": {"parameters": 400.0, "optimizer": 800.0}})
     >>> m.per_rank("w", "S(0)R", [4, 2])
@@ -164,15 +166,24 @@ class StepMemoryModel:
         factor = shard_factor(placements, mesh_shape)
         return {cat: b / factor for cat, b in self.terms[name].items()}
 
-    def weights(self, name: str, labels: list[str], mesh_shape: list[int]) -> list[float]:
-        return [sum(self.per_rank(name, p, mesh_shape).values()) for p in labels]
+    def weights(self, key: str, labels: list[str], mesh_shape: list[int]) -> list[float]:
+        return [sum(self.per_rank(key, p, mesh_shape).values()) for p in labels]
 
-    def estimate(self, placements: dict[str, str], mesh_shape: list[int]) -> dict[str, float]:
-        """Per-rank bytes by category for the chosen ``placements`` (decision
-        name -> output placements)."""
+    @staticmethod
+    def site(key: str) -> tuple[str, int | None]:
+        """(decision name, input index or None for its output) of a term."""
+        name, _, k = key.partition(":in:")
+        return name, int(k) if k else None
+
+    def estimate(self, plan_nodes: dict, mesh_shape: list[int]) -> dict[str, float]:
+        """Per-rank bytes by category for a plan's chosen placements
+        (``plan.nodes``: name -> NodePlan)."""
         out = dict.fromkeys(CATEGORIES, 0.0)
-        for name in self.terms:
-            for cat, b in self.per_rank(name, placements[name], mesh_shape).items():
+        for key in self.terms:
+            name, k = self.site(key)
+            n = plan_nodes[name]
+            placements = n.output_placements if k is None else n.input_placements[k]
+            for cat, b in self.per_rank(key, placements, mesh_shape).items():
                 out[cat] += b
         return out
 
@@ -187,6 +198,13 @@ class StepMemoryModel:
 def saved_activation_nodes(
     gm: torch.fx.GraphModule, param_chain: set[torch.fx.Node] = frozenset()
 ) -> list[torch.fx.Node]:
+    """The saved forward values (see :func:`_saved_and_needed`)."""
+    return _saved_and_needed(gm, param_chain)[0]
+
+
+def _saved_and_needed(
+    gm: torch.fx.GraphModule, param_chain: set[torch.fx.Node] = frozenset()
+) -> tuple[list[torch.fx.Node], set[torch.fx.Node]]:
     """Forward nodes whose outputs the backward keeps, estimated as PyTorch's
     min-cut partitioner chooses them.
 
@@ -261,7 +279,7 @@ def saved_activation_nodes(
         needed.add(n)
         if recomputed(n):
             stack.extend(a for a in n.all_input_nodes if a in fwd)
-    return [
+    saved = [
         n
         for n in gm.graph.nodes  # graph order
         if n in needed
@@ -269,6 +287,7 @@ def saved_activation_nodes(
         and isinstance(n.meta.get("val"), torch.Tensor)
         and not recomputed(n)
     ]
+    return saved, {n for n in needed if n.op == "call_function" and recomputed(n) and not is_view(n)}
 
 
 def _nbytes(n: torch.fx.Node) -> int:
@@ -298,18 +317,74 @@ def step_memory_model(
     skipped = 0
     from .problem_builder import _forward_param_chain
 
-    for node in saved_activation_nodes(traced.gm, _forward_param_chain(traced)):
-        val = node.meta["val"]
+    chain = _forward_param_chain(traced)
+    saved, remade = _saved_and_needed(traced.gm, chain)
+    counted = set()
+    for node in saved:
         strat = strategies.get(node)
         if strat is None or strat.getitem_index is None and not _single_output(strat):
             skipped += 1
             continue
-        terms.setdefault(node.name, {})["activations"] = float(val.numel() * val.element_size())
+        terms.setdefault(node.name, {})["activations"] = float(_nbytes(node))
+        counted.add(node)
+    _redistributed_inputs(traced.gm, strategies, chain, remade, counted, terms)
     if skipped:
         logger.warning("memory model: %d saved values without a single-output decision not counted", skipped)
     return StepMemoryModel(
         terms, optimizer.name, per_elem_opt, "forward values the backward reads, less AC-recomputed ones"
     )
+
+
+def _redistributed_inputs(gm, strategies: dict, chain: set, remade: set, counted: set, terms: dict) -> None:
+    """Lay saved values out as the backward reads them.
+
+    The backward reads the inputs of the forward's matmuls (the partitioner's
+    compute-intensive ops: for their weight gradients) and of the ops it
+    recomputes (``remade``). An input that arrives in another layout than it
+    was produced gets it through a collective the apply stage adds, and the
+    partitioner never recomputes collectives: the backward keeps the
+    redistributed tensor (LLaMA-3 8B on 16 x 8: the residual stream
+    all-gathered over tp for each layer's feed-forward, half the saved
+    bytes). Per activation, at its first such reader in graph order:
+
+    * when it is kept anyway (saved), its term moves to the reader's input,
+      sharded as the reader's option needs it: its own layout when no
+      collective is needed;
+    * when it is recomputed itself, the reader's input is kept less the
+      value it is made from, ``bytes / shard(input) - bytes / shard(output)``:
+      zero when the layouts agree, the gathered size less its shard when
+      an all-gather made it.
+    """
+    from torch._functorch.partitioners import get_default_op_list
+
+    ops = get_default_op_list()
+    views = _VIEW_OPS | set(ops.view_ops)
+    fwd = forward_nodes(gm)
+    seen: set[torch.fx.Node] = set()
+    for c in gm.graph.nodes:
+        if c not in fwd or c.op != "call_function" or not (c in remade or ops.is_compute_intensive(c)):
+            continue
+        strat = strategies.get(c)
+        if strat is None or strat.getitem_index is not None:
+            continue
+        for k, v in enumerate(strat.inputs):
+            p = v
+            while p.op == "call_function" and p.target in views and isinstance(p.args[0], torch.fx.Node):
+                p = p.args[0]
+            if p in seen or p in chain or p.op != "call_function" or p not in strategies:
+                continue
+            seen.add(p)
+            b = float(_nbytes(p))
+            key = f"{c.name}:in:{k}"
+            if p in counted:
+                own = terms[p.name]
+                del own["activations"]
+                if not own:
+                    del terms[p.name]
+                terms.setdefault(key, {})["activations"] = terms.get(key, {}).get("activations", 0.0) + b
+            elif _single_output(strategies[p]) or strategies[p].getitem_index is not None:
+                terms.setdefault(key, {})["activations"] = terms.get(key, {}).get("activations", 0.0) + b
+                terms.setdefault(p.name, {})["activations"] = terms.get(p.name, {}).get("activations", 0.0) - b
 
 
 def _single_output(strat) -> bool:
@@ -319,13 +394,15 @@ def _single_output(strat) -> bool:
 # -- the constraint ---------------------------------------------------------------------
 
 
-def _labels(strategies, node, cache: dict) -> list[str]:
-    """Each option's output placements."""
+def _labels(strategies, node, cache: dict, k: int | None = None) -> list[str]:
+    """Each option's output placements (``k``: its ``k``-th input's)."""
     # option lists are shared by structurally equal nodes: format each once
     opts = strategies[node].options
-    labels = cache.get(id(opts))
+    labels = cache.get((id(opts), k))
     if labels is None:
-        labels = cache[id(opts)] = [format_specs(o.output_specs) for o in opts]
+        labels = cache[(id(opts), k)] = [
+            format_specs(o.output_specs if k is None else o.input_specs[k]) for o in opts
+        ]
     return labels
 
 
@@ -334,15 +411,18 @@ def budget_constraint(
 ) -> solver.ResourceConstraint:
     """``sum over decisions of weights[chosen option] <= budget``."""
     by_name = {n.name: n for n in strategies}
-    labels: dict[int, list[str]] = {}
+    labels: dict[tuple, list[str]] = {}
     cache: dict[tuple, list[float]] = {}
     terms: dict[str, list[float]] = {}
-    for name, cats in model.terms.items():
+    for key, cats in model.terms.items():
+        name, k = model.site(key)
         node = by_name[name]
-        key = (id(strategies[node].options), tuple(sorted(cats.items())))
-        w = cache.get(key)
+        ckey = (id(strategies[node].options), k, tuple(sorted(cats.items())))
+        w = cache.get(ckey)
         if w is None:
-            w = cache[key] = model.weights(name, _labels(strategies, node, labels), mesh_shape)
+            w = cache[ckey] = model.weights(key, _labels(strategies, node, labels, k), mesh_shape)
+        if name in terms:  # several terms on one decision: one weight per option
+            w = [a + b for a, b in zip(terms[name], w)]
         terms[name] = w
     # bytes are exact in float up to 2**53; the slack absorbs summation order
     return solver.ResourceConstraint(BUDGET_NAME, terms, high=budget * (1 + 1e-9))
@@ -351,24 +431,28 @@ def budget_constraint(
 def smallest(
     model: StepMemoryModel, strategies: dict[torch.fx.Node, Any], mesh_shape: list[int], pins: dict
 ) -> dict[str, float]:
-    """Per category, the per-rank bytes with every term at its most sharded
-    option allowed by the pins: the smallest estimate any plan can reach
-    (a lower bound where the graph's edges rule some combinations out)."""
+    """Per category, the per-rank bytes with every term at its smallest
+    option allowed by the pins: a lower bound on any plan's estimate (equal
+    to the smallest reachable when no edge rules the combination out)."""
     by_name = {n.name: n for n in strategies}
-    labels: dict[int, list[str]] = {}
-    most_sharded: dict[tuple, str] = {}
+    labels: dict[tuple, list[str]] = {}
+    best: dict[tuple, str] = {}
     out = dict.fromkeys(CATEGORIES, 0.0)
-    for name in model.terms:
+    for key, cats in model.terms.items():
+        name, k = model.site(key)
         node = by_name[name]
         pin = pins.get(name)
         allowed = None if pin is None else "".join(_fmt(p) for p in pin[1])
-        key = (id(strategies[node].options), allowed)
-        best = most_sharded.get(key)
-        if best is None:
-            mine = _labels(strategies, node, labels)
-            cands = {lab for lab in mine if allowed is None or lab == allowed} or set(mine)
-            best = most_sharded[key] = max(cands, key=lambda lab: shard_factor(lab, mesh_shape))
-        for cat, b in model.per_rank(name, best, mesh_shape).items():
+        # a negative term is smallest where least sharded
+        sign = 1 if sum(cats.values()) >= 0 else -1
+        ckey = (id(strategies[node].options), k, allowed, sign)
+        lab = best.get(ckey)
+        if lab is None:
+            mine = _labels(strategies, node, labels, k)
+            outs = _labels(strategies, node, labels)
+            cands = {m for m, o in zip(mine, outs) if allowed is None or o == allowed} or set(mine)
+            lab = best[ckey] = max(cands, key=lambda x: sign * shard_factor(x, mesh_shape))
+        for cat, b in model.per_rank(key, lab, mesh_shape).items():
             out[cat] += b
     return out
 

@@ -6,8 +6,9 @@
    the budget cost in planning time (problem build + solver), and the
    estimate against the budget.
 2. Tiny LLaMA-3 on a 2 x 2 mesh run on 4 simulated ranks (LocalTensorMode),
-   without and with selective AC, under the default budget and the smallest one any
-   plan meets (the batch sharded over all 4 ranks): estimated vs measured bytes per rank
+   without and with selective AC, under the default budget, with every forward
+   matmul pinned data parallel, and under a 2 MB budget that makes the
+   solver shard the batch: estimated vs measured bytes per rank
    (see tests/autoparallel/test_memory_budget.py for how it is measured).
 
     PYTHONPATH=. python benchmarks/memory_budget.py [--skip-8b] [--skip-tiny]
@@ -97,7 +98,7 @@ def bench_tiny() -> None:
                 got = t.measure_step(parallel, tokens, lm)
             rows = [(k, getattr(est, k), got[k]) for k in got] + [("total", est.total, sum(got.values()))]
             for k, e, m in rows:
-                print(f"  {ac or 'none':10s} {budget or 'default':>9s} "
+                print(f"  {ac or 'none':10s} {str(budget or 'default'):>9s} "
                       f"{k:12s} {e / 1e3:8.1f}kB {m / 1e3:8.1f}kB {100 * (e / m - 1):+6.1f}%")
     finally:
         dist.destroy_process_group()
