@@ -207,7 +207,7 @@ def test_budget_no_plan_meets_names_itself(fake_world):
         _plan_wide(10_000)
     msg = str(err.value)
     assert err.value.conflict[0] == BUDGET_NAME
-    assert msg.startswith("memory budget: the smallest per-rank memory any plan can reach is")
+    assert msg.startswith("memory budget: the smallest per-rank memory any plan can reach is at least")
     # the minimum reachable (all fully sharded) vs the budget
     assert "above the budget of 10.00 kB (given)" in msg
     # fully sharded over 4 ranks: 2 x 256 x 1024 fp32 weights / 4
@@ -273,5 +273,5 @@ def test_solver_conflict_names_the_budget_with_its_numbers():
         "input constraint 0": {"node": "tokens", "placements": ["R"]},
     }
     msg = str(infeasibility.describe_conflict(err, log))
-    assert "'memory budget' (2.00 GB per rank, given; the smallest estimate any layout reaches is 1.50 GB)" in msg
+    assert "'memory budget' (2.00 GB per rank, given; every term at its smallest layout: 1.50 GB)" in msg
     assert "'input constraint 0' (tokens as R)" in msg
