@@ -2,6 +2,7 @@
 
     python examples/example_hf.py            # GPT-2 (tied head) on a fake 2x2 mesh
     python examples/example_hf.py --model bert
+    python examples/example_hf.py --model mixtral   # MoE: prints what the experts got
 
 Builds the model on the meta device from a small config, plans it for a
 ("dp", "tp") mesh on a fake process group with the batch split over dp, and
@@ -37,12 +38,20 @@ def build(name: str):
             num_key_value_heads=2, vocab_size=128, use_cache=False,
         )
         return transformers.LlamaForCausalLM(config), config.vocab_size
-    raise SystemExit(f"unknown model {name!r}: choose gpt2, bert or llama")
+    if name == "mixtral":
+        # Any experts_implementation plans: the routed experts are traced as
+        # autoparallel's moe_experts op, which can be expert parallel.
+        config = transformers.MixtralConfig(
+            hidden_size=64, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=128, use_cache=False,
+        )
+        return transformers.MixtralForCausalLM(config), config.vocab_size
+    raise SystemExit(f"unknown model {name!r}: choose gpt2, bert, llama or mixtral")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="gpt2", choices=["gpt2", "bert", "llama"])
+    ap.add_argument("--model", default="gpt2", choices=["gpt2", "bert", "llama", "mixtral"])
     ap.add_argument("--mesh", type=int, nargs=2, default=(2, 2))
     args = ap.parse_args()
     dp, tp = args.mesh
@@ -55,6 +64,10 @@ def main() -> None:
         autop.add_input_constraints([(Shard(0), Replicate())])  # batch over dp
         plan = autop.optimize_placement()
     print(plan.summary())
+    experts = [n for n in plan.nodes.values() if n.op == "autoparallel.moe_experts.default"]
+    for n in experts:
+        # inputs: tokens, expert ids per token, routing weights, w1, w3, w2, expert ids held
+        print(f"{n.module_path}: tokens {n.input_placements[0]}, expert weights {n.input_placements[3]} -> output {n.output_placements}")
     dist.destroy_process_group()
 
 

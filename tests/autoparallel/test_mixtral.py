@@ -1,0 +1,190 @@
+"""Hugging Face mixture-of-experts models (Mixtral, Qwen2/3-MoE, gpt-oss)
+built from tiny configs (no downloads): every ``experts_implementation``
+traces, plans on a 2x2 ("dp", "tp") mesh, applies, and one step on 4
+simulated ranks equals single-device (loss and every gradient, fp32).
+
+Gated SiLU experts run as ``autoparallel::moe_experts`` whatever the
+implementation (see :func:`autoparallel.trace_wrappers.route_hf_experts`),
+so the planner may pick expert parallelism; experts that do not fit that op
+(gpt-oss: biases, its own gating) run transformers' ``batched_mm`` forward
+when their implementation cannot be traced."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+from _parity import check_step, plan_and_apply
+from torch.distributed.tensor import Shard
+
+from autoparallel.cost_model import DeviceSpec
+from autoparallel.tracing import trace_training_step
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+]
+
+B, S, VOCAB, HIDDEN = 4, 8, 128, 64
+IMPLS = ["grouped_mm", "eager", "batched_mm"]  # grouped_mm: transformers' default
+
+
+class LMLoss(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids).logits.float().pow(2).mean()
+
+
+def _common(impl):
+    return dict(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, use_cache=False, experts_implementation=impl,
+    )
+
+
+def mixtral(impl="grouped_mm", intermediate=128):
+    def build():
+        cfg = transformers.MixtralConfig(
+            intermediate_size=intermediate, num_local_experts=4, num_experts_per_tok=2, attn_implementation="sdpa",
+            **_common(impl),
+        )
+        return LMLoss(transformers.MixtralForCausalLM(cfg))
+
+    return build
+
+
+def qwen3_moe(impl="grouped_mm"):
+    def build():
+        cfg = transformers.Qwen3MoeConfig(
+            intermediate_size=128, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, head_dim=16,
+            attn_implementation="sdpa", **_common(impl),
+        )
+        return LMLoss(transformers.Qwen3MoeForCausalLM(cfg))
+
+    return build
+
+
+def qwen2_moe(impl="grouped_mm"):
+    def build():
+        cfg = transformers.Qwen2MoeConfig(
+            intermediate_size=128, moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=4,
+            num_experts_per_tok=2, attn_implementation="sdpa", **_common(impl),
+        )
+        return LMLoss(transformers.Qwen2MoeForCausalLM(cfg))
+
+    return build
+
+
+def gpt_oss(impl="grouped_mm"):
+    def build():
+        cfg = transformers.GptOssConfig(
+            intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, head_dim=16,
+            attn_implementation="eager", layer_types=["full_attention"] * 2, **_common(impl),
+        )
+        return LMLoss(transformers.GptOssForCausalLM(cfg))
+
+    return build
+
+
+def _tokens():
+    return (torch.randint(1, VOCAB, (B, S), generator=torch.Generator().manual_seed(1)),)
+
+
+def compute_bound_device() -> DeviceSpec:
+    """H100 with 1e4x slower compute (memory and links unchanged): the tiny
+    model's step is compute-bound, as a real MoE step is, so the plan splits
+    the experts' work rather than replicating it."""
+    return dataclasses.replace(DeviceSpec.get("H100"), name="compute-bound", peak_bf16=1e11, peak_fp32=1e11, peak_tf32=1e11)
+
+
+def _per_dim(placements: str) -> list[str]:
+    """"S(0)P" -> ["S(0)", "P"] (a plan's placement string, one per mesh dim)."""
+    return re.findall(r"_StridedShard\([^)]*\)|[SRP](?:\([^)]*\))?", placements)
+
+
+def _trace(build):
+    with torch.device("meta"):
+        model = build()
+    stack = contextlib.ExitStack()
+    with stack:
+        traced = trace_training_step(model, (torch.empty(B, S, dtype=torch.long, device="meta"),), "cpu", stack=stack)
+    return [str(n.target) for n in traced.gm.graph.nodes if n.op == "call_function"]
+
+
+def test_mixtral_every_experts_implementation_traces_as_moe_op(caplog):
+    """eager (data-dependent nonzero loop), grouped_mm (opaque fp32 fallback
+    op while compiling) and batched_mm all trace to the same graph: one
+    moe_experts op per layer, forward and backward."""
+    graphs = {}
+    for impl in IMPLS:
+        with caplog.at_level(logging.INFO, logger="autoparallel.trace_wrappers"):
+            graphs[impl] = _trace(mixtral(impl))
+        assert f"Hugging Face experts traced as moe_experts (was {impl}): model.model.layers.0.mlp.experts" in caplog.text
+        caplog.clear()
+    ops = graphs["grouped_mm"]
+    assert ops.count("autoparallel.moe_experts.default") == 2
+    assert ops.count("autoparallel.moe_experts_backward.default") == 2
+    assert not [op for op in ops if "nonzero" in op or "grouped_mm" in op or "bmm" in op]
+    assert graphs["eager"] == ops and graphs["batched_mm"] == ops
+
+
+def test_experts_that_do_not_fit_run_batched_mm(caplog):
+    """gpt-oss experts (biases, interleaved gate/up with its own gating)
+    cannot be moe_experts: with the untraceable eager implementation they
+    run transformers' batched_mm forward, and the log says why."""
+    with caplog.at_level(logging.INFO, logger="autoparallel.trace_wrappers"):
+        ops = _trace(gpt_oss("eager"))
+    assert "traced as batched_mm (was eager; not moe_experts: its experts have biases)" in caplog.text
+    assert "aten.bmm.default" in ops and not [op for op in ops if "nonzero" in op or "moe_experts" in op]
+
+
+def test_mixtral_expert_parallel_chosen_and_matches(fake_world):
+    """On a compute-bound device with expert weights much larger than the
+    step's tokens, the solver picks expert parallelism (weights Shard(0),
+    routed op output Partial) on some mesh dim; the step matches."""
+    fake_world(4)
+    build = mixtral(intermediate=512)
+    inputs = _tokens()
+    parallel, plan, mesh = plan_and_apply(build, inputs, device=compute_bound_device())
+    experts = {n: tuple(p.placements) for n, p in parallel.named_parameters() if ".experts." in n}
+    assert len(experts) == 4
+    ep_dims = set.intersection(*({i for i, p in enumerate(pl) if p == Shard(0)} for pl in experts.values()))
+    assert ep_dims, f"no mesh dim shards every expert weight by expert: {experts}\n{plan.summary()}"
+    fwd = [n for n in plan.nodes.values() if n.op == "autoparallel.moe_experts.default" and n.phase == "forward"]
+    assert len(fwd) == 2
+    for node in fwd:
+        for dim in ep_dims:  # weights and expert ids split by expert, output partial on that dim
+            assert all(_per_dim(pl)[dim] == "S(0)" for pl in node.input_placements[3:]), node
+            assert _per_dim(node.output_placements)[dim] == "P", node
+    check_step(parallel, mesh, build, inputs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", IMPLS)
+def test_mixtral_plan_apply_matches(fake_world, impl):
+    """Default (H100) cost model, each implementation: plan, apply, one step."""
+    fake_world(4)
+    build = mixtral(impl)
+    parallel, _, mesh = plan_and_apply(build, _tokens())
+    check_step(parallel, mesh, build, _tokens())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case", [qwen3_moe(), qwen2_moe(), gpt_oss("eager"), gpt_oss("grouped_mm")],
+    ids=["qwen3_moe", "qwen2_moe", "gpt_oss_eager", "gpt_oss_grouped_mm"],
+)
+def test_other_hf_moe_plan_apply_matches(fake_world, case):
+    fake_world(4)
+    parallel, _, mesh = plan_and_apply(case, _tokens())
+    check_step(parallel, mesh, case, _tokens())
