@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import types
 
 import torch
@@ -215,9 +216,11 @@ def route_hf_experts(model: nn.Module) -> dict[str, str]:
 
     Returns {module FQN: what it now runs} and logs one line per kind.
     """
+    if "transformers" not in sys.modules:  # not a Hugging Face model: do not import it
+        return {}
     try:
         from transformers.integrations.moe import batched_mm_experts_forward
-    except ImportError:  # transformers absent or without the experts interface
+    except ImportError:  # a transformers without the experts interface
         return {}
     routed: dict[str, str] = {}
     for name, module in model.named_modules():

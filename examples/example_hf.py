@@ -3,6 +3,7 @@
     python examples/example_hf.py            # GPT-2 (tied head) on a fake 2x2 mesh
     python examples/example_hf.py --model bert
     python examples/example_hf.py --model mixtral   # MoE: prints what the experts got
+    python examples/example_hf.py --model mixtral-8x7b --seq 4096 --mesh 4 8
 
 Builds the model on the meta device from a small config, plans it for a
 ("dp", "tp") mesh on a fake process group with the batch split over dp, and
@@ -46,12 +47,20 @@ def build(name: str):
             num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=128, use_cache=False,
         )
         return transformers.MixtralForCausalLM(config), config.vocab_size
-    raise SystemExit(f"unknown model {name!r}: choose gpt2, bert, llama or mixtral")
+    if name == "mixtral-8x7b":
+        # Mixtral-8x7B's shapes (2 of its 32 layers, to plan quickly): at these
+        # sizes the step is compute-bound and the expert weights dwarf a rank's
+        # tokens, the regime where expert parallelism pays.
+        config = transformers.MixtralConfig(num_hidden_layers=2, use_cache=False)
+        return transformers.MixtralForCausalLM(config), config.vocab_size
+    raise SystemExit(f"unknown model {name!r}: choose gpt2, bert, llama, mixtral or mixtral-8x7b")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="gpt2", choices=["gpt2", "bert", "llama", "mixtral"])
+    ap.add_argument("--model", default="gpt2", choices=["gpt2", "bert", "llama", "mixtral", "mixtral-8x7b"])
+    ap.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+    ap.add_argument("--seq", type=int, default=16, help="sequence length")
     ap.add_argument("--mesh", type=int, nargs=2, default=(2, 2))
     args = ap.parse_args()
     dp, tp = args.mesh
@@ -59,7 +68,7 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     with torch.device("meta"):
         model, vocab = build(args.model)
-    input_ids = torch.empty(8, 16, dtype=torch.long, device="meta")  # global batch
+    input_ids = torch.empty(args.batch, args.seq, dtype=torch.long, device="meta")  # global batch
     with AutoParallel(model, mesh, {"input_ids": input_ids}) as autop:
         autop.add_input_constraints([(Shard(0), Replicate())])  # batch over dp
         plan = autop.optimize_placement()
