@@ -188,3 +188,26 @@ def test_other_hf_moe_plan_apply_matches(fake_world, case):
     fake_world(4)
     parallel, _, mesh = plan_and_apply(case, _tokens())
     check_step(parallel, mesh, case, _tokens())
+
+
+def test_example_mixtral_8x7b_shapes_choose_expert_parallel(capsys, monkeypatch):
+    """examples/example_hf.py on Mixtral-8x7B's real shapes (2 layers,
+    8 x 4096 tokens) with the default H100 cost model: the plan shards every
+    experts module's weights by expert on some mesh dim."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    path = pathlib.Path(__file__).parents[2] / "examples" / "example_hf.py"
+    spec = importlib.util.spec_from_file_location("example_hf", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    monkeypatch.setattr(sys, "argv", ["example_hf.py", "--model", "mixtral-8x7b", "--seq", "4096"])
+    example.main()
+    lines = [line for line in capsys.readouterr().out.splitlines() if ".mlp.experts: " in line]
+    assert len(lines) == 2, lines
+    for line in lines:
+        weights = re.search(r"expert weights (\S+) -> output (\S+)", line)
+        assert weights and "S(0)" in _per_dim(weights.group(1)), line
+        ep = [i for i, p in enumerate(_per_dim(weights.group(1))) if p == "S(0)"]
+        assert all(_per_dim(weights.group(2))[i] == "P" for i in ep), line
