@@ -19,7 +19,8 @@ import re
 import pytest
 import torch
 import torch.nn as nn
-from _parity import check_step, plan_and_apply
+from _dist_utils import run_ranks
+from _parity import check_step, check_step_on_rank, plan_and_apply
 from torch.distributed.tensor import Shard
 
 from autoparallel.cost_model import DeviceSpec
@@ -167,6 +168,24 @@ def test_mixtral_expert_parallel_chosen_and_matches(fake_world):
             assert all(_per_dim(pl)[dim] == "S(0)" for pl in node.input_placements[3:]), node
             assert _per_dim(node.output_placements)[dim] == "P", node
     check_step(parallel, mesh, build, inputs)
+
+
+def _gloo_rank(rank: int, world: int) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    build = mixtral(intermediate=512)
+    parallel, plan, mesh = plan_and_apply(build, _tokens(), device=compute_bound_device())
+    experts = [tuple(p.placements) for n, p in parallel.named_parameters() if ".experts." in n]
+    assert experts and all(Shard(0) in pl for pl in experts), experts
+    check_step_on_rank(parallel, mesh, build, _tokens(), rank)
+
+
+@pytest.mark.slow
+def test_mixtral_expert_parallel_gloo():
+    """The expert-parallel plan on 4 real gloo processes: every rank's step
+    equals single-device."""
+    run_ranks(_gloo_rank, 4, timeout=600)
 
 
 @pytest.mark.slow
