@@ -1,4 +1,4 @@
-"""Hugging Face mixture-of-experts models (Mixtral, Qwen2/3-MoE, gpt-oss)
+"""Hugging Face mixture-of-experts models (Mixtral, Qwen2/3-MoE, DeepSeek-V3, gpt-oss)
 built from tiny configs (no downloads): every ``experts_implementation``
 traces, plans on a 2x2 ("dp", "tp") mesh, applies, and one step on 4
 simulated ranks equals single-device (loss and every gradient, fp32).
@@ -82,6 +82,19 @@ def qwen2_moe(impl="grouped_mm"):
             num_experts_per_tok=2, attn_implementation="sdpa", **_common(impl),
         )
         return LMLoss(transformers.Qwen2MoeForCausalLM(cfg))
+
+    return build
+
+
+def deepseek_v3(impl="grouped_mm"):
+    def build():
+        cfg = transformers.DeepseekV3Config(
+            intermediate_size=128, moe_intermediate_size=64, n_routed_experts=4, n_shared_experts=1,
+            num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
+            q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=8, attn_implementation="sdpa",
+            **{**_common(impl), "num_key_value_heads": 4},
+        )
+        return LMLoss(transformers.DeepseekV3ForCausalLM(cfg))
 
     return build
 
@@ -200,8 +213,8 @@ def test_mixtral_plan_apply_matches(fake_world, impl):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "case", [qwen3_moe(), qwen2_moe(), gpt_oss("eager"), gpt_oss("grouped_mm")],
-    ids=["qwen3_moe", "qwen2_moe", "gpt_oss_eager", "gpt_oss_grouped_mm"],
+    "case", [qwen3_moe(), qwen2_moe(), deepseek_v3(), gpt_oss("eager"), gpt_oss("grouped_mm")],
+    ids=["qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss_eager", "gpt_oss_grouped_mm"],
 )
 def test_other_hf_moe_plan_apply_matches(fake_world, case):
     fake_world(4)
@@ -230,3 +243,32 @@ def test_example_mixtral_8x7b_shapes_choose_expert_parallel(capsys, monkeypatch)
         assert weights and "S(0)" in _per_dim(weights.group(1)), line
         ep = [i for i, p in enumerate(_per_dim(weights.group(1))) if p == "S(0)"]
         assert all(_per_dim(weights.group(2))[i] == "P" for i in ep), line
+
+
+class TrainingLoss(nn.Module):
+    """transformers' own training loss: next-token cross-entropy plus the
+    router's load-balancing loss (``output_router_logits``)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels):
+        return self.model(input_ids=input_ids, labels=labels).loss
+
+
+@pytest.mark.slow
+def test_mixtral_training_loss_with_router_aux_loss(fake_world):
+    fake_world(4)
+
+    def build():
+        cfg = transformers.MixtralConfig(
+            intermediate_size=128, num_local_experts=4, num_experts_per_tok=2, attn_implementation="sdpa",
+            output_router_logits=True, router_aux_loss_coef=0.02, **_common("grouped_mm"),
+        )
+        return TrainingLoss(transformers.MixtralForCausalLM(cfg))
+
+    tokens = _tokens()[0]
+    inputs = (tokens, tokens.clone())
+    parallel, _, mesh = plan_and_apply(build, inputs)
+    check_step(parallel, mesh, build, inputs)
