@@ -222,6 +222,10 @@ def route_hf_experts(model: nn.Module) -> dict[str, str]:
         from transformers.integrations.moe import batched_mm_experts_forward
     except ImportError:  # a transformers without the experts interface
         return {}
+    from .rules.grouped_mm import register_transformers_grouped_mm
+
+    # experts left on transformers' grouped_mm (fp32 fallback op) get TP rules
+    register_transformers_grouped_mm()
     routed: dict[str, str] = {}
     for name, module in model.named_modules():
         config = getattr(module, "config", None)

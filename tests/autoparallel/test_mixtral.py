@@ -162,6 +162,46 @@ def test_experts_that_do_not_fit_run_batched_mm(caplog):
     assert "aten.bmm.default" in ops and not [op for op in ops if "nonzero" in op or "moe_experts" in op]
 
 
+def test_grouped_mm_fallback_has_tensor_parallel_rule(fake_world):
+    """gpt-oss experts on transformers' grouped_mm in fp32 trace to its
+    opaque fallback op; the rule gives it replicated, column- and
+    row-parallel options per mesh dim (3 x 3 on a 2x2 mesh), and FLOPs."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autoparallel.cost_model.compute import op_flops_and_bytes
+    from autoparallel.strategies import StrategyEnumerator
+
+    fake_world(4)
+    mesh = init_device_mesh("cpu", (2, 2))
+    with torch.device("meta"):
+        model = gpt_oss("grouped_mm")()
+    stack = contextlib.ExitStack()
+    with stack:
+        traced = trace_training_step(model, (torch.empty(B, S, dtype=torch.long, device="meta"),), "cpu", stack=stack)
+    nodes = [n for n in traced.gm.graph.nodes if "grouped_mm_fallback" in str(n.target)]
+    assert len(nodes) == 8  # gate_up and down, forward and backward, 2 layers
+    strategies = StrategyEnumerator(mesh).enumerate(traced.gm)
+    for n in nodes:
+        assert strategies[n].source == "rule" and len(strategies[n].options) == 9, (n, strategies[n].source)
+    fwd = next(n for n in nodes if str(n.target).endswith("fallback.default"))
+    x, w = fwd.args[0].meta["val"], fwd.args[1].meta["val"]
+    flops, _ = op_flops_and_bytes(fwd.target, tuple(a.meta["val"] for a in fwd.args), {}, fwd.meta["val"])
+    assert flops == 2 * x.shape[0] * x.shape[1] * w.shape[2]
+
+
+def test_aten_grouped_mm_flops():
+    """transformers' bf16 grouped_mm path is aten._grouped_mm (DTensor has its
+    rule); the cost model counts 2 S K N FLOPs for it."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import autoparallel.rules.grouped_mm  # noqa: F401  (registers the formula)
+
+    x, w = torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(4, 16, 32, dtype=torch.bfloat16)
+    with FlopCounterMode(display=False) as counter:
+        torch._grouped_mm(x, w, offs=torch.tensor([2, 4, 6, 8], dtype=torch.int32))
+    assert counter.get_total_flops() == 2 * 8 * 16 * 32
+
+
 def test_mixtral_expert_parallel_chosen_and_matches(fake_world):
     """On a compute-bound device with expert weights much larger than the
     step's tokens, the solver picks expert parallelism (weights Shard(0),
@@ -199,6 +239,20 @@ def test_mixtral_expert_parallel_gloo():
     """The expert-parallel plan on 4 real gloo processes: every rank's step
     equals single-device."""
     run_ranks(_gloo_rank, 4, timeout=600)
+
+
+@pytest.mark.slow
+def test_gpt_oss_grouped_mm_tensor_parallel_matches(fake_world):
+    """With compute that dominates, gpt-oss's grouped_mm experts run tensor
+    parallel (gate_up column-, down row-parallel) and the step matches."""
+    from _parity import slow_compute_device
+
+    fake_world(4)
+    build = gpt_oss("grouped_mm")
+    parallel, plan, mesh = plan_and_apply(build, _tokens(), device=slow_compute_device())
+    fwd = [n for n in plan.nodes.values() if n.op == "transformers.grouped_mm_fallback.default"]
+    assert fwd and all(n.input_placements[1] != "RR" for n in fwd), fwd
+    check_step(parallel, mesh, build, _tokens())
 
 
 @pytest.mark.slow
