@@ -21,7 +21,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from autoparallel import AutoParallel
 
 
-def build(name: str):
+def build(name: str, layers: int | None = None):
     import transformers
 
     if name == "gpt2":
@@ -48,10 +48,10 @@ def build(name: str):
         )
         return transformers.MixtralForCausalLM(config), config.vocab_size
     if name == "mixtral-8x7b":
-        # Mixtral-8x7B's shapes (2 of its 32 layers, to plan quickly): at these
+        # Mixtral-8x7B's shapes (2 of its 32 layers unless --layers): at these
         # sizes the step is compute-bound and the expert weights dwarf a rank's
         # tokens, the regime where expert parallelism pays.
-        config = transformers.MixtralConfig(num_hidden_layers=2, use_cache=False)
+        config = transformers.MixtralConfig(num_hidden_layers=layers or 2, use_cache=False)
         return transformers.MixtralForCausalLM(config), config.vocab_size
     raise SystemExit(f"unknown model {name!r}: choose gpt2, bert, llama, mixtral or mixtral-8x7b")
 
@@ -61,22 +61,29 @@ def main() -> None:
     ap.add_argument("--model", default="gpt2", choices=["gpt2", "bert", "llama", "mixtral", "mixtral-8x7b"])
     ap.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     ap.add_argument("--seq", type=int, default=16, help="sequence length")
+    ap.add_argument("--layers", type=int, default=None, help="mixtral-8x7b: decoder layers (default 2; the real model has 32)")
     ap.add_argument("--mesh", type=int, nargs=2, default=(2, 2))
     args = ap.parse_args()
     dp, tp = args.mesh
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dp * tp)
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     with torch.device("meta"):
-        model, vocab = build(args.model)
+        model, vocab = build(args.model, args.layers)
     input_ids = torch.empty(args.batch, args.seq, dtype=torch.long, device="meta")  # global batch
     with AutoParallel(model, mesh, {"input_ids": input_ids}) as autop:
         autop.add_input_constraints([(Shard(0), Replicate())])  # batch over dp
         plan = autop.optimize_placement()
     print(plan.summary())
-    experts = [n for n in plan.nodes.values() if n.op == "autoparallel.moe_experts.default"]
-    for n in experts:
-        # inputs: tokens, expert ids per token, routing weights, w1, w3, w2, expert ids held
-        print(f"{n.module_path}: tokens {n.input_placements[0]}, expert weights {n.input_placements[3]} -> output {n.output_placements}")
+    # What the routed experts got, one line per distinct choice. The op's
+    # inputs: tokens, expert ids per token, routing weights, w1, w3, w2, the
+    # expert ids a rank holds; S(0) weights with a P output = expert parallel.
+    chosen: dict[str, list[str]] = {}
+    for n in plan.nodes.values():
+        if n.op == "autoparallel.moe_experts.default":
+            what = f"tokens {n.input_placements[0]}, expert weights {n.input_placements[3]} -> output {n.output_placements}"
+            chosen.setdefault(what, []).append(n.module_path)
+    for what, paths in chosen.items():
+        print(f"experts ({len(paths)}: {paths[0]}{', ...' if len(paths) > 1 else ''}): {what}")
     dist.destroy_process_group()
 
 
