@@ -202,9 +202,9 @@ def route_hf_experts(model: nn.Module) -> dict[str, str]:
     differs in what traces: ``"eager"`` loops over ``nonzero()`` of the
     routing mask (data-dependent: cannot be traced on fake tensors),
     ``"grouped_mm"`` becomes an opaque custom op in fp32 while compiling
-    (no sharding rule: replicated experts), ``"batched_mm"`` gathers one
-    weight matrix per (token, slot) (traces; the gather is sharded like any
-    indexing). So, whatever the implementation:
+    (tensor parallel at most: :mod:`autoparallel.rules.grouped_mm`),
+    ``"batched_mm"`` gathers one weight matrix per (token, slot) (traces,
+    but cannot be expert parallel). So, whatever the implementation:
 
     * gated SiLU experts without biases (Mixtral, Qwen-MoE, DeepSeek, most
       models) run as ``autoparallel::moe_experts``, whose sharding rule
@@ -214,6 +214,8 @@ def route_hf_experts(model: nn.Module) -> dict[str, str]:
       implementation cannot be traced (``"eager"``, GPU-only kernels) run
       transformers' ``"batched_mm"`` forward, the same math.
 
+    The parallel module then runs the traced graph: ``moe_experts``'s own
+    kernels, not the transformers kernel the config named.
     Returns {module FQN: what it now runs} and logs one line per kind.
     """
     if "transformers" not in sys.modules:  # not a Hugging Face model: do not import it
