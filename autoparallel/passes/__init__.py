@@ -57,6 +57,10 @@ class PassOptions:
     # group; "reorder" on the row-major one, then reorders the chunks locally
     # (what LocalTensorMode can simulate: it only knows sorted groups).
     column_major_all_gather: str = "group"
+    # chunk_regions (opt-in): module-path pattern ("layers.*.moe", "*" one
+    # path component) -> "batch" or "seq": split those modules' work in two
+    # chunks so one chunk's communication overlaps the other's compute.
+    chunk_modules: dict[str, str] | None = None
 
 
 @dataclass
@@ -161,6 +165,7 @@ def stats_to_json(stats: Any) -> Any:
 # (Each pass module adds itself here when it is written.)
 from . import fuse_all_gathers  # noqa: E402,F401
 from . import alias_round_trips  # noqa: E402,F401
+from . import chunk_regions  # noqa: E402,F401
 from . import recompute_all_gathers  # noqa: E402,F401
 from . import bucket_collectives  # noqa: E402,F401
 from . import schedule_overlap  # noqa: E402,F401
