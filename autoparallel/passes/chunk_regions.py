@@ -115,6 +115,7 @@ _DIM_FREE = {
     _aten.squeeze.dims,
     _aten.sum.dim_IntList,
 }
+_NEW_FACTORIES = {_aten.new_zeros.default, _aten.new_empty.default, _aten.new_ones.default, _aten.new_full.default}
 _SIZE_ARG_NAMES = {"size", "sizes", "input_sizes", "shape", "stride"}
 # Ops that only forward or regroup values: a wait, a getitem.
 _WAIT = _c10d.wait_tensor.default
@@ -277,6 +278,14 @@ def _size_args(node: fx.Node, dims: dict[fx.Node, int]) -> tuple[tuple, dict, in
         if j == along:
             raise ChunkRefused(f"{node.name} ({t}) acts along the split dim")
         return (src, _halve(sizes, j), *node.args[2:]), dict(node.kwargs), j
+    if t in _NEW_FACTORIES:
+        # a fresh tensor "like" src (a gradient's zeros): it carries the
+        # split dim where its size matches src's there; the consumers'
+        # probes check that the shapes then fit
+        sizes = list(node.args[1])
+        if d is None or len(sizes) != _val(src).dim() or sizes[d] != _val(src).shape[d]:
+            raise _Unknown(f"{node.name}: {t} of sizes {sizes} does not line up with the split dim")
+        return (src, _halve(sizes, d), *node.args[2:]), dict(node.kwargs), d
     schema = getattr(t, "_schema", None)
     if schema is not None:
         for a in schema.arguments:
@@ -507,6 +516,10 @@ def _is_random(n: fx.Node) -> bool:
 def _plan_region(region: str, mode: str, members: list[fx.Node], global_dims: dict) -> _Plan:
     """Decide what to split, duplicate and rebuild; raise :class:`ChunkRefused`."""
     member_set = set(members)
+    if mode == "seq":
+        att = next((n for n in members if any(s in str(n.target) for s in _ATTENTION_NAMES)), None)
+        if att is not None:
+            raise ChunkRefused(f"{att.name} ({att.target}): attention under sequence chunking needs every key")
     sums = _SUM_REDUCTIONS | _extra_sum_reductions()
     state: dict[fx.Node, Any] = {}
     half: dict[fx.Node, Any] = {}
