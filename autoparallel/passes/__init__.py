@@ -144,7 +144,8 @@ def run_stage(stage: Stage, ctx: PassContext, disabled: frozenset[str], *targets
                 stats[kind] = spec.fn(gm, ctx)
             ctx.graph_kind = None
         logger.info("pass %s: %s (%.2fs)", spec.name, stats, time.perf_counter() - t0)
-        results[spec.name] = stats
+        if stats is not None:  # None: an opt-in pass that was not asked for
+            results[spec.name] = stats
     return results
 
 

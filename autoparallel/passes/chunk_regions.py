@@ -468,12 +468,12 @@ def propagate_split_dims(gm: fx.GraphModule, seeds: dict[fx.Node, int]) -> dict[
             dims[n] = dims[n.args[0]][n.args[1]]
             half[n] = half[n.args[0]][n.args[1]]
             continue
-        if any(a in dims and dims[a] is None for a in ins):
-            dims[n] = None  # unknown in, unknown out
-            continue
         if not _input_dims(n, dims):
-            dims[n] = REDUCED  # only reduced inputs: shared from here
+            # only reduced (shared from here) or unknown inputs
+            dims[n] = None if any(a in dims and dims[a] is None for a in ins) else REDUCED
             continue
+        # unknown inputs are read whole, as shared values: this only names
+        # the dims; a region's own walk checks that its split is exact
         try:
             out, st, _ = _probe(n, dims, half, implicit=True)
         except (_Unknown, ChunkRefused) as e:
