@@ -50,6 +50,7 @@ half, concatenate): the same ops on the same halves, gradients added once.
 
 from __future__ import annotations
 
+import contextvars
 import fnmatch
 import logging
 import operator
@@ -59,6 +60,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..apply.redistribute import REDISTRIBUTE_KEY
 from ..tracing import module_path
 from . import PassContext, register_pass
 
@@ -115,6 +117,8 @@ _DIM_FREE = {
     _aten.squeeze.dims,
     _aten.sum.dim_IntList,
 }
+# The mesh dim sizes of the graph being chunked (see _view_dim).
+_MESH_SIZES: contextvars.ContextVar[frozenset] = contextvars.ContextVar("chunk_mesh_sizes", default=frozenset())
 _NEW_FACTORIES = {_aten.new_zeros.default, _aten.new_empty.default, _aten.new_ones.default, _aten.new_full.default}
 _SIZE_ARG_NAMES = {"size", "sizes", "input_sizes", "shape", "stride"}
 # Ops that only forward or regroup values: a wait, a getitem.
@@ -211,15 +215,33 @@ def _normalize(d: int, rank: int) -> int:
     return d + rank if d < 0 else d
 
 
-def _view_dim(in_shape, d: int, out_shape) -> int:
+def _view_dim(in_shape, d: int, out_shape, mesh_sizes: frozenset = frozenset()) -> int:
     """The output dim of a reshape of ``in_shape`` to ``out_shape`` that
     carries input dim ``d``, halving with it: the dims before it hold the
     same elements (prefix products equal) and it is ``d`` merged with inner
-    dims or split off ``d``'s outer part. Raises :class:`_Unknown`."""
+    dims or split off ``d``'s outer part. Raises :class:`_Unknown`.
+
+    ``mesh_sizes``: the reshape is a redistribution's ``[group, per-rank]``
+    split of ``d`` (apply's layout change): the group factor is the mesh's
+    and stays, the per-rank factor halves, as redistributing each eager
+    chunk would do; ambiguous (refused) when both factors could be the
+    group."""
     outer = 1
     for s in in_shape[:d]:
         outer *= s
     size = in_shape[d]
+    if mesh_sizes and len(out_shape) == len(in_shape) + 1:
+        prefix = 1
+        for j, s in enumerate(out_shape[:-1]):
+            if prefix == outer and s * out_shape[j + 1] == size:
+                group, per = s, out_shape[j + 1]
+                if group in mesh_sizes and per % 2 == 0 and per not in mesh_sizes:
+                    return j + 1
+                if group in mesh_sizes:
+                    raise _Unknown(f"redistribution reshape {tuple(in_shape)} -> {tuple(out_shape)}: "
+                                   "cannot tell the mesh group factor from the per-rank one")
+                break
+            prefix *= s
     prefix = 1
     for j, s in enumerate(out_shape):
         if prefix == outer and s != 1 and s % 2 == 0 and (s % size == 0 or size % s == 0):
@@ -261,7 +283,8 @@ def _size_args(node: fx.Node, dims: dict[fx.Node, int]) -> tuple[tuple, dict, in
             raise _Unknown(f"{node.name}: sizes of a view of a value without the split dim")
         in_shape = _val(src).shape
         out_shape = list(node.args[1])
-        j = _view_dim(list(in_shape), d, out_shape)
+        chain = REDISTRIBUTE_KEY in node.meta
+        j = _view_dim(list(in_shape), d, out_shape, _MESH_SIZES.get() if chain else frozenset())
         return (src, _halve(out_shape, j)), dict(node.kwargs), j
     if t is _aten.expand.default:
         if d is None:
@@ -770,6 +793,15 @@ def chunk_graph(
         if mode not in MODE_INPUT_DIM:
             raise ValueError(f"chunk_modules[{pattern!r}] = {mode!r}: the mode must be one of {sorted(MODE_INPUT_DIM)}")
     stats = ChunkRegionsStats()
+    mesh = getattr(ctx, "mesh", None)
+    token = _MESH_SIZES.set(frozenset(mesh.shape) if mesh is not None else frozenset())
+    try:
+        return _chunk_graph(gm, modules, seeds, ctx, copies, stats)
+    finally:
+        _MESH_SIZES.reset(token)
+
+
+def _chunk_graph(gm, modules, seeds, ctx, copies, stats) -> ChunkRegionsStats:
     regions = _regions(gm, modules)
     if not regions:
         logger.warning("chunk_regions: no node belongs to a module matching %s", sorted(modules))
