@@ -302,3 +302,58 @@ def test_moe_balance_loss_over_the_batch_is_refused(fake_world):
     _, plan, _ = _moe_chunked(args, {"layers.*.moe": "batch"})
     stats = plan.pass_stats["chunk_regions"]
     assert stats.regions_chunked == 0 and "layers.1.moe" in stats.refused
+
+
+# ---------------------------------------------------------------------------
+# real processes: 4 gloo ranks, 2x2 mesh, chunked MoE (slow: every rank plans)
+
+
+def _chunked_moe_gloo_step(rank: int, world: int) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message="DTensor random operators")
+    from autoparallel.models import MOE_CONFIGS, MoETransformer
+
+    args = dataclasses.replace(MOE_CONFIGS["debug"], n_layers=2, aux_loss_alpha=0.0)
+    mesh = init_device_mesh("cpu", (2, 2))
+    batch, seq = 8, 8
+    with torch.device("meta"):
+        model = MoETransformer(args)
+    with AutoParallel(model, mesh, torch.empty(batch, seq, dtype=torch.long, device="meta")) as autop:
+        autop.add_input_constraints([(Shard(0), Shard(0))])
+        autop.add_output_constraints([(Shard(0), Shard(0))])
+        for fqn, n in autop.traced.param_nodes.items():
+            if fqn.endswith(("moe.w1", "moe.w2", "moe.w3")):
+                autop.add_node_constraint(n, (Shard(2), Shard(0)))
+        plan = autop.optimize_placement()
+        parallel = autop.apply_placement(plan, pass_options=PassOptions(chunk_modules={"layers.*.moe": "batch"}))
+    assert plan.pass_stats["chunk_regions"].regions_chunked == 1, plan.pass_stats["chunk_regions"].refused
+    torch.manual_seed(0)
+    ref = MoETransformer(args)
+    ref.init_weights()
+    tokens = torch.randint(0, args.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+    out = ref(tokens)
+    ref_loss = out.float().pow(2).sum() / out.numel()
+    ref_loss.backward()
+    parallel.to_empty(device="cpu")
+    parallel.init_weights()
+    parallel.load_state_dict(ref.state_dict())
+    per = batch // world
+    local = parallel(tokens[rank * per : (rank + 1) * per])
+    loss = local.float().pow(2).sum() / out.numel()
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    torch.testing.assert_close(total, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    for name, p in parallel.named_parameters():
+        g = ref.get_parameter(name).grad
+        scale = g.abs().max()
+        torch.testing.assert_close(p.grad.full_tensor() / scale, g / scale, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_chunked_moe_gloo_2x2():
+    from _dist_utils import run_ranks
+
+    run_ranks(_chunked_moe_gloo_step, 4, timeout=600)
