@@ -39,6 +39,17 @@ every joint node whose module path is in it, forward and backward. Then:
   odd or ambiguous split size, random ops, live-ins whose split dim cannot
   be told.
 
+Redistributions (apply's layout changes, tagged ``REDISTRIBUTE_KEY``) keep
+their dims' meaning outside regions; inside a region they run per chunk, as
+redistributing each eager chunk would (a ``[group, per-rank]`` reshape keeps
+the mesh group factor and halves the per-rank one).
+
+Limits (refused, with the reason in the stats): a split dim that a reshape
+merges with an outer dim (sequence chunking where batch and sequence are
+flattened together with a batch > 1), one row per rank (nothing to split),
+redistributions that flatten a region value for a collective, factories
+whose sizes do not follow a split value.
+
 Buffer mutations stay where they are: their new values are rebuilt from
 both chunks (concatenated or summed) before the mutation output reads them.
 The result is exactly eager module-level chunking (run the module on each

@@ -229,11 +229,14 @@ def test_unknown_mode_is_an_error():
 LOCAL = dict(column_major_all_gather="reorder")
 
 
-def test_llama3_tp_chunked_matches_single_device(fake_world):
+@pytest.mark.parametrize("n_layers", [2, pytest.param(6, marks=pytest.mark.slow)])
+def test_llama3_tp_chunked_matches_single_device(fake_world, n_layers):
+    """2 layers: the full graph; 6: layer folding (chunked on the folded
+    graph, then unfolded)."""
     from autoparallel.models import LLAMA3_CONFIGS, Transformer
 
     fake_world(4)
-    args = LLAMA3_CONFIGS["debug"]
+    args = dataclasses.replace(LLAMA3_CONFIGS["debug"], n_layers=n_layers)
 
     class Loss(nn.Module):
         def __init__(self):
@@ -256,6 +259,7 @@ def test_llama3_tp_chunked_matches_single_device(fake_world):
     stats = plan.pass_stats["chunk_regions"]
     assert stats.regions_chunked == 2 * args.n_layers, stats.refused
     assert stats.nodes_added > 0 and stats.live_ins_split > 0
+    assert bool(parallel.parallel_state.local.extra.get("folded")) == (n_layers > 4)
     check_step(parallel, mesh, Loss, (tokens,))
 
 
