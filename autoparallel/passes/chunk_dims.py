@@ -177,10 +177,23 @@ def _size_args(node: fx.Node, dims: dict[fx.Node, int]) -> tuple[tuple, dict, in
     return None
 
 
+def _whole_slice(node: fx.Node) -> bool:
+    """``slice(x, dim, 0, end >= size, 1)``: keeps all of ``x``."""
+    args = list(node.args) + [None] * (5 - len(node.args))
+    x, dim, start, end, step = args[:5]
+    v = _val(x)
+    if not isinstance(v, torch.Tensor):
+        return False
+    size = v.shape[_normalize(dim or 0, v.dim())]
+    return (start in (None, 0)) and (end is None or end >= size) and (step in (None, 1))
+
+
 def _acts_along(node: fx.Node, d: int, rank: int) -> bool:
     """Whether ``node`` has a ``dim`` argument naming split dim ``d``."""
     if node.target in _DIM_FREE or node.target is operator.getitem:
         return False
+    if node.target is _aten.slice.Tensor and _whole_slice(node):
+        return False  # a no-op slice (padding removal after a gather): the chunk's is too
     schema = getattr(node.target, "_schema", None)
     if schema is None:
         return False
