@@ -213,41 +213,85 @@ def _acts_along(node: fx.Node, d: int, rank: int) -> bool:
 REDUCED = "reduced"  # depends on the split values, carries no split dim
 
 
+_FILLS = {
+    _aten.new_zeros.default, _aten.new_ones.default, _aten.new_full.default, _aten.zeros.default,
+    _aten.ones.default, _aten.full.default, _aten.zeros_like.default, _aten.ones_like.default,
+    _aten.full_like.default, _aten.scalar_tensor.default,
+}
+_FILL_MOVES = {
+    _aten.index_select.default, _aten.slice.Tensor, _aten.select.int, _aten.clone.default,
+    _aten._to_copy.default, _aten.split.Tensor, _aten.contiguous.default, operator.getitem,
+}
+
+
+def is_fill(node: fx.Node, memo: dict | None = None) -> bool:
+    """Whether ``node`` is a constant fill (zeros, ones, full), or a view,
+    slice or index of one: every part of it holds the same value, so a
+    chunk may read any half of it (a gradient's zeros, computed whole
+    and then cut to this rank's piece)."""
+    if node.op != "call_function":
+        return False
+    memo = {} if memo is None else memo
+    hit = memo.get(node)
+    if hit is None:
+        t = node.target
+        if t in _FILLS:
+            hit = True
+        elif t in _FILL_MOVES or (isinstance(t, torch._ops.OpOverload) and t.is_view):
+            first = node.args[0] if node.args else None
+            hit = isinstance(first, fx.Node) and is_fill(first, memo)
+        else:
+            hit = False
+        memo[node] = hit
+    return hit
+
+
 def _full_size_partners(node: fx.Node, dims: dict[fx.Node, Any]) -> dict[fx.Node, int]:
-    """Inputs of a pointwise ``node`` that carry no split dim but broadcast
-    against one at its full size (a gradient expanded from a scalar): input
-    -> the dim of theirs that lines up with the split dim."""
+    """Inputs of ``node`` that carry no split dim but line up with one at its
+    full size: of a pointwise op, broadcast (a gradient expanded from a
+    scalar); of any op, a constant fill of the same rank (:func:`is_fill`).
+    Input -> its dim that lines up with the split dim."""
     t = node.target
-    if not (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags):
-        return {}
+    pointwise = isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags
     split = [(a, dims[a]) for a in node.all_input_nodes if isinstance(dims.get(a), int)]
     out = {}
     for a in node.all_input_nodes:
         v = _val(a)
         if isinstance(dims.get(a), int) or not isinstance(v, torch.Tensor):
             continue
+        fill = not pointwise and is_fill(a)
+        if not (pointwise or fill):
+            continue
         for c, d in split:
             cv = _val(c)
+            if fill and v.dim() != cv.dim():
+                continue
             i = d - cv.dim() + v.dim()
             if 0 <= i < v.dim() and v.shape[i] == cv.shape[d] and v.shape[i] != 1:
                 out[a] = i
     return out
 
 
-def _probe(node: fx.Node, dims: dict[fx.Node, Any], half_vals: dict[fx.Node, Any], implicit: bool = False):
+def _probe(
+    node: fx.Node, dims: dict[fx.Node, Any], half_vals: dict[fx.Node, Any], implicit: bool = False, fills=None
+):
     """(chunk value(s), state(s), (args, kwargs)) of ``node`` run on the
     halves: the fake output(s) for one chunk, per output its split dim or
     REDUCED, and the arguments with chunk sizes. ``implicit``: halve the
-    full-size partners of pointwise ops too (else they are refused)."""
+    full-size partners of pointwise ops too (else they are refused, except
+    constant fills, which ``fills`` collects: fill -> dim to halve)."""
     sized = _size_args(node, dims)
     if sized is not None:
         args, kwargs, j = sized
     else:
         args, kwargs, j = node.args, node.kwargs, None
     partners = _full_size_partners(node, dims)
-    if partners and not implicit:
-        a = next(iter(partners))
-        raise ChunkRefused(f"{node.name} ({node.target}) reads {a.name}, which is full size along the split dim")
+    if not implicit:
+        for a in partners:
+            if not is_fill(a):
+                raise ChunkRefused(f"{node.name} ({node.target}) reads {a.name}, which is full size along the split dim")
+        if fills is not None:
+            fills.update(partners)
     half_vals = dict(half_vals) if partners else half_vals
     for a, i in partners.items():
         half_vals[a] = _val(a).narrow(i, 0, _val(a).shape[i] // 2)
@@ -344,8 +388,8 @@ def propagate_split_dims(gm: fx.GraphModule, seeds: dict[fx.Node, int]) -> dict[
         if n.op != "call_function":
             continue
         ins = n.all_input_nodes
-        if not any(a in dims for a in ins):
-            continue
+        if not any(a in dims for a in ins) or n.target in _FILLS:
+            continue  # a fill reads its input for the dtype only
         chain = chains.get(n)
         if chain is not None:
             # a layout change: the local value keeps its dims' meaning (a

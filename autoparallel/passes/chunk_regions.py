@@ -74,6 +74,7 @@ from ..tracing import module_path
 from . import PassContext, register_pass
 from .chunk_dims import (
     _ATTENTION_NAMES,
+    _FILLS,
     _MESH_SIZES,
     REDUCED,
     ChunkRefused,
@@ -201,6 +202,7 @@ class _Plan:
     state: dict[fx.Node, Any]  # node -> dim | REDUCED | tuple of them
     probe: dict[fx.Node, tuple]  # node -> (A value, (args, kwargs) with chunk sizes)
     joins: dict[fx.Node, fx.Node] = field(default_factory=dict)  # rebuilt value -> original node
+    fills: dict[fx.Node, int] = field(default_factory=dict)  # constant fill -> dim both chunks read half of
 
 
 def _is_random(n: fx.Node) -> bool:
@@ -230,6 +232,7 @@ def _plan_region(region: str, mode: str, members: list[fx.Node], global_dims: di
     shared: set[fx.Node] = set()
     dependent: list[fx.Node] = []
     summed: set[fx.Node] = set()  # sums over the split dim, added up at once
+    fills: dict[fx.Node, int] = {}  # constant fills both chunks read half of
     for n in members:
         ins = n.all_input_nodes
         deps = []
@@ -252,8 +255,8 @@ def _plan_region(region: str, mode: str, members: list[fx.Node], global_dims: di
                 raise ChunkRefused(f"cannot tell the split dim of live-in {a.name} (feeding {n.name})")
             else:
                 shared.add(a)
-        if not deps:
-            continue
+        if not deps or n.target in _FILLS:
+            continue  # a fill reads its input for the dtype only: shared
         if any(a in summed for a in ins):
             raise ChunkRefused(
                 f"{n.name} ({n.target}) uses a sum over the split dim together with per-chunk values "
@@ -268,8 +271,9 @@ def _plan_region(region: str, mode: str, members: list[fx.Node], global_dims: di
         if first is not None and _acts_along(n, state[first], _val(first).dim() if isinstance(_val(first), torch.Tensor) else 0):
             if n.target not in sums:
                 raise ChunkRefused(f"{n.name} ({n.target}) acts along the split dim")
+        found: dict[fx.Node, int] = {}
         try:
-            out, st, sized = _probe(n, state, half)
+            out, st, sized = _probe(n, state, half, fills=found)
         except _Unknown as e:
             raise ChunkRefused(str(e)) from None
         sts = st if isinstance(st, list) else [st]
@@ -277,6 +281,9 @@ def _plan_region(region: str, mode: str, members: list[fx.Node], global_dims: di
             raise ChunkRefused(f"{n.name} ({n.target}) reduces across the split dim (only sums can be rebuilt)")
         if not in_dims and n.target is not operator.getitem:
             raise ChunkRefused(f"{n.name} ({n.target}) depends on the split only through multi-output values")
+        for f, i in found.items():
+            if fills.setdefault(f, i) != i:
+                raise ChunkRefused(f"{f.name}: a constant fill read along two different dims")
         state[n] = tuple(st) if isinstance(st, list) else st
         half[n] = out
         probe[n] = (out, sized)
@@ -285,7 +292,7 @@ def _plan_region(region: str, mode: str, members: list[fx.Node], global_dims: di
             summed.add(n)
     if not dependent:
         raise ChunkRefused("no node of the region depends on a value carrying the split dim")
-    return _Plan(region, mode, dependent, live_ins, len(shared), state, probe)
+    return _Plan(region, mode, dependent, live_ins, len(shared), state, probe, fills=fills)
 
 
 def _stamp(new: fx.Node, like: fx.Node, tag: str) -> None:
@@ -335,6 +342,17 @@ def _apply(gm: fx.GraphModule, plan: _Plan) -> int:
                 m.meta[FOLD_KEY] = (n0.meta[FOLD_KEY][0], ("chunk_split", key, k))
         a_of[x], b_of[x] = ha, hb
         added += 3
+    for f, d in plan.fills.items():
+        # every half of a constant fill is the same: both chunks read the first
+        n0 = next(u for u in plan.nodes if f in u.all_input_nodes)
+        size = _val(f).shape[d] // 2
+        with g.inserting_before(n0):
+            h = g.call_function(_aten.slice.Tensor, (f, d, 0, size))
+        h.meta = {k: v for k, v in n0.meta.items() if k not in ("val", CHUNK_KEY)}
+        h.meta["val"] = _val(f).narrow(d, 0, size)
+        _stamp(h, n0, "chunk_fill")
+        a_of[f] = b_of[f] = h
+        added += 1
     for n in plan.nodes:
         out, (args, kwargs) = plan.probe[n]
 
