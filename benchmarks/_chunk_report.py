@@ -76,16 +76,21 @@ def _graph_figures(pm, mesh, plan, modules) -> dict:
 
 
 def chunk_compare(autop, plan, mesh, modules: dict[str, str], pass_options=None) -> dict:
-    """Apply ``plan`` without and with ``chunk_modules=modules``; print and
-    return the figures."""
+    """Apply ``plan`` without ``chunk_modules``, with them (weight-gradient
+    sums added before their collectives: the default) and with them and
+    late sums (``chunk_early_grad_sum=False``); print and return the figures."""
     import dataclasses
 
     from autoparallel.passes import PassOptions
 
     base = pass_options or PassOptions()
+    variants = (
+        ("unchunked", dataclasses.replace(base, chunk_modules=None)),
+        ("chunked", dataclasses.replace(base, chunk_modules=dict(modules))),
+        ("late sums", dataclasses.replace(base, chunk_modules=dict(modules), chunk_early_grad_sum=False)),
+    )
     runs = {}
-    for label, opts in (("unchunked", dataclasses.replace(base, chunk_modules=None)),
-                        ("chunked", dataclasses.replace(base, chunk_modules=dict(modules)))):
+    for label, opts in variants:
         t0 = time.perf_counter()
         pm = autop.apply_placement(plan, pass_options=opts)
         runs[label] = _graph_figures(pm, mesh, plan, modules)
@@ -99,22 +104,26 @@ def chunk_compare(autop, plan, mesh, modules: dict[str, str], pass_options=None)
               f"shared {stats.live_ins_shared}")
         for region, why in list(stats.refused.items())[:5]:
             print(f"  refused {region}: {why}")
-    u, c = runs["unchunked"], runs["chunked"]
-    print(f"  {'':26s} {'unchunked':>12s} {'chunked':>12s}")
-    print(f"  {'apply (s)':26s} {u['apply_s']:12.1f} {c['apply_s']:12.1f}")
+    labels = [v[0] for v in variants]
+    print(f"  {'':26s} " + " ".join(f"{lb:>12s}" for lb in labels))
+
+    def row(name, fn, fmt="12.3f"):
+        print(f"  {name:26s} " + " ".join(format(fn(runs[lb]), fmt) for lb in labels))
+
+    row("apply (s)", lambda r: r["apply_s"], "12.1f")
     for kind in ("forward", "backward"):
-        print(f"  {kind + ' nodes':26s} {u[kind]['nodes']:12d} {c[kind]['nodes']:12d}")
-        print(f"  {kind + ' exposed comm (ms)':26s} {u[kind]['exposed_s'] * 1e3:12.3f} {c[kind]['exposed_s'] * 1e3:12.3f}")
-        pu, pc = u[kind]["peak"], c[kind]["peak"]
-        print(f"  {kind + ' peak (MiB)':26s} {pu / 2**20:12.1f} {pc / 2**20:12.1f}   ({(pc / pu - 1) * 100 if pu else 0:+.1f}%)")
-    step_u = u["forward"]["exposed_s"] + u["backward"]["exposed_s"]
-    step_c = c["forward"]["exposed_s"] + c["backward"]["exposed_s"]
-    print(f"  {'step exposed comm (ms)':26s} {step_u * 1e3:12.3f} {step_c * 1e3:12.3f}")
-    layers = sorted(set(u["layers"]) | set(c["layers"]))
+        row(kind + " nodes", lambda r: r[kind]["nodes"], "12d")
+        row(kind + " exposed comm (ms)", lambda r: r[kind]["exposed_s"] * 1e3)
+        row(kind + " peak (MiB)", lambda r: r[kind]["peak"] / 2**20, "12.1f")
+    row("step exposed comm (ms)", lambda r: (r["forward"]["exposed_s"] + r["backward"]["exposed_s"]) * 1e3)
+    layers = sorted(set().union(*(r["layers"] for r in runs.values())))
     if layers:
-        lu = sum(u["layers"].get(r, 0.0) for r in layers) / len(layers)
-        lc = sum(c["layers"].get(r, 0.0) for r in layers) / len(layers)
-        print(f"  {'exposed comm per layer (ms)':26s} {lu * 1e3:12.3f} {lc * 1e3:12.3f}   "
-              f"(mean over {len(layers)} matching layers, fwd + bwd; "
-              f"{'x%.2f' % (lc / lu) if lu else 'n/a'})")
+        row("exposed per layer (ms)", lambda r: sum(r["layers"].get(x, 0.0) for x in layers) / len(layers) * 1e3)
+        print(f"  (the matching layers' own collectives, fwd + bwd, mean over {len(layers)} layers)")
+    u = runs["unchunked"]
+    for lb in labels[1:]:
+        c = runs[lb]
+        peak = max(c["forward"]["peak"], c["backward"]["peak"]) / max(u["forward"]["peak"], u["backward"]["peak"])
+        lu = sum(u["layers"].values()) or float("nan")
+        print(f"  {lb}: exposed per layer x{sum(c['layers'].values()) / lu:.2f}, peak memory {(peak - 1) * 100:+.1f}%")
     return runs

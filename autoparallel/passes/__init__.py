@@ -61,6 +61,11 @@ class PassOptions:
     # path component) -> "batch" or "seq": split those modules' work in two
     # chunks so one chunk's communication overlaps the other's compute.
     chunk_modules: dict[str, str] | None = None
+    # ... True: a chunked region's sums over the split dim (weight gradients)
+    # are added at once, before their collectives (one reduce-scatter);
+    # False: each chunk's goes through its own reduce-scatter, added after
+    # (chunk A's overlaps chunk B's compute; twice the gradient bytes).
+    chunk_early_grad_sum: bool = True
 
 
 @dataclass

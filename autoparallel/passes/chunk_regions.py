@@ -105,6 +105,7 @@ CHUNK_KEY = "ap_chunk"
 MODE_INPUT_DIM = {"batch": 0, "seq": 1}
 
 _aten = torch.ops.aten
+_c10d = torch.ops._c10d_functional
 
 # Ops whose result, where it lost the split dim, is a *sum* over it: the
 # chunks' results add up to the whole (weight gradients are sums over tokens).
@@ -217,7 +218,43 @@ def _is_random(n: fx.Node) -> bool:
     return True
 
 
-def _plan_region(region: str, mode: str, members: list[fx.Node], global_dims: dict) -> _Plan:
+def _late_sum_closure(n: fx.Node, members: set[fx.Node]) -> set[fx.Node] | None:
+    """The region nodes after sum ``n`` when every one of them is linear in
+    it (waits, sum reductions over ranks, layout copies), so each chunk's
+    partial sum may go through them on its own and be added where it
+    leaves the region; None when some use is not (sum it at once)."""
+    closure: set[fx.Node] = set()
+    inside = {n}
+    changed = True
+    while changed:  # to a fixpoint: a cat joins once all its pieces are in
+        changed = False
+        for x in list(inside):
+            for u in x.users:
+                if u in members and u not in inside and _is_linear(u) and all(a in inside for a in u.all_input_nodes):
+                    inside.add(u)
+                    closure.add(u)
+                    changed = True
+    for x in inside:
+        if any(u in members and u not in inside for u in x.users):
+            return None
+    return closure
+
+
+def _is_linear(n: fx.Node) -> bool:
+    t = n.target
+    if t in (_c10d.wait_tensor.default, _aten.clone.default, operator.getitem, _aten.cat.default,
+             _aten.split.Tensor, _aten.split_with_sizes.default):
+        return True
+    if t in (_c10d.reduce_scatter_tensor.default, _c10d.all_reduce.default):
+        return n.args[1] == "sum"
+    if "grad_layout" in str(t):  # autoparallel.moe_grad_layout: a copy
+        return True
+    return isinstance(t, torch._ops.OpOverload) and t.is_view
+
+
+def _plan_region(
+    region: str, mode: str, members: list[fx.Node], global_dims: dict, early_sums: bool = True
+) -> _Plan:
     """Decide what to split, duplicate and rebuild; raise :class:`ChunkRefused`."""
     member_set = set(members)
     if mode == "seq":
@@ -233,6 +270,7 @@ def _plan_region(region: str, mode: str, members: list[fx.Node], global_dims: di
     dependent: list[fx.Node] = []
     summed: set[fx.Node] = set()  # sums over the split dim, added up at once
     fills: dict[fx.Node, int] = {}  # constant fills both chunks read half of
+    late_reduced: dict[fx.Node, fx.Node] = {}  # linear ops on a partial sum, duplicated -> its producer
     for n in members:
         ins = n.all_input_nodes
         deps = []
@@ -257,6 +295,12 @@ def _plan_region(region: str, mode: str, members: list[fx.Node], global_dims: di
                 shared.add(a)
         if not deps or n.target in _FILLS:
             continue  # a fill reads its input for the dtype only: shared
+        if n in late_reduced:
+            # a linear op on one chunk's partial sum (its gradient collective)
+            out, st, sized = _probe(n, state, half)
+            state[n], half[n], probe[n] = REDUCED, out, (out, sized)
+            dependent.append(n)
+            continue
         if any(a in summed for a in ins):
             raise ChunkRefused(
                 f"{n.name} ({n.target}) uses a sum over the split dim together with per-chunk values "
@@ -289,7 +333,13 @@ def _plan_region(region: str, mode: str, members: list[fx.Node], global_dims: di
         probe[n] = (out, sized)
         dependent.append(n)
         if st == REDUCED:
-            summed.add(n)
+            late = _late_sum_closure(n, member_set) if not early_sums else None
+            if late is None:
+                summed.add(n)
+            else:
+                # each chunk's sum runs through its own collectives; added at the end
+                for m in late:
+                    late_reduced[m] = n
     if not dependent:
         raise ChunkRefused("no node of the region depends on a value carrying the split dim")
     return _Plan(region, mode, dependent, live_ins, len(shared), state, probe, fills=fills)
@@ -382,8 +432,6 @@ def _apply(gm: fx.GraphModule, plan: _Plan) -> int:
         if isinstance(st, tuple):
             continue  # multi-output op: its getitems are rebuilt
         outside = [u for u in n.users if u not in dep and u is not b_of[n]]
-        if st == REDUCED:
-            outside = [u for u in n.users if u is not b_of[n]]
         if not outside:
             continue
         b = b_of[n]
@@ -428,11 +476,12 @@ def _rerun(n: fx.Node, fallback):
 # estimates
 
 
-def exposed_comm_by_region(nodes: list[fx.Node], costs, regions: dict[str, str]) -> dict[str, float]:
+def exposed_comm_by_region(nodes: list[fx.Node], costs, regions: dict[str, str], only=None) -> dict[str, float]:
     """Estimated exposed communication (seconds) per region, for ``nodes``
     run in this order: the two-stream clock of
     :mod:`.overlap_model`, each wait's stall charged to the region of its
-    collective (``regions``: pattern -> mode, as ``chunk_modules``)."""
+    collective (``regions``: pattern -> mode, as ``chunk_modules``);
+    ``only``: charge these collectives only (others still take time)."""
     from .overlap_model import Info
 
     info = Info(list(nodes), costs)
@@ -448,7 +497,10 @@ def exposed_comm_by_region(nodes: list[fx.Node], costs, regions: dict[str, str])
             end = done.get(n.args[0], 0.0)
             if end > now:
                 start = n.args[0]
-                r = next((region_of(module_path(start), p) for p in regions if region_of(module_path(start), p)), None)
+                r = None
+                if only is None or start in only:
+                    path = module_path(start)
+                    r = next((region_of(path, p) for p in regions if region_of(path, p)), None)
                 if r is not None:
                     out[r] = out.get(r, 0.0) + end - now
                 now = end
@@ -482,6 +534,7 @@ def chunk_graph(
     ctx: PassContext | None = None,
     *,
     copies=lambda node: 1,
+    early_sums: bool = True,
 ) -> ChunkRegionsStats:
     """Chunk the regions of ``gm`` that ``modules`` (pattern -> "batch" or
     "seq") names, in place. ``seeds``: mode -> {placeholder: dim} where the
@@ -493,12 +546,12 @@ def chunk_graph(
     mesh = getattr(ctx, "mesh", None)
     token = _MESH_SIZES.set(frozenset(mesh.shape) if mesh is not None else frozenset())
     try:
-        return _chunk_graph(gm, modules, seeds, ctx, copies, stats)
+        return _chunk_graph(gm, modules, seeds, ctx, copies, stats, early_sums)
     finally:
         _MESH_SIZES.reset(token)
 
 
-def _chunk_graph(gm, modules, seeds, ctx, copies, stats) -> ChunkRegionsStats:
+def _chunk_graph(gm, modules, seeds, ctx, copies, stats, early_sums) -> ChunkRegionsStats:
     regions = _regions(gm, modules)
     if not regions:
         logger.warning("chunk_regions: no node belongs to a module matching %s", sorted(modules))
@@ -509,7 +562,7 @@ def _chunk_graph(gm, modules, seeds, ctx, copies, stats) -> ChunkRegionsStats:
         rep = RegionReport(region, mode, chunked=False)
         n_copies = copies(members[0])
         try:
-            plan = _plan_region(region, mode, members, dims_by_mode[mode])
+            plan = _plan_region(region, mode, members, dims_by_mode[mode], early_sums)
         except ChunkRefused as e:
             rep.reason = str(e)
             stats.regions_refused += n_copies
@@ -580,4 +633,5 @@ def chunk_regions(gm: fx.GraphModule, ctx: PassContext) -> ChunkRegionsStats | N
         return None
     if ctx.local is None:
         raise ValueError("chunk_regions runs on a rank-local joint graph (ctx.local is not set)")
-    return chunk_graph(gm, dict(modules), _seeds(gm, ctx), ctx, copies=ctx.copies)
+    early = getattr(ctx.options, "chunk_early_grad_sum", True)
+    return chunk_graph(gm, dict(modules), _seeds(gm, ctx), ctx, copies=ctx.copies, early_sums=early)

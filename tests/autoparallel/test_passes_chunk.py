@@ -121,6 +121,32 @@ def test_two_matmuls_batch_chunked(fake_world):
     assert stats.nodes_added == len(nodes) - n_before == 2 * 3 + 7 + 2
 
 
+def test_late_gradient_sums_reduce_each_chunk(fake_world):
+    """chunk_early_grad_sum=False: each chunk's weight gradient goes through
+    its own reduce-scatter (A's can overlap B's compute), added after; the
+    same numbers within fp32 rounding."""
+    fake_world(WORLD)
+    group = dist.group.WORLD.group_name
+    step = _two_matmuls(group)
+    gm = _trace(step, (B, D), (D // WORLD, H), (H, D), (B, D))
+    ref_gm = _trace(step, (B, D), (D // WORLD, H), (H, D), (B, D))
+    x, w1, w2, g = _placeholders(gm)
+    stats = chunk_graph(gm, {"layers.*.mlp": "batch"}, {"batch": {x: 0, g: 0}}, early_sums=False)
+    assert stats.regions_chunked == 1
+    assert _count(gm, RS) == 2 and _count(gm, AG) == 1
+    (out,) = gm.graph.find_nodes(op="output")
+    gw = out.args[0][1]
+    assert gw.target is aten.add.Tensor and all(a.target is c10d.wait_tensor.default for a in gw.args)
+    gen = torch.Generator().manual_seed(0)
+    full = [torch.randn(*s, generator=gen) for s in ((WORLD, B, D), (WORLD, D // WORLD, H), (H, D), (WORLD, B, D))]
+    with LocalTensorMode(WORLD) as lm:
+        args = [lm.rank_map(lambda r, t=t: t[r].clone()) for t in (full[0], full[1])]
+        args += [lm.rank_map(lambda r: full[2].clone()), lm.rank_map(lambda r: full[3][r].clone())]
+        for a, b in zip(gm(*args), ref_gm(*args)):
+            for r in range(WORLD):
+                torch.testing.assert_close(a._local_tensors[r], b._local_tensors[r], rtol=1e-5, atol=1e-5)
+
+
 def _eager_chunked(x, w1, w2, g, group):
     """Eager module-level chunking: the region on each half, outputs
     concatenated, the weight gradient added before its reduce-scatter."""
