@@ -31,7 +31,9 @@ every joint node whose module path is in it, forward and backward. Then:
 * **Escaping values**: split-dim values used outside the region are
   concatenated; sums over the split dim (weight gradients: ``mm`` over the
   tokens, ``sum``) are added at once, before any gradient collective, so
-  gradient communication is not doubled.
+  gradient communication is not doubled (``chunk_early_grad_sum=False``:
+  each chunk's sum goes through its own collectives where they are linear,
+  added where it leaves the region).
 * **Refusals** (a stats entry with the reason, the region left as is): a
   reduction across the split dim other than a sum (a norm or mean over the
   batch), a sum used together with per-chunk values, ops acting along the
