@@ -157,7 +157,9 @@ def run_stage(stage: Stage, ctx: PassContext, disabled: frozenset[str], *targets
 def stats_to_json(stats: Any) -> Any:
     """Plain data of a stats object (dataclasses, dicts of them)."""
     if dataclasses.is_dataclass(stats) and not isinstance(stats, type):
-        return {k: stats_to_json(v) for k, v in dataclasses.asdict(stats).items()}
+        # fields marked metadata={"json": False} are detail for callers, not the dump
+        skip = {f.name for f in dataclasses.fields(stats) if f.metadata.get("json") is False}
+        return {k: stats_to_json(v) for k, v in dataclasses.asdict(stats).items() if k not in skip}
     if isinstance(stats, dict):
         return {str(k): stats_to_json(v) for k, v in stats.items()}
     if isinstance(stats, (list, tuple)):

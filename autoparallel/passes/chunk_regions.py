@@ -155,7 +155,10 @@ class ChunkRegionsStats:
     # (joint graph in the overlap scheduler's order), summed over regions
     exposed_comm_before_s: float = 0.0
     exposed_comm_after_s: float = 0.0
-    regions: list[RegionReport] = field(default_factory=list)
+    # per chunked region instance: "+N nodes, exposed X -> Y us" (refused
+    # ones are in ``refused``); the detail is in ``reports``
+    chunked: dict[str, str] = field(default_factory=dict)
+    reports: list[RegionReport] = field(default_factory=list, repr=False, metadata={"json": False})
 
 
 # ---------------------------------------------------------------------------
@@ -570,7 +573,7 @@ def _chunk_graph(gm, modules, seeds, ctx, copies, stats, early_sums) -> ChunkReg
             stats.regions_refused += n_copies
             stats.refused[region] = rep.reason
             logger.info("chunk_regions: %s (%s) refused: %s", region, mode, rep.reason)
-            stats.regions.append(rep)
+            stats.reports.append(rep)
             continue
         rep.nodes_added = _apply(gm, plan)
         rep.chunked = True
@@ -579,7 +582,7 @@ def _chunk_graph(gm, modules, seeds, ctx, copies, stats, early_sums) -> ChunkReg
         stats.nodes_added += n_copies * rep.nodes_added
         stats.live_ins_split += n_copies * rep.live_ins_split
         stats.live_ins_shared += n_copies * rep.live_ins_shared
-        stats.regions.append(rep)
+        stats.reports.append(rep)
         # later regions read rebuilt values: same split dim as the originals
         for dims in dims_by_mode.values():
             for j, n in plan.joins.items():
@@ -588,13 +591,19 @@ def _chunk_graph(gm, modules, seeds, ctx, copies, stats, early_sums) -> ChunkReg
     gm.recompile()
     if stats.regions_chunked:
         after = _scheduled_exposure(gm, ctx, modules)
-        for rep in stats.regions:
+        for rep in stats.reports:
             rep.exposed_comm_before_s = before.get(rep.region, 0.0)
             rep.exposed_comm_after_s = after.get(rep.region, 0.0)
             if rep.chunked:
                 n_copies = copies(next(n for n in gm.graph.nodes if n.meta.get(CHUNK_KEY, (None,))[0] == rep.region))
                 stats.exposed_comm_before_s += rep.exposed_comm_before_s * n_copies
                 stats.exposed_comm_after_s += rep.exposed_comm_after_s * n_copies
+    for rep in stats.reports:
+        if rep.chunked:
+            stats.chunked[rep.region] = (
+                f"+{rep.nodes_added} nodes, exposed {rep.exposed_comm_before_s * 1e6:.0f} -> "
+                f"{rep.exposed_comm_after_s * 1e6:.0f} us"
+            )
     return stats
 
 
