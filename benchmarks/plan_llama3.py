@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor.placement_types import Replicate, Shard  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
+from _chunk_report import add_chunk_argument, chunk_compare, parse_chunk  # noqa: E402
 from autoparallel import AutoParallel  # noqa: E402
 from autoparallel.models.llama3 import LLAMA3_CONFIGS, Transformer, apply_ac  # noqa: E402
 
@@ -58,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also time apply_placement and print its collectives and pass stats "
                         "(applies twice: without and with the rewrite passes)")
     p.add_argument("--verbose", action="store_true", help="log autoparallel's INFO messages")
+    # --chunk: apply without/with chunk_regions and compare (_chunk_report.py)
+    add_chunk_argument(p, {"layers.*.attention": "batch", "layers.*.feed_forward": "batch"})
     p.add_argument("--no-dump", action="store_true", help="skip timing the debug dumps")
     return p.parse_args(argv)
 
@@ -101,6 +104,8 @@ def main(argv=None) -> None:
         total = time.perf_counter() - t0
         cpu = time.process_time() - cpu0
         applied = _apply_both_ways(autop, plan, mesh, a.compare_full) if a.apply else None
+        if a.chunk is not None:
+            chunk_compare(autop, plan, mesh, parse_chunk(a.chunk, a._chunk_default))
 
     t = autop.timings
     s = plan.solution

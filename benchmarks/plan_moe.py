@@ -45,6 +45,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 from autoparallel import AutoParallel  # noqa: E402
 from autoparallel.models.moe import MOE_CONFIGS, MoETransformer  # noqa: E402
 from autoparallel.models.llama3 import apply_ac  # noqa: E402
+from _chunk_report import add_chunk_argument, chunk_compare, parse_chunk, pin_expert_parallel  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,6 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ac", default="selective", choices=["none", "selective", "full"])
     p.add_argument("--apply", action="store_true", help="also time apply_placement and count collectives")
     p.add_argument("--verbose", action="store_true")
+    add_chunk_argument(p, {"layers.*.moe": "batch"})  # --chunk: chunk_regions without/with (_chunk_report.py)
     return p.parse_args(argv)
 
 
@@ -104,6 +106,8 @@ def main(argv=None) -> None:
     with AutoParallel(model, mesh, x) as autop:
         autop.add_input_constraints(constraint)
         autop.add_output_constraints(constraint)
+        if a.pin_ep:
+            pin_expert_parallel(autop, mesh)
         plan = autop.optimize_placement()
         plan_wall, plan_cpu = time.perf_counter() - t0, time.process_time() - c0
         applied = None
@@ -118,6 +122,9 @@ def main(argv=None) -> None:
                 k = (c.phase, c.kind, c.group)
                 cnt, b = applied.get(k, (0, 0))
                 applied[k] = (cnt + 1, b + c.in_bytes)
+
+        if a.chunk is not None:
+            chunk_compare(autop, plan, mesh, parse_chunk(a.chunk, a._chunk_default))
 
     s = plan.solution
     print(

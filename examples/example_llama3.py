@@ -98,6 +98,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=3, help="AdamW steps with --real")
     ap.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate with --real")
     ap.add_argument("-v", "--verbose", action="store_true", help="log every stage")
+    ap.add_argument("--chunk", nargs="*", default=None, metavar="PATTERN=MODE",
+                    help="chunk_regions: split these modules' work in two chunks so one chunk's communication "
+                         "overlaps the other's compute (no value: layers.*.attention=batch layers.*.feed_forward=batch)")
     args = ap.parse_args(argv)
     if args.model is None:
         args.model = "debug" if args.real else "8B"
@@ -157,9 +160,19 @@ def plan_model(args: argparse.Namespace, mesh, model, config):
             plan = autop.optimize_placement()
         if not args.no_apply:
             wall, cpu = time.perf_counter(), time.process_time()
-            parallel = autop.apply_placement(plan)
+            parallel = autop.apply_placement(plan, pass_options=chunk_options(args.chunk))
             report = ApplyReport.of(parallel, mesh, time.perf_counter() - wall, time.process_time() - cpu)
     return plan, parallel, report
+
+
+def chunk_options(values, default=("layers.*.attention=batch", "layers.*.feed_forward=batch")):
+    """PassOptions for ``--chunk`` (None: the defaults, no chunking)."""
+    if values is None:
+        return None
+    from autoparallel.passes import PassOptions
+
+    pairs = [v.partition("=") for v in (values or default)]
+    return PassOptions(chunk_modules={k: m or "batch" for k, _, m in pairs})
 
 
 def mesh_names(args: argparse.Namespace, ndim: int) -> tuple[str, ...]:

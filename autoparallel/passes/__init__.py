@@ -57,6 +57,15 @@ class PassOptions:
     # group; "reorder" on the row-major one, then reorders the chunks locally
     # (what LocalTensorMode can simulate: it only knows sorted groups).
     column_major_all_gather: str = "group"
+    # chunk_regions (opt-in): module-path pattern ("layers.*.moe", "*" one
+    # path component) -> "batch" or "seq": split those modules' work in two
+    # chunks so one chunk's communication overlaps the other's compute.
+    chunk_modules: dict[str, str] | None = None
+    # ... True: a chunked region's sums over the split dim (weight gradients)
+    # are added at once, before their collectives (one reduce-scatter);
+    # False: each chunk's goes through its own reduce-scatter, added after
+    # (chunk A's overlaps chunk B's compute; twice the gradient bytes).
+    chunk_early_grad_sum: bool = True
 
 
 @dataclass
@@ -140,14 +149,17 @@ def run_stage(stage: Stage, ctx: PassContext, disabled: frozenset[str], *targets
                 stats[kind] = spec.fn(gm, ctx)
             ctx.graph_kind = None
         logger.info("pass %s: %s (%.2fs)", spec.name, stats, time.perf_counter() - t0)
-        results[spec.name] = stats
+        if stats is not None:  # None: an opt-in pass that was not asked for
+            results[spec.name] = stats
     return results
 
 
 def stats_to_json(stats: Any) -> Any:
     """Plain data of a stats object (dataclasses, dicts of them)."""
     if dataclasses.is_dataclass(stats) and not isinstance(stats, type):
-        return {k: stats_to_json(v) for k, v in dataclasses.asdict(stats).items()}
+        # fields marked metadata={"json": False} are detail for callers, not the dump
+        skip = {f.name for f in dataclasses.fields(stats) if f.metadata.get("json") is False}
+        return {k: stats_to_json(v) for k, v in dataclasses.asdict(stats).items() if k not in skip}
     if isinstance(stats, dict):
         return {str(k): stats_to_json(v) for k, v in stats.items()}
     if isinstance(stats, (list, tuple)):
@@ -161,6 +173,7 @@ def stats_to_json(stats: Any) -> Any:
 # (Each pass module adds itself here when it is written.)
 from . import fuse_all_gathers  # noqa: E402,F401
 from . import alias_round_trips  # noqa: E402,F401
+from . import chunk_regions  # noqa: E402,F401
 from . import recompute_all_gathers  # noqa: E402,F401
 from . import bucket_collectives  # noqa: E402,F401
 from . import schedule_overlap  # noqa: E402,F401

@@ -1,0 +1,425 @@
+"""Which dim of each graph value carries the split of :mod:`.chunk_regions`.
+
+The step's user inputs carry it at a known dim and tangents like their
+forward outputs; it is propagated by *probing*: each op is run on fake
+inputs whose split dim is halved, and the output dim whose size halved is
+the output's split dim (none: the op reduced it away, REDUCED; several, or
+not by half: ambiguous, refused). Ops with size arguments (``view``,
+``expand``, ``slice_backward``, ``new_zeros``...) get their sizes rewritten
+by shape factorisation; no value is matched by its size alone.
+
+>>> # dims = propagate_split_dims(gm, {tokens_placeholder: 0})   # doctest: +SKIP
+>>> # dims[mm_node]  -> 0 (rows), REDUCED (a sum over the batch), or None
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..apply.redistribute import REDISTRIBUTE_KEY
+
+__all__ = ["REDUCED", "ChunkRefused", "propagate_split_dims"]
+
+logger = logging.getLogger(__name__)
+
+_aten = torch.ops.aten
+
+_ATTENTION_NAMES = ("scaled_dot_product", "flash_attention", "efficient_attention", "flex_attention", "cudnn_attention")
+# Views whose dim arguments name every dim (they act along none of them).
+_DIM_FREE = {
+    _aten.permute.default,
+    _aten.transpose.int,
+    _aten.unsqueeze.default,
+    _aten.squeeze.dim,
+    _aten.squeeze.dims,
+    _aten.sum.dim_IntList,
+}
+# The mesh dim sizes of the graph being chunked (see _view_dim).
+_MESH_SIZES: contextvars.ContextVar[frozenset] = contextvars.ContextVar("chunk_mesh_sizes", default=frozenset())
+_NEW_FACTORIES = {_aten.new_zeros.default, _aten.new_empty.default, _aten.new_ones.default, _aten.new_full.default}
+_SIZE_ARG_NAMES = {"size", "sizes", "input_sizes", "shape", "stride"}
+
+class ChunkRefused(Exception):
+    """A region cannot be chunked without changing the math; says why."""
+
+
+class _Unknown(Exception):
+    """The split dim of a value cannot be told."""
+
+
+
+# ---------------------------------------------------------------------------
+# split-dim propagation by probing
+
+
+def _val(n: Any):
+    return n.meta.get("val") if isinstance(n, fx.Node) else None
+
+
+def _fake_mode(vals):
+    for v in vals:
+        if isinstance(v, torch.Tensor):
+            m = getattr(v, "fake_mode", None)
+            if m is not None:
+                return m
+    return None
+
+
+def _normalize(d: int, rank: int) -> int:
+    return d + rank if d < 0 else d
+
+
+def _view_dim(in_shape, d: int, out_shape, mesh_sizes: frozenset = frozenset()) -> int:
+    """The output dim of a reshape of ``in_shape`` to ``out_shape`` that
+    carries input dim ``d``, halving with it: the dims before it hold the
+    same elements (prefix products equal) and it is ``d`` merged with inner
+    dims or split off ``d``'s outer part. Raises :class:`_Unknown`.
+
+    ``mesh_sizes``: the reshape is a redistribution's ``[group, per-rank]``
+    split of ``d`` (apply's layout change): the group factor is the mesh's
+    and stays, the per-rank factor halves, as redistributing each eager
+    chunk would do; ambiguous (refused) when both factors could be the
+    group."""
+    outer = 1
+    for s in in_shape[:d]:
+        outer *= s
+    size = in_shape[d]
+    if mesh_sizes and len(out_shape) == len(in_shape) + 1:
+        prefix = 1
+        for j, s in enumerate(out_shape[:-1]):
+            if prefix == outer and s * out_shape[j + 1] == size:
+                group, per = s, out_shape[j + 1]
+                if group in mesh_sizes and per % 2 == 0 and per not in mesh_sizes:
+                    return j + 1
+                if group in mesh_sizes:
+                    raise _Unknown(f"redistribution reshape {tuple(in_shape)} -> {tuple(out_shape)}: "
+                                   "cannot tell the mesh group factor from the per-rank one")
+                break
+            prefix *= s
+    prefix = 1
+    for j, s in enumerate(out_shape):
+        if prefix == outer and s != 1 and s % 2 == 0 and (s % size == 0 or size % s == 0):
+            return j
+        prefix *= s
+        if prefix > outer:
+            break
+    raise _Unknown(f"reshape {tuple(in_shape)} -> {tuple(out_shape)} mixes split dim {d} with outer dims")
+
+
+class _quiet_fake_tensor:
+    """Fake tensor logs every failing op at error level; a failing probe is
+    an expected answer here."""
+
+    def __enter__(self):
+        self.log = logging.getLogger("torch._subclasses.fake_tensor")
+        self.level = self.log.level
+        self.log.setLevel(logging.CRITICAL)
+
+    def __exit__(self, *exc):
+        self.log.setLevel(self.level)
+        return False
+
+
+def _halve(seq, j: int) -> list:
+    out = list(seq)
+    out[j] = out[j] // 2
+    return out
+
+
+def _size_args(node: fx.Node, dims: dict[fx.Node, int]) -> tuple[tuple, dict, int] | None:
+    """(args, kwargs, output dim) for ops whose size arguments must shrink
+    with the split input, or None when the op has no size arguments."""
+    t = node.target
+    src = node.args[0] if node.args else None
+    d = dims.get(src) if isinstance(src, fx.Node) else None
+    if t in (_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default):
+        if d is None:
+            raise _Unknown(f"{node.name}: sizes of a view of a value without the split dim")
+        in_shape = _val(src).shape
+        out_shape = list(node.args[1])
+        chain = REDISTRIBUTE_KEY in node.meta
+        j = _view_dim(list(in_shape), d, out_shape, _MESH_SIZES.get() if chain else frozenset())
+        return (src, _halve(out_shape, j)), dict(node.kwargs), j
+    if t is _aten.expand.default:
+        if d is None:
+            raise _Unknown(f"{node.name}: expand of a value without the split dim")
+        sizes = list(node.args[1])
+        j = d + len(sizes) - _val(src).dim()
+        return (src, _halve(sizes, j), *node.args[2:]), dict(node.kwargs), j
+    if t is _aten.slice_backward.default or t is _aten.select_backward.default:
+        sizes = list(node.args[1])
+        if d is None:
+            raise _Unknown(f"{node.name}: {t} of a value without the split dim")
+        along = _normalize(node.args[2], len(sizes))
+        j = d if t is _aten.slice_backward.default or d < along else d + 1
+        if j == along:
+            raise ChunkRefused(f"{node.name} ({t}) acts along the split dim")
+        return (src, _halve(sizes, j), *node.args[2:]), dict(node.kwargs), j
+    if t in _NEW_FACTORIES:
+        # a fresh tensor "like" src (a gradient's zeros): it carries the
+        # split dim where its size matches src's there; the consumers'
+        # probes check that the shapes then fit
+        sizes = list(node.args[1])
+        if d is None or len(sizes) != _val(src).dim() or sizes[d] != _val(src).shape[d]:
+            raise _Unknown(f"{node.name}: {t} of sizes {sizes} does not line up with the split dim")
+        return (src, _halve(sizes, d), *node.args[2:]), dict(node.kwargs), d
+    schema = getattr(t, "_schema", None)
+    if schema is not None:
+        for a in schema.arguments:
+            if a.name in _SIZE_ARG_NAMES and "List" in str(a.type):
+                raise _Unknown(f"{node.name}: {t} has size arguments this pass cannot rewrite")
+    return None
+
+
+def _whole_slice(node: fx.Node) -> bool:
+    """``slice(x, dim, 0, end >= size, 1)``: keeps all of ``x``."""
+    args = list(node.args) + [None] * (5 - len(node.args))
+    x, dim, start, end, step = args[:5]
+    v = _val(x)
+    if not isinstance(v, torch.Tensor):
+        return False
+    size = v.shape[_normalize(dim or 0, v.dim())]
+    return (start in (None, 0)) and (end is None or end >= size) and (step in (None, 1))
+
+
+def _acts_along(node: fx.Node, d: int, rank: int) -> bool:
+    """Whether ``node`` has a ``dim`` argument naming split dim ``d``."""
+    if node.target in _DIM_FREE or node.target is operator.getitem:
+        return False
+    if node.target is _aten.slice.Tensor and _whole_slice(node):
+        return False  # a no-op slice (padding removal after a gather): the chunk's is too
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return False
+    for k, a in enumerate(schema.arguments):
+        if a.name not in ("dim", "dims"):
+            continue
+        v = node.args[k] if k < len(node.args) else node.kwargs.get(a.name, a.default_value if a.has_default_value() else None)
+        if v is None:
+            # dim=None reductions (sum of everything) reduce the split dim
+            return "sum" not in str(node.target) and "Optional" in str(a.type)
+        vs = v if isinstance(v, (list, tuple)) else [v]
+        if any(isinstance(x, int) and _normalize(x, rank) == d for x in vs):
+            return True
+    return False
+
+
+REDUCED = "reduced"  # depends on the split values, carries no split dim
+
+
+_FILLS = {
+    _aten.new_zeros.default, _aten.new_ones.default, _aten.new_full.default, _aten.zeros.default,
+    _aten.ones.default, _aten.full.default, _aten.zeros_like.default, _aten.ones_like.default,
+    _aten.full_like.default, _aten.scalar_tensor.default,
+}
+_FILL_MOVES = {
+    _aten.index_select.default, _aten.slice.Tensor, _aten.select.int, _aten.clone.default,
+    _aten._to_copy.default, _aten.split.Tensor, _aten.contiguous.default, operator.getitem,
+}
+
+
+def is_fill(node: fx.Node, memo: dict | None = None) -> bool:
+    """Whether ``node`` is a constant fill (zeros, ones, full), or a view,
+    slice or index of one: every part of it holds the same value, so a
+    chunk may read any half of it (a gradient's zeros, computed whole
+    and then cut to this rank's piece)."""
+    if node.op != "call_function":
+        return False
+    memo = {} if memo is None else memo
+    hit = memo.get(node)
+    if hit is None:
+        t = node.target
+        if t in _FILLS:
+            hit = True
+        elif t in _FILL_MOVES or (isinstance(t, torch._ops.OpOverload) and t.is_view):
+            first = node.args[0] if node.args else None
+            hit = isinstance(first, fx.Node) and is_fill(first, memo)
+        else:
+            hit = False
+        memo[node] = hit
+    return hit
+
+
+def _full_size_partners(node: fx.Node, dims: dict[fx.Node, Any]) -> dict[fx.Node, int]:
+    """Inputs of ``node`` that carry no split dim but line up with one at its
+    full size: of a pointwise op, broadcast (a gradient expanded from a
+    scalar); of any op, a constant fill of the same rank (:func:`is_fill`).
+    Input -> its dim that lines up with the split dim."""
+    t = node.target
+    pointwise = isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags
+    split = [(a, dims[a]) for a in node.all_input_nodes if isinstance(dims.get(a), int)]
+    out = {}
+    for a in node.all_input_nodes:
+        v = _val(a)
+        if isinstance(dims.get(a), int) or not isinstance(v, torch.Tensor):
+            continue
+        fill = not pointwise and is_fill(a)
+        if not (pointwise or fill):
+            continue
+        for c, d in split:
+            cv = _val(c)
+            if fill and v.dim() != cv.dim():
+                continue
+            i = d - cv.dim() + v.dim()
+            if 0 <= i < v.dim() and v.shape[i] == cv.shape[d] and v.shape[i] != 1:
+                out[a] = i
+    return out
+
+
+def _probe(
+    node: fx.Node, dims: dict[fx.Node, Any], half_vals: dict[fx.Node, Any], implicit: bool = False, fills=None
+):
+    """(chunk value(s), state(s), (args, kwargs)) of ``node`` run on the
+    halves: the fake output(s) for one chunk, per output its split dim or
+    REDUCED, and the arguments with chunk sizes. ``implicit``: halve the
+    full-size partners of pointwise ops too (else they are refused, except
+    constant fills, which ``fills`` collects: fill -> dim to halve)."""
+    sized = _size_args(node, dims)
+    if sized is not None:
+        args, kwargs, j = sized
+    else:
+        args, kwargs, j = node.args, node.kwargs, None
+    partners = _full_size_partners(node, dims)
+    if not implicit:
+        for a in partners:
+            if not is_fill(a):
+                raise ChunkRefused(f"{node.name} ({node.target}) reads {a.name}, which is full size along the split dim")
+        if fills is not None:
+            fills.update(partners)
+    half_vals = dict(half_vals) if partners else half_vals
+    for a, i in partners.items():
+        half_vals[a] = _val(a).narrow(i, 0, _val(a).shape[i] // 2)
+
+    def val(a):
+        if isinstance(a, fx.Node):
+            return half_vals[a] if a in half_vals else _val(a)
+        return a
+
+    a_vals = fx.node.map_aggregate(args, val)
+    k_vals = fx.node.map_aggregate(kwargs, val)
+    if node.target is operator.getitem:
+        out = a_vals[0][a_vals[1]]
+    else:
+        mode = _fake_mode([_val(a) for a in node.all_input_nodes])
+        if mode is None:
+            raise _Unknown(f"{node.name}: no fake tensors to probe with")
+        try:
+            with mode, _quiet_fake_tensor():
+                out = node.target(*a_vals, **k_vals)
+        except Exception as e:  # shapes that do not fit: the split does not go through
+            raise _Unknown(f"{node.name} ({node.target}) fails on the halves: {type(e).__name__}: {str(e)[:160]}")
+    full = _val(node)
+
+    def state(full_v, half_v):
+        if not isinstance(full_v, torch.Tensor):
+            if isinstance(half_v, torch.Tensor) or full_v != half_v:
+                raise _Unknown(f"{node.name}: a non-tensor output changes with the split")
+            return None
+        if full_v.dim() != half_v.dim():
+            raise _Unknown(f"{node.name}: rank changes with the split")
+        changed = [i for i, (a, b) in enumerate(zip(full_v.shape, half_v.shape)) if a != b]
+        if not changed:
+            return REDUCED
+        if len(changed) > 1 or full_v.shape[changed[0]] != 2 * half_v.shape[changed[0]]:
+            raise _Unknown(
+                f"{node.name}: split is ambiguous (shape {tuple(full_v.shape)} -> {tuple(half_v.shape)})"
+            )
+        if j is not None and changed[0] != j:
+            raise _Unknown(f"{node.name}: sizes rewritten on dim {j} but dim {changed[0]} changed")
+        return changed[0]
+
+    if isinstance(full, (tuple, list)):
+        return out, [state(f, h) for f, h in zip(full, out)], (args, kwargs)
+    return out, state(full, out), (args, kwargs)
+
+
+def _redistribution_chains(gm: fx.GraphModule) -> dict[fx.Node, tuple[list[fx.Node], set[fx.Node]]]:
+    """node -> (inputs, outputs) of the redistribution (apply's layout change
+    between a producer and a consumer) it belongs to: consecutive nodes with
+    the same ``REDISTRIBUTE_KEY`` tag."""
+    from ..apply.redistribute import REDISTRIBUTE_KEY
+
+    out: dict[fx.Node, tuple[list[fx.Node], set[fx.Node]]] = {}
+    run: list[fx.Node] = []
+
+    def close():
+        if not run:
+            return
+        members = set(run)
+        ins = [a for m in run for a in m.all_input_nodes if a not in members]
+        outs = {m for m in run if any(u not in members for u in m.users)}
+        for m in run:
+            out[m] = (ins, outs)
+        run.clear()
+
+    prev = None
+    for n in gm.graph.nodes:
+        tag = n.meta.get(REDISTRIBUTE_KEY) if n.op == "call_function" else None
+        if tag is None or tag != prev:
+            close()
+        if tag is not None:
+            run.append(n)
+        prev = tag
+    close()
+    return out
+
+
+def _input_dims(node: fx.Node, dims: dict) -> list[int]:
+    return [dims[a] for a in node.all_input_nodes if isinstance(dims.get(a), int)]
+
+
+def propagate_split_dims(gm: fx.GraphModule, seeds: dict[fx.Node, int]) -> dict[fx.Node, Any]:
+    """Split dim of every graph value reachable from ``seeds`` (placeholder
+    -> dim): an int, REDUCED, or None where it cannot be told (the reason in
+    the log at debug level). Values not reachable are absent."""
+    dims: dict[fx.Node, Any] = dict(seeds)
+    half: dict[fx.Node, Any] = {}
+    for p, d in seeds.items():
+        v = _val(p)
+        half[p] = v.narrow(d, 0, v.shape[d] // 2)
+    chains = _redistribution_chains(gm)
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        ins = n.all_input_nodes
+        if not any(a in dims for a in ins) or n.target in _FILLS:
+            continue  # a fill reads its input for the dtype only
+        chain = chains.get(n)
+        if chain is not None:
+            # a layout change: the local value keeps its dims' meaning (a
+            # DTensor shard), whatever slicing or gathering it takes
+            src = [a for a in chain[0] if isinstance(dims.get(a), int)]
+            v, out_v = _val(src[0]) if len(src) == 1 else None, _val(n)
+            if n in chain[1] and v is not None and isinstance(out_v, torch.Tensor) and out_v.dim() == v.dim():
+                d = dims[src[0]]
+                if out_v.shape[d] % 2 == 0:
+                    dims[n] = d
+                    half[n] = out_v.narrow(d, 0, out_v.shape[d] // 2)
+                    continue
+            dims[n] = None
+            continue
+        if n.target is operator.getitem and isinstance(dims.get(n.args[0]), tuple):
+            dims[n] = dims[n.args[0]][n.args[1]]
+            half[n] = half[n.args[0]][n.args[1]]
+            continue
+        if not _input_dims(n, dims):
+            # only reduced (shared from here) or unknown inputs
+            dims[n] = None if any(a in dims and dims[a] is None for a in ins) else REDUCED
+            continue
+        # unknown inputs are read whole, as shared values: this only names
+        # the dims; a region's own walk checks that its split is exact
+        try:
+            out, st, _ = _probe(n, dims, half, implicit=True)
+        except (_Unknown, ChunkRefused) as e:
+            logger.debug("split dim lost: %s", e)
+            dims[n] = None
+            continue
+        half[n] = out
+        dims[n] = tuple(st) if isinstance(st, list) else st
+    return dims
