@@ -94,3 +94,17 @@ def test_brute_force_helper_sees_the_small_cases():
     # InfeasibleError path) as well as feasible ones
     results = [brute_force(random_problem(seed)) for seed in range(150)]
     assert any(r is None for r in results) and any(r is not None for r in results)
+
+
+def test_linked_layers_through_column_generation_equal_the_merged_problem(monkeypatch):
+    """Linked layers share one set of columns after presolve; through column
+    generation the optimum equals that of the same layers merged by hand,
+    solved on the full LP."""
+    full = transformer_problem(layers=6, per_layer=40, mesh_dims=3, seed=5)
+    merged = transformer_problem(layers=6, per_layer=40, mesh_dims=3, seed=5, merged=True)
+    monkeypatch.setattr(colgen, "MIN_PAIR_COLUMNS", 10**12)
+    expected = solve(merged, presolve=False).objective
+    monkeypatch.setattr(colgen, "MIN_PAIR_COLUMNS", 0)
+    s = solve(full)
+    assert s.status == "optimal" and s.presolve.merged_by_links > 0
+    assert s.objective == pytest.approx(expected, rel=1e-9)
