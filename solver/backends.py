@@ -5,7 +5,9 @@
   column and row (measured: 0.5 s to load 60k columns). The LP
   relaxation is solved first, without HiGHS' presolve: the pairwise
   encoding is integral on trees and, in practice, on most transformer
-  problems, and an integral LP optimum is a proven MIP optimum. Otherwise
+  problems, and an integral LP optimum is a proven MIP optimum (on big
+  models the LP is solved by column generation first, :mod:`solver.colgen`,
+  falling back to the full LP). Otherwise
   the MIP is solved, started from the LP optimum rounded (each decision
   its largest option) and polished by :mod:`solver.local_search`; its
   reported bound is at least the LP's. So a time limit that stops the
@@ -40,6 +42,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from . import colgen
 from .highs_bb import branch_and_bound
 from .ilp import IlpModel
 
@@ -131,7 +134,22 @@ class HighsBackend(Backend):
         # and often on transformer graphs, and an integral LP optimum is a
         # proven MIP optimum. Without HiGHS' presolve it takes a fraction of
         # the MIP's root processing. Infeasible LP => infeasible MIP.
-        h = self._highs({"presolve": "off"}, time_limit)
+        # Big models: the same LP optimum by column generation first (see
+        # solver.colgen); an integral one ends the solve here.
+        if model.num_cols - model.num_x >= colgen.MIN_PAIR_COLUMNS:
+            deadline = None if time_limit is None else t1 + time_limit
+            cg = colgen.solve_lp(model, deadline)
+            if cg is not None:
+                x = np.asarray(cg.values[: model.num_x])
+                logger.debug("highs: column generation: %d of %d pair columns, %d rounds",
+                             cg.columns, model.num_cols - model.num_x, cg.rounds)
+                if np.all(np.minimum(np.abs(x), np.abs(1.0 - x)) <= INTEGRALITY_TOL):
+                    objective = cg.objective * scale + off
+                    timings.update(solve=time.perf_counter() - t1, extract=0.0)
+                    logger.debug("highs: LP relaxation (column generation) is integral")
+                    return BackendResult("optimal", cg.values, objective, objective, 0.0, timings)
+        lp_limit = None if time_limit is None else max(1e-3, time_limit - (time.perf_counter() - t1))
+        h = self._highs({"presolve": "off"}, lp_limit)
         h.passModel(lp)
         h.run()
         ms = h.getModelStatus()
