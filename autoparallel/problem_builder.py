@@ -36,6 +36,7 @@ from torch.distributed.tensor.placement_types import Shard, _StridedShard
 import solver
 
 from . import cost_model
+from .edge_costs import redistribution_matrix
 from .option_pruning import PruneStats, prune_partials
 from .option_pruning import copy_cheaper_than_collectives as cost_model_allows_pruning
 from .repeated_layers import RepeatedLayers
@@ -198,8 +199,8 @@ def _unreducible_grad_nodes(traced: TracedStep, reduce_dtype: torch.dtype | None
     }
 
 
-def _reduces_partial(src, dst) -> bool:
-    return any(p.is_partial() and not q.is_partial() for p, q in zip(src.placements, dst.placements))
+def _partial_mask(spec) -> int:
+    return sum(1 << i for i, p in enumerate(spec.placements) if p.is_partial())
 
 
 @dataclass(frozen=True)
@@ -260,14 +261,37 @@ class _EdgeMatrices:
         )
         class_rows = self._classes.get(class_key)
         if class_rows is None:
-            class_rows = self._classes[class_key] = [
-                [
-                    math.inf if keep_partial and _reduces_partial(s, d) else self._pair(s, d, kind)
-                    for d in dst_specs
-                ]
-                for s in src_specs
-            ]
+            class_rows = self._classes[class_key] = self._class_matrix(src_specs, dst_specs, kind, keep_partial)
         return class_rows, row_class, col_class
+
+    def _class_matrix(self, src_specs, dst_specs, kind, keep_partial) -> list[list[float]]:
+        """:meth:`_pair` for every (source, target) spec, with the raw times
+        from :func:`edge_costs.redistribution_matrix` (equal to
+        ``redistribute_time``, ~10x faster on 3-D meshes)."""
+        raw = redistribution_matrix(src_specs, dst_specs, self.device)
+        tiebreak = cost_model.TRANSITION_TIEBREAK
+        discount = (lambda t: cost_model.apply_discount(t, kind, self.overlap)) if kind is not None else None
+        # Partial mesh dims of each source / non-partial ones of each target:
+        # a pair reduces a Partial where they meet.
+        src_partial = [_partial_mask(s) for s in src_specs]
+        dst_whole = [~_partial_mask(d) for d in dst_specs]
+        rows = []
+        for s, sp, raw_row in zip(src_specs, src_partial, raw):
+            row = []
+            for d, dw, t in zip(dst_specs, dst_whole, raw_row):
+                if keep_partial and sp & dw:
+                    row.append(math.inf)
+                    continue
+                # as _pair
+                if t != 0.0 and math.isfinite(t):
+                    if discount is not None:
+                        t = discount(t)
+                    t += tiebreak
+                elif t == 0.0 and s.placements != d.placements:
+                    t = tiebreak
+                row.append(t)
+            rows.append(row)
+        return rows
 
     def redistribution(
         self, prod: list[Option], cons: list[Option], arg: int, kind: str | None, keep_partial: bool = False
