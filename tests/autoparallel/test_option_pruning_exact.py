@@ -64,3 +64,44 @@ def test_greedy_plan_equals_comm_plan(fake_world):
             src_divs, steps = comm._plan(s, d)
             ours = _greedy_plan((2, 2, 2, 2), _CODES[_fast_id(s)], _CODES[_fast_id(d)])
             assert ours == (src_divs, tuple((m, kinds, divs) for m, _a, _b, kinds, divs in steps))
+
+
+def test_fast_expansion_gives_dtensors_options(fake_world, monkeypatch):
+    """Options enumerated with autoparallel.fast_expand equal DTensor's own
+    expansion, option for option and in order (FFN with bias on 2x2x2:
+    addmm, mm, pointwise ops with uneven sharding allowed)."""
+    import contextlib
+
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from autoparallel import strategies
+    from autoparallel.models import FFN
+    from autoparallel.tracing import trace_training_step
+
+    from autoparallel import fast_expand
+
+    calls = []
+    fast_fn = fast_expand.expand_to_full_mesh_op_strategy
+
+    def counting(*args, **kwargs):
+        calls.append(args[1].op)
+        return fast_fn(*args, **kwargs)
+
+    monkeypatch.setattr(fast_expand, "expand_to_full_mesh_op_strategy", counting)
+    fake_world(8)
+    mesh = init_device_mesh("cpu", (2, 2, 2))
+    with torch.device("meta"):
+        model = FFN(16, 64, bias=True)
+    labels = []
+    with contextlib.ExitStack() as stack:
+        traced = trace_training_step(model, (torch.empty(8, 6, 16, device="meta"),), "cpu", stack=stack)
+        with unset_fake_temporarily():
+            for fast in (True, False):
+                if not fast:
+                    monkeypatch.setattr(strategies, "fast_expansion", contextlib.nullcontext)
+                st = strategies.StrategyEnumerator(mesh).enumerate(traced.gm, set(traced.param_nodes.values()))
+                labels.append({n.name: [o.label for o in s.options] for n, s in st.items()})
+    assert labels[0] == labels[1]
+    assert sum(len(v) for v in labels[0].values()) > 1000
+    # the fast expansion ran (for the matmuls and pointwise ops)
+    assert {str(op) for op in calls} >= {"aten.addmm.default", "aten.mm.default"}
