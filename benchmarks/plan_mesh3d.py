@@ -90,12 +90,27 @@ def _plan(name: str, layers: int | None, seq: int, batch: int, max_gib: float, q
             options_before=built.pruning.options_before if built.pruning else None,
             options_after=built.pruning.options_after if built.pruning else None,
             timings=dict(autop.timings),
+            gap=s.gap,
+            memory=_per_rank_memory(plan),
         )
     except Exception as e:  # noqa: BLE001 - reported in the table
         out.update(status=f"{type(e).__name__}: {str(e)[:300]}")
     out["total_s"] = time.perf_counter() - t0
     out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     queue.put(out)
+
+
+def _per_rank_memory(plan) -> tuple[float, float, str]:
+    """(estimated bytes per rank, budget bytes, what the estimate covers).
+
+    Hook for the whole-step memory budget (issue 13 part 4): until the plan
+    carries that estimate, parameters + gradients + AdamW state ("p+g+opt") from
+    :func:`autoparallel.memory.breakdown` (activations need an applied plan)
+    against the device's HBM."""
+    from autoparallel import memory
+
+    b = memory.breakdown(plan)
+    return b.parameters + b.gradients + b.optimizer, b.hbm, "p+g+opt"
 
 
 def main(argv=None) -> None:
@@ -109,6 +124,7 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     names = a.only or ["8B-16x8", "8B-4x4x8", "8B-hsdp-2x8x8", "70B-16x8", "70B-8x16x8", "70B-4x4x8x8"]
     ctx = mp.get_context("spawn")
+    print(f"load average at the start: {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)", flush=True)
     rows = []
     for name in names:
         q = ctx.Queue()
@@ -125,6 +141,7 @@ def main(argv=None) -> None:
             rows.append(q.get())
         print(_row(rows[-1]), flush=True)
     print()
+    print(f"load average at the end: {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)")
     print(_table(rows))
 
 
@@ -158,8 +175,11 @@ def _table(rows: list[dict]) -> str:
     line("total s", lambda r: f"{r['total_s']:.1f}")
     line("peak RSS MiB", lambda r: f"{r['peak_rss_mib']:.0f}")
     line("status", lambda r: r["status"][:15])
+    line("gap", lambda r: "0 (proven)" if r["status"] == "optimal" else ("-" if r["gap"] is None else f"{100 * r['gap']:.3g}%"))
     line("est. step ms", lambda r: f"{r['step_ms']:.1f}")
     line("  of it comm ms", lambda r: f"{r['comm_ms']:.1f}")
+    line("mem/rank GB (budget)", lambda r: f"{r['memory'][0] / 1e9:.1f} ({r['memory'][1] / 1e9:.0f})")
+    line("  of it", lambda r: r["memory"][2])
     return "\n".join(lines)
 
 
