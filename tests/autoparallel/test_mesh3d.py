@@ -138,7 +138,10 @@ def _param_placements(inter_node_bw: float) -> dict[str, str]:
         autop.add_parameter_memory_constraint(high=1.0)  # replication allowed
         plan = autop.optimize_placement()
     assert plan.solution.status == "optimal"
-    return {k.module_path: next(iter(k.placements)) for k in plan.placements_by_kind() if k.role == "parameter"}
+    from autoparallel.report.words import describe
+
+    params = {k.module_path: next(iter(k.placements)) for k in plan.placements_by_kind() if k.role == "parameter"}
+    return params, describe(plan)
 
 
 @pytest.mark.parametrize("inter_node_bw, expect", [(1e9, "hsdp"), (450e9, "fsdp")])
@@ -148,10 +151,18 @@ def test_hsdp_emerges_from_inter_node_bandwidth(fake_world, inter_node_bw, expec
     within (HSDP); a link as fast as NVLink makes them shard over both data
     parallel dims (plain FSDP)."""
     fake_world(8)
-    params = _param_placements(inter_node_bw)
+    params, words = _param_placements(inter_node_bw)
     assert set(params) == {"w1.weight", "w2.weight"}
     for name, placements in params.items():
         if expect == "hsdp":
             assert placements.startswith("RS("), (name, placements)
         else:
             assert placements.startswith("S(") and placements[4:].startswith("S("), (name, placements)
+    # the plan summary names the roles
+    text = "\n".join(words)
+    if expect == "hsdp":
+        assert "weights replicated across dp_replicate, sharded within dp_shard" in text, text
+        assert "dp_replicate (2): HSDP replicate-across" in text and "dp_shard (2): HSDP shard-within" in text, text
+    else:
+        assert "HSDP" not in text, text
+        assert "dp_replicate (2): FSDP" in text and "dp_shard (2): FSDP" in text, text
