@@ -120,9 +120,16 @@ def _divisors(mesh_shape, codes) -> tuple:
 
 
 def redistribution_matrix(
-    src_specs: Sequence[DTensorSpec], dst_specs: Sequence[DTensorSpec], device: DeviceSpec
+    src_specs: Sequence[DTensorSpec],
+    dst_specs: Sequence[DTensorSpec],
+    device: DeviceSpec,
+    pair_cache: dict | None = None,
 ) -> list[list[float]]:
-    """``[[redistribute_time(s, d, device) for d in dst_specs] for s in src_specs]``."""
+    """``[[redistribute_time(s, d, device) for d in dst_specs] for s in src_specs]``.
+
+    ``pair_cache``: a dict kept by the caller across matrices (one problem
+    build): pair times per tensor shape, so that matrices over tensors of
+    one shape (a layer's activations) share their common pairs."""
     if not src_specs or not dst_specs:
         return [[] for _ in src_specs]
     mesh = src_specs[0].mesh
@@ -137,6 +144,7 @@ def redistribution_matrix(
     itemsize = meta.dtype.itemsize
     topo = comm._mesh_dim_topology(mesh, device.gpus_per_node)
     steps = _STEPS.setdefault((mesh, device), {})
+    pairs = (pair_cache if pair_cache is not None else {}).setdefault((shape, itemsize, mesh, device), {})
     nbytes: dict[tuple, int] = {}
 
     def local_bytes(divs) -> int:
@@ -185,6 +193,9 @@ def redistribution_matrix(
             if si is None or di is None:
                 row.append(comm.redistribute_time(s, d, device))
                 continue
-            row.append(pair_time(s, d, si, di))
+            t = pairs.get((si, di))
+            if t is None:
+                t = pairs[(si, di)] = pair_time(s, d, si, di)
+            row.append(t)
         rows.append(row)
     return rows

@@ -45,10 +45,16 @@ def test_fast_matrix_equals_redistribute_time(fake_world, mesh_shape):
         specs = [DTensorSpec(mesh, tuple(p), tensor_meta=meta) for p in picked]
         if len(mesh_shape) == 2:
             specs.append(DTensorSpec(mesh, (_StridedShard(0, split_factor=2), Shard(0)), tensor_meta=meta))
+        cache: dict = {}
         for device in (cost_model.H100, cost_model.A100):
             fast = redistribution_matrix(specs, specs, device)
             slow = [[comm.redistribute_time(s, d, device) for d in specs] for s in specs]
             assert fast == slow
+            # a pair cache shared by matrices over overlapping spec sets
+            for a, b in [(specs[:40], specs[20:]), (specs[10:], specs[:50])]:
+                assert redistribution_matrix(a, b, device, cache) == [
+                    [comm.redistribute_time(s, d, device) for d in b] for s in a
+                ]
 
 
 def test_greedy_plan_equals_comm_plan(fake_world):
