@@ -15,7 +15,9 @@ torch-free :class:`solver.Problem`.
 * user constraints as named pins, the parameter-memory budget as a named
   resource constraint, and repeated layers as links.
 
-Before any pair matrix exists, Partial options that cannot help are dropped
+Edge costs come per distinct (source, target) placements from
+:mod:`autoparallel.edge_costs` (equal to ``redistribute_time``, fast on 3-D
+and 4-D meshes). Before any pair matrix exists, Partial options that cannot help are dropped
 (:mod:`autoparallel.option_pruning`, exact) and the problem's size is
 estimated (:func:`estimate_problem_size`); over ``max_problem_bytes`` the
 build stops with :class:`ProblemTooLarge` instead of exhausting memory.
@@ -36,6 +38,7 @@ from torch.distributed.tensor.placement_types import Shard, _StridedShard
 import solver
 
 from . import cost_model
+from .edge_costs import clear_caches as clear_edge_cost_caches
 from .edge_costs import redistribution_matrix
 from .option_pruning import PruneStats, prune_partials
 from .option_pruning import copy_cheaper_than_collectives as cost_model_allows_pruning
@@ -264,6 +267,9 @@ class _EdgeMatrices:
         if class_rows is None:
             class_rows = self._classes[class_key] = self._class_matrix(src_specs, dst_specs, kind, keep_partial)
         return class_rows, row_class, col_class
+
+    def drop_pair_cache(self) -> None:
+        self._pair_cache = {}
 
     def _class_matrix(self, src_specs, dst_specs, kind, keep_partial) -> list[list[float]]:
         """:meth:`_pair` for every (source, target) spec, with the raw times
@@ -572,6 +578,11 @@ def build_problem(
         if out in strategies and tangent in strategies:
             matrix = matrices.equal_placements(strategies[out].options, strategies[tangent].options)
             edges.append(solver.Edge(out.name, tangent.name, -1, matrix))
+
+    # the step plans per placement pair are only needed while costing
+    # (millions of entries on a 4-D mesh)
+    clear_edge_cost_caches()
+    matrices.drop_pair_cache()
 
     pins = []
     for name, (cname, placements) in constraints.pins.items():
