@@ -43,7 +43,7 @@ CONFIGS = {
 }
 
 
-def _plan(name: str, layers: int | None, seq: int, batch: int, max_gib: float, queue) -> None:
+def _plan(name: str, layers: int | None, seq: int, batch: int, max_gib: float, time_limit: float | None, queue) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (int(max_gib * 2**30),) * 2)
     import torch
     import torch.distributed as dist
@@ -73,7 +73,7 @@ def _plan(name: str, layers: int | None, seq: int, batch: int, max_gib: float, q
     try:
         with AutoParallel(
             model, mesh, lambda: torch.randint(0, config.vocab_size, (batch, seq), device="meta"),
-            max_problem_bytes=max_gib * 2**30 / 2,
+            max_problem_bytes=max_gib * 2**30 / 2, time_limit=time_limit,
         ) as autop:
             autop.add_input_constraints([data])
             autop.add_output_constraints([data])
@@ -121,6 +121,8 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=32, help="global batch (70B-8x16x8 uses 128)")
     p.add_argument("--max-gib", type=float, default=6.0, help="address-space limit per configuration")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration")
+    p.add_argument("--time-limit", type=float, default=600.0,
+                   help="solver time limit in seconds (0: none); past it the plan reports its gap")
     a = p.parse_args(argv)
     names = a.only or ["8B-16x8", "8B-4x4x8", "8B-hsdp-2x8x8", "70B-16x8", "70B-8x16x8", "70B-4x4x8x8"]
     ctx = mp.get_context("spawn")
@@ -128,7 +130,7 @@ def main(argv=None) -> None:
     rows = []
     for name in names:
         q = ctx.Queue()
-        proc = ctx.Process(target=_plan, args=(name, a.layers, a.seq, a.batch, a.max_gib, q))
+        proc = ctx.Process(target=_plan, args=(name, a.layers, a.seq, a.batch, a.max_gib, a.time_limit or None, q))
         proc.start()
         proc.join(a.timeout)
         if proc.is_alive():
