@@ -32,6 +32,15 @@ of such components (if every node sharing an option list is in one), and
 the optimum of the cost model is unchanged. Components with a creator,
 a pinned or tangent/output node, or an option lacking its substitute keep
 all their options.
+
+Tried and not kept (measured on tiny LLaMA-3, 2x2x2): dropping an option
+when another with the same output costs no more on compute and on every
+incoming edge for every layout the producer can give (exact) removed 48 of
+19,852 options: input variants such as ``mul(P, R)`` vs ``mul(R, P)`` are
+each cheaper for some producer layout. A bound (drop options whose extra
+compute exceeds a feasible plan's cost less the sum of per-node minimal
+compute) only reaches options many times more expensive than the best:
+communication, which the bound leaves out, is where plans differ.
 """
 
 from __future__ import annotations
