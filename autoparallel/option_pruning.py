@@ -39,7 +39,8 @@ incoming edge for every layout the producer can give (exact) removed 48 of
 19,852 options: input variants such as ``mul(P, R)`` vs ``mul(R, P)`` are
 each cheaper for some producer layout. A bound (drop options whose extra
 compute exceeds a feasible plan's cost less the sum of per-node minimal
-compute) only reaches options many times more expensive than the best:
+compute) was estimated, not built: on LLaMA-3 8B 4x4x8 the gap is tens of
+ms, so it would only reach options replicated >= ~16x on a big matmul;
 communication, which the bound leaves out, is where plans differ.
 """
 
