@@ -26,6 +26,8 @@ from torch.distributed.tensor.placement_types import Placement
 import solver
 
 from . import cost_model, infeasibility, rules, validation  # noqa: F401 - rules register on import
+from . import memory_budget as memory_budget_mod
+from .memory import ADAMW, OptimizerSpec
 from .plan import NodePlan, Plan
 from .provenance import PlanMismatch, check_applicable, provenance  # noqa: F401 - PlanMismatch re-exported
 from .progress import Stages
@@ -83,6 +85,10 @@ class AutoParallel:
             ``plan.gap``. Plans proven optimal are unaffected.
         max_problem_bytes: refuse (``ProblemTooLarge``, before building any
             cost matrix) a problem estimated to need more memory; None: no limit.
+        memory_budget: bound the per-rank memory of the whole step
+            (parameters, gradients, optimizer state, saved activations; see
+            :mod:`autoparallel.memory_budget`) by the device's HBM less 10%;
+            :meth:`add_memory_budget` sets another; False plans without it.
     """
 
     def __init__(
@@ -100,6 +106,7 @@ class AutoParallel:
         time_limit: float | None = DEFAULT_TIME_LIMIT,
         rel_gap: float | None = None,
         max_problem_bytes: float | None = DEFAULT_MAX_PROBLEM_BYTES,
+        memory_budget: bool = True,
     ):
         validation.check_arguments(
             model=model,
@@ -134,6 +141,12 @@ class AutoParallel:
                 mp_policy, "param_dtype", None
             )
         self._constraint_log: dict[str, Any] = {}
+        if not isinstance(memory_budget, bool):
+            raise TypeError(
+                f"memory_budget must be True (HBM less a margin) or False (none), got {memory_budget!r}; "
+                "set a size with autop.add_memory_budget(bytes=... or fraction=...)"
+            )
+        self._memory_budget = memory_budget_mod.MemoryBudget(enabled=memory_budget)
         self._stack: contextlib.ExitStack | None = None
         self._closed = False
         self.traced: TracedStep | None = None
@@ -301,6 +314,24 @@ class AutoParallel:
         self._constraints.memory_high = high
         self._constraint_log["parameter memory budget"] = {"low": low, "high": high}
 
+    def add_memory_budget(
+        self, bytes: float | None = None, *, fraction: float | None = None, optimizer: OptimizerSpec = ADAMW
+    ) -> None:
+        """Bound the per-rank memory of the whole step: parameters, their
+        gradients and ``optimizer`` state (AdamW: two fp32 moments per
+        element), and the activations saved for backward under the model's
+        activation checkpointing, each shrinking with its tensor's sharding.
+
+        ``bytes`` per rank, or ``fraction`` of the device's HBM; neither: the
+        default, HBM less 10% (on unless ``AutoParallel(...,
+        memory_budget=False)``; this call switches it on again). The plan is
+        the cheapest that fits; when none can, planning raises
+        :class:`~autoparallel.infeasibility.InfeasibleConstraintError` naming
+        ``'memory budget'`` with the smallest reachable estimate.
+        ``plan.summary()`` reports the estimate against the budget.
+        """
+        self._memory_budget = memory_budget_mod.MemoryBudget(bytes, fraction, optimizer)
+
     def _node_roles(self) -> dict[str, str]:
         """What parameter and gradient nodes are, for messages."""
         roles = {n.name: f"parameter {fqn}" for fqn, n in self.traced.param_nodes.items()}
@@ -314,6 +345,7 @@ class AutoParallel:
         infeasibility.check_memory_budget(
             self.traced.param_nodes, self.strategies, self.mesh, c.pins, c.memory_low, c.memory_high
         )
+        step_memory = self._check_step_memory()
         with self._stages.stage("problem build", "problem_build"), unset_fake_temporarily():
             self.built = build_problem(
                 self.traced,
@@ -324,15 +356,36 @@ class AutoParallel:
                 overlap=self.overlap,
                 repeats=self.repeats,
             )
+            budget = self._constraint_log[memory_budget_mod.BUDGET_NAME]["budget_bytes"]
+            if budget is not None:  # the whole step's memory: one more resource row
+                self.built.problem.resources.append(
+                    memory_budget_mod.budget_constraint(step_memory, self.built.strategies, list(self.mesh.shape), budget)
+                )
         return self.built
+
+    def _check_step_memory(self) -> memory_budget_mod.StepMemoryModel:
+        """The step's memory terms; the budget's entry in the constraint
+        log; an error naming the budget when no plan can fit it."""
+        b = self._memory_budget
+        model = memory_budget_mod.step_memory_model(self.traced, self.strategies, b.optimizer)
+        budget, source = b.resolve(self.device)
+        entry = {"budget_bytes": budget, "source": source, "model": model.to_json()}
+        self._constraint_log[memory_budget_mod.BUDGET_NAME] = entry
+        if budget is not None:
+            low = memory_budget_mod.check_budget(
+                model, self.strategies, list(self.mesh.shape), self._constraints.pins, budget, source
+            )
+            entry["smallest_bytes"] = sum(low.values())
+        return model
 
     def optimize_placement(self) -> Plan:
         built = self.build_problem()
         dump_dir = os.environ.get(DUMP_DIR_ENV)
         try:
             with self._stages.stage(f"solve ({len(built.problem.decisions)} decisions)", "solve"):
-                solution = solver.solve(
-                    built.problem, backend=self.backend, time_limit=self.time_limit, rel_gap=self.rel_gap
+                solution, _ = memory_budget_mod.solve_within_budget(
+                    built.problem,
+                    lambda p: solver.solve(p, backend=self.backend, time_limit=self.time_limit, rel_gap=self.rel_gap),
                 )
         except Exception as exc:
             # the problem is what one needs to debug a failed solve

@@ -202,6 +202,10 @@ def describe_conflict(
             pinned_roles.append(role or "")
             node = f"{entry['node']}, {role}," if role else entry["node"]
             described.append(f"'{name}' ({node} as {''.join(entry['placements'])})")
+        elif isinstance(entry, dict) and entry.get("budget_bytes") is not None:
+            from .memory_budget import describe_entry
+
+            described.append(f"'{name}' ({describe_entry(entry)})")
         elif isinstance(entry, dict) and ("low" in entry or "high" in entry):
             described.append(f"'{name}' (low={entry.get('low')}, high={entry.get('high')})")
         else:

@@ -5,15 +5,23 @@
 * :class:`ParamCastWrapper` casts parameters for mixed precision inside the
   traced step (:class:`MixedPrecisionCast` puts the gradient's reduction
   dtype on the graph).
+* :func:`route_hf_experts` makes Hugging Face MoE experts traceable and
+  shardable by expert (see its docstring).
 """
 
 from __future__ import annotations
+
+import logging
+import sys
+import types
 
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map, tree_unflatten
 
-__all__ = ["MixedPrecisionCast", "ParamCastWrapper", "TraceRoot"]
+__all__ = ["MixedPrecisionCast", "ParamCastWrapper", "TraceRoot", "route_hf_experts"]
+
+logger = logging.getLogger(__name__)
 
 
 class MixedPrecisionCast(torch.autograd.Function):
@@ -124,3 +132,120 @@ class TraceRoot(nn.Module):
         args, kwargs = tree_unflatten(leaves, self._in_spec)
         state = {fqn: getattr(self, attr) for attr, fqns in self.names.items() for fqn in fqns}
         return torch.func.functional_call(self._inner, state, tuple(args), kwargs, strict=False)
+
+
+# --------------------------------------------------------------------------
+# Hugging Face mixture-of-experts
+# --------------------------------------------------------------------------
+
+
+def _hf_experts_reason(module: nn.Module) -> str | None:
+    """Why ``module`` (a class decorated with transformers'
+    ``@use_experts_implementation``) cannot run as ``moe_experts``; None if
+    it can: gated SiLU experts (``act(gate) * up``, gate and up halves
+    concatenated in ``gate_up_proj``), no biases, no post-expert norm."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    if not getattr(module, "has_gate", False):
+        return "its experts have no gate (up_proj only)"
+    if getattr(module, "has_bias", False):
+        return "its experts have biases"
+    if getattr(module, "has_post_expert_norm", False):
+        return "its experts have a post-expert norm"
+    if getattr(type(module), "_apply_gate", None) is not _default_apply_gate:
+        return "it defines its own gating (_apply_gate)"
+    if not getattr(module, "is_concatenated", True):
+        return "its gate and up projections are interleaved"
+    if not isinstance(getattr(module, "act_fn", None), nn.SiLU) and type(module.act_fn).__name__ != "SiLUActivation":
+        return f"its activation is {type(getattr(module, 'act_fn', None)).__name__}, not SiLU"
+    if getattr(module, "_is_expert_parallel", False):
+        return "it is already expert-parallel (transformers' own EP)"
+    return None
+
+
+def _experts_as_moe_op(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    """transformers' experts forward, as one ``autoparallel::moe_experts`` op.
+
+    The stacked weights are passed as views (no copies): with
+    ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]`` (``linear``
+    layout), ``w1 = gate_up_proj[:, :I].mT``, ``w3 = gate_up_proj[:, I:].mT``
+    and ``w2 = down_proj.mT``; with ``is_transposed`` they are slices as
+    stored. Slicing and transposing keep dim 0, so expert parallelism
+    (``Shard(0)`` of the op's weights) is ``Shard(0)`` of the parameters.
+    ``expert_ids`` is built in the graph (a factory: the planner gives each
+    rank its slice under EP).
+    """
+    from autoparallel.models.moe import moe_experts
+
+    w = self.gate_up_proj
+    if self.is_transposed:  # gate_up_proj [E, H, 2I], down_proj [E, I, H]
+        inter = w.shape[-1] // 2
+        w1, w3, w2 = w[..., :inter], w[..., inter:], self.down_proj
+    else:
+        inter = w.shape[1] // 2
+        w1, w3, w2 = w[:, :inter].transpose(1, 2), w[:, inter:].transpose(1, 2), self.down_proj.transpose(1, 2)
+    expert_ids = torch.arange(self.num_experts, device=hidden_states.device)
+    # transformers' routing weights are fp32 (softmax in fp32); the experts
+    # run in the activations' dtype, as its batched/grouped forwards return.
+    weights = top_k_weights.to(hidden_states.dtype)
+    return moe_experts(hidden_states, top_k_index, weights, w1, w3, w2, expert_ids, self.num_experts)
+
+
+def route_hf_experts(model: nn.Module) -> dict[str, str]:
+    """Swap the forward of every Hugging Face experts module in ``model``
+    (classes decorated with ``@use_experts_implementation``: Mixtral,
+    Qwen2/3-MoE, DeepSeek, ...) for one the planner can trace and shard.
+    ``model`` is the tracer's fake copy; the user's model is not touched.
+
+    Every ``experts_implementation`` computes the same function: for each
+    token, the routing-weighted sum of its top-k experts' outputs. Their code
+    differs in what traces: ``"eager"`` loops over ``nonzero()`` of the
+    routing mask (data-dependent: cannot be traced on fake tensors),
+    ``"grouped_mm"`` becomes an opaque custom op in fp32 while compiling
+    (tensor parallel at most: :mod:`autoparallel.rules.grouped_mm`),
+    ``"batched_mm"`` gathers one weight matrix per (token, slot) (traces,
+    but cannot be expert parallel). So, whatever the implementation:
+
+    * gated SiLU experts without biases (Mixtral, Qwen-MoE, DeepSeek, most
+      models) run as ``autoparallel::moe_experts``, whose sharding rule
+      offers expert parallelism beside token-parallel, tensor-parallel and
+      replicated experts (see :mod:`autoparallel.rules.moe`);
+    * other experts (biases, own gating, no gate, post-expert norm) whose
+      implementation cannot be traced (``"eager"``, GPU-only kernels) run
+      transformers' ``"batched_mm"`` forward, the same math.
+
+    The parallel module then runs the traced graph: ``moe_experts``'s own
+    kernels, not the transformers kernel the config named.
+    Returns {module FQN: what it now runs} and logs one line per kind.
+    """
+    if "transformers" not in sys.modules:  # not a Hugging Face model: do not import it
+        return {}
+    try:
+        from transformers.integrations.moe import batched_mm_experts_forward
+    except ImportError:  # a transformers without the experts interface
+        return {}
+    from .rules.grouped_mm import register_transformers_grouped_mm
+
+    # experts left on transformers' grouped_mm (fp32 fallback op) get TP rules
+    register_transformers_grouped_mm()
+    routed: dict[str, str] = {}
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        if not hasattr(module, "_apply_gate") or not hasattr(config, "_experts_implementation"):
+            continue
+        impl = config._experts_implementation or "eager"
+        reason = _hf_experts_reason(module)
+        if reason is None:
+            module.forward = types.MethodType(_experts_as_moe_op, module)
+            routed[name] = f"moe_experts (was {impl})"
+        elif impl not in ("batched_mm", "grouped_mm"):
+            module.forward = types.MethodType(batched_mm_experts_forward, module)
+            routed[name] = f"batched_mm (was {impl}; not moe_experts: {reason})"
+        else:
+            logger.info("experts %r keep transformers' %r forward: %s", name, impl, reason)
+    by_kind: dict[str, list[str]] = {}
+    for name, kind in routed.items():
+        by_kind.setdefault(kind, []).append(name)
+    for kind, names in by_kind.items():
+        logger.info("Hugging Face experts traced as %s: %s", kind, ", ".join(names))
+    return routed

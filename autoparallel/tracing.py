@@ -78,7 +78,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from . import activation_checkpointing
 from .rules.linalg import linalg_checks_without_effect_tokens
-from .trace_wrappers import ParamCastWrapper, TraceRoot
+from .trace_wrappers import ParamCastWrapper, TraceRoot, route_hf_experts
 
 logger = logging.getLogger(__name__)
 
@@ -307,6 +307,8 @@ def trace_training_step(
     t0 = time.perf_counter()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     fake_model, tied = fake_model_copy(model, fake_mode, device_type)
+    # Hugging Face MoE experts: traceable and shardable by expert, same math.
+    route_hf_experts(fake_model)
     args, kwargs, placements = make_fake_inputs(inputs, fake_mode, device_type)
 
     inner: nn.Module = fake_model

@@ -70,6 +70,7 @@ def split_joint(local: LocalJoint, partitioner: Partitioner = "min_cut") -> Step
     # the partitioner builds some of its results as plain graph modules,
     # whose every recompile (one per pass) generates Python code
     fw, bw = _LazyGraphModule.from_graphmodule(fw), _LazyGraphModule.from_graphmodule(bw)
+    _drop_needless_rng_states(fw, bw)
     fw_outs = _output_nodes(fw)
     saved = fw_outs[n_out:]
     for node in saved:
@@ -81,8 +82,18 @@ def split_joint(local: LocalJoint, partitioner: Partitioner = "min_cut") -> Step
     tangent_names = [
         n.name for n in local.gm.graph.find_nodes(op="placeholder") if "tangents" in str(n.target)
     ]
+    # Random ops recomputed in the backward (e.g. SDPA under full AC) get their
+    # RNG state saved by the forward: the partitioner appends those states to
+    # the saved values and names the backward placeholders rng_state_output_<k>,
+    # in the same order.
+    rng_states = iter([j for j, n in enumerate(saved) if _is_saved_rng_state(n)])
     for ph in bw.graph.find_nodes(op="placeholder"):
-        if ph.name in saved_index:
+        if ph.name.startswith("rng_state_output_"):
+            j = next(rng_states, None)
+            if j is None:
+                raise RuntimeError(f"backward input {ph.name} has no RNG state saved by the forward")
+            bw_inputs.append(("saved", j))
+        elif ph.name in saved_index:
             bw_inputs.append(("saved", saved_index[ph.name]))
         elif ph.name in tangent_names:
             bw_inputs.append(("tangent", tangent_names.index(ph.name)))
@@ -98,6 +109,73 @@ def split_joint(local: LocalJoint, partitioner: Partitioner = "min_cut") -> Step
         seconds,
     )
     return StepGraphs(fw, bw, n_out, len(saved), bw_inputs, partitioner, seconds)
+
+
+def _dropout_free(op, args: tuple, kwargs: dict) -> bool:
+    """True for a random-tagged op called with ``dropout_p == 0`` (attention
+    without dropout): its result does not depend on the RNG."""
+    names = [a.name for a in getattr(op, "_schema").arguments] if hasattr(op, "_schema") else []
+    if "dropout_p" not in names:
+        return False
+    i = names.index("dropout_p")
+    p = args[i] if i < len(args) else kwargs.get("dropout_p", 0.0)
+    return isinstance(p, (int, float)) and p == 0
+
+
+def _drop_needless_rng_states(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> None:
+    """Call recomputed random-tagged ops directly when they draw no random
+    numbers (SDPA with dropout_p=0 under full AC), instead of saving and
+    restoring the RNG state around them: one saved tensor less each, and the
+    graphs run under modes without higher-order-op support (LocalTensorMode).
+
+    The partitioner wraps the k-th such op as ``run_and_save_rng_state`` in the
+    forward and ``run_with_rng_state(rng_state_output_<k>, ...)`` in the
+    backward, in the same order; pairs are matched by that order."""
+    save, restore = torch._prims.rng_prims.run_and_save_rng_state, torch._prims.rng_prims.run_with_rng_state
+    fw_calls = [n for n in fw.graph.nodes if n.op == "call_function" and n.target is save]
+    bw_calls = [n for n in bw.graph.nodes if n.op == "call_function" and n.target is restore]
+    if not fw_calls or len(fw_calls) != len(bw_calls):
+        return
+    (out,) = fw.graph.find_nodes(op="output")
+    outputs = list(out.args[0])
+    for f, b in zip(fw_calls, bw_calls):
+        op, args = f.args[0], tuple(f.args[1:])
+        if not _dropout_free(op, args, f.kwargs) or b.args[1] is not op:
+            continue
+        state = [u for u in f.users if u.target is operator.getitem and u.args[1] == 0]
+        result = [u for u in f.users if u.target is operator.getitem and u.args[1] == 1]
+        if len(state) != 1 or any(u is not out for u in state[0].users):
+            continue
+        with fw.graph.inserting_before(f):
+            direct = fw.graph.call_function(op, args, dict(f.kwargs))
+        if result:
+            direct.meta = copy.copy(result[0].meta)
+            result[0].replace_all_uses_with(direct)
+            fw.graph.erase_node(result[0])
+        outputs = [o for o in outputs if o is not state[0]]
+        out.args = (tuple(outputs),)
+        fw.graph.erase_node(state[0])
+        fw.graph.erase_node(f)
+        placeholder = b.args[0]
+        with bw.graph.inserting_before(b):
+            direct = bw.graph.call_function(op, tuple(b.args[2:]), dict(b.kwargs))
+        direct.meta = copy.copy(b.meta)
+        b.replace_all_uses_with(direct)
+        bw.graph.erase_node(b)
+        if not placeholder.users:
+            bw.graph.erase_node(placeholder)
+    fw.recompile()
+    bw.recompile()
+
+
+def _is_saved_rng_state(node: torch.fx.Node) -> bool:
+    """The RNG state output of a ``run_and_save_rng_state`` the partitioner built."""
+    return (
+        node.target is operator.getitem
+        and isinstance(node.args[0], torch.fx.Node)
+        and node.args[0].target is torch._prims.rng_prims.run_and_save_rng_state
+        and node.args[1] == 0
+    )
 
 
 def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

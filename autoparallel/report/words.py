@@ -75,6 +75,45 @@ def matmul_role(inputs: list[str], output: str, d: int) -> str:
     return "other"
 
 
+_EXPERT_OPS = ("autoparallel.moe_experts.default",)
+
+
+def expert_role(inputs: list[str], d: int) -> str:
+    """How the routed-experts op ``moe_experts(x, idx, w, w1, w3, w2, ...)`` is
+    split on mesh dim ``d``: by expert (weights ``Shard(0)``; tokens either
+    stay split and travel by all-to-all, or are gathered), by hidden dim, by
+    token, or not at all."""
+    if len(inputs) < 4:
+        return "other"
+    x, w1 = placement_tokens(inputs[0]), placement_tokens(inputs[3])
+    if d >= min(len(x), len(w1)):
+        return "other"
+    if _kind(w1[d]) == "S" and _dim(w1[d]) == 0:
+        return "expert parallel (tokens by all-to-all)" if _kind(x[d]) == "S" else (
+            "expert parallel (tokens gathered)"
+        )
+    if _kind(w1[d]) == "S":
+        return "hidden split (TP)"
+    if _kind(x[d]) == "S":
+        return "token parallel (data)"
+    return "replicated" if _kind(x[d]) == "R" else "other"
+
+
+def _expert_lines(nodes, names) -> list[str]:
+    per_family: dict[str, list[Counter]] = defaultdict(lambda: [Counter() for _ in names])
+    for n in nodes:
+        if n.phase != "forward" or n.op not in _EXPERT_OPS:
+            continue
+        fam = _fold(n.module_path or "experts")
+        for d in range(len(names)):
+            per_family[fam][d][expert_role(n.input_placements, d)] += 1
+    return [
+        f"routed experts ({fam}): "
+        + ", ".join(f"{c.most_common(1)[0][0]} over {names[d]}" for d, c in enumerate(per_dim))
+        for fam, per_dim in per_family.items()
+    ]
+
+
 def describe(plan) -> list[str]:
     """Lines saying what the plan is, mesh dim by mesh dim, then per kind of
     weight and activation."""
@@ -216,6 +255,7 @@ def describe(plan) -> list[str]:
             words.append(w)
         label = "logits" if fam == logits_family and len(roles) > 1 else fam
         lines.append(f"{label} matmuls: " + ", ".join(words))
+    lines += _expert_lines(nodes, names)
     if any(seq_split[d].get(1) for d in range(len(mesh))):
         dims = [names[d] for d in range(len(mesh)) if seq_split[d].most_common(1)[0][0] == 1]
         if dims:

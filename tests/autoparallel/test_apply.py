@@ -191,6 +191,14 @@ def test_llama_debug_1d_selective_ac(fake_world):
     _train_and_compare("llama", parallel, mesh, ac="selective", steps=1)
 
 
+def test_llama_debug_1d_full_ac(fake_world):
+    # Full AC recomputes the attention op, which is tagged random (dropout_p):
+    # the partitioner saves its RNG state for the backward under another name.
+    fake_world(8)
+    parallel, mesh, _ = _apply("llama", (8,), ac="full")
+    _train_and_compare("llama", parallel, mesh, ac="full", steps=1)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape", [(8,), (2, 4)])
 def test_transformer_block_adamw(fake_world, mesh_shape):

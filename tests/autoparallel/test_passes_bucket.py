@@ -225,9 +225,12 @@ def test_merges_reduce_scatters_and_all_reduces_exactly(mesh):
     assert (_n(bucketed, RS), _n(bucketed, AR)) == (1, 1)
     (rs,) = bucketed.graph.find_nodes(op="call_function", target=RS)
     assert tuple(rs.meta["val"].shape) == (2 + 3,)
-    # no copy out of the reduce-scatter's result: split + views only
+    # no copy out of the reduce-scatter's result (split + views only), and
+    # the all-reduced transpose is written into the buffer straight from
+    # gb.t(): its contiguous copy is gone
     clone = torch.ops.aten.clone.default
-    assert _n(bucketed, clone) == _n(gm, clone)
+    assert _n(gm, clone) == 1 and _n(bucketed, clone) == 0 and stats.copies_removed == 1
+    assert _n(bucketed, torch.ops.aten._chunk_cat.default) == 2
     assert stats.comm_time_saved_s > 0
     _check_same(gm, bucketed, _inputs((8,), (4, 3), (5,)))
 
@@ -317,3 +320,59 @@ def test_llama_debug_2x2_buckets_and_matches_reference(fake_world):
     sched = pass_stats["schedule_overlap"]["forward"]
     assert sched.prefetched_all_gathers > 0
     _train_and_compare("llama", parallel, mesh, steps=1)
+
+
+def test_two_stage_gathers_bucket_both_stages(mesh):
+    """Parameters sharded on both mesh dims are gathered on dp, then the
+    results on tp: the first stages share one bucket, the second stages
+    (inputs: views of the first bucket's outputs) another, in a later round."""
+
+    def fn(a, b, x):
+        ga = _ag(_ag(a, mesh, 0), mesh, 1)  # (2,) -> (4,) -> (8,)
+        gb = _ag(_ag(b, mesh, 0).t().contiguous(), mesh, 1)  # (1, 3) -> (2, 3) -> (3, 2) -> (6, 2)
+        return x * ga, gb * x.sum()
+
+    gm = _trace(fn, *_fakes((2,), (1, 3), (8,)))
+    bucketed = copy.deepcopy(gm)
+    names = [p.name for p in bucketed.graph.find_nodes(op="placeholder")][:2]
+    ctx = _ctx()
+    ctx.local = types.SimpleNamespace(param_fqns=["layers.0.a", "layers.0.b"], buffer_fqns=[], primal_names=lambda: names)
+    stats = bucket_collectives(bucketed, ctx)
+    bucketed.graph.lint()
+    check_topological(bucketed)
+    assert (stats.buckets, stats.collectives_merged, _count(gm), _count(bucketed)) == (2, 4, 4, 2)
+    # the second stage reads the first buffer's parts as they are: neither
+    # the contiguous copy out of the first buffer (ga) nor gb's transpose
+    # copy is made; each parameter is copied out of the second buffer
+    assert (stats.copies_removed, stats.copies_out) == (2, 4)
+    _check_same(gm, bucketed, _inputs((2,), (1, 3), (8,)))
+    # without parameter names a gather of a collective's result is not known
+    # to be a parameter's: only the first stages bucket
+    _, bare = _bucket(gm, _ctx())
+    assert (bare.buckets, bare.collectives_merged) == (1, 2)
+
+
+def test_reduce_scatters_before_a_local_reorder_bucket(mesh):
+    """Two-stage reduce-scatters of dim-1 gradients: the first stage (tp)
+    result is reordered locally (split + cat) before the second stage (dp).
+    The reorder moves after the merged first-stage wait, so both stages
+    bucket: 4 reductions -> 2, same results."""
+    dp, tp = (mesh.get_group(d).group_name for d in (0, 1))
+
+    def rs(x, size, group):
+        return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(x, "sum", size, group))
+
+    def two_stage(g):  # g: (4, 8), reduced and sharded on dim 1 over tp, then dim 0 over dp
+        chunks = torch.cat(torch.split(g, 4, 1))  # (8, 4): tp chunks of dim 1 stacked
+        r = rs(chunks, 2, tp)  # (4, 4)
+        r = torch.cat(torch.split(r, 2, 0), 1)  # a local reorder, (2, 8)
+        return rs(r.contiguous(), 2, dp)  # (1, 8)
+
+    def fn(a, b, x):
+        return two_stage(a * x.sum()), two_stage(b * 2.0)
+
+    gm = _trace(fn, *_fakes((4, 8), (4, 8), (5,)))
+    bucketed, stats = _bucket(gm, _ctx())
+    assert stats.by_kind == {"reduce_scatter": 4} and stats.buckets == 2, stats
+    assert _n(bucketed, RS) == 2
+    _check_same(gm, bucketed, _inputs((4, 8), (4, 8), (5,)))

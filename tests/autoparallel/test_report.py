@@ -80,6 +80,25 @@ def test_summary_names_the_parallelism(plan, expected, absent):
     assert "memory per rank" in summary and "HBM" in summary
 
 
+@pytest.mark.parametrize(
+    "x, w1, expected",
+    [
+        ("S(0)R", "RS(0)", "token parallel (data) over dp, expert parallel (tokens gathered) over ep"),
+        ("S(0)S(0)", "RS(0)", "token parallel (data) over dp, expert parallel (tokens by all-to-all) over ep"),
+        ("S(0)R", "RS(2)", "token parallel (data) over dp, hidden split (TP) over ep"),
+        ("RR", "RR", "replicated over dp, replicated over ep"),
+    ],
+)
+def test_summary_names_the_expert_layout(x, w1, expected):
+    plan = _plan([2, 4], ["dp", "ep"], "S(0)", {m: (["S(0)R", "RR"], "S(0)R") for m in DATA})
+    for layer in (0, 1):
+        node = _node(f"moe_{layer}", path=f"layers.{layer}.moe.experts", op="autoparallel.moe_experts.default",
+                     inputs=[x, x, x, w1, w1, w1, w1], out=x)
+        plan.nodes[node.name] = node
+    text = "\n".join(describe(plan))
+    assert f"routed experts (layers.*.moe.experts): {expected}" in text, text
+
+
 def test_memory_breakdown_adds_up_and_warns():
     plan = _plan([4, 2], ["dp", "tp"], "_S(0, 2)S(0)", MIXED)
     b = memory.breakdown(plan)

@@ -1,0 +1,562 @@
+"""The per-rank memory of the whole training step as one ILP constraint.
+
+What a rank holds at the end of the forward, when the step's memory peaks
+(before the transient buffers of the backward), is a sum of tensors each of
+which shards with one decision of the ILP:
+
+* per parameter (the parameter's decision): its bytes, its gradient's bytes
+  (the traced gradient's dtype: ``reduce_dtype`` under mixed precision) and
+  the optimizer's state (:class:`~autoparallel.memory.OptimizerSpec`; AdamW:
+  two fp32 moments);
+* per activation saved for backward: its bytes, sharded as its producer
+  lays it out or, when the backward reads it through a redistribution
+  (gathered over tp for a column-parallel matmul), as the reader needs it.
+  Which forward values are saved is the partitioner's choice, made later on
+  the parallel graph; :func:`saved_activation_nodes` estimates it from the
+  joint graph, the min-cut partitioner's rules and the recompute tags of
+  activation checkpointing; :func:`_redistributed_inputs` the layouts.
+
+Each term is ``bytes / shard_factor(option)``: linear in the one-hot option
+variables, so ``sum over terms <= budget`` is one resource row of the ILP
+(:func:`budget_constraint`). Repeated layers linked to one decision keep one
+term per layer: presolve sums the weights of linked decisions.
+
+Checked against runs (tests/autoparallel/test_memory_budget.py,
+benchmarks/memory_budget.py): tiny LLaMA-3 on 2 x 2 LocalTensorMode ranks,
+without and with selective AC, replicated or data-parallel activations:
+parameters, gradients and AdamW state exact, saved activations within 6%;
+LLaMA-3 8B on 16 x 8 (selective AC, tp-gathered feed-forward inputs): 7.54
+GB estimated, 8.50 GB saved by the partitioned forward. Not counted: the
+backward's transient buffers (activation gradients, re-gathered weights),
+which the default margin is for.
+
+:class:`StepMemoryModel` is the one place the estimate is computed: the ILP's
+weights (:meth:`StepMemoryModel.weights`) and the plan's report
+(:meth:`StepMemoryModel.estimate`, used by :func:`autoparallel.memory.breakdown`)
+both call :meth:`StepMemoryModel.per_rank`.
+
+:func:`solve_within_budget` solves without the budget first: a plan that
+already fits is the optimum of the budgeted problem too (its relaxation), so
+the default budget changes neither plans that fit nor their planning time;
+only a plan that does not fit is solved again with the row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+import solver
+
+from .activation_checkpointing import forward_nodes
+from .memory import ADAMW, HBM_BYTES, OptimizerSpec, shard_factor
+from .placements import format_specs
+
+logger = logging.getLogger(__name__)
+
+# The resource constraint's (and the constraint log's) name.
+BUDGET_NAME = "memory budget"
+# Default budget: the device's HBM less this fraction, for what the estimate
+# leaves out: the CUDA context and communication buffers, allocator
+# fragmentation, and the transient tensors of the backward (gathered weights,
+# activation gradients) beyond the saved activations.
+DEFAULT_HBM_MARGIN = 0.10
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations")
+
+_RECOMPUTED = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
+
+# Views the partitioner's op list may not name: recomputed for free.
+_VIEW_OPS = {
+    torch.ops.aten.t.default,
+    torch.ops.aten.transpose.int,
+    torch.ops.aten.permute.default,
+    torch.ops.aten.view.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.expand.default,
+    torch.ops.aten.alias.default,
+    torch.ops.aten.detach.default,
+    torch.ops.aten.unsqueeze.default,
+    torch.ops.aten.squeeze.dim,
+    torch.ops.aten.squeeze.dims,
+    torch.ops.aten.slice.Tensor,
+    torch.ops.aten.select.int,
+    torch.ops.aten.as_strided.default,
+    torch.ops.aten.view_as_real.default,
+    torch.ops.aten.view_as_complex.default,
+}
+
+
+# -- the budget the user asked for -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """Per-rank bytes the whole step may use.
+
+    ``bytes`` is absolute; ``fraction`` is of the device's HBM; neither is
+    the default, HBM less :data:`DEFAULT_HBM_MARGIN`. ``enabled=False``
+    plans without the constraint (the report still gives the estimate).
+    """
+
+    bytes: float | None = None
+    fraction: float | None = None
+    optimizer: OptimizerSpec = ADAMW
+    enabled: bool = True
+
+    def __post_init__(self):
+        if self.bytes is not None and self.fraction is not None:
+            raise ValueError("memory budget: give bytes or fraction (of the device's HBM), not both")
+        if self.bytes is not None and not (isinstance(self.bytes, (int, float)) and self.bytes > 0):
+            raise ValueError(f"memory budget: bytes must be a positive number, got {self.bytes!r}")
+        if self.fraction is not None and not (
+            isinstance(self.fraction, (int, float)) and 0 < self.fraction <= 1
+        ):
+            raise ValueError(f"memory budget: fraction (of HBM) must be in (0, 1], got {self.fraction!r}")
+        if not isinstance(self.optimizer, OptimizerSpec):
+            raise TypeError(f"memory budget: optimizer must be an OptimizerSpec, got {self.optimizer!r}")
+
+    def resolve(self, device: Any) -> tuple[float | None, str]:
+        """(bytes, how they were chosen); None bytes: no budget."""
+        if not self.enabled:
+            return None, "off"
+        if self.bytes is not None:
+            return float(self.bytes), "given"
+        hbm = hbm_bytes(device)
+        if hbm is None:
+            name = getattr(device, "name", device)
+            logger.warning(
+                "memory budget: device %r has no known HBM size (autoparallel.memory.HBM_BYTES): "
+                "planning without a memory budget; pass add_memory_budget(bytes=...)",
+                name,
+            )
+            return None, f"off: device {name!r} has no known HBM size"
+        if self.fraction is not None:
+            return self.fraction * hbm, f"{self.fraction:g} of {hbm / 1e9:.0f} GB HBM"
+        return (1 - DEFAULT_HBM_MARGIN) * hbm, f"{hbm / 1e9:.0f} GB HBM less {DEFAULT_HBM_MARGIN:.0%}"
+
+
+def hbm_bytes(device: Any) -> float | None:
+    """Device memory of a DeviceSpec (or its dict form): its ``hbm_bytes``
+    when it has one, else by preset name."""
+    get = device.get if isinstance(device, dict) else lambda k, d=None: getattr(device, k, d)
+    return get("hbm_bytes") or HBM_BYTES.get(get("name", ""))
+
+
+# -- what the step holds ------------------------------------------------------------
+
+
+@dataclass
+class StepMemoryModel:
+    """Replicated bytes per term and category. A term is a decision's output
+    (key: the decision's name), sharded as its chosen output placement, or
+    the ``k``-th input of a decision (key ``name:in:k``), sharded as the
+    chosen option needs that input (see :func:`step_memory_model`).
+
+    >>> m = StepMemoryModel({"w": {"parameters": 400.0, "optimizer": 800.0}})
+    >>> m.per_rank("w", "S(0)R", [4, 2])
+    {'parameters': 100.0, 'optimizer': 200.0}
+    """
+
+    terms: dict[str, dict[str, float]] = field(default_factory=dict)
+    optimizer: str = "AdamW"
+    optimizer_bytes_per_element: int = 8
+    # how the saved activations were chosen, for the report
+    activations_rule: str = ""
+
+    def per_rank(self, name: str, placements: str, mesh_shape: list[int]) -> dict[str, float]:
+        """Bytes per rank of decision ``name`` laid out as ``placements``
+        (``format_specs`` notation): the ILP's weight and the report's term."""
+        factor = shard_factor(placements, mesh_shape)
+        return {cat: b / factor for cat, b in self.terms[name].items()}
+
+    def weights(self, key: str, labels: list[str], mesh_shape: list[int]) -> list[float]:
+        return [sum(self.per_rank(key, p, mesh_shape).values()) for p in labels]
+
+    @staticmethod
+    def site(key: str) -> tuple[str, int | None]:
+        """(decision name, input index or None for its output) of a term."""
+        name, _, k = key.partition(":in:")
+        return name, int(k) if k else None
+
+    def estimate(self, plan_nodes: dict, mesh_shape: list[int]) -> dict[str, float]:
+        """Per-rank bytes by category for a plan's chosen placements
+        (``plan.nodes``: name -> NodePlan)."""
+        out = dict.fromkeys(CATEGORIES, 0.0)
+        for key in self.terms:
+            name, k = self.site(key)
+            n = plan_nodes[name]
+            placements = n.output_placements if k is None else n.input_placements[k]
+            for cat, b in self.per_rank(key, placements, mesh_shape).items():
+                out[cat] += b
+        return out
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "StepMemoryModel":
+        return cls(**{**d, "terms": {k: dict(v) for k, v in d["terms"].items()}})
+
+
+def saved_activation_nodes(
+    gm: torch.fx.GraphModule, param_chain: set[torch.fx.Node] = frozenset()
+) -> list[torch.fx.Node]:
+    """The saved forward values (see :func:`_saved_and_needed`)."""
+    return _saved_and_needed(gm, param_chain)[0]
+
+
+def _saved_and_needed(
+    gm: torch.fx.GraphModule, param_chain: set[torch.fx.Node] = frozenset()
+) -> tuple[list[torch.fx.Node], set[torch.fx.Node]]:
+    """Forward nodes whose outputs the backward keeps, estimated as PyTorch's
+    min-cut partitioner chooses them.
+
+    A forward value is needed by the backward when a backward node reads it,
+    or reads a value recomputed from it. It is recomputed rather than kept
+    when activation checkpointing tagged it ``PREFER_RECOMPUTE`` or
+    ``MUST_RECOMPUTE``, or, untagged, when the partitioner may recompute it
+    for free: a view, or an op on its recomputable list (pointwise and
+    friends, ``torch._functorch.partitioners.get_default_op_list``) that no
+    backward op must materialise (every backward reader fuses with it) and
+    that is not a reduction (4x smaller than its inputs), the rules of its
+    ``should_ban_recomputation``. What a recomputed value reads is needed in
+    turn. Graph inputs (parameters, the batch) are held anyway and not
+    counted; a multi-output op is counted through its ``getitem`` nodes.
+    Nor are ``param_chain`` nodes (a parameter's casts and views in the
+    forward): the apply stage recomputes a parameter's cast and all-gather
+    for the backward (:mod:`autoparallel.passes.recompute_all_gathers`).
+
+    The partitioner's cut is a min-cut over these candidates, so it may keep
+    a different but equally large set (``a + b`` for ``a`` and ``b``); the
+    estimate is checked against runs in tests/autoparallel/test_memory_budget.py.
+    """
+    from torch._functorch.partitioners import get_default_op_list
+
+    ops = get_default_op_list()
+    fwd = forward_nodes(gm)
+
+    def is_view(n: torch.fx.Node) -> bool:
+        return n.op == "call_function" and (ops.is_view(n) or n.target in _VIEW_OPS)
+
+    def fusible(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+        return b.target is torch.ops.aten.cat.default or (ops.is_fusible(a) and ops.is_fusible(b))
+
+    def materialized_in_backward(n: torch.fx.Node) -> bool:
+        todo, seen = [n], {n}
+        while todo:
+            cur = todo.pop()
+            for u in cur.users:
+                if u not in fwd and u.op != "output" and not fusible(cur, u):
+                    return True
+                if is_view(u) and u not in seen:
+                    seen.add(u)
+                    todo.append(u)
+        return False
+
+    def recomputed(n: torch.fx.Node) -> bool:
+        if n in param_chain:
+            return True
+        tag = n.meta.get("recompute")
+        if tag in _RECOMPUTED:
+            return True
+        if tag == CheckpointPolicy.MUST_SAVE or n.op != "call_function":
+            return False
+        if n.target is operator.getitem:
+            return recomputed(n.args[0])
+        if is_view(n):
+            return True
+        if not ops.is_recomputable(n) or materialized_in_backward(n):
+            return False
+        return 4 * _nbytes(n) >= sum(_nbytes(a) for a in n.args if isinstance(a, torch.fx.Node))
+
+    needed: set[torch.fx.Node] = set()
+    # the graph's output node returns the forward's results (held by the
+    # caller, not saved) beside the gradients: not a backward reader
+    stack = [
+        a for n in gm.graph.nodes if n not in fwd and n.op != "output" for a in n.all_input_nodes if a in fwd
+    ]
+    while stack:
+        n = stack.pop()
+        if n in needed:
+            continue
+        needed.add(n)
+        if recomputed(n):
+            stack.extend(a for a in n.all_input_nodes if a in fwd)
+    saved = [
+        n
+        for n in gm.graph.nodes  # graph order
+        if n in needed
+        and n.op == "call_function"
+        and isinstance(n.meta.get("val"), torch.Tensor)
+        and not recomputed(n)
+    ]
+    return saved, {n for n in needed if n.op == "call_function" and recomputed(n) and not is_view(n)}
+
+
+def _nbytes(n: torch.fx.Node) -> int:
+    val = n.meta.get("val")
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def step_memory_model(
+    traced, strategies: dict[torch.fx.Node, Any], optimizer: OptimizerSpec = ADAMW
+) -> StepMemoryModel:
+    """The terms of the step's memory: parameters (with their gradients and
+    optimizer state) and saved activations, per decision of ``strategies``."""
+    terms: dict[str, dict[str, float]] = {}
+    per_elem_opt = optimizer.state_bytes_per_element + optimizer.master_bytes_per_element
+    for fqn, node in traced.param_nodes.items():
+        val = node.meta.get("val")
+        if node not in strategies or not isinstance(val, torch.Tensor):
+            continue
+        grad = traced.grad_nodes.get(fqn)
+        gval = grad.meta.get("val") if grad is not None else None
+        numel = val.numel()
+        terms[node.name] = {
+            "parameters": float(numel * val.element_size()),
+            "gradients": float(numel * gval.element_size()) if isinstance(gval, torch.Tensor) else 0.0,
+            "optimizer": float(numel * per_elem_opt) if grad is not None else 0.0,
+        }
+    skipped = 0
+    from .problem_builder import _forward_param_chain
+
+    chain = _forward_param_chain(traced)
+    saved, remade = _saved_and_needed(traced.gm, chain)
+    counted = set()
+    for node in saved:
+        strat = strategies.get(node)
+        if strat is None or strat.getitem_index is None and not _single_output(strat):
+            skipped += 1
+            continue
+        terms.setdefault(node.name, {})["activations"] = float(_nbytes(node))
+        counted.add(node)
+    _redistributed_inputs(traced.gm, strategies, chain, remade, counted, terms)
+    if skipped:
+        logger.warning("memory model: %d saved values without a single-output decision not counted", skipped)
+    return StepMemoryModel(
+        terms, optimizer.name, per_elem_opt, "forward values the backward reads, less AC-recomputed ones"
+    )
+
+
+def _redistributed_inputs(gm, strategies: dict, chain: set, remade: set, counted: set, terms: dict) -> None:
+    """Lay saved values out as the backward reads them.
+
+    The backward reads the inputs of the forward's matmuls (the partitioner's
+    compute-intensive ops: for their weight gradients) and of the ops it
+    recomputes (``remade``). An input that arrives in another layout than it
+    was produced gets it through a collective the apply stage adds, and the
+    partitioner never recomputes collectives: the backward keeps the
+    redistributed tensor (LLaMA-3 8B on 16 x 8: the residual stream
+    all-gathered over tp for each layer's feed-forward, half the saved
+    bytes). Per activation, at its first such reader in graph order:
+
+    * when it is kept anyway (saved), its term moves to the reader's input,
+      sharded as the reader's option needs it: its own layout when no
+      collective is needed;
+    * when it is recomputed itself, the reader's input is kept less the
+      value it is made from, ``bytes / shard(input) - bytes / shard(output)``:
+      zero when the layouts agree, the gathered size less its shard when
+      an all-gather made it.
+    """
+    from torch._functorch.partitioners import get_default_op_list
+
+    ops = get_default_op_list()
+    views = _VIEW_OPS | set(ops.view_ops)
+    fwd = forward_nodes(gm)
+    seen: set[torch.fx.Node] = set()
+    for c in gm.graph.nodes:
+        if c not in fwd or c.op != "call_function" or not (c in remade or ops.is_compute_intensive(c)):
+            continue
+        strat = strategies.get(c)
+        if strat is None or strat.getitem_index is not None:
+            continue
+        for k, v in enumerate(strat.inputs):
+            p = v
+            while p.op == "call_function" and p.target in views and isinstance(p.args[0], torch.fx.Node):
+                p = p.args[0]
+            if p in seen or p in chain or p.op != "call_function" or p not in strategies:
+                continue
+            seen.add(p)
+            b = float(_nbytes(p))
+            key = f"{c.name}:in:{k}"
+            if p in counted:
+                own = terms[p.name]
+                del own["activations"]
+                if not own:
+                    del terms[p.name]
+                terms.setdefault(key, {})["activations"] = terms.get(key, {}).get("activations", 0.0) + b
+            elif _single_output(strategies[p]) or strategies[p].getitem_index is not None:
+                terms.setdefault(key, {})["activations"] = terms.get(key, {}).get("activations", 0.0) + b
+                terms.setdefault(p.name, {})["activations"] = terms.get(p.name, {}).get("activations", 0.0) - b
+
+
+def _single_output(strat) -> bool:
+    return bool(strat.options) and not isinstance(strat.options[0].output_specs, (tuple, list))
+
+
+# -- the constraint ---------------------------------------------------------------------
+
+
+def _labels(strategies, node, cache: dict, k: int | None = None) -> list[str]:
+    """Each option's output placements (``k``: its ``k``-th input's)."""
+    # option lists are shared by structurally equal nodes: format each once
+    opts = strategies[node].options
+    labels = cache.get((id(opts), k))
+    if labels is None:
+        labels = cache[(id(opts), k)] = [
+            format_specs(o.output_specs if k is None else o.input_specs[k]) for o in opts
+        ]
+    return labels
+
+
+def budget_constraint(
+    model: StepMemoryModel, strategies: dict[torch.fx.Node, Any], mesh_shape: list[int], budget: float
+) -> solver.ResourceConstraint:
+    """``sum over decisions of weights[chosen option] <= budget``."""
+    by_name = {n.name: n for n in strategies}
+    labels: dict[tuple, list[str]] = {}
+    cache: dict[tuple, list[float]] = {}
+    terms: dict[str, list[float]] = {}
+    for key, cats in model.terms.items():
+        name, k = model.site(key)
+        node = by_name[name]
+        ckey = (id(strategies[node].options), k, tuple(sorted(cats.items())))
+        w = cache.get(ckey)
+        if w is None:
+            w = cache[ckey] = model.weights(key, _labels(strategies, node, labels, k), mesh_shape)
+        if name in terms:  # several terms on one decision: one weight per option
+            w = [a + b for a, b in zip(terms[name], w)]
+        terms[name] = w
+    # bytes are exact in float up to 2**53; the slack absorbs summation order
+    return solver.ResourceConstraint(BUDGET_NAME, terms, high=budget * (1 + 1e-9))
+
+
+def smallest(
+    model: StepMemoryModel, strategies: dict[torch.fx.Node, Any], mesh_shape: list[int], pins: dict
+) -> dict[str, float]:
+    """Per category, the per-rank bytes with every term at its smallest
+    option allowed by the pins: a lower bound on any plan's estimate (equal
+    to the smallest reachable when no edge rules the combination out)."""
+    by_name = {n.name: n for n in strategies}
+    labels: dict[tuple, list[str]] = {}
+    best: dict[tuple, str] = {}
+    out = dict.fromkeys(CATEGORIES, 0.0)
+    for key, cats in model.terms.items():
+        name, k = model.site(key)
+        node = by_name[name]
+        pin = pins.get(name)
+        allowed = None if pin is None else "".join(_fmt(p) for p in pin[1])
+        # a negative term is smallest where least sharded
+        sign = 1 if sum(cats.values()) >= 0 else -1
+        ckey = (id(strategies[node].options), k, allowed, sign)
+        lab = best.get(ckey)
+        if lab is None:
+            mine = _labels(strategies, node, labels, k)
+            outs = _labels(strategies, node, labels)
+            cands = {m for m, o in zip(mine, outs) if allowed is None or o == allowed} or set(mine)
+            lab = best[ckey] = max(cands, key=lambda x: sign * shard_factor(x, mesh_shape))
+        for cat, b in model.per_rank(key, lab, mesh_shape).items():
+            out[cat] += b
+    return out
+
+
+def _fmt(p) -> str:
+    from .placements import format_placement
+
+    return format_placement(p)
+
+
+def describe(parts: dict[str, float]) -> str:
+    from .memory import _size
+
+    return ", ".join(f"{cat} {_size(parts[cat])}" for cat in CATEGORIES if parts.get(cat))
+
+
+def describe_entry(entry: dict) -> str:
+    """A constraint-log entry of the budget in words, for conflict messages."""
+    from .memory import _size
+
+    text = f"{_size(entry['budget_bytes'])} per rank, {entry.get('source', '')}"
+    if entry.get("smallest_bytes") is not None:
+        text += f"; every term at its smallest layout: {_size(entry['smallest_bytes'])}"
+    return text
+
+
+def check_budget(
+    model: StepMemoryModel,
+    strategies: dict[torch.fx.Node, Any],
+    mesh_shape: list[int],
+    pins: dict,
+    budget: float,
+    source: str,
+) -> dict[str, float]:
+    """Raise :class:`~autoparallel.infeasibility.InfeasibleConstraintError`
+    (before any ILP) when even the smallest layout of every term exceeds the
+    budget; returns that lower bound by category. (A budget above it may
+    still be infeasible through the graph's edges: the solver then names
+    the budget.)"""
+    from .infeasibility import InfeasibleConstraintError
+    from .memory import _size
+
+    low = smallest(model, strategies, mesh_shape, pins)
+    total = sum(low.values())
+    if total > budget * (1 + 1e-9):
+        pinned = [c for name, (c, _) in pins.items() if name in model.terms]
+        raise InfeasibleConstraintError(
+            f"{BUDGET_NAME}: the smallest per-rank memory any plan can reach is at least {_size(total)} "
+            f"({describe(low)}; every tensor as sharded as its options"
+            + (" and the pins " + ", ".join(repr(c) for c in pinned) if pinned else "")
+            + f" allow), above the budget of {_size(budget)} ({source}). To fit: use more ranks or a "
+            "smaller batch, activation checkpointing (autoparallel.activation_checkpointing.apply_ac), "
+            "an optimizer with less state (add_memory_budget(optimizer=...)), raise the budget "
+            "(add_memory_budget(bytes=...)), or plan without it (AutoParallel(..., memory_budget=False))",
+            conflict=[BUDGET_NAME, *pinned],
+        )
+    return low
+
+
+# -- solving --------------------------------------------------------------------------------
+
+
+def solve_within_budget(problem: solver.Problem, solve: Callable[[solver.Problem], solver.Solution]):
+    """Solve ``problem`` with its memory budget row only when it binds.
+
+    Without the row the problem is a relaxation: when its optimum fits the
+    budget, that optimum is optimal with the row too (and a time-limited
+    solve's bound is a bound of both). Returns ``(solution, binding)``.
+    """
+    budget = next((r for r in problem.resources if r.name == BUDGET_NAME), None)
+    if budget is None:
+        return solve(problem), False
+    relaxed = dataclasses.replace(problem, resources=[r for r in problem.resources if r is not budget])
+    sol = solve(relaxed)
+    used = sum(w[sol.choice[name]] for name, w in budget.terms.items())
+    if used <= budget.high:
+        logger.info("memory budget: not binding (%.4g of %.4g bytes per rank)", used, budget.high)
+        return sol, False
+    logger.info(
+        "memory budget: the unconstrained plan needs %.4g bytes per rank, over %.4g: solving with the budget",
+        used,
+        budget.high,
+    )
+    t = sol.timings
+    full = solve(problem)
+    # planning time includes the first solve
+    for k, v in t.items():
+        full.timings[f"unbudgeted {k}"] = v
+    return full, True
+
+
+def used_bytes(problem: solver.Problem, choice: dict[str, int]) -> float | None:
+    budget = next((r for r in problem.resources if r.name == BUDGET_NAME), None)
+    if budget is None:
+        return None
+    return sum(w[choice[name]] for name, w in budget.terms.items())
