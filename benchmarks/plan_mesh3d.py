@@ -101,15 +101,16 @@ def _plan(name: str, layers: int | None, seq: int, batch: int, max_gib: float, t
 
 
 def _per_rank_memory(plan) -> tuple[float, float, str]:
-    """(estimated bytes per rank, budget bytes, what the estimate covers).
-
-    Hook for the whole-step memory budget (issue 13 part 4): until the plan
-    carries that estimate, parameters + gradients + AdamW state ("p+g+opt") from
-    :func:`autoparallel.memory.breakdown` (activations need an applied plan)
-    against the device's HBM."""
+    """(estimated bytes per rank, budget bytes, what the estimate covers):
+    the whole step's estimate (parameters, gradients, AdamW state, saved
+    activations) against the memory budget the plan was made under, from
+    :func:`autoparallel.memory.breakdown`; without the step's memory model,
+    parameters + gradients + optimizer state against the HBM."""
     from autoparallel import memory
 
     b = memory.breakdown(plan)
+    if b.activations_source.startswith("saved for backward"):
+        return b.total, b.budget if b.budget is not None else b.hbm, "whole step"
     return b.parameters + b.gradients + b.optimizer, b.hbm, "p+g+opt"
 
 
