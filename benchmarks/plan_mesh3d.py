@@ -16,6 +16,21 @@ Configurations (name: model, mesh, names; the batch is sharded over dp*):
 8x16x8 (dp_replicate, dp_shard, tp) and 4x4x8x8 (dp_replicate, dp_shard,
 cp, tp). Targets: each 3-D/4-D plan within 2x the time of the 16x8 plan of
 the same model, under 2 GB peak RSS; 70B at 1024 ranks under 60 s; optimal.
+
+Measured (mesh3d branch, 2-core machine shared with other jobs, load
+average 3.4 at the start and 9.2 at the end; the lead re-runs idle): total
+s (tracing / options / build / presolve / ILP build / ILP solve), peak RSS:
+
+    8B-16x8         11.9 (7.7 / 1.2 / 1.6 / 0.1 / 0.1 / 0.2)      433 MiB
+    8B-4x4x8        26.0 (7.5 / 4.0 / 5.8 / 3.9 / 0.9 / 2.8)     1222 MiB
+    8B-hsdp-2x8x8   25.3 (6.8 / 3.9 / 5.0 / 3.4 / 1.5 / 3.2)     1163 MiB
+    70B-16x8        55.1 (33.8 / 1.3 / 2.6 / 0.4 / 0.1 / 14.1)   729 MiB
+    70B-8x16x8     129.6 (33.4 / 9.0 / 12.0 / 6.9 / 1.7 / 58.1)  1224 MiB
+    70B-4x4x8x8    refused by the size guard after 218 s (708 MiB): 7.76G
+                   option pairs, 98.2M in distinct matrices, 32.75 GiB
+
+all proven optimal. Before this branch's edge_costs/fast_expand (same
+machine, load ~10): 8B-4x4x8 95.6 s (options 13.8, build 32.4).
 """
 
 from __future__ import annotations
