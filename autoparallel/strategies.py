@@ -44,6 +44,8 @@ from torch.distributed.tensor._op_schema import (
 from torch.distributed.tensor.placement_types import Replicate, Shard
 from torch.utils._pytree import tree_leaves, tree_map
 
+from .fast_expand import fast_expansion
+
 # the placement helpers moved to .placements; imported from here by rules and users
 from .placements import (  # noqa: F401
     Specs,
@@ -504,6 +506,13 @@ class StrategyEnumerator:
         produced: dict[torch.fx.Node, tuple[tuple[DTensorSpec, ...], int]] = {}
         total, t0 = len(gm.graph.nodes), time.perf_counter()
         last = t0
+        with fast_expansion():
+            self._enumerate_nodes(gm, parameters, result, produced, total, t0, last)
+        if self.stats.fallback_ops:
+            logger.warning("%s", self.stats.fallback_warning())
+        return result
+
+    def _enumerate_nodes(self, gm, parameters, result, produced, total, t0, last) -> None:
         for node in gm.graph.nodes:
             if node.op == "output":
                 continue
@@ -529,9 +538,6 @@ class StrategyEnumerator:
             self.stats.options += len(result[node].options)
             if isinstance(val, torch.Tensor):
                 produced[node] = self._offered(result[node].options)
-        if self.stats.fallback_ops:
-            logger.warning("%s", self.stats.fallback_warning())
-        return result
 
     def _node_strategy(self, node, produced) -> NodeStrategy:
         inputs = tensor_inputs(node)

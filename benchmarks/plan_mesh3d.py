@@ -16,6 +16,21 @@ Configurations (name: model, mesh, names; the batch is sharded over dp*):
 8x16x8 (dp_replicate, dp_shard, tp) and 4x4x8x8 (dp_replicate, dp_shard,
 cp, tp). Targets: each 3-D/4-D plan within 2x the time of the 16x8 plan of
 the same model, under 2 GB peak RSS; 70B at 1024 ranks under 60 s; optimal.
+
+Measured (mesh3d branch, 2-core machine shared with other jobs, load
+average 3.4 at the start and 9.2 at the end; the lead re-runs idle): total
+s (tracing / options / build / presolve / ILP build / ILP solve), peak RSS:
+
+    8B-16x8         11.9 (7.7 / 1.2 / 1.6 / 0.1 / 0.1 / 0.2)      433 MiB
+    8B-4x4x8        26.0 (7.5 / 4.0 / 5.8 / 3.9 / 0.9 / 2.8)     1222 MiB
+    8B-hsdp-2x8x8   25.3 (6.8 / 3.9 / 5.0 / 3.4 / 1.5 / 3.2)     1163 MiB
+    70B-16x8        55.1 (33.8 / 1.3 / 2.6 / 0.4 / 0.1 / 14.1)   729 MiB
+    70B-8x16x8     129.6 (33.4 / 9.0 / 12.0 / 6.9 / 1.7 / 58.1)  1224 MiB
+    70B-4x4x8x8    refused by the size guard after 218 s (708 MiB): 7.76G
+                   option pairs, 98.2M in distinct matrices, 32.75 GiB
+
+all proven optimal. Before this branch's edge_costs/fast_expand (same
+machine, load ~10): 8B-4x4x8 95.6 s (options 13.8, build 32.4).
 """
 
 from __future__ import annotations
@@ -43,7 +58,7 @@ CONFIGS = {
 }
 
 
-def _plan(name: str, layers: int | None, seq: int, batch: int, max_gib: float, queue) -> None:
+def _plan(name: str, layers: int | None, seq: int, batch: int, max_gib: float, time_limit: float | None, queue) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (int(max_gib * 2**30),) * 2)
     import torch
     import torch.distributed as dist
@@ -73,7 +88,7 @@ def _plan(name: str, layers: int | None, seq: int, batch: int, max_gib: float, q
     try:
         with AutoParallel(
             model, mesh, lambda: torch.randint(0, config.vocab_size, (batch, seq), device="meta"),
-            max_problem_bytes=max_gib * 2**30 / 2,
+            max_problem_bytes=max_gib * 2**30 / 2, time_limit=time_limit,
         ) as autop:
             autop.add_input_constraints([data])
             autop.add_output_constraints([data])
@@ -90,12 +105,28 @@ def _plan(name: str, layers: int | None, seq: int, batch: int, max_gib: float, q
             options_before=built.pruning.options_before if built.pruning else None,
             options_after=built.pruning.options_after if built.pruning else None,
             timings=dict(autop.timings),
+            gap=s.gap,
+            memory=_per_rank_memory(plan),
         )
     except Exception as e:  # noqa: BLE001 - reported in the table
         out.update(status=f"{type(e).__name__}: {str(e)[:300]}")
     out["total_s"] = time.perf_counter() - t0
     out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     queue.put(out)
+
+
+def _per_rank_memory(plan) -> tuple[float, float, str]:
+    """(estimated bytes per rank, budget bytes, what the estimate covers):
+    the whole step's estimate (parameters, gradients, AdamW state, saved
+    activations) against the memory budget the plan was made under, from
+    :func:`autoparallel.memory.breakdown`; without the step's memory model,
+    parameters + gradients + optimizer state against the HBM."""
+    from autoparallel import memory
+
+    b = memory.breakdown(plan)
+    if b.activations_source.startswith("saved for backward"):
+        return b.total, b.budget if b.budget is not None else b.hbm, "whole step"
+    return b.parameters + b.gradients + b.optimizer, b.hbm, "p+g+opt"
 
 
 def main(argv=None) -> None:
@@ -106,13 +137,16 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=32, help="global batch (70B-8x16x8 uses 128)")
     p.add_argument("--max-gib", type=float, default=6.0, help="address-space limit per configuration")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration")
+    p.add_argument("--time-limit", type=float, default=600.0,
+                   help="solver time limit in seconds (0: none); past it the plan reports its gap")
     a = p.parse_args(argv)
     names = a.only or ["8B-16x8", "8B-4x4x8", "8B-hsdp-2x8x8", "70B-16x8", "70B-8x16x8", "70B-4x4x8x8"]
     ctx = mp.get_context("spawn")
+    print(f"load average at the start: {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)", flush=True)
     rows = []
     for name in names:
         q = ctx.Queue()
-        proc = ctx.Process(target=_plan, args=(name, a.layers, a.seq, a.batch, a.max_gib, q))
+        proc = ctx.Process(target=_plan, args=(name, a.layers, a.seq, a.batch, a.max_gib, a.time_limit or None, q))
         proc.start()
         proc.join(a.timeout)
         if proc.is_alive():
@@ -125,6 +159,7 @@ def main(argv=None) -> None:
             rows.append(q.get())
         print(_row(rows[-1]), flush=True)
     print()
+    print(f"load average at the end: {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)")
     print(_table(rows))
 
 
@@ -158,8 +193,11 @@ def _table(rows: list[dict]) -> str:
     line("total s", lambda r: f"{r['total_s']:.1f}")
     line("peak RSS MiB", lambda r: f"{r['peak_rss_mib']:.0f}")
     line("status", lambda r: r["status"][:15])
+    line("gap", lambda r: "0 (proven)" if r["status"] == "optimal" else ("-" if r["gap"] is None else f"{100 * r['gap']:.3g}%"))
     line("est. step ms", lambda r: f"{r['step_ms']:.1f}")
     line("  of it comm ms", lambda r: f"{r['comm_ms']:.1f}")
+    line("mem/rank GB (budget)", lambda r: f"{r['memory'][0] / 1e9:.1f} ({r['memory'][1] / 1e9:.0f})")
+    line("  of it", lambda r: r["memory"][2])
     return "\n".join(lines)
 
 

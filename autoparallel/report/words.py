@@ -171,12 +171,26 @@ def describe(plan) -> list[str]:
             seq_split[d][_dim(t) if _kind(t) == "S" else None] += 1
 
     # -- per mesh dim: the parallelism it carries ---------------------------
+    mains = []
+    for d in range(len(mesh)):
+        dim_roles: Counter = sum((r[d] for r in roles.values()), Counter())
+        mains.append(dim_roles.most_common(1)[0][0] if dim_roles else "replicated")
+    sharded = [bool(total_bytes and sharded_on[d] / total_bytes > 0.5) for d in range(len(mesh))]
+    # HSDP: data parallel over several mesh dims, weights replicated across
+    # the outer ones (between nodes) and sharded within the inner ones
+    hsdp_replicate = [d for d in range(len(mesh)) if mains[d] == "data" and not sharded[d]]
+    hsdp_shard = [d for d in range(len(mesh)) if mains[d] == "data" and sharded[d]]
+    hsdp = bool(hsdp_replicate and hsdp_shard) and max(hsdp_replicate) < min(hsdp_shard)
     overall = []
     for d, name in enumerate(names):
-        dim_roles: Counter = sum((r[d] for r in roles.values()), Counter())
-        main = dim_roles.most_common(1)[0][0] if dim_roles else "replicated"
-        weights_sharded = total_bytes and sharded_on[d] / total_bytes > 0.5
-        if main == "data":
+        main, weights_sharded = mains[d], sharded[d]
+        if main == "data" and hsdp:
+            what = (
+                "HSDP shard-within (data parallel, weights sharded inside each replica, gathered for compute)"
+                if weights_sharded
+                else "HSDP replicate-across (data parallel, weights replicated across replicas, gradients all-reduced)"
+            )
+        elif main == "data":
             what = "FSDP (data parallel, weights sharded, gathered for compute)" if weights_sharded else (
                 "DDP (data parallel, weights replicated)"
             )
@@ -201,6 +215,13 @@ def describe(plan) -> list[str]:
             what += "; except " + "; ".join(f"{k} for {', '.join(v)}" for k, v in odd.items())
         overall.append(f"{name} ({mesh[d]}): {what}")
     lines = ["parallelism per mesh dim: " + "; ".join(overall)]
+    if hsdp:
+        lines.append(
+            "HSDP (hybrid sharded data parallel): weights replicated across "
+            + "*".join(names[d] for d in hsdp_replicate)
+            + ", sharded within "
+            + "*".join(names[d] for d in hsdp_shard)
+        )
 
     if weight_desc:
         parts = []
