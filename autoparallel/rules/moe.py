@@ -51,7 +51,8 @@ from torch.utils.flop_counter import register_flop_formula
 import autoparallel.models.moe  # noqa: F401  (defines the ops)
 
 from ..placements import all_placements
-from ..strategies import Option, is_evenly_sharded, register_rule, tensor_inputs, tensor_meta_of
+from ..cost_model.compute import local_shape as _local_shape
+from ..strategies import InOpWork, Option, is_evenly_sharded, register_rule, tensor_inputs, tensor_meta_of
 
 _ops = torch.ops.autoparallel
 R, P = Replicate(), Partial()
@@ -67,7 +68,49 @@ def _modes(token_dims: tuple[int, ...]):
     for d in token_dims:
         s = Shard(d)
         modes[f"T{d}"] = ((s, s, s, R, R, R, R), s, (s, s, P, P, P))
+    for d in token_dims:
+        s, e = Shard(d), Shard(0)
+        modes[f"A{d}"] = ((s, s, s, e, e, e, e), s, (s, s, e, e, e))
     return modes
+
+
+def _expert_sharding_ok(names: tuple[str, ...]) -> bool:
+    """An all-to-all mode maps expert e to group rank e // (E / ep): it needs
+    the expert dim sharded on its mesh dim only."""
+    n_a = sum(n.startswith("A") for n in names)
+    return n_a == 0 or (n_a == 1 and "EP" not in names)
+
+
+def local_shape(spec: DTensorSpec) -> tuple[int, ...]:
+    return _local_shape(spec.tensor_meta.shape, spec.mesh.shape, spec.placements)
+
+
+def _a2a_work(names, vals, in_specs, mesh, backward: bool) -> InOpWork | None:
+    """The all-to-alls the ``A`` mode runs inside the op, balanced routing:
+    each rank's routed (token, slot) rows go out and come back, (ep-1)/ep of
+    them to peers (collective_time applies that fraction); the forward sends
+    ``dim`` wide rows, the backward ``2 dim``; plus the ``n_experts`` counts.
+    The flop formula sees 1/ep of the rows a rank computes (it assumes the
+    rank's tokens only), so the rest is added here."""
+    m = next((m for m, n in enumerate(names) if n.startswith("A")), None)
+    if m is None:
+        return None
+    ep = mesh.size(m)
+    off = 1 if backward else 0
+    x, idx, w1 = vals[off], vals[off + 1], vals[off + 3]
+    x_spec, idx_spec, w1_spec = in_specs[off], in_specs[off + 1], in_specs[off + 3]
+    dim, itemsize = x.shape[-1], x.element_size()
+    rows = 1
+    for s in local_shape(idx_spec):
+        rows *= s  # this rank's routed (token, slot) pairs
+    width = 2 * dim if backward else dim
+    n_experts = w1.shape[0]
+    counts = ("all_to_all", 8.0 * n_experts, m)
+    rows_a2a = ("all_to_all", float(rows * width * itemsize), m)
+    w_local = local_shape(w1_spec)
+    base = _routed_flops(local_shape(x_spec), local_shape(idx_spec), w_local, n_experts)
+    flops = (3 if backward else 1) * base * (ep - 1)
+    return InOpWork(flops=float(flops), dtype=x.dtype, collectives=(counts, rows_a2a, rows_a2a))
 
 
 def _options(node, mesh, backward: bool) -> list[Option]:
@@ -77,7 +120,10 @@ def _options(node, mesh, backward: bool) -> list[Option]:
     modes = _modes(tuple(range(x.ndim - 1)))
     out_val = node.meta["val"]
     options = []
-    for combo in itertools.product(modes.values(), repeat=mesh.ndim):
+    for names in itertools.product(modes, repeat=mesh.ndim):
+        if not _expert_sharding_ok(names):
+            continue
+        combo = [modes[n] for n in names]
         in_pl = [tuple(m[0][k] for m in combo) for k in range(7)]
         if backward:
             # grad_out: the gradient of a Partial output is replicated (every
@@ -94,7 +140,8 @@ def _options(node, mesh, backward: bool) -> list[Option]:
             continue
         in_specs = tuple(DTensorSpec(mesh, pl, tensor_meta=tensor_meta_of(t)) for t, pl in zip(vals, in_pl))
         out_specs = tuple(DTensorSpec(mesh, pl, tensor_meta=tensor_meta_of(t)) for t, pl in zip(outs, out_pl))
-        options.append(Option(out_specs if backward else out_specs[0], in_specs))
+        work = _a2a_work(names, vals, in_specs, mesh, backward)
+        options.append(Option(out_specs if backward else out_specs[0], in_specs, in_op=work))
     return options
 
 
