@@ -36,6 +36,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.flop_counter import register_flop_formula
 from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 
 import autoparallel.models.moe  # noqa: F401  (the ops being lowered)
@@ -306,3 +307,40 @@ def _lower(new_op, x_pos):
 
 LOCAL_LOWERINGS[_ops.moe_experts.default] = _lower(_ops.moe_experts_a2a.default, 0)
 LOCAL_LOWERINGS[_ops.moe_experts_backward.default] = _lower(_ops.moe_experts_a2a_backward.default, 1)
+
+
+# --------------------------------------------------------------------------
+# Costs of the lowered ops (overlap scheduling, estimates)
+# --------------------------------------------------------------------------
+
+
+def _rows_flops(x_shape, idx_shape, w1_shape) -> int:
+    tokens = 1
+    for s in x_shape[:-1]:
+        tokens *= s
+    _, dim, hidden = w1_shape
+    # balanced routing: a rank runs as many (token, slot) rows as it routes
+    return 2 * 3 * tokens * idx_shape[-1] * dim * hidden
+
+
+@register_flop_formula(_ops.moe_experts_a2a)
+def _a2a_flop(x, idx, tw, w1, w3, w2, ids, n_experts, group_name, *args, out_shape=None, **kwargs) -> int:
+    return _rows_flops(x, idx, w1)
+
+
+@register_flop_formula(_ops.moe_experts_a2a_backward)
+def _a2a_backward_flop(g, x, idx, tw, w1, w3, w2, ids, n_experts, group_name, *a, out_shape=None, **kw) -> int:
+    return 3 * _rows_flops(x, idx, w1)
+
+
+def in_op_collectives(node) -> list[tuple[str, int, str]]:
+    """(kind, bytes per rank, group name) of the all-to-alls a lowered op runs
+    (blocking, inside the op: they cannot overlap with its compute)."""
+    backward = node.target is _ops.moe_experts_a2a_backward.default
+    if not backward and node.target is not _ops.moe_experts_a2a.default:
+        return []
+    off = 1 if backward else 0
+    x, idx = node.args[off].meta["val"], node.args[off + 1].meta["val"]
+    n_experts, group = node.args[-2], node.args[-1]
+    rows = idx.numel() * x.shape[-1] * x.element_size() * (2 if backward else 1)
+    return [("all_to_all", 8 * n_experts, group), ("all_to_all", rows, group), ("all_to_all", rows, group)]

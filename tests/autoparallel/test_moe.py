@@ -255,4 +255,14 @@ def test_moe_plan_apply_2x2_a2a(fake_world, monkeypatch):
     assert targets.count(ops.moe_experts_a2a.default) == len(fwd)
     assert targets.count(ops.moe_experts_a2a_backward.default) == len(bwd)
     assert ops.moe_experts.default not in targets
+    # overlap scheduling prices the op's blocking all-to-alls on top of its compute
+    import types
+
+    from autoparallel import cost_model
+    from autoparallel.passes.overlap_model import Costs
+
+    costs = Costs(types.SimpleNamespace(mesh=mesh, device=None))
+    for n in parallel.parallel_graph.graph.nodes:
+        if n.target in (ops.moe_experts_a2a.default, ops.moe_experts_a2a_backward.default):
+            assert costs.time(n) > cost_model.node_compute_time(n, None, None) + 3 * cost_model.H100.launch_floor
     _compare_one_step(parallel, mesh, SMALL)
