@@ -63,6 +63,10 @@ def test_moe_model_forward_backward_and_ac():
     for name in ("gate.weight", "w1", "w2", "w3", "shared.w1.weight"):
         g = moe.get_parameter(name).grad
         assert g is not None and g.abs().sum() > 0, name
+    assert moe.tokens_per_expert_count.sum() == BATCH * SEQ * ARGS.top_k  # counted in the step
+    moe.update_expert_bias()  # from the counted load, then cleared
+    assert moe.expert_bias.abs().sum() > 0 and moe.tokens_per_expert_count.sum() == 0
+    moe.expert_bias.zero_()
     counts = moe.tokens_per_expert(torch.randn(BATCH, SEQ, ARGS.dim))
     assert counts.sum() == BATCH * SEQ * ARGS.top_k
     moe.update_expert_bias(counts)
@@ -114,6 +118,7 @@ def _compare_one_step(parallel, mesh, args, steps=1):
         loss.backward()
         if step == 0:
             ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+            ref_bufs = {n: b.clone() for n, b in ref.named_buffers()}
         ref_opt.step()
         ref_losses.append(loss.item())
     n = mesh.size()
@@ -141,7 +146,11 @@ def _compare_one_step(parallel, mesh, args, steps=1):
         scale = g.abs().max()
         assert scale > 0, name
         torch.testing.assert_close(grads[name] / scale, g / scale, rtol=1e-4, atol=1e-5, msg=name)
-    for name, b in ref.named_buffers():
+    counted = [name for name in ref_bufs if name.endswith("tokens_per_expert_count")]
+    assert counted and set(counted) <= bufs.keys()
+    for name in counted:  # counted inside the planned step, written back
+        assert ref_bufs[name].sum() == BATCH * SEQ * args.top_k, name
+    for name, b in ref_bufs.items():
         if name in bufs:
             torch.testing.assert_close(bufs[name].to(b.dtype), b, msg=name)
     assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
