@@ -28,6 +28,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import re
 import resource
 import sys
 import time
@@ -73,13 +74,43 @@ def _expert_choice(plan) -> dict[str, int]:
     return seen
 
 
+_PLACEMENT = re.compile(r"S\(\d+\)|R|P")
+
+
+def _mode(x: str, w1: str) -> str:
+    """The rule's mode on one mesh dim from the x and w1 placements there."""
+    if w1 == "S(0)":
+        return "A2A" if x.startswith("S") else "EP-gather"
+    if w1 in ("S(1)", "S(2)"):
+        return "TP"
+    return "T" if x.startswith("S") else "R"
+
+
 def _experts_op_choice(plan) -> dict[str, int]:
     seen: dict[str, int] = {}
     for n in plan.nodes.values():
         if "moe_experts" in n.op:
-            key = f"{n.phase} {', '.join(n.input_placements)} -> {n.output_placements}"
+            off = 1 if n.phase == "backward" else 0
+            xs, ws = (_PLACEMENT.findall(n.input_placements[off + k]) for k in (0, 3))
+            modes = " x ".join(_mode(x, w) for x, w in zip(xs, ws))
+            key = f"{n.phase} [{modes}] {', '.join(n.input_placements)} -> {n.output_placements}"
             seen[key] = seen.get(key, 0) + 1
     return seen
+
+
+def _in_op_all_to_alls(pm, mesh) -> dict:
+    """The all-to-alls the lowered MoE dispatch ops run inside themselves."""
+    from autoparallel.apply.moe_dispatch import in_op_collectives
+
+    names = {mesh.get_group(d).group_name: mesh.mesh_dim_names[d] for d in range(mesh.ndim)}
+    found: dict = {}
+    for phase, gm in (("forward", pm.forward_graph), ("backward", pm.backward_graph)):
+        for n in gm.graph.nodes:
+            for kind, b, group in in_op_collectives(n):
+                k = (phase, f"{kind} (in MoE op)", names.get(group, group))
+                cnt, tot = found.get(k, (0, 0))
+                found[k] = (cnt + 1, tot + b)
+    return found
 
 
 def main(argv=None) -> None:
@@ -118,6 +149,7 @@ def main(argv=None) -> None:
                 k = (c.phase, c.kind, c.group)
                 cnt, b = applied.get(k, (0, 0))
                 applied[k] = (cnt + 1, b + c.in_bytes)
+            applied.update(_in_op_all_to_alls(pm, mesh))
 
     s = plan.solution
     print(
@@ -138,6 +170,7 @@ def main(argv=None) -> None:
         f"parameters per rank {plan.parameter_bytes_per_rank / 2**30:.3f} GiB of "
         f"{plan.parameter_bytes_total / 2**30:.3f} GiB"
     )
+    # the MoE all-to-all mode's in-op exchanges count as its compute (they block it)
     print(f"estimated step: compute {plan.compute_cost * 1e3:.1f} ms, communication {plan.comm_cost * 1e3:.1f} ms")
     if applied is not None:
         print(f"apply: {apply_wall:.1f} s wall")
