@@ -56,6 +56,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=None, help="default: one sequence per rank")
     p.add_argument("--mesh", type=int, nargs="+", default=[8, 8])
     p.add_argument("--ac", default="selective", choices=["none", "selective", "full"])
+    p.add_argument(
+        "--force-a2a-dim", type=int, default=None,
+        help="offer the routed ops only the all-to-all mode on this mesh dim (to compare its estimated step)",
+    )
     p.add_argument("--apply", action="store_true", help="also time apply_placement and count collectives")
     p.add_argument("--verbose", action="store_true")
     return p.parse_args(argv)
@@ -120,6 +124,11 @@ def main(argv=None) -> None:
     for n in a.mesh:
         world *= n
     names = ("dp", "ep") if len(a.mesh) == 2 else tuple(f"d{i}" for i in range(len(a.mesh)))
+    if a.force_a2a_dim is not None:
+        import autoparallel.rules.moe as rules
+
+        ok, d = rules._expert_sharding_ok, a.force_a2a_dim
+        rules._expert_sharding_ok = lambda names: ok(names) and names[d].startswith("A")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     mesh = init_device_mesh("cpu", tuple(a.mesh), mesh_dim_names=names)
     base = MOE_CONFIGS[a.model]

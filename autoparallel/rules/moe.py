@@ -20,6 +20,22 @@ combination across mesh dims is again exact:
             shape, dropless dispatch that moves ``ep`` times the bytes of an
             all-to-all under balanced routing (the cost model prices the
             collectives it actually runs).
+* ``A(d)``  expert parallel with all-to-all dispatch: x, topk_idx, topk_w
+            and the output stay ``Shard(d)`` (token dim d) and w1, w3, w2,
+            expert_ids are ``Shard(0)`` on the same mesh dim. The apply stage
+            lowers the op to ``autoparallel::moe_experts_a2a`` (and its
+            backward) with that dim's process group
+            (:mod:`autoparallel.apply.moe_dispatch`): per-expert counts are
+            computed and exchanged at run time, token rows go to their
+            experts' ranks by ``all_to_all_single`` with variable splits
+            (dropless, unpadded) and come back weighted. The option carries
+            the in-op work (:class:`~autoparallel.strategies.InOpWork`):
+            under balanced routing each rank sends its ``T_local * top_k``
+            routed rows out and back, (ep-1)/ep of them to peers, ``dim``
+            wide forward and ``2 dim`` backward, plus an ``n_experts``-int
+            count exchange; and it computes ep times the rows its own tokens
+            route to its experts. Offered only where no other mesh dim shards
+            the expert dim (expert e lives on group rank ``e // (E / ep)``).
 * ``TP``    hidden-dim tensor parallel: w1, w3 ``Shard(2)``, w2 ``Shard(1)``;
             inputs replicated, output ``Partial``.
 
@@ -35,8 +51,8 @@ op by op (``nonzero``, ``.item()``) cannot be traced on fake tensors.
 No region has to be declared: the planner chooses every placement around
 the op, and this rule's modes for the op itself.
 
-The FLOP formulas assume balanced routing: a rank holding ``E_local`` of
-``E`` experts does ``E_local / E`` of the routed work.
+The FLOP formulas and the all-to-all bytes assume balanced routing: a rank
+holding ``E_local`` of ``E`` experts does ``E_local / E`` of the routed work.
 """
 
 from __future__ import annotations
