@@ -10,15 +10,20 @@ estimated step. Asserts nothing::
     python benchmarks/plan_moe.py --model 671B --mesh 32 8 --layers 4 --seq 4096
     python benchmarks/plan_moe.py --layers 4 --apply
 
-Measured on the shared 2-core machine (2026-11-23): 16B, 27 layers, 8 x 8,
-seq 4096, batch 64, selective AC: plan 24.1 s wall (10.9 s CPU), apply 23.8 s,
-peak RSS 818 MiB; the solver chose expert weights ``(Shard(2), Shard(0))``
-(FSDP on dp, EP on ep) with tokens batch-sharded on dp and gathered on ep.
-671B, 61 layers, 32 x 8 (256 ranks), batch 256: plan 21.3 s, RSS 602 MiB,
-the same dp x ep layout (apply not timed).
+Measured on the shared 2-core machine (2026-11-23 09:07 UTC, load ~4): 16B,
+27 layers, 8 x 8, seq 4096, batch 64, selective AC, --apply: plan 14.1 s wall
+(10.0 s CPU), apply 25.0 s, peak RSS 748 MiB; the solver chose token parallel
+on dp x hidden-split (TP) on ep for the routed experts (estimated step 1765 +
+333 ms); ``--force-a2a-dim 1`` (all-to-all EP on ep) is priced 1838 + 260 ms,
+within 0.02 % of it. 671B, 61 layers, 32 x 8 (256 ranks), batch 256, --apply:
+plan 19.8 s, apply 46.9 s, peak RSS 1191 MiB; forward T x TP, backward
+all-to-all EP on dp x T on ep (the all-to-all rows cost less than
+reduce-scattering the full fp32 expert gradients over dp), 174 in-op
+all-to-alls moving 203 GiB per rank per step.
 
 Routing is assumed balanced by the cost model (each rank of an EP group does
-``E_local / E`` of the routed work). Target: 16B plans and applies in under
+``E_local / E`` of the routed work; an all-to-all rank sends (ep-1)/ep of its
+routed rows). Target: 16B plans and applies in under
 60 s and 2 GB.
 """
 
