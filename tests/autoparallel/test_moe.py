@@ -264,6 +264,11 @@ def test_moe_plan_apply_2x2_a2a(fake_world, monkeypatch):
     assert targets.count(ops.moe_experts_a2a.default) == len(fwd)
     assert targets.count(ops.moe_experts_a2a_backward.default) == len(bwd)
     assert ops.moe_experts.default not in targets
+    # the rewrite passes ran on this graph (and the numerics below are after them)
+    st = plan.pass_stats
+    assert st["recompute_all_gathers"].chains > 0
+    assert st["fuse_all_gathers"]["forward"].fused > 0
+    assert st["schedule_overlap"]["backward"].nodes_moved > 0
     # overlap scheduling prices the op's blocking all-to-alls on top of its compute
     import types
 
