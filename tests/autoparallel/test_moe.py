@@ -241,17 +241,31 @@ def test_moe_a2a_op_local_tensor(fake_world):
         torch.testing.assert_close(torch.cat([lt[0] + lt[2], lt[1] + lt[3]]), refb[k])
 
 
+def _force_a2a(monkeypatch, mesh_dim: int) -> None:
+    # at this toy size the in-op all-to-all launches cost more than gathering
+    # the tiny expert weights, so the routed ops are offered the mode only
+    import autoparallel.rules.moe as rules
+
+    ok = rules._expert_sharding_ok
+    monkeypatch.setattr(rules, "_expert_sharding_ok", lambda names: ok(names) and names[mesh_dim].startswith("A"))
+
+
+@pytest.mark.slow
+def test_moe_a2a_2x2_adamw(fake_world, monkeypatch):
+    """Three AdamW steps with all-to-all EP on mesh dim 1 match single-device."""
+    _force_a2a(monkeypatch, 1)
+    fake_world(4)
+    mesh = init_device_mesh("cpu", (2, 2))
+    parallel, _ = _plan(mesh, SMALL, pin=(Shard(2), Shard(0)), routed_out=(Shard(0), Shard(0)))
+    _compare_one_step(parallel, mesh, SMALL, steps=3)
+
+
 def test_moe_plan_apply_2x2_a2a(fake_world, monkeypatch):
     """2x2 mesh: experts FSDP on mesh dim 0 x EP on mesh dim 1 with tokens kept sharded (the
     all-to-all mode, pinned through the routed op's output), token parallel
     on dim 0. The routed ops are lowered to the all-to-all ops and the step
     (loss, all gradients, buffers) matches single-device."""
-    import autoparallel.rules.moe as rules
-
-    # at this toy size the in-op all-to-all launches cost more than gathering
-    # the tiny expert weights, so the routed ops are offered the mode only
-    ok = rules._expert_sharding_ok
-    monkeypatch.setattr(rules, "_expert_sharding_ok", lambda names: ok(names) and names[1].startswith("A"))
+    _force_a2a(monkeypatch, 1)
     fake_world(4)
     mesh = init_device_mesh("cpu", (2, 2))
     parallel, plan = _plan(mesh, SMALL, pin=(Shard(2), Shard(0)), routed_out=(Shard(0), Shard(0)))
