@@ -294,3 +294,27 @@ def test_moe_plan_apply_2x2_a2a(fake_world, monkeypatch):
         if n.target in (ops.moe_experts_a2a.default, ops.moe_experts_a2a_backward.default):
             assert costs.time(n) > cost_model.node_compute_time(n, None, None) + 3 * cost_model.H100.launch_floor
     _compare_one_step(parallel, mesh, SMALL)
+
+
+def test_moe_solver_picks_a2a_over_gather(fake_world):
+    """16B-sized layers (2 layers, seq 2048) on 8 ranks with the experts held
+    EP (pinned Shard(0)): by cost the solver keeps tokens sharded and picks
+    the all-to-all mode over gathering tokens and reduce-scattering the
+    Partial output (ep times the bytes), forward and backward. Plan only."""
+    fake_world(8)
+    mesh = init_device_mesh("cpu", (8,))
+    args = dataclasses.replace(MOE_CONFIGS["16B"], n_layers=2, max_seq_len=2048)
+    with torch.device("meta"):
+        model = MoETransformer(args)
+    with AutoParallel(model, mesh, torch.empty(8, 2048, dtype=torch.long, device="meta")) as autop:
+        autop.add_input_constraints([(Shard(0),)])
+        autop.add_output_constraints([(Shard(0),)])
+        for fqn, n in autop.traced.param_nodes.items():
+            if fqn.endswith(("moe.w1", "moe.w2", "moe.w3")):
+                autop.add_node_constraint(n, (Shard(0),))
+        plan = autop.optimize_placement()
+    ops = _routed_ops(plan)
+    assert {n.phase for n in ops} == {"forward", "backward"}
+    for n in ops:
+        off = 1 if n.phase == "backward" else 0
+        assert n.input_placements[off].startswith("S") and n.input_placements[off + 3] == "S(0)", n
