@@ -518,6 +518,7 @@ def build_problem(
         if id(strat.options) not in unary:
             unary[id(strat.options)] = [
                 cost_model.node_compute_time(node, o.input_specs, o.output_specs, device)
+                + _in_op_time(o.in_op, mesh, device)
                 if node.op == "call_function" and strat.getitem_index is None
                 else 0.0
                 for o in strat.options
@@ -661,3 +662,15 @@ def _memory_constraint(traced, strategies, mesh, constraints: Constraints) -> so
         low=None if low is None else low * (1 - 1e-9),
         high=high * (1 + 1e-9),
     )
+
+
+def _in_op_time(work, mesh, device) -> float:
+    """Seconds of an option's in-op work (:class:`strategies.InOpWork`)."""
+    if work is None:
+        return 0.0
+    t = cost_model.compute_time(work.flops, 0.0, work.dtype, device) if work.flops else 0.0
+    topo = cost_model.mesh_dim_topology(mesh)
+    for kind, nbytes, m in work.collectives:
+        tp = topo[m]
+        t += cost_model.collective_time(kind, nbytes, tp.group_size, tp.intra_node, device, tp.ranks_per_node)
+    return t

@@ -61,6 +61,16 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class InOpWork:
+    """Communication and extra FLOPs inside one op under one option."""
+
+    flops: float = 0.0
+    dtype: torch.dtype = torch.float32
+    # (collective kind, bytes per rank, mesh dim), as cost_model.collective_time takes them
+    collectives: tuple[tuple[str, float, int], ...] = ()
+
+
+@dataclass(frozen=True)
 class Option:
     """One way to run a node: required input specs and resulting output spec(s).
 
@@ -71,6 +81,9 @@ class Option:
 
     output_specs: Specs
     input_specs: tuple[DTensorSpec, ...]
+    # Work the op does itself beyond its flop formula on local shapes (e.g.
+    # the MoE all-to-all dispatch): priced into its compute cost.
+    in_op: "InOpWork | None" = None
 
     @property
     def label(self) -> str:

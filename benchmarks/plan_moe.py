@@ -10,15 +10,20 @@ estimated step. Asserts nothing::
     python benchmarks/plan_moe.py --model 671B --mesh 32 8 --layers 4 --seq 4096
     python benchmarks/plan_moe.py --layers 4 --apply
 
-Measured on the shared 2-core machine (2026-11-23): 16B, 27 layers, 8 x 8,
-seq 4096, batch 64, selective AC: plan 24.1 s wall (10.9 s CPU), apply 23.8 s,
-peak RSS 818 MiB; the solver chose expert weights ``(Shard(2), Shard(0))``
-(FSDP on dp, EP on ep) with tokens batch-sharded on dp and gathered on ep.
-671B, 61 layers, 32 x 8 (256 ranks), batch 256: plan 21.3 s, RSS 602 MiB,
-the same dp x ep layout (apply not timed).
+Measured on the shared 2-core machine (2026-11-23 09:07 UTC, load ~4): 16B,
+27 layers, 8 x 8, seq 4096, batch 64, selective AC, --apply: plan 14.1 s wall
+(10.0 s CPU), apply 25.0 s, peak RSS 748 MiB; the solver chose token parallel
+on dp x hidden-split (TP) on ep for the routed experts (estimated step 1765 +
+333 ms); ``--force-a2a-dim 1`` (all-to-all EP on ep) is priced 1838 + 260 ms,
+within 0.02 % of it. 671B, 61 layers, 32 x 8 (256 ranks), batch 256, --apply:
+plan 19.8 s, apply 46.9 s, peak RSS 1191 MiB; forward T x TP, backward
+all-to-all EP on dp x T on ep (the all-to-all rows cost less than
+reduce-scattering the full fp32 expert gradients over dp), 174 in-op
+all-to-alls moving 203 GiB per rank per step.
 
 Routing is assumed balanced by the cost model (each rank of an EP group does
-``E_local / E`` of the routed work). Target: 16B plans and applies in under
+``E_local / E`` of the routed work; an all-to-all rank sends (ep-1)/ep of its
+routed rows). Target: 16B plans and applies in under
 60 s and 2 GB.
 """
 
@@ -28,6 +33,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import re
 import resource
 import sys
 import time
@@ -56,6 +62,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=None, help="default: one sequence per rank")
     p.add_argument("--mesh", type=int, nargs="+", default=[8, 8])
     p.add_argument("--ac", default="selective", choices=["none", "selective", "full"])
+    p.add_argument(
+        "--force-a2a-dim", type=int, default=None,
+        help="offer the routed ops only the all-to-all mode on this mesh dim (to compare its estimated step)",
+    )
     p.add_argument("--apply", action="store_true", help="also time apply_placement and count collectives")
     p.add_argument("--verbose", action="store_true")
     add_chunk_argument(p, {"layers.*.moe": "batch"})  # --chunk: chunk_regions without/with (_chunk_report.py)
@@ -75,13 +85,43 @@ def _expert_choice(plan) -> dict[str, int]:
     return seen
 
 
+_PLACEMENT = re.compile(r"S\(\d+\)|R|P")
+
+
+def _mode(x: str, w1: str) -> str:
+    """The rule's mode on one mesh dim from the x and w1 placements there."""
+    if w1 == "S(0)":
+        return "A2A" if x.startswith("S") else "EP-gather"
+    if w1 in ("S(1)", "S(2)"):
+        return "TP"
+    return "T" if x.startswith("S") else "R"
+
+
 def _experts_op_choice(plan) -> dict[str, int]:
     seen: dict[str, int] = {}
     for n in plan.nodes.values():
         if "moe_experts" in n.op:
-            key = f"{n.phase} {', '.join(n.input_placements)} -> {n.output_placements}"
+            off = 1 if n.phase == "backward" else 0
+            xs, ws = (_PLACEMENT.findall(n.input_placements[off + k]) for k in (0, 3))
+            modes = " x ".join(_mode(x, w) for x, w in zip(xs, ws))
+            key = f"{n.phase} [{modes}] {', '.join(n.input_placements)} -> {n.output_placements}"
             seen[key] = seen.get(key, 0) + 1
     return seen
+
+
+def _in_op_all_to_alls(pm, mesh) -> dict:
+    """The all-to-alls the lowered MoE dispatch ops run inside themselves."""
+    from autoparallel.apply.moe_dispatch import in_op_collectives
+
+    names = {mesh.get_group(d).group_name: mesh.mesh_dim_names[d] for d in range(mesh.ndim)}
+    found: dict = {}
+    for phase, gm in (("forward", pm.forward_graph), ("backward", pm.backward_graph)):
+        for n in gm.graph.nodes:
+            for kind, b, group in in_op_collectives(n):
+                k = (phase, f"{kind} (in MoE op)", names.get(group, group))
+                cnt, tot = found.get(k, (0, 0))
+                found[k] = (cnt + 1, tot + b)
+    return found
 
 
 def main(argv=None) -> None:
@@ -91,6 +131,11 @@ def main(argv=None) -> None:
     for n in a.mesh:
         world *= n
     names = ("dp", "ep") if len(a.mesh) == 2 else tuple(f"d{i}" for i in range(len(a.mesh)))
+    if a.force_a2a_dim is not None:
+        import autoparallel.rules.moe as rules
+
+        ok, d = rules._expert_sharding_ok, a.force_a2a_dim
+        rules._expert_sharding_ok = lambda names: ok(names) and names[d].startswith("A")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     mesh = init_device_mesh("cpu", tuple(a.mesh), mesh_dim_names=names)
     base = MOE_CONFIGS[a.model]
@@ -122,6 +167,7 @@ def main(argv=None) -> None:
                 k = (c.phase, c.kind, c.group)
                 cnt, b = applied.get(k, (0, 0))
                 applied[k] = (cnt + 1, b + c.in_bytes)
+            applied.update(_in_op_all_to_alls(pm, mesh))
 
         if a.chunk is not None:
             chunk_compare(autop, plan, mesh, parse_chunk(a.chunk, a._chunk_default))
@@ -145,6 +191,7 @@ def main(argv=None) -> None:
         f"parameters per rank {plan.parameter_bytes_per_rank / 2**30:.3f} GiB of "
         f"{plan.parameter_bytes_total / 2**30:.3f} GiB"
     )
+    # the MoE all-to-all mode's in-op exchanges count as its compute (they block it)
     print(f"estimated step: compute {plan.compute_cost * 1e3:.1f} ms, communication {plan.comm_cost * 1e3:.1f} ms")
     if applied is not None:
         print(f"apply: {apply_wall:.1f} s wall")

@@ -43,6 +43,7 @@ from torch.utils._pytree import tree_map
 from .. import activation_checkpointing
 from ..strategies import NodeStrategy, format_specs
 from ..tracing import TracedStep, module_path
+from .moe_dispatch import LOCAL_LOWERINGS
 from .node_templates import Template, has_mask_partial, nodes_after, template_key, tracer_of_proxy_mode
 from .redistribute import (
     REDISTRIBUTE_KEY,
@@ -339,7 +340,12 @@ class _Interpreter:
         largs = tree_map(to_local, tuple(schema.args_schema))
         lkwargs = tree_map(to_local, dict(schema.kwargs_schema))
         largs = _viewable_args(schema.op, largs, lkwargs)
-        out = schema.op(*largs, **lkwargs)
+        op_ = schema.op
+        lower = LOCAL_LOWERINGS.get(op_)
+        lowered = lower(opt, self.mesh, largs, lkwargs) if lower is not None else None
+        if lowered is not None:  # an op whose option runs its own collectives
+            op_, largs, lkwargs = lowered
+        out = op_(*largs, **lkwargs)
         self._check(node, out, opt.output_specs)
         return out
 

@@ -287,6 +287,10 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(e, dtype=torch.float32))
         # Which experts this module holds; sharded with the weights under EP.
         self.register_buffer("expert_ids", torch.arange(e), persistent=False)
+        # (token, slot) pairs routed to each expert since the last bias update,
+        # counted inside the (traced, planned) step: a buffer mutation the
+        # planned step writes back, for update_expert_bias between steps.
+        self.register_buffer("tokens_per_expert_count", torch.zeros(e, dtype=torch.float32), persistent=False)
 
     def route(self, x: torch.Tensor):
         """(scores [.., E], topk_idx [.., k], topk_w [.., k]) for x [.., dim]."""
@@ -327,7 +331,16 @@ class MoE(nn.Module):
             out = out + self.shared(x)
         if self.args.aux_loss_alpha > 0 and self.training:
             out = AddAuxiliaryLoss.apply(out, self.aux_loss(scores, idx))
+        if self.training:
+            with torch.no_grad():
+                self.tokens_per_expert_count.add_(self._count(idx))
         return out
+
+    def _count(self, idx: torch.Tensor) -> torch.Tensor:
+        # a compare-and-sum, not bincount: static shape, and a sum over
+        # token-sharded rows is a Partial the planner can reduce
+        hits = idx.unsqueeze(-1) == torch.arange(self.args.n_experts, device=idx.device)
+        return hits.flatten(0, -2).sum(0, dtype=torch.float32)
 
     @torch.no_grad()
     def tokens_per_expert(self, x: torch.Tensor) -> torch.Tensor:
@@ -336,11 +349,15 @@ class MoE(nn.Module):
         return torch.bincount(idx.flatten(), minlength=self.args.n_experts)
 
     @torch.no_grad()
-    def update_expert_bias(self, tokens_per_expert: torch.Tensor) -> None:
+    def update_expert_bias(self, tokens_per_expert: torch.Tensor | None = None) -> None:
         """Aux-loss-free balancing step (between training steps): raise the
-        bias of under-loaded experts, lower over-loaded ones."""
-        load = tokens_per_expert.float()
+        bias of under-loaded experts, lower over-loaded ones. Without an
+        argument, uses and then clears the counts the steps accumulated."""
+        counted = tokens_per_expert is None
+        load = (self.tokens_per_expert_count if counted else tokens_per_expert).float()
         self.expert_bias.add_(self.args.bias_update_rate * torch.sign(load.mean() - load))
+        if counted:
+            self.tokens_per_expert_count.zero_()
 
     def init_weights(self, init_std: float) -> None:
         _trunc_normal(self.gate.weight, init_std)
@@ -350,6 +367,7 @@ class MoE(nn.Module):
         if self.shared is not None:
             self.shared.init_weights(init_std)
         self.expert_bias.zero_()
+        self.tokens_per_expert_count.zero_()
         ids = torch.arange(self.args.n_experts, device=self.expert_ids.device)
         if isinstance(self.expert_ids, DTensor):  # after apply: sharded like the experts
             ids = distribute_tensor(ids, self.expert_ids.device_mesh, self.expert_ids.placements)

@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from .. import cost_model
 from ..cost_model.compute import _flop_formula
+from ..apply.moe_dispatch import in_op_collectives
 from . import PassContext
 
 __all__ = ["Info", "LiveBytes", "estimate", "is_compute", "longest_compute_run", "check_topological"]
@@ -138,6 +139,9 @@ class Costs:
             t = cost_model.collective_time(STARTS[n.target], moved, size, intra, self.device, per_node)
         elif n.op == "call_function" and n.target is not WAIT:
             t = self._compute_time(n)
+            for kind, moved, name in in_op_collectives(n):  # blocking comm inside an op
+                size, intra, per_node = self.group_dim.get(name, (2, True, 1))
+                t += cost_model.collective_time(kind, moved, size, intra, self.device, per_node)
         self._cache[n] = t
         return t
 
