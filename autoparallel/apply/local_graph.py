@@ -32,7 +32,6 @@ import torch.fx
 import torch.fx.traceback as fx_traceback
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._op_schema import OpSchema
 from torch.distributed.tensor.placement_types import Shard, _StridedShard
@@ -41,6 +40,7 @@ from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make
 from torch.utils._pytree import tree_map
 
 from .. import activation_checkpointing
+from ..dtensor_query import _propagator
 from ..strategies import NodeStrategy, format_specs
 from ..tracing import TracedStep, module_path
 from .moe_dispatch import LOCAL_LOWERINGS
@@ -130,10 +130,6 @@ def _chosen(strategies: dict[torch.fx.Node, NodeStrategy], choice: dict[str, int
     if node.name not in choice:
         raise ApplyError(f"the plan has no entry for node {node.name}; was it made by this AutoParallel?")
     return strat, strat.options[choice[node.name]]
-
-
-def _propagator():
-    return DTensor._op_dispatcher.sharding_propagator
 
 
 def _localize_schema(op, args, kwargs, in_specs, out_specs) -> OpSchema:

@@ -86,6 +86,7 @@ import torch
 import torch.fx as fx
 
 from . import PassContext, register_pass
+from .bucket_buffers import _CHUNK_CAT, _buffer_source, _copy_meta, _erase_dead, _renumber, _values
 
 __all__ = ["BucketStats", "bucket_collectives"]
 
@@ -486,91 +487,6 @@ def _merge_reduction(
         g.erase_node(m.ag)
     stats.copies_removed += sum(_erase_dead(g, d) for d in dead)
     return coll
-
-
-_CHUNK_CAT = _aten._chunk_cat.default
-_VIEWS = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default}
-
-
-def _buffer_source(x: fx.Node, coll: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
-    """What to write into the flat buffer for input ``x`` of ``coll``, and the
-    copies that makes dead. ``x = clone(y)`` or ``view(clone(y))`` used only
-    on the way to ``coll`` (a contiguous copy that exists for the collective:
-    a transposed weight gradient, a part of a first-stage gather's buffer):
-    ``y`` itself, since the buffer write (``_chunk_cat``) reads any strides
-    and flattens row-major, as the contiguous copy would have."""
-    chain, n = [], x
-    if n.target in _VIEWS and len(n.users) == 1:
-        chain.append(n)
-        n = n.args[0]
-    if not (isinstance(n, fx.Node) and n.target is _aten.clone.default and len(n.users) == 1):
-        return x, []
-    cv = n.meta.get("val")
-    if not isinstance(cv, torch.Tensor) or not cv.is_contiguous():
-        return x, []  # a strides-preserving copy: not the row-major order
-    y = n.args[0]
-    yv = y.meta.get("val") if isinstance(y, fx.Node) else None
-    if not isinstance(yv, torch.Tensor) or yv.dim() == 0 or yv.dtype != cv.dtype:
-        return x, []
-    return y, [*chain, n]
-
-
-def _erase_dead(g: fx.Graph, nodes: list[fx.Node]) -> int:
-    n_copies = 0
-    for n in nodes:  # users first
-        if not n.users:
-            n_copies += n.target is _aten.clone.default
-            g.erase_node(n)
-    return n_copies
-
-
-def _renumber(index: dict[fx.Node, float], a: fx.Node, b: fx.Node) -> None:
-    """Spread positions between ``a`` and ``b`` (both indexed) over the nodes now between them."""
-    between = []
-    n = a.next
-    while n is not b:
-        between.append(n)
-        n = n.next
-    lo, hi = index[a], index[b]
-    for k, n in enumerate(between):
-        index[n] = lo + (hi - lo) * (k + 1) / (len(between) + 1)
-
-
-def _copy_meta(new: fx.Node, old: fx.Node, val, keep_custom: bool = False) -> None:
-    skip = {"val", "tensor_meta"} if keep_custom else {"val", "tensor_meta", "custom"}
-    new.meta.update({k: v for k, v in old.meta.items() if k not in skip})
-    new.meta["val"] = val
-
-
-def _values(members: list[_Member], srcs: list[fx.Node], size: int, cache: dict) -> dict:
-    """Fake values of a bucket's new nodes. Buckets of repeated layers have
-    the same shapes: their values are made once (fake tensor ops are slow)
-    and shared, like the values of copied layers."""
-    xvals = [s.meta["val"] for s in srcs]
-    outs = [m.wait.meta["val"] for m in members]
-    fake = getattr(xvals[0], "fake_mode", None)
-    key = (
-        id(fake),
-        size,
-        tuple((tuple(v.shape), tuple(v.stride()), v.dtype, v.device) for v in xvals),
-        tuple(tuple(v.shape) for v in outs),
-    )
-    hit = cache.get(key)
-    if hit is not None:
-        return hit
-    sizes = [m.numel for m in members]
-    total = sum(sizes)
-    with fake if fake is not None else contextlib.nullcontext():
-        buf2d = _CHUNK_CAT(xvals, 0, 1)
-        cat = buf2d.view(-1)
-        flat = [x.view(k) if x.is_contiguous() else None for x, k in zip(xvals, sizes)]
-        ag = cat.new_empty((size * total,))
-        mat = ag.view(size, total)
-        parts = list(torch.split(mat, sizes, 1))
-        copy = [p.clone(memory_format=torch.contiguous_format) for p in parts]
-        out = [c.view(o.shape) for c, o in zip(copy, outs)]
-    cache[key] = vals = {"buf2d": buf2d, "flat": flat, "cat": cat, "ag": ag, "mat": mat, "parts": parts, "copy": copy, "out": out}
-    return vals
 
 
 def _merge(

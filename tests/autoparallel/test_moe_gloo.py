@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
 from _dist_utils import run_ranks
+from _moe_parity import check_moe_step
 
 BATCH, SEQ = 4, 8
 
@@ -57,32 +57,7 @@ def _ep_step(rank: int, world: int, mesh_shape, pin, a2a_dim=None) -> None:
         targets = [n.target for n in parallel.parallel_graph.graph.nodes]
         assert torch.ops.autoparallel.moe_experts_a2a.default in targets
         assert torch.ops.autoparallel.moe_experts_a2a_backward.default in targets
-    torch.manual_seed(0)
-    ref = MoETransformer(args)
-    ref.init_weights()
-    tokens = torch.randint(0, args.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    out = ref(tokens)
-    ref_loss = out.float().pow(2).sum() / out.numel()
-    ref_loss.backward()
-
-    parallel.to_empty(device="cpu")
-    parallel.init_weights()
-    parallel.load_state_dict(ref.state_dict())
-    per = BATCH // world
-    local = parallel(tokens[rank * per : (rank + 1) * per])
-    loss = local.float().pow(2).sum() / out.numel()
-    loss.backward()
-    total = loss.detach().clone()
-    dist.all_reduce(total)
-    torch.testing.assert_close(total, ref_loss.detach(), rtol=1e-5, atol=1e-6)
-    for name, p in parallel.named_parameters():
-        g = ref.get_parameter(name).grad
-        scale = g.abs().max()
-        torch.testing.assert_close(p.grad.full_tensor() / scale, g / scale, rtol=1e-4, atol=1e-5, msg=name)
-    for name, b in ref.named_buffers():
-        mine = parallel.get_buffer(name)
-        mine = mine.full_tensor() if hasattr(mine, "full_tensor") else mine
-        torch.testing.assert_close(mine.to(b.dtype), b, msg=name)
+    check_moe_step(parallel, args, BATCH, SEQ, rank, world)
 
 
 @pytest.mark.slow

@@ -1,0 +1,174 @@
+"""Calling DTensor's sharding propagation for one FX node with every
+candidate placement of every input at once (used by :mod:`.strategies`):
+build the ``OpSchema`` from candidate strategies, pick DTensor's strategy
+function (single-dim strategies expanded over the mesh, full-mesh strategy
+functions, decomposition-based strategies), and skip the redistribution
+costing that DTensor's strategy functions do and the planner does not read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+import torch.fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
+from torch.distributed.tensor.placement_types import Replicate, Shard
+from torch.utils._pytree import tree_map
+
+from .placements import tensor_meta_of
+
+logger = logging.getLogger(__name__)
+
+def _propagator():
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+def _zero_redistribute_cost(src: DTensorSpec, dst: DTensorSpec) -> float:
+    return 0.0
+
+
+@contextlib.contextmanager
+def _without_dtensor_redistribute_costs():
+    """Make DTensor's strategy functions skip costing their redistributions.
+
+    Every strategy function fills ``OpSpec.redistribute_cost`` with
+    ``generate_redistribute_costs(candidates, required)``: one call of
+    DTensor's redistribution planner per (candidate input, option) pair, which
+    for view ops with ``_StridedShard`` candidates runs its graph search.
+    Given every candidate of a 2-D mesh at once, that is >95% of the
+    enumeration time, and the numbers are thrown away (the cost model prices
+    transitions itself; :func:`_options_from_op_strategy` reads placements
+    only). No strategy function uses the costs to choose or filter options,
+    so swapping in a zero cost leaves the options unchanged.
+    """
+    from torch.distributed.tensor._ops import utils as ops_utils
+
+    saved = ops_utils.redistribute_cost
+    ops_utils.redistribute_cost = _zero_redistribute_cost
+    try:
+        yield
+    finally:
+        ops_utils.redistribute_cost = saved
+
+
+def _out_meta(node: torch.fx.Node):
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return tensor_meta_of(val)
+    if isinstance(val, (tuple, list)):
+        return tuple(tensor_meta_of(v) if isinstance(v, torch.Tensor) else None for v in val)
+    return None
+
+
+def _build_schema(
+    node: torch.fx.Node,
+    candidates: dict[torch.fx.Node, OpStrategy],
+) -> OpSchema:
+    op = node.target
+    prop = _propagator()
+
+    def convert(a):
+        if isinstance(a, torch.fx.Node):
+            if a in candidates:
+                return candidates[a]
+            return a.meta.get("val")
+        return a
+
+    args = tree_map(convert, node.args)
+    kwargs = tree_map(convert, node.kwargs)
+
+    # Lists of tensors become TupleStrategy, as DTensor expects.
+    def tuple_wrap(a):
+        if isinstance(a, (list, tuple)) and a and all(isinstance(x, OpStrategy) for x in a):
+            return TupleStrategy(list(a) if isinstance(a, list) else tuple(a))
+        return a
+
+    args = tuple(tuple_wrap(a) for a in args)
+    kwargs = {k: tuple_wrap(v) for k, v in kwargs.items()}
+    # single-dim strategies keep theirs apart (index.Tensor's needs_pytree:
+    # its list of optional index tensors holds strategies)
+    info = prop.op_to_schema_info.get(op) or prop.op_to_schema_info_for_single_dim_strategy.get(op)
+    return OpSchema(op, args, kwargs, schema_info=info)
+
+
+def _dtensor_strategy(node: torch.fx.Node, schema: OpSchema, mesh: DeviceMesh):
+    """OpStrategy/TupleStrategy from DTensor for ``schema``, or None if no rule."""
+    from torch.distributed.tensor._ops.single_dim_strategy import (
+        _expand_single_dim_strategy_to_mesh,
+    )
+
+    prop = _propagator()
+    op = node.target
+    single = prop.op_single_dim_strategy_funcs.get(op)
+    if single is not None:
+        # Single-dim strategies are expanded over the whole mesh independently
+        # of the input placements; DTensor only looks at the inputs to learn
+        # which shard types exist. Give it one representative spec per input,
+        # with a plain Shard so that sharding placeholders expand to Shard.
+        schema = _representative_schema(schema, mesh)
+        fn = _expand_single_dim_strategy_to_mesh(mesh, schema, single, _out_meta(node))
+        return fn(op, schema.args_meta, schema.kwargs_meta)
+    func = prop.op_strategy_funcs.get(op)
+    if func is not None:
+        return func(schema)
+    return _decomp_strategy(node, schema, mesh)
+
+
+def _representative_schema(schema: OpSchema, mesh: DeviceMesh) -> OpSchema:
+    marked = False
+
+    def rep(a):
+        nonlocal marked
+        if isinstance(a, OpStrategy):
+            spec = a.strategies[0].output_spec
+            placements = [Replicate()] * mesh.ndim
+            if not marked and spec.tensor_meta is not None and len(spec.tensor_meta.shape) > 0:
+                placements[0] = Shard(0)
+                marked = True
+            return OpStrategy([OpSpec(DTensorSpec(mesh, tuple(placements), tensor_meta=spec.tensor_meta))])
+        if isinstance(a, TupleStrategy):
+            return TupleStrategy([rep(c) for c in a.children])
+        return a
+
+    return OpSchema(
+        schema.op,
+        tuple(rep(a) for a in schema.args_schema),
+        {k: rep(v) for k, v in schema.kwargs_schema.items()},
+        schema_info=schema.schema_info,
+    )
+
+
+def _decomp_strategy(node: torch.fx.Node, schema: OpSchema, mesh: DeviceMesh):
+    from torch.distributed.tensor._decompositions import DecompShardingStrategy
+
+    prop = _propagator()
+    op = node.target
+    if not DecompShardingStrategy.has_decomp(op):
+        return None
+    prop.decomp_strategy.ensure_schema_info(op)
+
+    # The decomposition path wants one concrete spec per input: give it the
+    # first candidate (it enumerates placements itself).
+    def first_spec(a):
+        if isinstance(a, OpStrategy):
+            return a.strategies[0].output_spec
+        if isinstance(a, TupleStrategy):
+            return [c.strategies[0].output_spec for c in a.children]
+        return a
+
+    spec_schema = OpSchema(
+        op,
+        tuple(first_spec(a) for a in schema.args_schema),
+        {k: first_spec(v) for k, v in schema.kwargs_schema.items()},
+        schema_info=prop.op_to_schema_info.get(op),
+    )
+    try:
+        return prop.decomp_strategy.propagate_strategy(spec_schema)
+    except Exception as e:  # noqa: BLE001 - any failure means "no rule"
+        logger.debug("decomposition strategy failed for %s: %s", op, e)
+        return None
