@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from .moe_a2a_phases import EXCHANGE as MOE_EXCHANGE
 from .redistribute import REDISTRIBUTE_KEY
 
 __all__ = ["Collective", "collectives", "summarize"]
@@ -77,9 +78,12 @@ def collectives(gm: torch.fx.GraphModule, mesh: DeviceMesh) -> list[Collective]:
     out = []
     for n in gm.graph.nodes:
         target = n.target
-        if not isinstance(target, torch._ops.OpOverload) or target.namespace != "_c10d_functional":
+        if target is MOE_EXCHANGE:  # the MoE row all-to-all (variable size; balanced bytes)
+            kind = "all_to_all_single"
+        elif not isinstance(target, torch._ops.OpOverload) or target.namespace != "_c10d_functional":
             continue
-        kind = target._schema.name.split("::")[-1]
+        else:
+            kind = target._schema.name.split("::")[-1]
         if kind not in _KINDS:
             continue
         group = n.args[-1] if isinstance(n.args[-1], str) else n.kwargs.get("group_name")

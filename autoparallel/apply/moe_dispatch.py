@@ -81,110 +81,138 @@ class _MemoryExchange:
         self.size = size
 
     def counts(self, send: list[torch.Tensor]) -> list[torch.Tensor]:
-        # send[i] is [ep, ...]: row j goes to member j
-        return [torch.stack([send[j][i] for j in range(self.size)]) for i in range(self.size)]
+        # send[i] is [n_experts] in peer-major order: block j goes to member j
+        blocks = [s.view(self.size, -1) for s in send]
+        return [torch.cat([blocks[j][i] for j in range(self.size)]) for i in range(self.size)]
 
     def rows(self, send, send_splits, recv_splits):
         parts = [list(torch.split(send[j], send_splits[j])) for j in range(self.size)]
         return [torch.cat([parts[j][i] for j in range(self.size)]) for i in range(self.size)]
 
 
-def _route(idx: torch.Tensor, n_experts: int, ep: int):
-    """Slots sorted by expert, and send counts per (peer, local expert)."""
+# Per-rank steps of the dispatch, shared by the fused ops below and the
+# phase ops of :mod:`.moe_a2a_phases`. ``counts`` are per expert
+# ([n_experts], expert e on group rank e // E_local: peer-major); rows sent
+# are sorted by expert, rows received are peer-major, expert-minor.
+
+
+def route(idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots sorted by expert [tokens * k], slots per expert [n_experts])."""
     flat = idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=n_experts).view(ep, n_experts // ep)
-    return order, counts
+    return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=n_experts)
 
 
-def _splits(counts: torch.Tensor) -> list[int]:
-    return counts.sum(-1).tolist()
+def splits(counts: torch.Tensor, ep: int) -> list[int]:
+    """Rows per peer from per-expert counts."""
+    return counts.view(ep, -1).sum(-1).tolist()
 
 
-def _recv_expert(recv_counts: torch.Tensor) -> torch.Tensor:
+def _recv_expert(recv_counts: torch.Tensor, e_local: int) -> torch.Tensor:
     """Local expert index of each received row (peer-major, expert-minor)."""
-    e_local = recv_counts.shape[1]
-    return torch.arange(e_local).repeat(recv_counts.shape[0]).repeat_interleave(recv_counts.reshape(-1))
+    ep = recv_counts.numel() // e_local
+    return torch.arange(e_local).repeat(ep).repeat_interleave(recv_counts.reshape(-1))
 
 
-def _dispatch(xs, idxs, n_experts, ex):
-    k = idxs[0].shape[-1]
-    routes = [_route(i, n_experts, ex.size) for i in idxs]
+def gather_rows(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+    """The token rows to send, one per routed slot, sorted by expert."""
+    return x.reshape(-1, x.shape[-1]).index_select(0, order // k)
+
+
+def gather_grad_rows(x, grad, tw, order, k: int) -> torch.Tensor:
+    """Backward rows to send: ``[x, topk_w * grad]`` per routed slot."""
+    d = x.shape[-1]
+    t = order // k
+    return torch.cat([x.reshape(-1, d)[t], grad.reshape(-1, d)[t] * tw.reshape(-1)[order, None]], -1)
+
+
+def expert_rows(rows, recv_counts, w1, w3, w2) -> torch.Tensor:
+    """Un-weighted SwiGLU outputs of the local experts on received rows."""
+    e_of = _recv_expert(recv_counts, w1.shape[0])
+    y = torch.zeros_like(rows)
+    for j in range(w1.shape[0]):
+        sel = (e_of == j).nonzero(as_tuple=True)[0]
+        if sel.numel():
+            xs = rows[sel]
+            y[sel] = (F.silu(xs @ w1[j]) * (xs @ w3[j])) @ w2[j]
+    return y
+
+
+def expert_rows_backward(rows, recv_counts, w1, w3, w2):
+    """On received ``[x, topk_w * grad]`` rows: (``[grad_x, y]`` rows to
+    send back, grad w1, grad w3, grad w2 of the local experts)."""
+    d = rows.shape[-1] // 2
+    xr, gyr = rows[:, :d], rows[:, d:]
+    e_of = _recv_expert(recv_counts, w1.shape[0])
+    ret = torch.zeros_like(rows)
+    gw1, gw3, gw2 = torch.zeros_like(w1), torch.zeros_like(w3), torch.zeros_like(w2)
+    for j in range(w1.shape[0]):
+        sel = (e_of == j).nonzero(as_tuple=True)[0]
+        if sel.numel() == 0:
+            continue
+        xs, gy = xr[sel], gyr[sel]
+        a, b = xs @ w1[j], xs @ w3[j]
+        sa = torch.sigmoid(a)
+        act = a * sa
+        h = act * b
+        gw2[j] = h.t() @ gy
+        gh = gy @ w2[j].t()
+        ga = gh * b * (sa * (1 + a * (1 - sa)))
+        gb = gh * act
+        gw1[j] = xs.t() @ ga
+        gw3[j] = xs.t() @ gb
+        ret[sel, :d] = ga @ w1[j].t() + gb @ w3[j].t()
+        ret[sel, d:] = h @ w2[j]
+    return ret, gw1, gw3, gw2
+
+
+def combine(back, order, tw) -> torch.Tensor:
+    """Routing-weighted sum per token of the returned rows: ``[*tw[:-1], dim]``."""
+    k = tw.shape[-1]
+    out = back.new_zeros((tw.numel() // k, back.shape[-1]))
+    out.index_add_(0, order // k, back * tw.reshape(-1)[order, None])
+    return out.view(tuple(tw.shape[:-1]) + (back.shape[-1],))
+
+
+def combine_backward(back, grad, order, tw):
+    """(grad x, grad topk_w) from the returned ``[grad_x, y]`` rows."""
+    d = grad.shape[-1]
+    k = tw.shape[-1]
+    t = order // k
+    gx = torch.zeros_like(grad).view(-1, d)
+    gx.index_add_(0, t, back[:, :d])
+    gtw = torch.zeros_like(tw).reshape(-1)
+    gtw[order] = (back[:, d:] * grad.reshape(-1, d)[t]).sum(-1)
+    return gx.view(grad.shape), gtw.view(tw.shape)
+
+
+def _dispatch(idxs, n_experts, ex):
+    routes = [route(i, n_experts) for i in idxs]
     recv_counts = ex.counts([c for _, c in routes])
-    send_splits = [_splits(c) for _, c in routes]
-    recv_splits = [_splits(c) for c in recv_counts]
-    toks = [order // k for order, _ in routes]
-    return routes, recv_counts, send_splits, recv_splits, toks
+    send_splits = [splits(c, ex.size) for _, c in routes]
+    recv_splits = [splits(c, ex.size) for c in recv_counts]
+    return routes, recv_counts, send_splits, recv_splits
 
 
 def _forward_group(xs, idxs, tws, w1s, w3s, w2s, n_experts, ex):
-    d = xs[0].shape[-1]
-    xts = [x.reshape(-1, d) for x in xs]
-    routes, recv_counts, send_splits, recv_splits, toks = _dispatch(xs, idxs, n_experts, ex)
-    recv = ex.rows([xt[t] for xt, t in zip(xts, toks)], send_splits, recv_splits)
-    ys = []
-    for xr, rc, w1, w3, w2 in zip(recv, recv_counts, w1s, w3s, w2s):
-        e_of = _recv_expert(rc)
-        y = torch.zeros_like(xr)
-        for j in range(w1.shape[0]):
-            rows = (e_of == j).nonzero(as_tuple=True)[0]
-            if rows.numel():
-                xs_ = xr[rows]
-                y[rows] = (F.silu(xs_ @ w1[j]) * (xs_ @ w3[j])) @ w2[j]
-        ys.append(y)
+    k = idxs[0].shape[-1]
+    routes, recv_counts, send_splits, recv_splits = _dispatch(idxs, n_experts, ex)
+    recv = ex.rows([gather_rows(x, order, k) for x, (order, _) in zip(xs, routes)], send_splits, recv_splits)
+    ys = [expert_rows(*a) for a in zip(recv, recv_counts, w1s, w3s, w2s)]
     back = ex.rows(ys, recv_splits, send_splits)
-    outs = []
-    for x, xt, tw, (order, _), t, yb in zip(xs, xts, tws, routes, toks, back):
-        out = torch.zeros_like(xt)
-        out.index_add_(0, t, yb * tw.reshape(-1)[order, None])
-        outs.append(out.view(x.shape))
-    return outs
+    return [combine(b, order, tw) for b, (order, _), tw in zip(back, routes, tws)]
 
 
 def _backward_group(gs, xs, idxs, tws, w1s, w3s, w2s, n_experts, ex):
-    d = xs[0].shape[-1]
-    xts = [x.reshape(-1, d) for x in xs]
-    gts = [g.reshape(-1, d) for g in gs]
-    routes, recv_counts, send_splits, recv_splits, toks = _dispatch(xs, idxs, n_experts, ex)
-    send = [
-        torch.cat([xt[t], gt[t] * tw.reshape(-1)[order, None]], -1)
-        for xt, gt, tw, (order, _), t in zip(xts, gts, tws, routes, toks)
-    ]
+    k = idxs[0].shape[-1]
+    routes, recv_counts, send_splits, recv_splits = _dispatch(idxs, n_experts, ex)
+    send = [gather_grad_rows(x, g, tw, order, k) for x, g, tw, (order, _) in zip(xs, gs, tws, routes)]
     recv = ex.rows(send, send_splits, recv_splits)
-    rets, wgrads = [], []
-    for r, rc, w1, w3, w2 in zip(recv, recv_counts, w1s, w3s, w2s):
-        xr, gyr = r[:, :d], r[:, d:]
-        e_of = _recv_expert(rc)
-        ret = torch.zeros_like(r)  # [grad_x rows, y rows]
-        gw1, gw3, gw2 = torch.zeros_like(w1), torch.zeros_like(w3), torch.zeros_like(w2)
-        for j in range(w1.shape[0]):
-            rows = (e_of == j).nonzero(as_tuple=True)[0]
-            if rows.numel() == 0:
-                continue
-            xs_, gy = xr[rows], gyr[rows]
-            a, b = xs_ @ w1[j], xs_ @ w3[j]
-            sa = torch.sigmoid(a)
-            act = a * sa
-            h = act * b
-            gw2[j] = h.t() @ gy
-            gh = gy @ w2[j].t()
-            ga = gh * b * (sa * (1 + a * (1 - sa)))
-            gb = gh * act
-            gw1[j] = xs_.t() @ ga
-            gw3[j] = xs_.t() @ gb
-            ret[rows, :d] = ga @ w1[j].t() + gb @ w3[j].t()
-            ret[rows, d:] = h @ w2[j]
-        rets.append(ret)
-        wgrads.append((gw1, gw3, gw2))
-    back = ex.rows(rets, recv_splits, send_splits)
-    outs = []
-    for x, xt, gt, tw, (order, _), t, bk, wg in zip(xs, xts, gts, tws, routes, toks, back, wgrads):
-        gx = torch.zeros_like(xt)
-        gx.index_add_(0, t, bk[:, :d])
-        gtw = torch.zeros_like(tw).reshape(-1)
-        gtw[order] = (bk[:, d:] * gt[t]).sum(-1)
-        outs.append((gx.view(x.shape), gtw.view(tw.shape)) + wg)
-    return outs
+    done = [expert_rows_backward(*a) for a in zip(recv, recv_counts, w1s, w3s, w2s)]
+    back = ex.rows([d[0] for d in done], recv_splits, send_splits)
+    return [
+        combine_backward(b, g, order, tw) + d[1:]
+        for b, g, (order, _), tw, d in zip(back, gs, routes, tws, done)
+    ]
 
 
 # --------------------------------------------------------------------------
@@ -344,3 +372,7 @@ def in_op_collectives(node) -> list[tuple[str, int, str]]:
     n_experts, group = node.args[-2], node.args[-1]
     rows = idx.numel() * x.shape[-1] * x.element_size() * (2 if backward else 1)
     return [("all_to_all", 8 * n_experts, group), ("all_to_all", rows, group), ("all_to_all", rows, group)]
+
+
+# the phase ops the ``split_moe_a2a`` pass rewrites the ops above into
+from . import moe_a2a_phases  # noqa: E402,F401

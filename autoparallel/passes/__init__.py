@@ -173,6 +173,7 @@ def stats_to_json(stats: Any) -> Any:
 # (Each pass module adds itself here when it is written.)
 from . import fuse_all_gathers  # noqa: E402,F401
 from . import alias_round_trips  # noqa: E402,F401
+from . import split_moe_a2a  # noqa: E402,F401
 from . import chunk_regions  # noqa: E402,F401
 from . import recompute_all_gathers  # noqa: E402,F401
 from . import bucket_collectives  # noqa: E402,F401

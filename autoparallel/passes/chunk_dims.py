@@ -370,6 +370,18 @@ def _redistribution_chains(gm: fx.GraphModule) -> dict[fx.Node, tuple[list[fx.No
     return out
 
 
+def _stamp(new: fx.Node, like: fx.Node, tag) -> None:
+    """Fold stamp (:mod:`autoparallel.apply.unfold`) for a node this pass
+    made, keyed on ``like``'s so that twins in other layers share it."""
+    from ..apply.unfold import FOLD_KEY
+
+    t = like.meta.get(FOLD_KEY)
+    if t is not None:
+        new.meta[FOLD_KEY] = (t[0], (tag, t[1]))
+    elif FOLD_KEY in new.meta:
+        del new.meta[FOLD_KEY]
+
+
 def _input_dims(node: fx.Node, dims: dict) -> list[int]:
     return [dims[a] for a in node.all_input_nodes if isinstance(dims.get(a), int)]
 

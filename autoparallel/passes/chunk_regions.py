@@ -81,6 +81,7 @@ from .chunk_dims import (
     REDUCED,
     ChunkRefused,
     _acts_along,
+    _stamp,
     _fake_mode,
     _probe,
     _Unknown,
@@ -350,18 +351,6 @@ def _plan_region(
     return _Plan(region, mode, dependent, live_ins, len(shared), state, probe, fills=fills)
 
 
-def _stamp(new: fx.Node, like: fx.Node, tag: str) -> None:
-    """Fold stamp (:mod:`autoparallel.apply.unfold`) for a node this pass
-    made, keyed on ``like``'s so that twins in other layers share it."""
-    from ..apply.unfold import FOLD_KEY
-
-    t = like.meta.get(FOLD_KEY)
-    if t is not None:
-        new.meta[FOLD_KEY] = (t[0], (tag, t[1]))
-    elif FOLD_KEY in new.meta:
-        del new.meta[FOLD_KEY]
-
-
 def _apply(gm: fx.GraphModule, plan: _Plan) -> int:
     """Rewrite ``gm`` per ``plan``; returns how many nodes were added."""
     from ..apply.unfold import FOLD_KEY
@@ -511,6 +500,12 @@ def exposed_comm_by_region(nodes: list[fx.Node], costs, regions: dict[str, str],
                 now = end
         elif k == 3:
             now += time[n]
+            stall = info.blocking.get(n)  # communication inside the op
+            if stall and (only is None or n in only):
+                path = module_path(n)
+                r = next((region_of(path, p) for p in regions if region_of(path, p)), None)
+                if r is not None:
+                    out[r] = out.get(r, 0.0) + stall
     return out
 
 

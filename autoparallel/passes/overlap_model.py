@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from .. import cost_model
 from ..cost_model.compute import _flop_formula
+from ..apply.moe_a2a_phases import EXCHANGE as MOE_EXCHANGE
 from ..apply.moe_dispatch import in_op_collectives
 from . import PassContext
 
@@ -30,8 +31,15 @@ RS = _c10d.reduce_scatter_tensor.default
 AR = _c10d.all_reduce.default
 A2A = _c10d.all_to_all_single.default
 WAIT = _c10d.wait_tensor.default
-STARTS = {AG: "all_gather", RS: "reduce_scatter", AR: "all_reduce", A2A: "all_to_all"}
+# collective starts (a wait_tensor on the result completes them); the MoE
+# row exchange is an all-to-all of data-dependent size, priced balanced
+STARTS = {AG: "all_gather", RS: "reduce_scatter", AR: "all_reduce", A2A: "all_to_all", MOE_EXCHANGE: "all_to_all"}
 GRAD_REDUCTIONS = {RS, AR}
+
+# ops that communicate inside themselves (blocking): the fused MoE all-to-all
+_IN_OP_TARGETS = frozenset(
+    (torch.ops.autoparallel.moe_experts_a2a.default, torch.ops.autoparallel.moe_experts_a2a_backward.default)
+)
 
 # target -> has a FLOP formula (asked once per target: the lookup is not free)
 _COMPUTE_TARGETS: dict = {}
@@ -130,7 +138,7 @@ class Costs:
                 size, intra, per_node = info
             else:
                 intra, per_node = True, 1
-            if n.target is A2A:
+            if n.target is A2A or n.target is MOE_EXCHANGE:
                 size = size or (len(n.args[1]) if isinstance(n.args[1], (list, tuple)) else 2)
             if n.target is AR and not size:
                 size = 2
@@ -138,11 +146,17 @@ class Costs:
             moved = nbytes(src.meta.get("val")) if isinstance(src, fx.Node) else 0
             t = cost_model.collective_time(STARTS[n.target], moved, size, intra, self.device, per_node)
         elif n.op == "call_function" and n.target is not WAIT:
-            t = self._compute_time(n)
-            for kind, moved, name in in_op_collectives(n):  # blocking comm inside an op
-                size, intra, per_node = self.group_dim.get(name, (2, True, 1))
-                t += cost_model.collective_time(kind, moved, size, intra, self.device, per_node)
+            t = self._compute_time(n) + self.in_op_comm(n)
         self._cache[n] = t
+        return t
+
+    def in_op_comm(self, n: fx.Node) -> float:
+        """Seconds of blocking communication inside op ``n`` (the fused MoE
+        all-to-all op): part of its time, and all of it exposed."""
+        t = 0.0
+        for kind, moved, name in in_op_collectives(n):
+            size, intra, per_node = self.group_dim.get(name, (2, True, 1))
+            t += cost_model.collective_time(kind, moved, size, intra, self.device, per_node)
         return t
 
     def _compute_time(self, n: fx.Node) -> float:
@@ -209,6 +223,7 @@ class Info:
         kind: dict[fx.Node, int] = {}  # 0 not a call, 1 collective start, 2 wait, 3 other call
         time: dict[fx.Node, float] = {}
         compute: set[fx.Node] = set()
+        blocking: dict[fx.Node, float] = {}  # in-op communication (exposed)
         root: dict[fx.Node, fx.Node] = {}
         for n in nodes:
             inputs = n.all_input_nodes
@@ -231,6 +246,8 @@ class Info:
                 time[n] = costs.time(n)
                 if is_compute(n):
                     compute.add(n)
+                if target in _IN_OP_TARGETS:
+                    blocking[n] = costs.in_op_comm(n)
         kept_by: dict[fx.Node, set[fx.Node]] = {}
         keepers: dict[fx.Node, int] = {}
         for n in nodes:
@@ -242,6 +259,7 @@ class Info:
             for r in kept:
                 keepers[r] = keepers.get(r, 0) + 1
         self.ins, self.kind, self.time, self.compute = ins, kind, time, compute
+        self.blocking = blocking
         self.root, self.kept_by, self.keepers = root, kept_by, keepers
         self.size = {n: nbytes(n.meta.get("val")) for n in nodes if root[n] is n and n.op != "output"}
         self.reductions = {n for n in nodes if kind[n] and n.target in GRAD_REDUCTIONS}
@@ -276,6 +294,7 @@ class Info:
                     now = end
             else:
                 now += time[n]
+                exposed += self.blocking.get(n, 0.0)
         # memory: storage roots, freed after the last use of any alias
         kept_by = self.kept_by
         last: dict[fx.Node, int] = {}

@@ -241,6 +241,64 @@ def test_moe_a2a_op_local_tensor(fake_world):
         torch.testing.assert_close(torch.cat([lt[0] + lt[2], lt[1] + lt[3]]), refb[k])
 
 
+def test_moe_a2a_phases_equal_fused_op_local_tensor(fake_world):
+    """split_moe_a2a's phases (route, count all-to-all, async row all-to-alls
+    with waits, local experts, combine) give bitwise the fused op's forward
+    and backward on 4 LocalTensorMode ranks (2x2, experts on mesh dim 1),
+    with skewed routing (expert 0 takes most rows, expert 3 none)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autoparallel.apply.moe_a2a_phases import PHASE_OPS
+    from autoparallel.passes import PassContext
+    from autoparallel.passes.split_moe_a2a import split_moe_a2a
+
+    fake_world(4)
+    mesh = init_device_mesh("cpu", (2, 2))
+    E, D, H, K, T = 4, 8, 6, 2, 12
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(T, D, dtype=torch.double, generator=g)
+    idx = torch.stack([torch.tensor([0, 1 + (t % 2)]) if t % 3 else torch.tensor([0, 2]) for t in range(T)])
+    tw = torch.rand(T, K, dtype=torch.double, generator=g)
+    ws = [torch.randn(*s, dtype=torch.double, generator=g) for s in ((E, D, H), (E, D, H), (E, H, D))]
+    gout = torch.randn(T, D, dtype=torch.double, generator=g)
+    ids = torch.arange(E)
+    group = mesh.get_group(1).group_name
+    ops = torch.ops.autoparallel
+    per = T // 4
+
+    def step(x, idx, tw, w1, w3, w2, ids, gout):
+        out = ops.moe_experts_a2a(x, idx, tw, w1, w3, w2, ids, E, group)
+        return (out,) + tuple(ops.moe_experts_a2a_backward(gout, x, idx, tw, w1, w3, w2, ids, E, group))
+
+    local = [x[:per], idx[:per], tw[:per]] + [w[:2] for w in ws] + [ids[:2], gout[:per]]
+    fused = make_fx(step, tracing_mode="fake")(*local)
+    split = make_fx(step, tracing_mode="fake")(*local)
+    stats = split_moe_a2a(split, PassContext(mesh=mesh, plan=None))
+    assert (stats.forward, stats.backward) == (1, 1)
+    targets = {n.target for n in split.graph.nodes}
+    assert ops.moe_experts_a2a.default not in targets and ops.moe_experts_a2a_backward.default not in targets
+    assert PHASE_OPS <= targets
+    with LocalTensorMode(4) as lm:
+        tok = lambda t: lm.rank_map(lambda r: t[r * per : (r + 1) * per].clone())  # noqa: E731
+        exp = lambda t: lm.rank_map(lambda r: t[(r % 2) * 2 : (r % 2) * 2 + 2].clone())  # noqa: E731
+        args = [tok(x), tok(idx), tok(tw)] + [exp(w) for w in ws] + [exp(ids), tok(gout)]
+        want, got = fused(*args), split(*args)
+    assert len(want) == len(got) == 6
+    for a, b in zip(want, got):
+        for r in range(4):
+            assert torch.equal(a._local_tensors[r], b._local_tensors[r])
+    # and the single-device op (tokens concatenated; weight grads summed over dim 0)
+    ref = moe_experts(x, idx, tw, *ws, ids, E)
+    refb = torch.ops.autoparallel.moe_experts_backward(gout, x, idx, tw, *ws, ids, E)
+    cat = lambda t: torch.cat([t._local_tensors[r] for r in range(4)])  # noqa: E731
+    torch.testing.assert_close(cat(got[0]), ref)
+    torch.testing.assert_close(cat(got[1]), refb[0])
+    torch.testing.assert_close(cat(got[2]), refb[1])
+    for k in (3, 4, 5):
+        lt = got[k]._local_tensors
+        torch.testing.assert_close(torch.cat([lt[0] + lt[2], lt[1] + lt[3]]), refb[k - 1])
+
+
 def _force_a2a(monkeypatch, mesh_dim: int) -> None:
     # at this toy size the in-op all-to-all launches cost more than gathering
     # the tiny expert weights, so the routed ops are offered the mode only
@@ -269,30 +327,37 @@ def test_moe_plan_apply_2x2_a2a(fake_world, monkeypatch):
     fake_world(4)
     mesh = init_device_mesh("cpu", (2, 2))
     parallel, plan = _plan(mesh, SMALL, pin=(Shard(2), Shard(0)), routed_out=(Shard(0), Shard(0)))
+    st = plan.pass_stats
     fwd = [n for n in _routed_ops(plan) if n.phase == "forward"]
     bwd = [n for n in _routed_ops(plan) if n.phase == "backward"]
     assert fwd and all(n.input_placements[0] == "S(0)S(0)" and n.input_placements[3] == "RS(0)" for n in fwd), [(n.input_placements, n.output_placements) for n in fwd]
     assert bwd and all(n.input_placements[1].endswith("S(0)") and n.input_placements[4] == "RS(0)" for n in bwd), [(n.input_placements, n.output_placements) for n in bwd]
     targets = [n.target for n in parallel.parallel_graph.graph.nodes]
     ops = torch.ops.autoparallel
-    assert targets.count(ops.moe_experts_a2a.default) == len(fwd)
-    assert targets.count(ops.moe_experts_a2a_backward.default) == len(bwd)
-    assert ops.moe_experts.default not in targets
+    # lowered to the fused all-to-all ops, which split_moe_a2a splits into phases
+    assert st["split_moe_a2a"].forward == len(fwd) and st["split_moe_a2a"].backward == len(bwd)
+    assert targets.count(ops.moe_a2a_combine.default) == len(fwd)
+    assert targets.count(ops.moe_a2a_combine_backward.default) == len(bwd)
+    assert targets.count(ops.moe_a2a_exchange.default) == 2 * (len(fwd) + len(bwd))
+    assert ops.moe_experts.default not in targets and ops.moe_experts_a2a.default not in targets
     # the rewrite passes ran on this graph (and the numerics below are after them)
-    st = plan.pass_stats
     assert st["recompute_all_gathers"].chains > 0
     assert st["fuse_all_gathers"]["forward"].fused > 0
     assert st["schedule_overlap"]["backward"].nodes_moved > 0
-    # overlap scheduling prices the op's blocking all-to-alls on top of its compute
+    # overlap scheduling prices the row exchanges as asynchronous all-to-alls on mesh dim 1
     import types
 
     from autoparallel import cost_model
-    from autoparallel.passes.overlap_model import Costs
+    from autoparallel.passes.overlap_model import Costs, Info
 
     costs = Costs(types.SimpleNamespace(mesh=mesh, device=None))
-    for n in parallel.parallel_graph.graph.nodes:
-        if n.target in (ops.moe_experts_a2a.default, ops.moe_experts_a2a_backward.default):
-            assert costs.time(n) > cost_model.node_compute_time(n, None, None) + 3 * cost_model.H100.launch_floor
+    for gm in (parallel.forward_graph, parallel.backward_graph):
+        nodes = list(gm.graph.nodes)
+        info = Info(nodes, costs)
+        ex = [n for n in nodes if n.target is ops.moe_a2a_exchange.default]
+        assert ex and all(info.kind[n] == 1 and n.args[-1] == mesh.get_group(1).group_name for n in ex)
+        assert all(costs.time(n) >= cost_model.H100.launch_floor for n in ex)
+        assert all(any(u.target is torch.ops._c10d_functional.wait_tensor.default for u in n.users) for n in ex)
     _compare_one_step(parallel, mesh, SMALL)
 
 
