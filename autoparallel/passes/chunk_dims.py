@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from ..apply.redistribute import REDISTRIBUTE_KEY
 
-__all__ = ["REDUCED", "ChunkRefused", "propagate_split_dims"]
+__all__ = ["PER_CHUNK", "REDUCED", "ChunkRefused", "propagate_split_dims"]
 
 logger = logging.getLogger(__name__)
 
@@ -211,6 +211,73 @@ def _acts_along(node: fx.Node, d: int, rank: int) -> bool:
 
 
 REDUCED = "reduced"  # depends on the split values, carries no split dim
+# Depends on one chunk's values, carries no split dim and cannot be rebuilt
+# from the two chunks' values (MoE routing: slots sorted by expert, rows
+# exchanged with other ranks): it must stay inside its region, where each
+# chunk computes its own.
+PER_CHUNK = "per_chunk"
+
+# Data movement that keeps a per-chunk value per-chunk.
+_PER_CHUNK_MOVES = {torch.ops._c10d_functional.wait_tensor.default, torch.ops._c10d_functional.all_to_all_single.default}
+
+
+def _per_chunk_rules() -> dict:
+    """op -> what each output is when the op runs on one chunk: PER_CHUNK,
+    REDUCED (a sum over the chunk's tokens) or ("like", k): the split dim of
+    argument k. The all-to-all MoE phases (:mod:`autoparallel.apply.moe_a2a_phases`)
+    are per token: each chunk routes, exchanges and combines its own tokens."""
+    ops = torch.ops.autoparallel
+    if not hasattr(ops, "moe_a2a_route"):
+        return {}
+    return {
+        ops.moe_a2a_route.default: (PER_CHUNK, PER_CHUNK),
+        ops.moe_a2a_gather_rows.default: PER_CHUNK,
+        ops.moe_a2a_gather_grad_rows.default: PER_CHUNK,
+        ops.moe_a2a_exchange.default: PER_CHUNK,
+        ops.moe_a2a_expert_rows.default: PER_CHUNK,
+        ops.moe_a2a_expert_rows_backward.default: (PER_CHUNK, REDUCED, REDUCED, REDUCED),
+        ops.moe_a2a_combine.default: ("like", 2),
+        ops.moe_a2a_combine_backward.default: (("like", 1), ("like", 3)),
+    }
+
+
+_RULES: dict = {}
+
+
+def _rule_of(node: fx.Node, dims: dict):
+    """The per-chunk rule of ``node`` (see :func:`_per_chunk_rules`), or None
+    for ops probed by shape; raises ChunkRefused for an op that reads a
+    per-chunk value without a rule."""
+    if not _RULES:
+        _RULES.update(_per_chunk_rules())
+    rule = _RULES.get(node.target)
+    if rule is not None:
+        return rule
+    if any(dims.get(a) == PER_CHUNK for a in node.all_input_nodes):
+        if node.target in _PER_CHUNK_MOVES:
+            return PER_CHUNK
+        if node.target is operator.getitem:
+            return None
+        raise ChunkRefused(
+            f"{node.name} ({node.target}) reads a per-chunk value (MoE routing or exchanged rows) and "
+            "no rule says how its result would combine across chunks"
+        )
+    return None
+
+
+def _rule_states(node: fx.Node, rule, dims: dict, out, full):
+    def one(spec, full_v, half_v):
+        if spec in (PER_CHUNK, REDUCED):
+            return spec
+        _, k = spec
+        d = dims.get(node.args[k])
+        if not isinstance(d, int) or full_v.shape[d] != 2 * half_v.shape[d]:
+            raise _Unknown(f"{node.name}: argument {k} carries no split dim its result could follow")
+        return d
+
+    if isinstance(full, (tuple, list)):  # a multi-output op: one spec per output
+        return [one(r, f, h) for r, f, h in zip(rule, full, out)]
+    return one(rule, full, out)
 
 
 _FILLS = {
@@ -280,6 +347,16 @@ def _probe(
     REDUCED, and the arguments with chunk sizes. ``implicit``: halve the
     full-size partners of pointwise ops too (else they are refused, except
     constant fills, which ``fills`` collects: fill -> dim to halve)."""
+    if node.target is operator.getitem and isinstance(dims.get(node.args[0]), tuple):
+        out = half_vals[node.args[0]][node.args[1]]
+        return out, dims[node.args[0]][node.args[1]], (node.args, node.kwargs)
+    rule = _rule_of(node, dims)
+    if rule is not None:
+        vals = fx.node.map_aggregate(node.args, lambda a: half_vals.get(a, _val(a)) if isinstance(a, fx.Node) else a)
+        mode = _fake_mode([_val(a) for a in node.all_input_nodes])
+        with mode, _quiet_fake_tensor():
+            out = node.target(*vals, **node.kwargs)
+        return out, _rule_states(node, rule, dims, out, _val(node)), (node.args, node.kwargs)
     sized = _size_args(node, dims)
     if sized is not None:
         args, kwargs, j = sized
@@ -420,7 +497,7 @@ def propagate_split_dims(gm: fx.GraphModule, seeds: dict[fx.Node, int]) -> dict[
             dims[n] = dims[n.args[0]][n.args[1]]
             half[n] = half[n.args[0]][n.args[1]]
             continue
-        if not _input_dims(n, dims):
+        if not _input_dims(n, dims) and not any(dims.get(a) == PER_CHUNK for a in ins):
             # only reduced (shared from here) or unknown inputs
             dims[n] = None if any(a in dims and dims[a] is None for a in ins) else REDUCED
             continue

@@ -75,6 +75,7 @@ import torch.fx as fx
 from ..tracing import module_path
 from . import PassContext, register_pass
 from .chunk_dims import (
+    PER_CHUNK,
     _ATTENTION_NAMES,
     _FILLS,
     _MESH_SIZES,
@@ -124,7 +125,7 @@ def _extra_sum_reductions() -> set:
     # custom ops that are sums over tokens in the outputs they reduce
     out = set()
     ops = getattr(torch.ops, "autoparallel", None)
-    for name in ("moe_experts_backward",):
+    for name in ("moe_experts_backward", "moe_a2a_expert_rows_backward"):
         op = getattr(ops, name, None) if ops is not None else None
         if op is not None:
             out.add(op.default)
@@ -329,7 +330,7 @@ def _plan_region(
         sts = st if isinstance(st, list) else [st]
         if REDUCED in sts and n.target not in sums and n.target is not operator.getitem:
             raise ChunkRefused(f"{n.name} ({n.target}) reduces across the split dim (only sums can be rebuilt)")
-        if not in_dims and n.target is not operator.getitem:
+        if not in_dims and n.target is not operator.getitem and not any(state.get(a) == PER_CHUNK for a in deps):
             raise ChunkRefused(f"{n.name} ({n.target}) depends on the split only through multi-output values")
         for f, i in found.items():
             if fills.setdefault(f, i) != i:
@@ -348,6 +349,14 @@ def _plan_region(
                     late_reduced[m] = n
     if not dependent:
         raise ChunkRefused("no node of the region depends on a value carrying the split dim")
+    for n in dependent:
+        if state[n] == PER_CHUNK:
+            u = next((u for u in n.users if u not in member_set), None)
+            if u is not None:
+                raise ChunkRefused(
+                    f"{n.name} ({n.target}) is per-chunk (MoE routing or exchanged rows) and {u.name} "
+                    "outside the region reads it: it cannot be rebuilt from the chunks"
+                )
     return _Plan(region, mode, dependent, live_ins, len(shared), state, probe, fills=fills)
 
 
@@ -423,8 +432,8 @@ def _apply(gm: fx.GraphModule, plan: _Plan) -> int:
     # rebuild the values that leave the chunked part
     for n in plan.nodes:
         st = plan.state[n]
-        if isinstance(st, tuple):
-            continue  # multi-output op: its getitems are rebuilt
+        if isinstance(st, tuple) or st == PER_CHUNK:
+            continue  # multi-output op: its getitems are rebuilt; per-chunk values stay inside
         outside = [u for u in n.users if u not in dep and u is not b_of[n]]
         if not outside:
             continue
