@@ -59,40 +59,59 @@ def parse_chunk(values, default: dict[str, str]) -> dict[str, str] | None:
     return out
 
 
+def _all_to_alls(nodes) -> set:
+    """The all-to-alls of a graph: functional and MoE row exchanges, and the
+    fused MoE ops that run theirs inside (blocking)."""
+    import torch
+
+    from autoparallel.passes.overlap_model import A2A, MOE_EXCHANGE
+
+    ops = torch.ops.autoparallel
+    kinds = {A2A, MOE_EXCHANGE, ops.moe_experts_a2a.default, ops.moe_experts_a2a_backward.default}
+    return {n for n in nodes if n.target in kinds}
+
+
 def _graph_figures(pm, mesh, plan, modules) -> dict:
     from autoparallel.passes import PassContext
     from autoparallel.passes.chunk_regions import exposed_comm_by_region
     from autoparallel.passes.overlap_model import Costs, estimate
 
     costs = Costs(PassContext(mesh=mesh, plan=plan))
-    out = {"layers": {}}
+    out = {"layers": {}, "layers_a2a": {}}
     for kind, gm in (("forward", pm.forward_graph), ("backward", pm.backward_graph)):
         nodes = list(gm.graph.nodes)
         exposed, peak = estimate(nodes, costs)
         out[kind] = {"nodes": len(nodes), "exposed_s": exposed, "peak": peak}
         for region, sec in exposed_comm_by_region(nodes, costs, modules).items():
             out["layers"][region] = out["layers"].get(region, 0.0) + sec
+        for region, sec in exposed_comm_by_region(nodes, costs, modules, only=_all_to_alls(nodes)).items():
+            out["layers_a2a"][region] = out["layers_a2a"].get(region, 0.0) + sec
     return out
 
 
-def chunk_compare(autop, plan, mesh, modules: dict[str, str], pass_options=None) -> dict:
+def chunk_compare(autop, plan, mesh, modules: dict[str, str], pass_options=None, fused_baseline=False) -> dict:
     """Apply ``plan`` without ``chunk_modules``, with them (weight-gradient
     sums added before their collectives: the default) and with them and
-    late sums (``chunk_early_grad_sum=False``); print and return the figures."""
+    late sums (``chunk_early_grad_sum=False``); ``fused_baseline``: first
+    without chunking and with the all-to-all MoE ops kept fused
+    (``split_moe_a2a`` off). Print and return the figures."""
     import dataclasses
 
     from autoparallel.passes import PassOptions
 
     base = pass_options or PassOptions()
     variants = (
-        ("unchunked", dataclasses.replace(base, chunk_modules=None)),
-        ("chunked", dataclasses.replace(base, chunk_modules=dict(modules))),
-        ("late sums", dataclasses.replace(base, chunk_modules=dict(modules), chunk_early_grad_sum=False)),
+        ("unchunked", dataclasses.replace(base, chunk_modules=None), ()),
+        ("chunked", dataclasses.replace(base, chunk_modules=dict(modules)), ()),
+        ("late sums", dataclasses.replace(base, chunk_modules=dict(modules), chunk_early_grad_sum=False), ()),
     )
+    if fused_baseline:
+        # all-to-all MoE ops kept fused (their all-to-alls block inside them)
+        variants = (("fused a2a", dataclasses.replace(base, chunk_modules=None), ("split_moe_a2a",)),) + variants
     runs = {}
-    for label, opts in variants:
+    for label, opts, disabled in variants:
         t0 = time.perf_counter()
-        pm = autop.apply_placement(plan, pass_options=opts)
+        pm = autop.apply_placement(plan, pass_options=opts, disable_passes=disabled)
         runs[label] = _graph_figures(pm, mesh, plan, modules)
         runs[label]["apply_s"] = time.perf_counter() - t0
         runs[label]["stats"] = (plan.pass_stats or {}).get("chunk_regions")
@@ -119,11 +138,16 @@ def chunk_compare(autop, plan, mesh, modules: dict[str, str], pass_options=None)
     layers = sorted(set().union(*(r["layers"] for r in runs.values())))
     if layers:
         row("exposed per layer (ms)", lambda r: sum(r["layers"].get(x, 0.0) for x in layers) / len(layers) * 1e3)
-        print(f"  (the matching layers' own collectives, fwd + bwd, mean over {len(layers)} layers)")
-    u = runs["unchunked"]
-    for lb in labels[1:]:
-        c = runs[lb]
-        peak = max(c["forward"]["peak"], c["backward"]["peak"]) / max(u["forward"]["peak"], u["backward"]["peak"])
-        lu = sum(u["layers"].values()) or float("nan")
-        print(f"  {lb}: exposed per layer x{sum(c['layers'].values()) / lu:.2f}, peak memory {(peak - 1) * 100:+.1f}%")
+        row("  of it all-to-all (ms)", lambda r: sum(r["layers_a2a"].get(x, 0.0) for x in layers) / len(layers) * 1e3)
+        print(f"  (the matching layers' own collectives, fwd + bwd, mean over {len(layers)} layers; an "
+              "all-to-all inside a fused MoE op counts whole)")
+    for ref in ("fused a2a", "unchunked") if fused_baseline else ("unchunked",):
+        u = runs[ref]
+        for lb in labels[labels.index(ref) + 1 :]:
+            c = runs[lb]
+            peak = max(c["forward"]["peak"], c["backward"]["peak"]) / max(u["forward"]["peak"], u["backward"]["peak"])
+            lu = sum(u["layers"].values()) or float("nan")
+            la = sum(u["layers_a2a"].values()) or float("nan")
+            print(f"  {lb} vs {ref}: exposed per layer x{sum(c['layers'].values()) / lu:.2f}, all-to-all "
+                  f"x{sum(c['layers_a2a'].values()) / la:.2f}, peak memory {(peak - 1) * 100:+.1f}%")
     return runs

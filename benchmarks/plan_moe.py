@@ -170,7 +170,9 @@ def main(argv=None) -> None:
             applied.update(_in_op_all_to_alls(pm, mesh))
 
         if a.chunk is not None:
-            chunk_compare(autop, plan, mesh, parse_chunk(a.chunk, a._chunk_default))
+            chunk_compare(
+                autop, plan, mesh, parse_chunk(a.chunk, a._chunk_default), fused_baseline=a.force_a2a_dim is not None
+            )
 
     s = plan.solution
     print(

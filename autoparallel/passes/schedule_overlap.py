@@ -32,6 +32,12 @@ order), with four rules:
   collective is done (no stall) and at the latest after
   ``max_consecutive_compute`` compute ops: its unreduced input stays alive
   until the wait.
+* **Fill stalls.** When the next node would wait for a collective still in
+  flight (in the two-stream clock), ready nodes from the next
+  ``FILL_WINDOW`` nodes of the original order (all inputs out, within the
+  memory limit) run first, until the collective is done: the shared
+  experts while the routed tokens are exchanged, the other chunk's compute
+  while one chunk's all-to-all runs.
 * **Cap compute between reduce-scatters.** Once ``max_consecutive_compute``
   compute ops (ops with a FLOP formula: matmuls, attention) have run since
   the last reduce-scatter, the scheduler prefers, among the nodes it may run
@@ -91,6 +97,8 @@ __all__ = [
 # Prefetched gathers may raise the estimated live bytes to at most this much
 # above the unscheduled graph's peak.
 PREFETCH_MEMORY_SLACK = 0.0
+# How far ahead (nodes of the original order) a stall looks for ready work.
+FILL_WINDOW = 160
 
 
 @dataclass
@@ -107,6 +115,7 @@ class ScheduleStats:
     exposed_comm_after_s: float = 0.0
     peak_memory_before: int = 0  # bytes per rank
     peak_memory_after: int = 0
+    nodes_filled: int = 0  # run early while a wait's collective was in flight
 
 
 # ---------------------------------------------------------------------------
@@ -362,12 +371,43 @@ def _schedule(
     flush()
     i = 0
     deferred = {n for n in nodes if kind[n] == 2} | set(ag_layer)
+    def stall_until(n: fx.Node) -> float:
+        # when the collectives behind n's pending waits end (0: no stall)
+        end = 0.0
+        for a in ins[n]:
+            if kind[a] == 2 and a not in done:
+                end = max(end, comm_done.get(a.args[0], 0.0))
+        return end
+
+    def fill(i: int, until: float) -> None:
+        # Run ready work from a little further on while the collectives n
+        # waits for are in flight (the shared experts while the MoE tokens
+        # are exchanged, the other chunk's compute): in original order,
+        # only nodes whose inputs are all out, within the memory limit.
+        for m in nodes[i + 1 : i + FILL_WINDOW]:
+            if now >= until:
+                return
+            if m in done or m is output or m in deferred or kind[m] != 3:
+                continue
+            if any(a not in done for a in ins[m]):
+                continue
+            if memory_limit is not None and live.live + info.size.get(m, 0) > memory_limit:
+                continue
+            ensure(m)
+            stats.nodes_filled += 1
+
     while i < len(nodes):
         n = nodes[i]
         if n in done or n is output or n in deferred:
             i += 1
             continue
         prefetch_step(i)
+        until = stall_until(n)
+        if until > now:
+            fill(i, until)
+            if n in done:
+                i += 1
+                continue
         if since_rs >= cap and n in compute and n in dist_to_rs:
             # past the cap: run toward the nearest pending reduction first
             target = _closest_reduction(n, nodes, i, done, dist_to_rs, info)
