@@ -23,7 +23,10 @@ Expert ``e`` lives on group rank ``e // (n_experts / ep)``: the rule offers
 this mode only where no other mesh dim shards the expert dim.
 
 Data-dependent sizes stay inside the ops: their outputs have the shapes of
-their inputs, so the graph around them is static. Under
+their inputs, so the graph around them is static. Their all-to-alls block
+inside them; the ``split_moe_a2a`` pass (run by default) rewrites them into
+graph-visible phases with asynchronous all-to-alls
+(:mod:`.moe_a2a_phases`), built from the per-rank steps below. Under
 ``LocalTensorMode`` (many ranks in one process) a ``torch_dispatch`` rule runs
 the same algorithm over all members of each group at once, exchanging in
 memory.
@@ -40,6 +43,7 @@ from torch.utils.flop_counter import register_flop_formula
 from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 
 import autoparallel.models.moe  # noqa: F401  (the ops being lowered)
+from autoparallel.models.moe import swiglu_backward
 
 _ops = torch.ops.autoparallel
 
@@ -149,19 +153,7 @@ def expert_rows_backward(rows, recv_counts, w1, w3, w2):
         sel = (e_of == j).nonzero(as_tuple=True)[0]
         if sel.numel() == 0:
             continue
-        xs, gy = xr[sel], gyr[sel]
-        a, b = xs @ w1[j], xs @ w3[j]
-        sa = torch.sigmoid(a)
-        act = a * sa
-        h = act * b
-        gw2[j] = h.t() @ gy
-        gh = gy @ w2[j].t()
-        ga = gh * b * (sa * (1 + a * (1 - sa)))
-        gb = gh * act
-        gw1[j] = xs.t() @ ga
-        gw3[j] = xs.t() @ gb
-        ret[sel, :d] = ga @ w1[j].t() + gb @ w3[j].t()
-        ret[sel, d:] = h @ w2[j]
+        ret[sel, :d], ret[sel, d:], gw1[j], gw3[j], gw2[j] = swiglu_backward(xr[sel], gyr[sel], w1[j], w3[j], w2[j])
     return ret, gw1, gw3, gw2
 
 

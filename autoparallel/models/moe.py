@@ -193,22 +193,25 @@ def moe_experts_backward(
         tok, slot = (idx == e).nonzero(as_tuple=True)
         if tok.numel() == 0:
             continue
-        xs = xt[tok]
-        a, b = xs @ w1[j], xs @ w3[j]
-        sa = torch.sigmoid(a)
-        act = a * sa
-        h = act * b
         gs = g[tok]
-        gtw[tok, slot] = ((h @ w2[j]) * gs).sum(-1)
-        gy = gs * tw[tok, slot, None]
-        gw2[j] = h.t() @ gy
-        gh = gy @ w2[j].t()
-        ga = gh * b * (sa * (1 + a * (1 - sa)))
-        gb = gh * act
-        gw1[j] = xs.t() @ ga
-        gw3[j] = xs.t() @ gb
-        gx.index_add_(0, tok, ga @ w1[j].t() + gb @ w3[j].t())
+        gxs, y, gw1[j], gw3[j], gw2[j] = swiglu_backward(xt[tok], gs * tw[tok, slot, None], w1[j], w3[j], w2[j])
+        gtw[tok, slot] = (y * gs).sum(-1)
+        gx.index_add_(0, tok, gxs)
     return gx.view(x.shape), gtw.view(topk_w.shape), gw1, gw3, gw2
+
+
+def swiglu_backward(xs, gy, w1, w3, w2):
+    """For rows ``xs`` through one expert ``(w1, w3, w2)`` and the gradient
+    ``gy`` of its output: (grad xs, the expert's output, grad w1, grad w3,
+    grad w2), recomputing the activations."""
+    a, b = xs @ w1, xs @ w3
+    sa = torch.sigmoid(a)
+    act = a * sa
+    h = act * b
+    gh = gy @ w2.t()
+    ga = gh * b * (sa * (1 + a * (1 - sa)))
+    gb = gh * act
+    return ga @ w1.t() + gb @ w3.t(), h @ w2, xs.t() @ ga, xs.t() @ gb, h.t() @ gy
 
 
 @moe_experts_backward.register_fake

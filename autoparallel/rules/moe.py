@@ -28,7 +28,9 @@ combination across mesh dims is again exact:
             (:mod:`autoparallel.apply.moe_dispatch`): per-expert counts are
             computed and exchanged at run time, token rows go to their
             experts' ranks by ``all_to_all_single`` with variable splits
-            (dropless, unpadded) and come back weighted. The option carries
+            (dropless, unpadded) and come back weighted; the
+            ``split_moe_a2a`` pass then splits it into phases whose
+            all-to-alls the overlap scheduler can move. The option carries
             the in-op work (:class:`~autoparallel.strategies.InOpWork`):
             under balanced routing each rank sends its ``T_local * top_k``
             routed rows out and back, (ep-1)/ep of them to peers, ``dim``

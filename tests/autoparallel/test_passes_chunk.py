@@ -289,17 +289,20 @@ def test_llama3_tp_chunked_matches_single_device(fake_world, n_layers):
     check_step(parallel, mesh, Loss, (tokens,))
 
 
-def _moe_chunked(args, modules, a2a: bool = False, batch: int = 8):
+def _moe_chunked(args, modules, a2a: bool = False, batch: int = 8, local_tensor: bool = True):
     """Tiny MoE on 2x2, experts pinned FSDP x EP; ``a2a``: the routed ops'
     outputs pinned token-sharded, so EP runs as all-to-all dispatch (split
-    into phases by split_moe_a2a) instead of gather/reduce-scatter."""
+    into phases by split_moe_a2a) instead of gather/reduce-scatter;
+    ``local_tensor=False``: for real (gloo) processes."""
+    from autoparallel.api import DEFAULT_TIME_LIMIT
     from autoparallel.models import MoETransformer
 
     mesh = init_device_mesh("cpu", (2, 2))
     with torch.device("meta"):
         model = MoETransformer(args)
     x = torch.empty(batch, 8, dtype=torch.long, device="meta")
-    with AutoParallel(model, mesh, x) as autop:
+    # real processes each solve, sharing the cores: give HiGHS time
+    with AutoParallel(model, mesh, x, time_limit=DEFAULT_TIME_LIMIT if local_tensor else 300) as autop:
         autop.add_input_constraints([(Shard(0), Shard(0))])
         autop.add_output_constraints([(Shard(0), Shard(0))])
         for fqn, n in autop.traced.param_nodes.items():
@@ -321,7 +324,8 @@ def _moe_chunked(args, modules, a2a: bool = False, batch: int = 8):
                         if (module_path(a) or "").endswith(".ffn_norm"):
                             autop.add_node_constraint(a, (Shard(0), Shard(0)))
         plan = autop.optimize_placement()
-        parallel = autop.apply_placement(plan, pass_options=PassOptions(**LOCAL, chunk_modules=modules))
+        options = PassOptions(**LOCAL, chunk_modules=modules) if local_tensor else PassOptions(chunk_modules=modules)
+        parallel = autop.apply_placement(plan, pass_options=options)
     return parallel, plan, mesh
 
 
@@ -412,3 +416,33 @@ def test_chunked_moe_gloo_2x2():
     from _dist_utils import run_ranks
 
     run_ranks(_chunked_moe_gloo_step, 4, timeout=600)
+
+
+def _chunked_a2a_moe_gloo_step(rank: int, world: int) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message="DTensor random operators")
+    import autoparallel.rules.moe as rules
+    from autoparallel.models import MOE_CONFIGS
+
+    ok = rules._expert_sharding_ok  # all-to-all EP on mesh dim 1 only
+    rules._expert_sharding_ok = lambda names: ok(names) and names[1].startswith("A")
+    args = dataclasses.replace(MOE_CONFIGS["debug"], n_layers=2, aux_loss_alpha=0.0)
+    parallel, plan, _ = _moe_chunked(args, {"layers.*.moe": "batch"}, a2a=True, batch=16, local_tensor=False)
+    assert plan.pass_stats["chunk_regions"].regions_chunked == 1, plan.pass_stats["chunk_regions"].refused
+    exchanges = [n for n in parallel.parallel_graph.graph.nodes if n.target is torch.ops.autoparallel.moe_a2a_exchange.default]
+    assert len(exchanges) == 8  # 2 chunks x (out, back) x (forward, backward)
+    from _moe_parity import check_moe_step
+
+    check_moe_step(parallel, args, 16, 8, rank, world, buffers=False)
+
+
+@pytest.mark.slow
+def test_chunked_a2a_moe_gloo_2x2():
+    """All-to-all EP split into phases and chunked, on 4 gloo processes:
+    asynchronous variable-size all_to_all_single per chunk, waited on by
+    wait_tensor; loss and gradients equal single device."""
+    from _dist_utils import run_ranks
+
+    run_ranks(_chunked_a2a_moe_gloo_step, 4, timeout=600)
