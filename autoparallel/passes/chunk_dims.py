@@ -448,8 +448,9 @@ def _redistribution_chains(gm: fx.GraphModule) -> dict[fx.Node, tuple[list[fx.No
 
 
 def _stamp(new: fx.Node, like: fx.Node, tag) -> None:
-    """Fold stamp (:mod:`autoparallel.apply.unfold`) for a node this pass
-    made, keyed on ``like``'s so that twins in other layers share it."""
+    """Fold stamp (:mod:`autoparallel.apply.unfold`) for a node a pass made
+    (chunk_regions, split_moe_a2a), keyed on ``like``'s so that twins in
+    other layers share it."""
     from ..apply.unfold import FOLD_KEY
 
     t = like.meta.get(FOLD_KEY)

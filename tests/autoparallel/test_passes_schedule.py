@@ -115,3 +115,26 @@ def test_comm_bound_reductions_not_queued_behind_prefetch():
         assert nodes.index(grad) == i - 1, nodes[i].name
     assert stats.exposed_comm_after_s < stats.exposed_comm_before_s
     assert stats.peak_memory_after <= stats.peak_memory_before
+
+
+def test_stall_filled_with_ready_compute():
+    """A wait whose all-to-all is still in flight: an independent matmul from
+    further on in the original order runs before it, and the estimated
+    exposed communication drops."""
+
+    def f(x, w, u, v):
+        y = c10d.wait_tensor(c10d.all_to_all_single(x, [2048, 2048], [2048, 2048], "0")) @ w
+        return y, u @ v
+
+    with FakeTensorMode():
+        # the peak is at the first matmul (its result is large), so running the
+        # small independent one earlier stays within the memory limit
+        gm = make_fx(f)(torch.randn(4096, 1024), torch.randn(1024, 2048), torch.randn(256, 1024), torch.randn(1024, 256))
+    stats = schedule_overlap(gm, _ctx())
+    check_topological(gm)
+    nodes = list(gm.graph.nodes)
+    (wait,) = _positions(gm, WAIT)
+    independent = next(i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mm.default and nodes[i].args[0].op == "placeholder")
+    assert independent < wait and stats.nodes_filled >= 1
+    assert stats.exposed_comm_after_s < stats.exposed_comm_before_s
+    assert stats.peak_memory_after <= stats.peak_memory_before
