@@ -397,7 +397,8 @@ def _chunked_moe_gloo_step(rank: int, world: int) -> None:
     batch, seq = 8, 8
     with torch.device("meta"):
         model = MoETransformer(args)
-    with AutoParallel(model, mesh, torch.empty(batch, seq, dtype=torch.long, device="meta")) as autop:
+    # four processes each solve, sharing the cores: give HiGHS time
+    with AutoParallel(model, mesh, torch.empty(batch, seq, dtype=torch.long, device="meta"), time_limit=300) as autop:
         autop.add_input_constraints([(Shard(0), Shard(0))])
         autop.add_output_constraints([(Shard(0), Shard(0))])
         for fqn, n in autop.traced.param_nodes.items():
