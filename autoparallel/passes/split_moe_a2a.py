@@ -37,8 +37,9 @@ __all__ = ["SplitMoEStats", "split_moe_a2a"]
 
 _c10d = torch.ops._c10d_functional
 # node.meta keys copied from the fused op to its phases (module path, AC
-# and partitioner tags, where it came from)
-_KEEP_META = ("nn_module_stack", "stack_trace", "custom", "recompute", "ac_graph_id", SOURCE_KEY)
+# and partitioner tags, where it came from). The partitioner tag keeps the
+# backward's routing (which reads forward values only) in the backward.
+_KEEP_META = ("nn_module_stack", "stack_trace", "custom", "recompute", "ac_graph_id", "partitioner_tag", SOURCE_KEY)
 
 
 @dataclass
