@@ -27,7 +27,8 @@ and split and chunked, and prints estimated exposed communication per MoE
 layer (all-to-all separately) and per step, peak memory, node counts and
 apply time (2026-11-23 12:15 UTC, load ~3): exposed all-to-all per layer
 11.93 ms fused, 2.90 ms as phases, 0.09 ms chunked; per step 340.8 /
-106.0 / 32.4 ms; peak +0.0 %; apply 30.2 / 33.3 / 35.6 s.
+106.0 / 32.4 ms; peak +0.0 %; apply 30.2 / 33.3 / 35.6 s (load ~6 at
+13:12 UTC: the same estimates, apply 35.2 / 38.0 / 59.6 s).
 
 Routing is assumed balanced by the cost model (each rank of an EP group does
 ``E_local / E`` of the routed work; an all-to-all rank sends (ep-1)/ep of its
