@@ -125,6 +125,10 @@ def expand_to_full_mesh_op_strategy(
         return hit
 
     all_strategies = []
+    # (position, ids of the placement objects, counts) -> spec_at's answer:
+    # ints hash much faster than Placements (equal placements under other
+    # objects still meet in spec_at's memo)
+    by_ids: dict[tuple, tuple] = {}
     indexed = list(enumerate(single_mesh_dim_strategies))
     for icomb in itertools.product(indexed, repeat=mesh.ndim):
         comb = [c for _, c in icomb]
@@ -132,11 +136,15 @@ def expand_to_full_mesh_op_strategy(
         spec_list = []
         skip = False
         for position in range(n_positions):
-            placements = tuple(c[position] for c in comb)
-            if placements[0] is None:
+            if comb[0][position] is None:
                 spec_list.append(None)
                 continue
-            spec, mixed, shardable = spec_at(position, placements, *first_counts[position])
+            key = (position, first_counts[position], *[id(c[position]) for c in comb])
+            hit = by_ids.get(key)
+            if hit is None:
+                placements = tuple(c[position] for c in comb)
+                hit = by_ids[key] = spec_at(position, placements, *first_counts[position])
+            spec, mixed, shardable = hit
             if mixed:
                 skip = True
                 break
