@@ -40,6 +40,24 @@ def _zero_redistribute_costs(src_strategy: OpStrategy, dst_spec: DTensorSpec) ->
     return [0.0] * len(src_strategy.strategies)
 
 
+_BINDING: dict[int, tuple] = {}  # id(function) -> (modules, number of modules scanned, function)
+
+
+def _modules_binding(fn) -> list:
+    """DTensor modules that bound ``fn`` by name at import (rule modules
+    import ``generate_redistribute_costs`` from utils); rescanned only when
+    new modules were imported (scanning costs ~2 ms, once per node)."""
+    hit = _BINDING.get(id(fn))
+    if hit is None or hit[1] != len(sys.modules):
+        modules = [
+            module
+            for name, module in list(sys.modules.items())
+            if name.startswith("torch.distributed.tensor") and getattr(module, "generate_redistribute_costs", None) is fn
+        ]
+        hit = _BINDING[id(fn)] = (modules, len(sys.modules), fn)
+    return hit[0]
+
+
 @contextlib.contextmanager
 def _without_dtensor_redistribute_costs():
     """Make DTensor's strategy functions skip costing their redistributions.
@@ -58,13 +76,7 @@ def _without_dtensor_redistribute_costs():
 
     saved = ops_utils.redistribute_cost
     saved_rows = ops_utils.generate_redistribute_costs
-    # rule modules bound generate_redistribute_costs by name at import
-    bound = [
-        module
-        for name, module in list(sys.modules.items())
-        if name.startswith("torch.distributed.tensor")
-        and getattr(module, "generate_redistribute_costs", None) is saved_rows
-    ]
+    bound = _modules_binding(saved_rows)
     ops_utils.redistribute_cost = _zero_redistribute_cost
     for module in bound:
         module.generate_redistribute_costs = _zero_redistribute_costs
