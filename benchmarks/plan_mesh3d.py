@@ -110,6 +110,10 @@ def _plan(name: str, layers: int | None, seq: int, batch: int, max_gib: float, t
         )
     except Exception as e:  # noqa: BLE001 - reported in the table
         out.update(status=f"{type(e).__name__}: {str(e)[:300]}")
+        size = getattr(e, "size", None)  # ProblemTooLarge: where the pairs are
+        if size is not None:
+            out.update(options_after=size.options, pairs=size.pairs, by_op=size.by_op)
+        out["timings"] = dict(autop.timings) if "autop" in locals() else {}
     out["total_s"] = time.perf_counter() - t0
     out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     queue.put(out)
@@ -164,7 +168,10 @@ def main(argv=None) -> None:
 
 
 def _row(r: dict) -> str:
-    return f"{r['name']}: {r.get('status')} in {r.get('total_s', float('nan')):.1f} s, peak RSS {r.get('peak_rss_mib', float('nan')):.0f} MiB"
+    row = f"{r['name']}: {r.get('status')} in {r.get('total_s', float('nan')):.1f} s, peak RSS {r.get('peak_rss_mib', float('nan')):.0f} MiB"
+    for op, nodes, options, pairs in r.get("by_op", ()):
+        row += f"\n    {op}: {nodes} nodes, {options:,} options, {pairs:,} pairs into them"
+    return row
 
 
 def _table(rows: list[dict]) -> str:
