@@ -116,6 +116,10 @@ class _ListPre:
     outs: list[tuple]  # per option: per output slot, codes per mesh dim (or the non-spec value)
     ins: list[tuple]  # per option: per input, codes per mesh dim
     index: dict  # (outs, ins) -> index in the list
+    # per option: bit (family index * ndim + mesh dim) set where some output
+    # / each input holds Partial(F) there (the passes test bits, not codes)
+    out_bits: list[int]
+    in_bits: list[tuple[int, ...]]
 
 
 def _spec_codes(spec: DTensorSpec, memo: dict) -> tuple:
@@ -135,10 +139,30 @@ def _out_codes(out, memo: dict):
     return (out,)
 
 
-def _list_pre(options: list[Option], memo: dict) -> _ListPre:
+def _list_pre(options: list[Option], memo: dict, ndim: int) -> _ListPre:
     outs = [_out_codes(o.output_specs, memo) for o in options]
     ins = [tuple(_spec_codes(s, memo) for s in o.input_specs) for o in options]
-    return _ListPre(outs, ins, {key: i for i, key in enumerate(zip(outs, ins))})
+    bits: dict[int, int] = {}  # id(codes) -> bits (codes are memoised per spec)
+
+    def held_bits(codes) -> int:
+        b = bits.get(id(codes))
+        if b is None:
+            b = bits[id(codes)] = sum(
+                1 << (f * ndim + d)
+                for f, family in enumerate(FAMILIES)
+                for d in range(ndim)
+                if _held(codes, d, family)
+            )
+        return b
+
+    out_bits = []
+    for slots in outs:
+        b = 0
+        for codes in slots:
+            b |= held_bits(codes)
+        out_bits.append(b)
+    in_bits = [tuple(held_bits(codes) for codes in per_input) for per_input in ins]
+    return _ListPre(outs, ins, {key: i for i, key in enumerate(zip(outs, ins))}, out_bits, in_bits)
 
 
 def _held(code, d: int, family) -> bool:
@@ -158,14 +182,16 @@ def _substitute(codes: tuple, d: int, family) -> tuple:
 
 
 def _list_info(
-    options: list[Option], pre: _ListPre, kept: list[int], costs: list[float], d: int, family
+    options: list[Option], pre: _ListPre, kept: list[int], costs: list[float], d: int, family, bit: int
 ) -> _ListInfo:
+    """``bit``: the (family, d) bit of :attr:`_ListPre.out_bits`."""
     n_in = len(options[kept[0]].input_specs) if kept else 0
     kept_set = None
     mask, takes, outputs, why = [], [False] * n_in, False, None
+    out_bits, in_bits = pre.out_bits, pre.in_bits
     for i in kept:
-        outs = any(_held(c, d, family) for c in pre.outs[i])
-        ins = [_held(c, d, family) for c in pre.ins[i]]
+        outs = bool(out_bits[i] & bit)
+        ins = [bool(b & bit) for b in in_bits[i]]
         held = outs or any(ins)
         mask.append(held)
         if not held:
@@ -207,17 +233,21 @@ def prune_partials(
     stats.options_before = sum(len(o) for o in original.values())
     current = {k: list(range(len(o))) for k, o in original.items()}  # kept indices
     memo: dict = {}
-    pre = {k: _list_pre(o, memo) for k, o in original.items()}
+    pre = {k: _list_pre(o, memo, ndim) for k, o in original.items()}
     users: dict[int, list[torch.fx.Node]] = {}
     for node, strat in strategies.items():
         users.setdefault(id(strat.options), []).append(node)
 
-    for family in FAMILIES:
+    for f, family in enumerate(FAMILIES):
         name = "/".join(sorted(family))
         for d in range(ndim):
+            bit = 1 << (f * ndim + d)
             # per option list: which options hold Partial(F) on d, whether
             # some option outputs / takes it (per input), why it must stay
-            info = {key: _list_info(original[key], pre[key], current[key], unary[key], d, family) for key in original}
+            info = {
+                key: _list_info(original[key], pre[key], current[key], unary[key], d, family, bit)
+                for key in original
+            }
             # vertices: nodes with an option holding Partial(F) on d
             holds = {node for node, strat in strategies.items() if info[id(strat.options)].mask_any}
             if not holds:

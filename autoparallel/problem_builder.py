@@ -335,20 +335,22 @@ class _EdgeMatrices:
         key = ("gradient", id(param), id(grad), kind)
         hit = self._matrices.get(key)
         if hit is None:
+            # costs depend on the gradient's output placements only: priced
+            # per distinct placements (a gradient op has many options per
+            # output layout, and a tp-outer pair goes through DTensor's
+            # planner, ~100 us)
+            grad_specs, grad_class = _spec_classes([go.output_spec for go in grad])
             mesh_shape = None
             rows = []
             for po in param:
                 ps = po.output_spec
                 mesh_shape = mesh_shape or tuple(ps.mesh.shape)
                 strided = cost_model.is_tp_outer(ps.placements, mesh_shape)
-                rows.append(
-                    [
-                        0.0
-                        if go.output_spec.placements == ps.placements
-                        else self._pair(go.output_spec, ps, kind) if strided else math.inf
-                        for go in grad
-                    ]
-                )
+                by_class = [
+                    0.0 if gs.placements == ps.placements else self._pair(gs, ps, kind) if strided else math.inf
+                    for gs in grad_specs
+                ]
+                rows.append([by_class[c] for c in grad_class])
             hit = self._matrices[key] = (rows, param, grad)
         return hit[0]
 
