@@ -21,7 +21,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, 
 
 from autoparallel import cost_model
 from autoparallel.cost_model import comm
-from autoparallel.edge_costs import _greedy_plan, _CODES, _fast_id, redistribution_matrix
+from autoparallel.edge_costs import _CODES, _DIVS, _fast_id, _greedy_plan, redistribution_matrix
 
 
 def _meta(shape, dtype=torch.bfloat16):
@@ -70,7 +70,8 @@ def test_greedy_plan_equals_comm_plan(fake_world):
     for s in specs:
         for d in specs:
             src_divs, steps = comm._plan(s, d)
-            ours = _greedy_plan((2, 2, 2, 2), _CODES[_fast_id(s)], _CODES[_fast_id(d)])
+            src_id, our_steps = _greedy_plan((2, 2, 2, 2), _CODES[_fast_id(s)], _CODES[_fast_id(d)])
+            ours = (_DIVS[src_id], tuple((m, kinds, _DIVS[div_id]) for m, kinds, div_id in our_steps))
             assert ours == (src_divs, tuple((m, kinds, divs) for m, _a, _b, kinds, divs in steps))
 
 
