@@ -37,8 +37,10 @@ _CODES: list[tuple] = []  # interned id -> per-mesh-dim codes
 _PLANS: dict[tuple, tuple] = {}
 # (mesh, device) -> {(mesh dim, kinds, bytes before, bytes after): seconds}
 _STEPS: dict[tuple, dict[tuple, float]] = {}
-# interned shard divisors (tensor dim, mesh size) of a layout
+# interned shard divisors (tensor dim, mesh size) of a layout, and the id
+# per (mesh shape, layout codes)
 _DIV_IDS: dict[tuple, int] = {}
+_DIV_OF_CODES: dict[tuple, int] = {}
 _DIVS: list[tuple] = []
 
 
@@ -48,6 +50,7 @@ def clear_caches() -> None:
     _PLANS.clear()
     _STEPS.clear()
     _DIV_IDS.clear()
+    _DIV_OF_CODES.clear()
     _DIVS.clear()
 
 
@@ -128,11 +131,15 @@ def _divisors_id(mesh_shape, codes) -> int:
     """:func:`_divisors`, interned to a small int (``_DIVS[id]`` gives it
     back): pair costing looks local bytes up per step, and an int hashes
     faster than a tuple of tuples."""
-    divs = _divisors(mesh_shape, codes)
-    i = _DIV_IDS.get(divs)
+    key = (mesh_shape, tuple(codes))
+    i = _DIV_OF_CODES.get(key)
     if i is None:
-        i = _DIV_IDS[divs] = len(_DIVS)
-        _DIVS.append(divs)
+        divs = _divisors(mesh_shape, codes)
+        i = _DIV_IDS.get(divs)
+        if i is None:
+            i = _DIV_IDS[divs] = len(_DIVS)
+            _DIVS.append(divs)
+        _DIV_OF_CODES[key] = i
     return i
 
 
