@@ -130,11 +130,18 @@ class _ListPre:
 
     outs: list[tuple]  # per option: per output slot, codes per mesh dim (or the non-spec value)
     ins: list[tuple]  # per option: per input, codes per mesh dim
-    index: dict  # (outs, ins) -> index in the list
+    _index: dict | None  # see index()
     # per option: bit (family index * ndim + mesh dim) set where some output
     # / each input holds Partial(F) there (the passes test bits, not codes)
     out_bits: list[int]
     in_bits: list[tuple[int, ...]]
+
+    def index(self) -> dict:
+        """(outs, ins) -> index in the list; built on first use (only lists
+        holding a Partial look substitutes up)."""
+        if self._index is None:
+            self._index = {key: i for i, key in enumerate(zip(self.outs, self.ins))}
+        return self._index
 
 
 def _spec_codes(spec: DTensorSpec, memo: dict) -> tuple:
@@ -177,7 +184,7 @@ def _list_pre(options: list[Option], memo: dict, ndim: int) -> _ListPre:
             b |= held_bits(codes)
         out_bits.append(b)
     in_bits = [tuple(held_bits(codes) for codes in per_input) for per_input in ins]
-    return _ListPre(outs, ins, {key: i for i, key in enumerate(zip(outs, ins))}, out_bits, in_bits)
+    return _ListPre(outs, ins, None, out_bits, in_bits)
 
 
 def _held(code, d: int, family) -> bool:
@@ -221,7 +228,7 @@ def _list_info(
             else:
                 if kept_set is None:
                     kept_set = set(kept)
-                sub = pre.index.get((_substitute(pre.outs[i], d, family), _substitute(pre.ins[i], d, family)))
+                sub = pre.index().get((_substitute(pre.outs[i], d, family), _substitute(pre.ins[i], d, family)))
                 if sub is None or sub not in kept_set:
                     why = f"no substitute for {o.label}"
                 elif costs[sub] > costs[i]:
