@@ -190,7 +190,7 @@ def test_options_converted_once_per_spec_object(fake_world, monkeypatch, mesh_sh
 def test_options_without_dtensors_costs(fake_world, monkeypatch):
     """Skipping DTensor's redistribution costs (both the per-pair function
     and the per-row one the rule modules import) leaves the options as
-    they are with the costs computed (FFN with bias on 2x2x2)."""
+    they are with the costs computed (FFN with bias on 2x4)."""
     import contextlib
 
     from autoparallel.models import FFN
@@ -202,8 +202,8 @@ def test_options_without_dtensors_costs(fake_world, monkeypatch):
         monkeypatch,
         model,
         torch.empty(8, 6, 16, device="meta"),
-        init_device_mesh("cpu", (2, 2, 2)),
+        init_device_mesh("cpu", (2, 4)),
         _without_dtensor_redistribute_costs=contextlib.nullcontext,
     )
     assert ours == costed
-    assert sum(len(v) for v in ours.values()) > 1000
+    assert sum(len(v) for v in ours.values()) > 500
