@@ -37,6 +37,11 @@ _CODES: list[tuple] = []  # interned id -> per-mesh-dim codes
 _PLANS: dict[tuple, tuple] = {}
 # (mesh, device) -> {(mesh dim, kinds, bytes before, bytes after): seconds}
 _STEPS: dict[tuple, dict[tuple, float]] = {}
+# interned shard divisors (tensor dim, mesh size) of a layout, and the id
+# per (mesh shape, layout codes)
+_DIV_IDS: dict[tuple, int] = {}
+_DIV_OF_CODES: dict[tuple, int] = {}
+_DIVS: list[tuple] = []
 
 
 def clear_caches() -> None:
@@ -44,6 +49,9 @@ def clear_caches() -> None:
     _CODES.clear()
     _PLANS.clear()
     _STEPS.clear()
+    _DIV_IDS.clear()
+    _DIV_OF_CODES.clear()
+    _DIVS.clear()
 
 
 def _fast_id(spec: DTensorSpec) -> int | None:
@@ -111,12 +119,28 @@ def _greedy_plan(mesh_shape: tuple[int, ...], src: tuple, dst: tuple) -> tuple:
     for mesh_dim, a, b in raw:
         current[mesh_dim] = b
         kinds = _STEP_KINDS.get((a[0], b[0]), ("forbidden",)) if a != b else ()
-        steps.append((mesh_dim, kinds, _divisors(mesh_shape, current)))
-    return _divisors(mesh_shape, src), tuple(steps)
+        steps.append((mesh_dim, kinds, _divisors_id(mesh_shape, current)))
+    return _divisors_id(mesh_shape, src), tuple(steps)
 
 
 def _divisors(mesh_shape, codes) -> tuple:
     return tuple((c[1], m) for m, c in zip(mesh_shape, codes) if c[0] == "S")
+
+
+def _divisors_id(mesh_shape, codes) -> int:
+    """:func:`_divisors`, interned to a small int (``_DIVS[id]`` gives it
+    back): pair costing looks local bytes up per step, and an int hashes
+    faster than a tuple of tuples."""
+    key = (mesh_shape, tuple(codes))
+    i = _DIV_OF_CODES.get(key)
+    if i is None:
+        divs = _divisors(mesh_shape, codes)
+        i = _DIV_IDS.get(divs)
+        if i is None:
+            i = _DIV_IDS[divs] = len(_DIVS)
+            _DIVS.append(divs)
+        _DIV_OF_CODES[key] = i
+    return i
 
 
 def redistribution_matrix(
@@ -145,12 +169,12 @@ def redistribution_matrix(
     topo = comm._mesh_dim_topology(mesh, device.gpus_per_node)
     steps = _STEPS.setdefault((mesh, device), {})
     pairs = (pair_cache if pair_cache is not None else {}).setdefault((shape, itemsize, mesh, device), {})
-    nbytes: dict[tuple, int] = {}
+    nbytes: dict[int, int] = {}
 
-    def local_bytes(divs) -> int:
-        b = nbytes.get(divs)
+    def local_bytes(div_id: int) -> int:
+        b = nbytes.get(div_id)
         if b is None:
-            b = nbytes[divs] = comm._local_bytes(shape, divs, itemsize)
+            b = nbytes[div_id] = comm._local_bytes(shape, _DIVS[div_id], itemsize)
         return b
 
     def pair_time(s: DTensorSpec, d: DTensorSpec, si: int, di: int) -> float:
@@ -163,8 +187,8 @@ def redistribution_matrix(
         if not plan_steps:
             return total
         cur_bytes = local_bytes(src_divs)
-        for mesh_dim, kinds, divs in plan_steps:
-            new_bytes = local_bytes(divs)
+        for mesh_dim, kinds, div_id in plan_steps:
+            new_bytes = local_bytes(div_id)
             skey = (mesh_dim, kinds, cur_bytes, new_bytes)
             time = steps.get(skey)
             if time is None:
@@ -188,14 +212,20 @@ def redistribution_matrix(
 
     rows = []
     for s, si in zip(src_specs, src_ids):
+        if si is None:
+            rows.append([comm.redistribute_time(s, d, device) for d in dst_specs])
+            continue
+        known = pairs.get(si)  # per source: destination id -> seconds
+        if known is None:
+            known = pairs[si] = {}
         row = []
         for d, di in zip(dst_specs, dst_ids):
-            if si is None or di is None:
+            if di is None:
                 row.append(comm.redistribute_time(s, d, device))
                 continue
-            t = pairs.get((si, di))
+            t = known.get(di)
             if t is None:
-                t = pairs[(si, di)] = pair_time(s, d, si, di)
+                t = known[di] = pair_time(s, d, si, di)
             row.append(t)
         rows.append(row)
     return rows

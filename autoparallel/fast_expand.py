@@ -115,16 +115,20 @@ def expand_to_full_mesh_op_strategy(
             elif in_count < len(input_args_strategy):
                 input_strategy = input_args_strategy[in_count]
                 meta = input_strategy.tensor_meta
-            spec = DTensorSpec(mesh, placements, tensor_meta=meta)
+            spec = _shared_spec(mesh, placements, meta)
             shardable = True
             if input_strategy is not None:
-                shardable = ops_utils.is_tensor_shardable(
-                    input_strategy.shape, spec, allow_unbacked_sharding=allow_unbacked_sharding
-                ) or (allow_uneven_sharding and input_strategy.strategies[0].output_spec.placements == placements)
+                shardable = _shardable(input_strategy.shape, spec, allow_unbacked_sharding) or (
+                    allow_uneven_sharding and input_strategy.strategies[0].output_spec.placements == placements
+                )
             hit = memo[key] = (spec, _mixed_partial(spec), shardable)
         return hit
 
     all_strategies = []
+    # (position, ids of the placement objects, counts) -> spec_at's answer:
+    # ints hash much faster than Placements (equal placements under other
+    # objects still meet in spec_at's memo)
+    by_ids: dict[tuple, tuple] = {}
     indexed = list(enumerate(single_mesh_dim_strategies))
     for icomb in itertools.product(indexed, repeat=mesh.ndim):
         comb = [c for _, c in icomb]
@@ -132,11 +136,15 @@ def expand_to_full_mesh_op_strategy(
         spec_list = []
         skip = False
         for position in range(n_positions):
-            placements = tuple(c[position] for c in comb)
-            if placements[0] is None:
+            if comb[0][position] is None:
                 spec_list.append(None)
                 continue
-            spec, mixed, shardable = spec_at(position, placements, *first_counts[position])
+            key = (position, first_counts[position], *[id(c[position]) for c in comb])
+            hit = by_ids.get(key)
+            if hit is None:
+                placements = tuple(c[position] for c in comb)
+                hit = by_ids[key] = spec_at(position, placements, *first_counts[position])
+            spec, mixed, shardable = hit
             if mixed:
                 skip = True
                 break
@@ -171,6 +179,31 @@ def expand_to_full_mesh_op_strategy(
     return OpStrategy(all_strategies)
 
 
+# Specs and shardability shared across calls while fast_expansion() is
+# entered: the ops of a layer expand over the same few tensor metas, and on
+# a 4-D mesh each call would otherwise build ~10K specs (~35 us each).
+_SPECS: dict[tuple, DTensorSpec] = {}
+_SHARDABLE: dict[tuple, bool] = {}
+
+
+def _shared_spec(mesh, placements: tuple, meta) -> DTensorSpec:
+    key = (id(mesh), placements, meta)
+    spec = _SPECS.get(key)
+    if spec is None:
+        spec = _SPECS[key] = DTensorSpec(mesh, placements, tensor_meta=meta)
+    return spec
+
+
+def _shardable(shape, spec: DTensorSpec, allow_unbacked_sharding) -> bool:
+    from torch.distributed.tensor._ops import utils as ops_utils
+
+    key = (tuple(shape), id(spec), allow_unbacked_sharding)
+    ok = _SHARDABLE.get(key)
+    if ok is None:
+        ok = _SHARDABLE[key] = ops_utils.is_tensor_shardable(shape, spec, allow_unbacked_sharding=allow_unbacked_sharding)
+    return ok
+
+
 @contextlib.contextmanager
 def fast_expansion():
     """Use :func:`expand_to_full_mesh_op_strategy` in DTensor's rule modules."""
@@ -188,3 +221,5 @@ def fast_expansion():
     finally:
         for module in patched:
             module.expand_to_full_mesh_op_strategy = original
+        _SPECS.clear()
+        _SHARDABLE.clear()

@@ -98,6 +98,9 @@ class ProblemSize:
     estimated_bytes: float
     # (pairs, producer, consumer) of the largest distinct edge matrices
     largest: list[tuple[int, str, str]] = field(default_factory=list)
+    # (op, nodes, options, option pairs of the edges into its nodes) of the
+    # op kinds holding the most pairs: where a mesh's options come from
+    by_op: list[tuple[str, int, int, int]] = field(default_factory=list)
 
     def describe(self) -> str:
         return (
@@ -332,20 +335,22 @@ class _EdgeMatrices:
         key = ("gradient", id(param), id(grad), kind)
         hit = self._matrices.get(key)
         if hit is None:
+            # costs depend on the gradient's output placements only: priced
+            # per distinct placements (a gradient op has many options per
+            # output layout, and a tp-outer pair goes through DTensor's
+            # planner, ~100 us)
+            grad_specs, grad_class = _spec_classes([go.output_spec for go in grad])
             mesh_shape = None
             rows = []
             for po in param:
                 ps = po.output_spec
                 mesh_shape = mesh_shape or tuple(ps.mesh.shape)
                 strided = cost_model.is_tp_outer(ps.placements, mesh_shape)
-                rows.append(
-                    [
-                        0.0
-                        if go.output_spec.placements == ps.placements
-                        else self._pair(go.output_spec, ps, kind) if strided else math.inf
-                        for go in grad
-                    ]
-                )
+                by_class = [
+                    0.0 if gs.placements == ps.placements else self._pair(gs, ps, kind) if strided else math.inf
+                    for gs in grad_specs
+                ]
+                rows.append([by_class[c] for c in grad_class])
             hit = self._matrices[key] = (rows, param, grad)
         return hit[0]
 
@@ -425,13 +430,21 @@ def estimate_problem_size(traced: TracedStep, strategies: dict[torch.fx.Node, No
     pairs = 0
     edges = 0
     distinct: dict[tuple, tuple[int, str, str]] = {}
+    # op -> [nodes, options, pairs into its nodes]
+    per_op: dict[str, list[int]] = {}
+    for node, strat in strategies.items():
+        counts = per_op.setdefault(_op_kind(node), [0, 0, 0])
+        counts[0] += 1
+        counts[1] += len(strat.options)
     for producer, consumer, key in _edge_endpoints(traced, strategies):
         n = len(strategies[producer].options) * len(strategies[consumer].options)
         pairs += n
         edges += 1
         distinct.setdefault(key, (n, producer.name, consumer.name))
+        per_op[_op_kind(consumer)][2] += n
     distinct_pairs = sum(v[0] for v in distinct.values())
     largest = sorted(distinct.values(), reverse=True)[:3]
+    by_op = sorted(((op, *c) for op, c in per_op.items()), key=lambda t: (-t[3], -t[2], t[0]))[:5]
     return ProblemSize(
         decisions=len(strategies),
         options=sum(len(s.options) for s in strategies.values()),
@@ -440,7 +453,18 @@ def estimate_problem_size(traced: TracedStep, strategies: dict[torch.fx.Node, No
         distinct_pairs=distinct_pairs,
         estimated_bytes=float(BYTES_PER_DISTINCT_PAIR * distinct_pairs + BYTES_PER_PAIR * pairs),
         largest=largest,
+        by_op=by_op,
     )
+
+
+def _op_kind(node: torch.fx.Node) -> str:
+    """``aten.mul.Tensor``, ``getitem``, ``placeholder``: what a node's
+    options come from."""
+    if node.op != "call_function":
+        return node.op
+    if isinstance(node.target, torch._ops.OpOverload):
+        return str(node.target)
+    return getattr(node.target, "__name__", str(node.target))
 
 
 def check_problem_size(size: ProblemSize, mesh: DeviceMesh, limit: float | None) -> None:
@@ -448,12 +472,15 @@ def check_problem_size(size: ProblemSize, mesh: DeviceMesh, limit: float | None)
     if limit is None or size.estimated_bytes <= limit:
         return
     biggest = "; ".join(f"{p} x {c}: {n:,} pairs" for n, p, c in size.largest)
+    ops = "; ".join(
+        f"{op}: {nodes} nodes, {options:,} options, {pairs:,} pairs into them" for op, nodes, options, pairs in size.by_op
+    )
     raise ProblemTooLarge(
         f"planning problem too large to build: {size.describe()}, over the limit of "
         f"{limit / 2**30:.2f} GiB (max_problem_bytes). Why: on a {mesh.ndim}-D mesh "
         f"{tuple(mesh.shape)} each node's options are the product of its per-mesh-dim "
         f"placements and every edge holds options x options costs; largest edge matrices: "
-        f"{biggest}. To change: plan on fewer mesh dims (flatten data-parallel dims into one, "
+        f"{biggest}; op kinds with the most pairs: {ops}. To change: plan on fewer mesh dims (flatten data-parallel dims into one, "
         f"e.g. mesh._flatten, and plan 2-D), pin layouts (add_input_constraints, "
         f"add_node_constraint, add_parameter_memory_constraint), use a coarser option set "
         f"(fewer layers: repeated layers share matrices), or raise max_problem_bytes "

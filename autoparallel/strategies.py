@@ -235,32 +235,50 @@ def _options_from_op_strategy(
         raise NotImplementedError("TupleStrategy")
     options: list[Option] = []
     seen: set = set()
+    # DTensor's options share spec objects (fast_expand builds one per
+    # placements), so the filters and the pool run once per (position, spec
+    # object); the memos keep those objects alive, so ids stay unique. A
+    # pooled spec stands for its placements (one object per placements and
+    # meta): options deduplicate on the ids of their pooled specs.
+    in_memo: dict[tuple[int, int], tuple] = {}
+    out_memo: dict[int, tuple] = {}
+
+    def pooled_input(k: int, spec):
+        hit = in_memo.get((k, id(spec)))
+        if hit is None:
+            p, m = spec.placements, in_metas[k]
+            hit = in_memo[(k, id(spec))] = (pool.get(p, m) if is_evenly_sharded(m.shape, p, mesh) else None, spec)
+        return hit[0]
+
     for op_spec in strategy.strategies:
-        out = _for_each_output(op_spec.output_specs, out_meta)
-        if not _same_structure(out, out_meta):
-            raise ValueError(
-                f"DTensor's strategy for {node.target} gives output specs {format_specs(out)} "
-                f"for a node with outputs {out_meta}"
-            )
+        raw_out = op_spec.output_specs
+        out_hit = out_memo.get(id(raw_out))
+        if out_hit is None:
+            out = _for_each_output(raw_out, out_meta)
+            if not _same_structure(out, out_meta):
+                raise ValueError(
+                    f"DTensor's strategy for {node.target} gives output specs {format_specs(out)} "
+                    f"for a node with outputs {out_meta}"
+                )
+            pooled = _pooled_out(out, out_meta, pool) if _out_placements_ok(out, out_meta, mesh) else None
+            # multi-output: a new tuple per strategy, keyed by its placements
+            out_key = id(pooled) if isinstance(pooled, DTensorSpec) else placements_of(out)
+            out_hit = out_memo[id(raw_out)] = (pooled, out_key, raw_out)
+        pooled_out, out_key = out_hit[0], out_hit[1]
         if op_spec.input_specs is None:
-            in_placements = tuple(op_spec.output_spec.placements for _ in in_metas)
+            in_specs = tuple(pooled_input(k, op_spec.output_spec) for k in range(len(in_metas)))
         else:
             if len(op_spec.input_specs) != len(inputs):
                 continue
-            in_placements = tuple(s.placements for s in op_spec.input_specs)
-        # Filter and deduplicate on placements; build (pooled) specs only
-        # for the options kept.
-        key = (placements_of(out), in_placements)
+            in_specs = tuple(pooled_input(k, s) for k, s in enumerate(op_spec.input_specs))
+        # filtered: not evenly sharded (or a _StridedShard)
+        if pooled_out is None or any(s is None for s in in_specs):
+            continue
+        key = (out_key, *map(id, in_specs))
         if key in seen:
             continue
         seen.add(key)
-        if not (
-            _out_placements_ok(out, out_meta, mesh)
-            and all(is_evenly_sharded(m.shape, p, mesh) for p, m in zip(in_placements, in_metas))
-        ):
-            continue
-        in_specs = tuple(pool.get(p, m) for p, m in zip(in_placements, in_metas))
-        options.append(Option(_pooled_out(out, out_meta, pool), in_specs))
+        options.append(Option(pooled_out, in_specs))
     return options
 
 

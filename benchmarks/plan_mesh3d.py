@@ -31,6 +31,15 @@ s (tracing / options / build / presolve / ILP build / ILP solve), peak RSS:
 
 all proven optimal. Before this branch's edge_costs/fast_expand (same
 machine, load ~10): 8B-4x4x8 95.6 s (options 13.8, build 32.4).
+
+mesh4d branch, load 4-6 (not comparable with the above; CPU-second
+comparisons at equal load are in the README's issue-13 status):
+
+    8B-16x8         26.0 (20.3 / 1.7 / 2.0 / 0.3 / 0.1 / 0.2)      434 MiB
+    8B-4x4x8        50.5 (16.9 / 7.1 / 9.5 / 9.6 / 1.9 / 3.5)      992 MiB
+    70B-4x4x8x8     refused by the size guard after 321.6 s (load 6-10,
+                    757 MiB); one layer: after 46.1 s (load 3.5, was
+                    108.3 s at load 0.8-2.4), 143,187 options, 113.8M pairs
 """
 
 from __future__ import annotations
@@ -110,6 +119,10 @@ def _plan(name: str, layers: int | None, seq: int, batch: int, max_gib: float, t
         )
     except Exception as e:  # noqa: BLE001 - reported in the table
         out.update(status=f"{type(e).__name__}: {str(e)[:300]}")
+        size = getattr(e, "size", None)  # ProblemTooLarge: where the pairs are
+        if size is not None:
+            out.update(options_after=size.options, pairs=size.pairs, by_op=size.by_op)
+        out["timings"] = dict(autop.timings) if "autop" in locals() else {}
     out["total_s"] = time.perf_counter() - t0
     out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     queue.put(out)
@@ -164,7 +177,10 @@ def main(argv=None) -> None:
 
 
 def _row(r: dict) -> str:
-    return f"{r['name']}: {r.get('status')} in {r.get('total_s', float('nan')):.1f} s, peak RSS {r.get('peak_rss_mib', float('nan')):.0f} MiB"
+    row = f"{r['name']}: {r.get('status')} in {r.get('total_s', float('nan')):.1f} s, peak RSS {r.get('peak_rss_mib', float('nan')):.0f} MiB"
+    for op, nodes, options, pairs in r.get("by_op", ()):
+        row += f"\n    {op}: {nodes} nodes, {options:,} options, {pairs:,} pairs into them"
+    return row
 
 
 def _table(rows: list[dict]) -> str:

@@ -71,6 +71,10 @@ def test_size_guard_refuses_before_building(fake_world, monkeypatch):
     # the largest matrices are named by their nodes
     n, producer, consumer = size.largest[0]
     assert f"{producer} x {consumer}: {n:,} pairs" in msg
+    # and the op kinds holding the most pairs, with their counts
+    op, nodes, options, pairs = size.by_op[0]
+    assert op.startswith("aten.") and f"{op}: {nodes} nodes, {options:,} options, {pairs:,} pairs into them" in msg
+    assert pairs == max(t[3] for t in size.by_op) and sum(t[3] for t in size.by_op) <= size.pairs
 
 
 def test_size_estimate_counts_the_built_pairs(fake_world):

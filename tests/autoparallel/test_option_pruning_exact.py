@@ -3,7 +3,9 @@
 * fast redistribution matrices (autoparallel/edge_costs.py) are
   bit-identical to ``cost_model.redistribute_time``;
 * options dropped before pair matrices exist keep the optimal objective
-  (compared with the unpruned solve on tiny LLaMA-3 on 2x2x2 and 2x2x2x2).
+  (compared with the unpruned solve on tiny LLaMA-3 on 2x2x2 and 2x2x2x2);
+* the options stage's shortcuts (fast expansion, DTensor's costs skipped,
+  conversion once per spec object) give DTensor's options, in order.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, 
 
 from autoparallel import cost_model
 from autoparallel.cost_model import comm
-from autoparallel.edge_costs import _greedy_plan, _CODES, _fast_id, redistribution_matrix
+from autoparallel.edge_costs import _CODES, _DIVS, _fast_id, _greedy_plan, redistribution_matrix
 
 
 def _meta(shape, dtype=torch.bfloat16):
@@ -68,7 +70,8 @@ def test_greedy_plan_equals_comm_plan(fake_world):
     for s in specs:
         for d in specs:
             src_divs, steps = comm._plan(s, d)
-            ours = _greedy_plan((2, 2, 2, 2), _CODES[_fast_id(s)], _CODES[_fast_id(d)])
+            src_id, our_steps = _greedy_plan((2, 2, 2, 2), _CODES[_fast_id(s)], _CODES[_fast_id(d)])
+            ours = (_DIVS[src_id], tuple((m, kinds, _DIVS[div_id]) for m, kinds, div_id in our_steps))
             assert ours == (src_divs, tuple((m, kinds, divs) for m, _a, _b, kinds, divs in steps))
 
 
@@ -111,3 +114,96 @@ def test_fast_expansion_gives_dtensors_options(fake_world, monkeypatch):
     assert sum(len(v) for v in labels[0].values()) > 1000
     # the fast expansion ran (for the matmuls and pointwise ops)
     assert {str(op) for op in calls} >= {"aten.addmm.default", "aten.mm.default"}
+
+
+def _reference_options(node, strategy, inputs, pool):
+    """DTensor's strategy as options, the plain way: every OpSpec's
+    placements, deduplicated in order, uneven layouts dropped."""
+    from autoparallel import strategies as st
+    from autoparallel.dtensor_query import _out_meta
+
+    out_meta = _out_meta(node)
+    in_metas = [st.tensor_meta_of(n.meta["val"]) for n in inputs]
+    options, seen = [], set()
+    for op_spec in strategy.strategies:
+        out = st._for_each_output(op_spec.output_specs, out_meta)
+        if op_spec.input_specs is None:
+            in_placements = tuple(op_spec.output_spec.placements for _ in in_metas)
+        elif len(op_spec.input_specs) != len(inputs):
+            continue
+        else:
+            in_placements = tuple(s.placements for s in op_spec.input_specs)
+        key = (st.placements_of(out), in_placements)
+        if key in seen:
+            continue
+        seen.add(key)
+        if st._out_placements_ok(out, out_meta, pool.mesh) and all(
+            st.is_evenly_sharded(m.shape, p, pool.mesh) for p, m in zip(in_placements, in_metas)
+        ):
+            ins = tuple(pool.get(p, m) for p, m in zip(in_placements, in_metas))
+            options.append(st.Option(st._pooled_out(out, out_meta, pool), ins))
+    return options
+
+
+def _enumerate_both_ways(monkeypatch, model, example, mesh, **reference):
+    """Option labels per node: as the planner enumerates them, and with
+    ``reference`` (strategies module attribute -> replacement) patched in."""
+    import contextlib
+
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from autoparallel import strategies
+    from autoparallel.tracing import trace_training_step
+
+    labels = []
+    with contextlib.ExitStack() as stack:
+        traced = trace_training_step(model, (example,), "cpu", stack=stack)
+        with unset_fake_temporarily():
+            for patched in (False, True):
+                if patched:
+                    for name, value in reference.items():
+                        monkeypatch.setattr(strategies, name, value)
+                st = strategies.StrategyEnumerator(mesh).enumerate(traced.gm, set(traced.param_nodes.values()))
+                labels.append({n.name: [o.label for o in s.options] for n, s in st.items()})
+    return labels
+
+
+# 2x2x2: ~25 s on a loaded machine (two enumerations of tiny LLaMA-3)
+@pytest.mark.parametrize("mesh_shape", [pytest.param((2, 2, 2), marks=pytest.mark.slow), (2, 4)])
+def test_options_converted_once_per_spec_object(fake_world, monkeypatch, mesh_shape):
+    """DTensor's strategies filtered and pooled once per spec object give the
+    options of the plain conversion, in order (tiny LLaMA-3: matmuls, views,
+    pointwise ops, multi-output ops)."""
+    from autoparallel.models import LLAMA3_CONFIGS, Transformer
+
+    fake_world(8)
+    with torch.device("meta"):
+        model = Transformer(LLAMA3_CONFIGS["debug"])
+    example = torch.empty(4, 8, dtype=torch.long, device="meta")
+    ours, plain = _enumerate_both_ways(
+        monkeypatch, model, example, init_device_mesh("cpu", mesh_shape), _options_from_op_strategy=_reference_options
+    )
+    assert ours == plain
+    assert sum(len(v) for v in ours.values()) > 5000
+
+
+def test_options_without_dtensors_costs(fake_world, monkeypatch):
+    """Skipping DTensor's redistribution costs (both the per-pair function
+    and the per-row one the rule modules import) leaves the options as
+    they are with the costs computed (FFN with bias on 2x4)."""
+    import contextlib
+
+    from autoparallel.models import FFN
+
+    fake_world(8)
+    with torch.device("meta"):
+        model = FFN(16, 64, bias=True)
+    ours, costed = _enumerate_both_ways(
+        monkeypatch,
+        model,
+        torch.empty(8, 6, 16, device="meta"),
+        init_device_mesh("cpu", (2, 4)),
+        _without_dtensor_redistribute_costs=contextlib.nullcontext,
+    )
+    assert ours == costed
+    assert sum(len(v) for v in ours.values()) > 500
