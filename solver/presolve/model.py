@@ -19,6 +19,13 @@ SEPARABLE_RTOL = 1e-12
 # but on a 32-layer transformer that doubles presolve time to shrink the ILP
 # by another 5%; once is the better deal.
 DOMINANCE_ROUNDS = 1
+# Dominance of a decision with n options and W partner options over its
+# edges: a dense [k, i, j] array (also giving the pair cuts) while n * n * W
+# is at most this, else a bound first and exact gains only where it may be
+# <= 0 (no pair cuts).
+DENSE_DOMINANCE_MAX = 4_000_000
+# Margin (relative to the costs involved) of that bound's filter.
+SPARSE_GAIN_RTOL = 1e-9
 # Tolerance of conditional (pair) dominance, relative to the largest costs
 # involved: a pair is only dropped when another option is better by more.
 PAIR_RTOL = 1e-9
