@@ -284,12 +284,7 @@ class ReducePhase:
             self._drop_edge(eid)
             self.stats.edges_folded += 1
         for res in self.res_of[g]:
-            w = float(res.terms.pop(g)[t])
-            res.fixed += w
-            if res.low is not None:
-                res.low -= w
-            if res.high is not None:
-                res.high -= w
+            self._shift_resource(res, float(res.terms.pop(g)[t]))
             self.res_dirty[id(res)] = res
         self.res_of[g] = []
         for nb, vec in folds:
@@ -371,6 +366,41 @@ class ReducePhase:
             self._restrict(
                 g, keep, f"resource constraint {res.name!r} cannot be met with these options"
             )
+        self._drop_resource_slack(res)
+
+    def _drop_resource_slack(self, res: _Resource) -> None:
+        """Fold terms whose weight no longer depends on the choice into the
+        bounds, and drop the row when no choice can break it: its decisions
+        are then free to be eliminated (a parameter memory row pinning every
+        parameter to its most sharded layouts blocked 8 eliminations on the
+        8B 4x4x8 problem)."""
+        for g, w in list(res.terms.items()):
+            if len(w) and w.min() == w.max():
+                del res.terms[g]
+                self.res_of[g].remove(res)
+                self._shift_resource(res, float(w[0]))
+                self._push(g)
+        if not res.terms:
+            self.resources.remove(res)
+            self._check_constant_resource(res)
+            return
+        if (res.high is None or sum(float(w.max()) for w in res.terms.values()) <= res.high) and (
+            res.low is None or sum(float(w.min()) for w in res.terms.values()) >= res.low
+        ):
+            for g in res.terms:
+                self.res_of[g].remove(res)
+                self._push(g)
+            self.resources.remove(res)
+            self.res_dirty.pop(id(res), None)
+
+    @staticmethod
+    def _shift_resource(res: _Resource, w: float) -> None:
+        """A term of weight ``w`` is decided: it moves into the bounds."""
+        res.fixed += w
+        if res.low is not None:
+            res.low -= w
+        if res.high is not None:
+            res.high -= w
 
     def _check_constant_resource(self, res: _Resource) -> None:
         if (res.high is not None and 0.0 > res.high + _slack(res.high)) or (
