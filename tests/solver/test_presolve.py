@@ -317,10 +317,10 @@ def test_dominance_drops_options_and_keeps_lowest_id_among_equals():
         [Edge("a", "b", 0, [[0.0, 2.0], [0.0, 2.0], [0.0, 2.0], [0.0, 1.0]]),
          Edge("a", "c", 0, [[1.0, 0.0], [1.0, 0.0], [1.0, 0.0], [0.0, 3.0]]),
          Edge("b", "c", 0, [[0.0, 5.0], [5.0, 0.0]])],
-        # In a resource constraint that can bind (z heaviest): not eliminated,
-        # only dominated.
+        # In a resource constraint (a's weights not all equal: presolve folds
+        # constant terms away): not eliminated, only dominated.
         resources=[ResourceConstraint("mem", {"a": [1.0, 1.0, 2.0, 2.0], "b": [1.0, 2.0],
-                                              "c": [0.0, 1.0]}, high=4.0)],
+                                              "c": [0.0, 0.0]}, high=10.0)],
     )
     pre = check_exact(p)
     # y equals x (higher id goes), z is worse than x; w is not comparable.
@@ -489,19 +489,18 @@ def test_sparse_dominance_drops_what_the_dense_test_drops(monkeypatch):
     assert removed > 20  # the comparison saw dominance at work
 
 
-def test_resource_rows_that_cannot_bind_are_dropped():
-    """A row no choice can break, or whose terms presolve has made constant
-    (a budget pinning every parameter to its most sharded layouts), goes:
-    its decisions are then eliminated like any other."""
+def test_resource_terms_made_constant_are_folded():
+    """Terms whose weight presolve has made constant (a budget pinning every
+    parameter to its most sharded layouts) move into the bounds, and the
+    row goes once none is left: its decisions are then eliminated like any
+    other. A row that cannot bind keeps its choice-dependent terms."""
     chain = [Edge("a", "b", 0, [[0.0, 2.0], [2.0, 0.0]]), Edge("b", "c", 0, [[0.0, 1.0], [3.0, 0.0]])]
     decisions = [Decision(n, ["x", "y"], [1.0, 0.0]) for n in "abc"]
-    loose = ResourceConstraint("loose", {n: [1.0, 2.0] for n in "abc"}, high=6.0)
     pinned = ResourceConstraint("pinned", {"a": [1.0, 3.0], "b": [2.0, 5.0]}, high=3.0)
-    for res in (loose, pinned):
-        pre = check_exact(Problem([Decision(d.name, d.options, d.costs) for d in decisions],
-                                  chain, resources=[res]))
-        assert not pre.problem.resources
-        assert pre.stats.decisions_after == 0
-    tight = ResourceConstraint("tight", {n: [1.0, 2.0] for n in "abc"}, high=5.0)
-    pre = check_exact(Problem(decisions, chain, resources=[tight]))
-    assert pre.problem.resources  # it binds: kept
+    pre = check_exact(Problem(decisions, chain, resources=[pinned]))
+    assert not pre.problem.resources
+    assert pre.stats.decisions_after == 0
+    for high in (5.0, 6.0):  # binding, and not
+        res = ResourceConstraint("memory", {n: [1.0, 2.0] for n in "abc"}, high=high)
+        pre = check_exact(Problem(decisions, chain, resources=[res]))
+        assert pre.problem.resources
