@@ -284,7 +284,12 @@ class ReducePhase:
             self._drop_edge(eid)
             self.stats.edges_folded += 1
         for res in self.res_of[g]:
-            self._shift_resource(res, float(res.terms.pop(g)[t]))
+            w = float(res.terms.pop(g)[t])
+            res.fixed += w
+            if res.low is not None:
+                res.low -= w
+            if res.high is not None:
+                res.high -= w
             self.res_dirty[id(res)] = res
         self.res_of[g] = []
         for nb, vec in folds:
@@ -366,37 +371,6 @@ class ReducePhase:
             self._restrict(
                 g, keep, f"resource constraint {res.name!r} cannot be met with these options"
             )
-        self._drop_resource_slack(res)
-
-    def _drop_resource_slack(self, res: _Resource) -> None:
-        """Fold terms whose weight no longer depends on the choice into the
-        bounds (the row goes when none is left): their decisions are then
-        free to be eliminated. A parameter memory row pinning every parameter
-        to its most sharded layouts blocked 8 eliminations on the 8B 4x4x8
-        problem, and the 70B 16x8 budget solve branched over them (7.4 s).
-
-        A row that cannot bind but still has choice-dependent terms is kept:
-        dropping it is exact, but changes which of equally cheap plans comes
-        out (FSDP or replicated weights on a fast link, test_mesh3d), which
-        is for the cost model to decide with a tie-break cost."""
-        for g, w in list(res.terms.items()):
-            if len(w) and w.min() == w.max():
-                del res.terms[g]
-                self.res_of[g].remove(res)
-                self._shift_resource(res, float(w[0]))
-                self._push(g)
-        if not res.terms:
-            self.resources.remove(res)
-            self._check_constant_resource(res)
-
-    @staticmethod
-    def _shift_resource(res: _Resource, w: float) -> None:
-        """A term of weight ``w`` is decided: it moves into the bounds."""
-        res.fixed += w
-        if res.low is not None:
-            res.low -= w
-        if res.high is not None:
-            res.high -= w
 
     def _check_constant_resource(self, res: _Resource) -> None:
         if (res.high is not None and 0.0 > res.high + _slack(res.high)) or (

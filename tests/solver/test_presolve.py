@@ -317,10 +317,9 @@ def test_dominance_drops_options_and_keeps_lowest_id_among_equals():
         [Edge("a", "b", 0, [[0.0, 2.0], [0.0, 2.0], [0.0, 2.0], [0.0, 1.0]]),
          Edge("a", "c", 0, [[1.0, 0.0], [1.0, 0.0], [1.0, 0.0], [0.0, 3.0]]),
          Edge("b", "c", 0, [[0.0, 5.0], [5.0, 0.0]])],
-        # In a resource constraint (a's weights not all equal: presolve folds
-        # constant terms away): not eliminated, only dominated.
-        resources=[ResourceConstraint("mem", {"a": [1.0, 1.0, 2.0, 2.0], "b": [1.0, 2.0],
-                                              "c": [0.0, 0.0]}, high=10.0)],
+        # In a resource constraint (equal weights): not eliminated, only dominated.
+        resources=[ResourceConstraint("mem", {"a": [1.0] * 4, "b": [1.0, 2.0], "c": [0.0, 0.0]},
+                                      high=10.0)],
     )
     pre = check_exact(p)
     # y equals x (higher id goes), z is worse than x; w is not comparable.
@@ -360,36 +359,12 @@ def test_everything_decided_leaves_one_constant_decision():
     assert pre.expand({}) == {"a": 1, "b": 0}
 
 
-def _without_elimination(monkeypatch):
-    """Keep every decision (no folding into neighbours), so that only
-    dominance can act."""
-    from solver.presolve.reduce import ReducePhase
-
-    monkeypatch.setattr(ReducePhase, "_eliminate", lambda self, g: None)
-
-
-def _without_pair_cuts(monkeypatch):
-    from solver.presolve.reduce import ReducePhase
-
-    monkeypatch.setattr(
-        ReducePhase, "_pair_cuts", staticmethod(lambda u, C, D, *rest: [None] * D.shape[2])
-    )
-
-
-def _reduced(pre) -> tuple:
-    q = pre.problem
-    return (
-        [(d.name, d.options, d.costs) for d in q.decisions],
-        [(e.producer, e.consumer, e.costs) for e in q.edges],
-        pre.stats,
-    )
-
-
 @pytest.mark.parametrize("keep", [False, True])
-def test_stats_are_consistent(keep, monkeypatch):
+def test_stats_are_consistent(keep):
     p = layered(4)
-    if keep:
-        _without_elimination(monkeypatch)
+    if keep:  # unbounded resource terms keep decisions from being eliminated
+        p.resources = [ResourceConstraint("tag", {d.name: [0.0] * d.num_options
+                                                  for d in p.decisions})]
     pre = presolve(p)
     s = pre.stats
     assert isinstance(s, PresolveStats)
@@ -431,11 +406,11 @@ def test_many_linked_layers_shrink_to_one_layer():
     assert len({choice[f"l{i}.attn"] for i in range(32)}) == 1
 
 
-def test_conditional_dominance_forbids_pairs_no_optimum_uses(monkeypatch):
-    # No elimination, so only dominance can act. Given b = x, a prefers x;
-    # given b = y, a prefers y: neither option of a dominates the other, but
-    # pairs (x, y), (y, x) go.
-    _without_elimination(monkeypatch)
+def test_conditional_dominance_forbids_pairs_no_optimum_uses():
+    # Unbounded resource terms keep every decision (no elimination), so only
+    # dominance can act. Given b = x, a prefers x; given b = y, a prefers y:
+    # neither option of a dominates the other, but pairs (x, y), (y, x) go.
+    free = ResourceConstraint("tag", {n: [0.0, 0.0] for n in "abc"})
     p = Problem(
         [Decision("a", ["x", "y"], [0.0, 0.0]),
          Decision("b", ["x", "y"], [0.0, 1.0]),
@@ -443,6 +418,7 @@ def test_conditional_dominance_forbids_pairs_no_optimum_uses(monkeypatch):
         [Edge("a", "b", 0, [[0.0, 5.0], [5.0, 0.0]]),
          Edge("a", "c", 0, [[0.0, 1.0], [1.0, 0.0]]),
          Edge("b", "c", 0, [[0.0, 2.0], [2.0, 0.0]])],
+        resources=[free],
     )
     pre = check_exact(p)
     assert pre.stats.pairs_removed_dominated >= 2
@@ -452,13 +428,30 @@ def test_conditional_dominance_forbids_pairs_no_optimum_uses(monkeypatch):
 
 
 @pytest.mark.parametrize("seed", range(150))
-def test_random_problems_without_elimination(seed, monkeypatch):
-    """No elimination: dominance does the work."""
-    _without_elimination(monkeypatch)
+def test_random_problems_without_elimination(seed):
+    """Every decision in an unbounded resource constraint: dominance does the work."""
     rng = random.Random(30_000 + seed)
     p = random_problem(rng, n=rng.randint(3, 6), links=rng.random() < 0.3, pins=False,
                        resources=False, p_inf=rng.choice([0.0, 0.05]))
+    p.resources = [ResourceConstraint("tag", {d.name: [0.0] * d.num_options for d in p.decisions})]
     check_exact(p)
+
+
+def _without_pair_cuts(monkeypatch):
+    from solver.presolve.reduce import ReducePhase
+
+    monkeypatch.setattr(
+        ReducePhase, "_pair_cuts", staticmethod(lambda u, C, D, *rest: [None] * D.shape[2])
+    )
+
+
+def _reduced(pre) -> tuple:
+    q = pre.problem
+    return (
+        [(d.name, d.options, d.costs) for d in q.decisions],
+        [(e.producer, e.consumer, e.costs) for e in q.edges],
+        pre.stats,
+    )
 
 
 def test_sparse_dominance_drops_what_the_dense_test_drops(monkeypatch):
@@ -468,12 +461,12 @@ def test_sparse_dominance_drops_what_the_dense_test_drops(monkeypatch):
     import solver.presolve.reduce as reduce_mod
 
     _without_pair_cuts(monkeypatch)
-    _without_elimination(monkeypatch)
     removed = 0
     for seed in range(150):
         rng = random.Random(40_000 + seed)
         p = random_problem(rng, n=rng.randint(3, 6), links=rng.random() < 0.3, pins=False,
                            resources=False, p_inf=rng.choice([0.0, 0.05, 0.2]))
+        p.resources = [ResourceConstraint("tag", {d.name: [0.0] * d.num_options for d in p.decisions})]
         try:
             dense = _reduced(presolve(p))
         except PresolveInfeasible:
@@ -487,20 +480,3 @@ def test_sparse_dominance_drops_what_the_dense_test_drops(monkeypatch):
         assert sparse == dense, seed
         removed += 0 if dense is None else dense[2].options_removed_dominated
     assert removed > 20  # the comparison saw dominance at work
-
-
-def test_resource_terms_made_constant_are_folded():
-    """Terms whose weight presolve has made constant (a budget pinning every
-    parameter to its most sharded layouts) move into the bounds, and the
-    row goes once none is left: its decisions are then eliminated like any
-    other. A row that cannot bind keeps its choice-dependent terms."""
-    chain = [Edge("a", "b", 0, [[0.0, 2.0], [2.0, 0.0]]), Edge("b", "c", 0, [[0.0, 1.0], [3.0, 0.0]])]
-    decisions = [Decision(n, ["x", "y"], [1.0, 0.0]) for n in "abc"]
-    pinned = ResourceConstraint("pinned", {"a": [1.0, 3.0], "b": [2.0, 5.0]}, high=3.0)
-    pre = check_exact(Problem(decisions, chain, resources=[pinned]))
-    assert not pre.problem.resources
-    assert pre.stats.decisions_after == 0
-    for high in (5.0, 6.0):  # binding, and not
-        res = ResourceConstraint("memory", {n: [1.0, 2.0] for n in "abc"}, high=high)
-        pre = check_exact(Problem(decisions, chain, resources=[res]))
-        assert pre.problem.resources
