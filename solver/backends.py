@@ -124,10 +124,8 @@ class HighsBackend(Backend):
         import numpy as np
 
         S = highspy.HighsModelStatus
-        t0 = time.perf_counter()
-        lp = self._lp(model)
         t1 = time.perf_counter()
-        timings = {"build": t1 - t0}
+        timings = {"build": 0.0}
         scale, off = model.objective_scale, model.objective_offset
 
         # The LP relaxation first: the pairwise encoding is integral on trees
@@ -148,6 +146,12 @@ class HighsBackend(Backend):
                     timings.update(solve=time.perf_counter() - t1, extract=0.0)
                     logger.debug("highs: LP relaxation (column generation) is integral")
                     return BackendResult("optimal", cg.values, objective, objective, 0.0, timings)
+        # The full model for HiGHS: only now, as column generation may have
+        # ended the solve (its arrays cost 0.4 s on a 1M-column model).
+        t0 = time.perf_counter()
+        lp = self._lp(model)
+        timings["build"] = time.perf_counter() - t0
+        t1 += timings["build"]  # "solve" and the time limit leave the build out, as before
         lp_limit = None if time_limit is None else max(1e-3, time_limit - (time.perf_counter() - t1))
         h = self._highs({"presolve": "off"}, lp_limit)
         h.passModel(lp)
@@ -303,18 +307,75 @@ class HighsBackend(Backend):
 
 def _rounded(model: IlpModel, values) -> "np.ndarray":
     """Binary values: per decision, its option with the largest LP value,
-    then polished by :func:`solver.local_search.improve`."""
+    then polished by :func:`solver.local_search.improve`.
+
+    When that breaks a resource row (a binding memory budget: the LP mixes
+    a plan that fits with one that does not), per decision the option among
+    those the LP uses that weighs least in the rows instead: with a single
+    row, its weight is at most the LP's (a mix of those options), so the
+    choice fits as the LP does."""
+    import numpy as np
+
+    values = np.asarray(values)
+    choice = _round(model, lambda c: -values[c])
+    x = _polished(model, choice)
+    if model.resource_rows and not _fits(model, x):
+        score = _resource_score(model)
+        light = _round(model, lambda c: (score[c], -values[c]), used=values)
+        x_light = _polished(model, light)
+        if _fits(model, x_light):
+            logger.debug("highs: the rounded LP breaks a resource row; starting from its lightest options")
+            return x_light
+    return x
+
+
+def _round(model: IlpModel, key, used=None) -> dict[str, int]:
+    """Per decision, its option whose column minimises ``key`` (among those
+    with a positive value in ``used``, if given)."""
+    choice = {}
+    for name, cols in model.option_cols.items():
+        live = [(o, c) for o, c in enumerate(cols) if c is not None]
+        if used is not None:
+            live = [(o, c) for o, c in live if used[c] > 1e-9] or live
+        if live:  # linked decisions share columns and agree on their choice
+            choice[name] = min(live, key=lambda oc: key(oc[1]))[0]
+    return choice
+
+
+def _resource_score(model: IlpModel) -> "np.ndarray":
+    """Per option column: its weight summed over the resource rows, signed
+    so that smaller moves away from the bounds (upper: lighter, lower:
+    heavier)."""
+    import numpy as np
+
+    score = np.zeros(model.num_x)
+    for r in model.resource_rows:
+        a, b = model.row_start[r], model.row_start[r + 1]
+        sign = (1.0 if math.isfinite(model.row_upper[r]) else 0.0) - (
+            1.0 if math.isfinite(model.row_lower[r]) else 0.0
+        )
+        np.add.at(score, model.row_index[a:b], sign * model.row_value[a:b])
+    return score
+
+
+def _fits(model: IlpModel, x) -> bool:
+    """Do binary option values ``x`` meet every resource row (with the
+    MIP's feasibility tolerance)?"""
+    for r in model.resource_rows:
+        a, b = model.row_start[r], model.row_start[r + 1]
+        act = float(x[model.row_index[a:b]] @ model.row_value[a:b])
+        if not model.row_lower[r] - 1e-9 <= act <= model.row_upper[r] + 1e-9:
+            return False
+    return True
+
+
+def _polished(model: IlpModel, choice: dict[str, int]) -> "np.ndarray":
+    """Binary option values of ``choice`` after :func:`solver.local_search.improve`."""
     import numpy as np
 
     from .local_search import improve
 
     x = np.zeros(model.num_x)
-    values = np.asarray(values)
-    choice = {}
-    for name, cols in model.option_cols.items():
-        live = [(o, c) for o, c in enumerate(cols) if c is not None]
-        if live:  # linked decisions share columns and agree on their largest
-            choice[name] = max(live, key=lambda oc: values[oc[1]])[0]
     if len(choice) == len(model.option_cols):
         t0 = time.perf_counter()
         full = model.decode([0.0] * model.num_x)  # fixed decisions' options

@@ -6,7 +6,12 @@ large LP: the 1-layer debug LLaMA on 4x2 took 50-65 s to prove a plan that
 is optimal after 15 LP re-solves when branching on *decisions*: pick the
 decision whose largest option is furthest from 1, and make one child per
 option it uses fractionally (that option chosen) plus one for all its other
-options. Each child is the parent's LP with some option columns' upper
+options. Decisions whose fractional options weigh differently in a resource
+row come first: with a binding memory budget the LP mixes a plan that fits
+with one that does not, and other fractional decisions are often ties
+between equally good options (70B 16x8: 16 nodes instead of 268; the tiny
+LLaMA under a 2 MB budget proven where 200 nodes and HiGHS' MIP stopped at
+the 10 s limit with a 0.3% gap). Each child is the parent's LP with some option columns' upper
 bounds set to 0, re-solved warm by dual simplex. Best-first order, so the
 smallest open LP value is a proven bound at any time.
 
@@ -73,6 +78,14 @@ def branch_and_bound(
     groups = list({tuple(c for c in cols if c is not None): None for cols in model.option_cols.values()})
     groups = [np.asarray(g, dtype=np.int64) for g in groups if len(g) > 1]
 
+    # Per option column, its weights in the resource rows: a decision whose
+    # fractionally used options weigh differently is where a binding row
+    # splits the LP (a knapsack item); branch on those first.
+    weight = np.zeros((len(model.resource_rows), nx))
+    for k, r in enumerate(model.resource_rows):
+        a, b = model.row_start[r], model.row_start[r + 1]
+        weight[k, model.row_index[a:b]] = model.row_value[a:b]
+
     current = [lower.copy(), upper.copy()]  # the bounds h holds now
 
     def resolve(lo, ub):
@@ -110,11 +123,15 @@ def branch_and_bound(
             if value is None or value >= best - PRUNE_RTOL * abs(best):
                 continue  # infeasible or no better than the incumbent
             x = v[:nx]
-            worst, branch = ZERO_TOL, None
+            worst, branch = (False, ZERO_TOL), None
             for cols in groups:
                 f = 1.0 - x[cols].max()
-                if f > worst:
-                    worst, branch = f, cols
+                if f <= ZERO_TOL:
+                    continue
+                w = weight[:, cols[x[cols] > ZERO_TOL]]
+                key = (bool(w.size) and bool((w.max(1) > w.min(1)).any()), f)
+                if key > worst:
+                    worst, branch = key, cols
             if branch is None:  # integral: a new incumbent
                 best, best_values = value, v
                 continue

@@ -109,6 +109,8 @@ class IlpModel:
     # fixed decisions map to their only allowed option instead.
     option_cols: dict[str, list[int | None]] = field(default_factory=dict)
     fixed: dict[str, int] = field(default_factory=dict)
+    # Rows of the resource constraints (over option columns only).
+    resource_rows: list[int] = field(default_factory=list)
     # Set when domain propagation alone proves the problem infeasible.
     infeasible: str | None = None
     stats: dict[str, int] = field(default_factory=dict)
@@ -512,6 +514,7 @@ def build(problem: Problem, *, objective: bool = True, cache: dict | None = None
             continue
         scale = max(abs(w) for w in terms.values())
         cols = sorted(terms)
+        model.resource_rows.append(asm.num_rows)
         asm.row(
             cols,
             [terms[col] / scale for col in cols],

@@ -110,8 +110,9 @@ def _plan_llama(ac, *, apply: bool, budget=None, batch=BATCH, seq=SEQ):
 # (AC, budget): the default budget (72 GB) leaves the cost model's cheapest
 # plan for this tiny model, most activations replicated; "dp" pins every
 # forward matmul data parallel (activations sharded 4 ways); 2 MB makes the
-# solver shard them (a binding budget is a knapsack row: HiGHS stops at its
-# 10 s limit with a small gap on this model, so that case is slow).
+# solver shard them (a binding budget is a knapsack row: branch and bound
+# proves the plan in 7 nodes, branching on the row's decisions first, but
+# each node re-solves a 52k-column LP: several seconds, so that case is slow).
 CASES = [(None, None), ("selective", "dp"), (None, "dp"), ("selective", None), (None, 2.0e6)]
 # ~6 s each on an idle machine; the others with -m slow
 _DEFAULT = {(None, None), ("selective", "dp")}

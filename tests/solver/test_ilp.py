@@ -251,3 +251,78 @@ def test_transformer_backends_agree(budget):
     # residual edge between layers is paid once per layer boundary.
     assert objectives == pytest.approx([objectives[0]] * len(objectives), rel=1e-9)
     assert s.objective == pytest.approx(objectives[0], rel=1e-9)
+
+
+def _binding_budget(seed: int) -> Problem | None:
+    """A random problem (no links or pins) with one memory row that its
+    unconstrained optimum breaks: half-way between the lightest choice and
+    that optimum's weight."""
+    rng = random.Random(seed)
+    p = random_problem(50_000 + seed, max_decisions=6, max_options=4)
+    p.links, p.pins, p.resources = [], [], []
+    free = brute_force(p)
+    if free is None:
+        return None
+    terms = {d.name: [float(rng.randint(1, 9)) for _ in d.options] for d in p.decisions}
+    lightest = sum(min(w) for w in terms.values())
+    used = sum(terms[n][o] for n, o in free[1].items())
+    if used <= lightest:
+        return None
+    p.resources = [ResourceConstraint("memory budget", terms, high=(lightest + used) / 2)]
+    return p
+
+
+def _coupled_budget(seed: int) -> Problem:
+    """A chain of decisions that like to agree (as linked layers do): heavy
+    options cheap, light ones dear, and a budget that needs several light
+    ones, more than one local move can bring."""
+    rng = random.Random(seed)
+    n = rng.randint(4, 6)
+    names = [f"d{i}" for i in range(n)]
+    decisions = [
+        Decision(name, ["heavy", "light", "mid"], [0.0, 1.0 + rng.random(), 0.5 + rng.random()])
+        for name in names
+    ]
+    agree = [[0.0 if i == j else 3.0 + rng.random() for j in range(3)] for i in range(3)]
+    edges = [Edge(a, b, 0, agree) for a, b in zip(names, names[1:])]
+    weights = {name: [10.0, 1.0, 6.0] for name in names}
+    need = rng.randint(2, n - 1)  # this many light decisions, at least
+    budget = 10.0 * n - 9.0 * need
+    return Problem(decisions, edges, resources=[ResourceConstraint("memory budget", weights, high=budget)])
+
+
+def test_binding_budget_start_fits_and_solves_exactly():
+    """With a binding row the LP mixes a plan that fits with one that does
+    not; rounding each decision to its largest LP value may break the row,
+    and the start is then each decision's lightest option among those the
+    LP uses, which fits (a single row). Solves still match brute force."""
+    import highspy
+    import numpy as np
+
+    from solver.backends import HighsBackend, _fits, _polished, _round, _rounded
+
+    if "highs" not in BACKENDS:
+        pytest.skip("needs highspy")
+    repaired = 0
+    for seed in range(150):
+        p = _binding_budget(seed) if seed % 2 else _coupled_budget(seed)
+        if p is None:
+            continue
+        model = build(p)
+        if model.infeasible is not None or model.num_cols == 0:
+            continue
+        h = highspy.Highs()
+        h.setOptionValue("output_flag", False)
+        h.passModel(HighsBackend._lp(model))
+        h.run()
+        if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+            continue
+        values = np.asarray(h.getSolution().col_value)
+        # largest LP value per decision, after local search (which keeps or
+        # sometimes restores the row)
+        largest = _polished(model, _round(model, lambda c: -values[c]))
+        start = _rounded(model, values)
+        assert _fits(model, start), seed
+        repaired += not _fits(model, largest)
+        check_against_brute_force(p, "highs", presolve=False)
+    assert repaired >= 3  # the repair was needed and worked

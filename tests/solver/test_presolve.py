@@ -435,3 +435,48 @@ def test_random_problems_without_elimination(seed):
                        resources=False, p_inf=rng.choice([0.0, 0.05]))
     p.resources = [ResourceConstraint("tag", {d.name: [0.0] * d.num_options for d in p.decisions})]
     check_exact(p)
+
+
+def _without_pair_cuts(monkeypatch):
+    from solver.presolve.reduce import ReducePhase
+
+    monkeypatch.setattr(
+        ReducePhase, "_pair_cuts", staticmethod(lambda u, C, D, *rest: [None] * D.shape[2])
+    )
+
+
+def _reduced(pre) -> tuple:
+    q = pre.problem
+    return (
+        [(d.name, d.options, d.costs) for d in q.decisions],
+        [(e.producer, e.consumer, e.costs) for e in q.edges],
+        pre.stats,
+    )
+
+
+def test_sparse_dominance_drops_what_the_dense_test_drops(monkeypatch):
+    """Big decisions bound the gain first and compute it exactly only where
+    the bound allows dominance: the same options go as with the dense
+    [k, i, j] test (pair cuts, dense only, switched off for the comparison)."""
+    import solver.presolve.reduce as reduce_mod
+
+    _without_pair_cuts(monkeypatch)
+    removed = 0
+    for seed in range(150):
+        rng = random.Random(40_000 + seed)
+        p = random_problem(rng, n=rng.randint(3, 6), links=rng.random() < 0.3, pins=False,
+                           resources=False, p_inf=rng.choice([0.0, 0.05, 0.2]))
+        p.resources = [ResourceConstraint("tag", {d.name: [0.0] * d.num_options for d in p.decisions})]
+        try:
+            dense = _reduced(presolve(p))
+        except PresolveInfeasible:
+            dense = None
+        with monkeypatch.context() as m:
+            m.setattr(reduce_mod, "DENSE_DOMINANCE_MAX", 0)
+            try:
+                sparse = _reduced(check_exact(p) or presolve(p))
+            except PresolveInfeasible:
+                sparse = None
+        assert sparse == dense, seed
+        removed += 0 if dense is None else dense[2].options_removed_dominated
+    assert removed > 20  # the comparison saw dominance at work
