@@ -68,6 +68,7 @@ from .overlap_model import (
     RS,
     STARTS,
     WAIT,
+    Clock,
     Costs,
     Info,
     LiveBytes,
@@ -116,6 +117,25 @@ class ScheduleStats:
 def _layer_of(fqn: str) -> str:
     m = re.match(r"^(.*?\.\d+)(\.|$)", fqn)
     return m.group(1) if m else fqn
+
+
+def _layer_ranks(layer_order: list[str]) -> dict[str, int]:
+    """Layer -> its rank for the prefetch distance, layers in order of need.
+    Repeated blocks (``layers.3``) count one each; the parameters between
+    them (embeddings before the first, the final norm and output projection
+    after the last) join the next block, or form one more after the last,
+    as FSDP wraps them: a tiny norm must not use up the prefetch distance
+    and leave the output projection's gather exposed. Without numbered
+    blocks, every layer counts."""
+    numbered = [re.search(r"\.\d+$", name) is not None for name in layer_order]
+    if not any(numbered):
+        return {name: k for k, name in enumerate(layer_order)}
+    ranks: dict[str, int] = {}
+    seen = 0  # numbered layers before this one
+    for name, is_block in zip(layer_order, numbered):
+        ranks[name] = seen
+        seen += is_block
+    return ranks
 
 
 def _param_chains(gm: fx.GraphModule, ctx: PassContext | None) -> dict[fx.Node, tuple[str, list[fx.Node]]]:
@@ -217,7 +237,7 @@ def _schedule(
         need_of[ag] = need
         first_need[layer] = min(first_need.get(layer, need), need)
     layer_order = sorted(first_need, key=first_need.__getitem__)
-    layer_rank = {name: k for k, name in enumerate(layer_order)}
+    layer_rank = _layer_ranks(layer_order)
     stats.layers = len(layer_order)
     # prefetch candidates: one gather at a time, in order of need
     pf_order = sorted(ag_layer, key=lambda a: (need_of[a], index[a]))
@@ -235,14 +255,26 @@ def _schedule(
 
     done: set[fx.Node] = set()
     order: list[fx.Node] = []
-    # collective starts (not param gathers) are issued once ready: count their missing inputs
+    # collective starts (not param gathers) are issued once ready; a
+    # reduction together with the ops that only prepare its input (a
+    # bucket's flatten and cast of gradients), which the original order runs
+    # at the end (reducing early frees the unreduced input; gathering early
+    # would hold the larger output): count the missing inputs of start and
+    # preparation
     eager_starts = [n for n in nodes if kind[n] == 1 and n not in ag_layer]
-    remaining_inputs = {n: len(ins[n]) for n in eager_starts}
+    remaining_inputs: dict[fx.Node, int] = {}
     start_users: dict[fx.Node, list[fx.Node]] = {}
+    prep_bytes: dict[fx.Node, int] = {}  # what a reduction's preparation allocates
     for c in eager_starts:
-        for a in ins[c]:
+        prep = _preparation(c, info) if c in reductions else set()
+        if prep:
+            prep_bytes[c] = sum(info.size.get(m, 0) for m in prep)
+        outside = {a for m in prep | {c} for a in ins[m] if a not in prep}
+        remaining_inputs[c] = len(outside)
+        for a in outside:
             start_users.setdefault(a, []).append(c)
     eager: list[tuple[int, fx.Node]] = []  # ready ones
+    held: list[tuple[int, fx.Node]] = []  # ready reductions waiting for memory
     pending_rs: deque[tuple[fx.Node, int]] = deque()  # (wait node, compute count when issued)
     compute_count = 0
     since_rs = 0
@@ -251,26 +283,19 @@ def _schedule(
     for n in nodes:
         if kind[n] == 2 and isinstance(n.args[0], fx.Node):
             wait_of[n.args[0]] = n
-    # the two-stream clock of :func:`estimate`, and live bytes, as nodes are emitted
+    # the streams' clock of :func:`estimate`, and live bytes, as nodes are emitted
+    clock = Clock(info)
     live = LiveBytes(info)
     # live bytes after each node of the original order
     orig_live = live_curve(info, nodes) if memory_limit is not None else []
     range_max = _RangeMax(orig_live)
-    now = comm_free = 0.0
-    comm_done: dict[fx.Node, float] = {}
 
     def emit(n: fx.Node) -> None:
-        nonlocal compute_count, since_rs, now, comm_free
+        nonlocal compute_count, since_rs
         order.append(n)
         done.add(n)
         live.emit(n)
-        k = kind[n]
-        if k == 1:
-            comm_free = comm_done[n] = max(now, comm_free) + times[n]
-        elif k == 2:
-            now = max(now, comm_done.get(n.args[0], 0.0))
-        elif k == 3:
-            now += times[n]
+        clock.run(n)
         if n in compute:
             compute_count += 1
             since_rs += 1
@@ -315,15 +340,36 @@ def _schedule(
         # reductions do not queue behind gathers); reduction waits once their
         # collective is done (free the unreduced input at no stall) or past the cap
         while eager:
-            _, c = heapq.heappop(eager)
-            if c not in done:
-                ensure(c)
+            item = heapq.heappop(eager)
+            if item[1] in done:
+                continue
+            if not fits(item[1]):
+                heapq.heappush(held, item)  # its preparation (an fp32 copy of gradients) would not fit yet
+                continue
+            ensure(item[1])
         while pending_rs and (
-            compute_count - pending_rs[0][1] >= cap or comm_done.get(pending_rs[0][0].args[0], 0.0) <= now
+            clock.done.get(pending_rs[0][0].args[0], 0.0) <= clock.now
+            or (compute_count - pending_rs[0][1] >= cap and short_of_memory())
         ):
             w, _ = pending_rs.popleft()
             if w not in done:
                 ensure(w)
+
+    def short_of_memory() -> bool:
+        # waiting for a reduction stalls compute; on a GPU its input is
+        # freed when it ends anyway: force the wait only near the limit
+        return memory_limit is None or live.live > memory_limit * (1 - PEAK_TOLERANCE)
+
+    def fits(c: fx.Node) -> bool:
+        return memory_limit is None or live.live + prep_bytes.get(c, 0) <= memory_limit
+
+    def release_held() -> None:
+        # held reductions, once their preparation fits (after this step's
+        # prefetches: a gather queued behind a long reduction is exposed)
+        while held and (held[0][1] in done or fits(held[0][1])):
+            _, c = heapq.heappop(held)
+            if c not in done:
+                ensure(c)
 
     def prefetch_step(i: int) -> None:
         # Issue the next parameter gathers (in order of need) while: their
@@ -331,19 +377,27 @@ def _schedule(
         # stream is idle (a queued gather would delay the reductions that
         # become ready meanwhile), and the gathered bytes fit under the limit.
         nonlocal next_pf
-        upto = max(current_rank(i), 0) + prefetch
+        current = max(current_rank(i), 0)
+        upto = current + prefetch
         while next_pf < len(pf_order):
             ag = pf_order[next_pf]
             if ag in done:
                 next_pf += 1
                 continue
-            if layer_rank[ag_layer[ag][0]] > upto or comm_free > now:
+            rank = layer_rank[ag_layer[ag][0]]
+            if rank > upto or (rank > current and not clock.link_idle(info.stream[ag])):
                 return
             if memory_limit is not None:
                 # what the original order adds before the gather is used
-                # (it stays alive until then) predicts the rise from here
-                growth = range_max(i, need_of[ag] + 1) - orig_live[i - 1 if i else 0]
-                if live.live + max(growth, 0) + nbytes(ag.meta.get("val")) > memory_limit:
+                # (it stays alive until then) predicts the rise from here;
+                # from the gather's own place on, the original order holds
+                # the gathered bytes already
+                base, gathered, at = orig_live[i - 1 if i else 0], nbytes(ag.meta.get("val")), index[ag]
+                if at < i:
+                    rise = max(range_max(i, need_of[ag] + 1) - base, 0) + gathered
+                else:
+                    rise = max(range_max(i, at) - base + gathered, range_max(at, need_of[ag] + 1) - base, gathered)
+                if live.live + rise > memory_limit:
                     return
             before = compute_count
             ensure(ag)
@@ -361,13 +415,17 @@ def _schedule(
             emit(n)
     flush()
     i = 0
-    deferred = {n for n in nodes if kind[n] == 2} | set(ag_layer)
+    # waits, and parameter gather chains whole: the layout ops after a
+    # gather's wait (a bucket's split into parameters) would otherwise pull
+    # the wait forward to their place in the original order
+    deferred = {n for n in nodes if kind[n] == 2} | {c for _, chain in ag_layer.values() for c in chain}
     while i < len(nodes):
         n = nodes[i]
         if n in done or n is output or n in deferred:
             i += 1
             continue
         prefetch_step(i)
+        release_held()
         if since_rs >= cap and n in compute and n in dist_to_rs:
             # past the cap: run toward the nearest pending reduction first
             target = _closest_reduction(n, nodes, i, done, dist_to_rs, info)
@@ -381,6 +439,25 @@ def _schedule(
             ensure(n)
     emit(output)
     return order
+
+
+def _preparation(start: fx.Node, info: Info) -> set[fx.Node]:
+    """The ops that only prepare ``start``'s input: its ancestors used by
+    nothing else (directly or through each other), no compute op (matmul,
+    attention), collective or wait among them and no placeholder. For a
+    bucketed reduce-scatter: the casts, views and the concatenation of the
+    layer's gradients."""
+    ins, kind, compute = info.ins, info.kind, info.compute
+    prep: set[fx.Node] = set()
+    stack = list(ins[start])
+    while stack:
+        a = stack.pop()
+        if a in prep or kind.get(a) != 3 or a in compute:
+            continue
+        if all(u is start or u in prep for u in a.users):
+            prep.add(a)
+            stack.extend(ins[a])
+    return prep
 
 
 class _RangeMax:
