@@ -261,7 +261,18 @@ def _schedule(
     # at the end (reducing early frees the unreduced input; gathering early
     # would hold the larger output): count the missing inputs of start and
     # preparation
-    eager_starts = [n for n in nodes if kind[n] == 1 and n not in ag_layer]
+    # (a gather whose result only leaves the graph, an activation saved for
+    # backward, stays where the original order has it: early, it would only
+    # hold memory)
+    wait_of: dict[fx.Node, fx.Node] = {}
+    for n in nodes:
+        if kind[n] == 2 and isinstance(n.args[0], fx.Node):
+            wait_of[n.args[0]] = n
+    eager_starts = [
+        n
+        for n in nodes
+        if kind[n] == 1 and n not in ag_layer and (n in reductions or not _only_output_reads(wait_of.get(n), output))
+    ]
     remaining_inputs: dict[fx.Node, int] = {}
     start_users: dict[fx.Node, list[fx.Node]] = {}
     prep_bytes: dict[fx.Node, int] = {}  # what a reduction's preparation allocates
@@ -279,10 +290,6 @@ def _schedule(
     compute_count = 0
     since_rs = 0
     next_pf = 0
-    wait_of: dict[fx.Node, fx.Node] = {}
-    for n in nodes:
-        if kind[n] == 2 and isinstance(n.args[0], fx.Node):
-            wait_of[n.args[0]] = n
     # the streams' clock of :func:`estimate`, and live bytes, as nodes are emitted
     clock = Clock(info)
     live = LiveBytes(info)
@@ -439,6 +446,27 @@ def _schedule(
             ensure(n)
     emit(output)
     return order
+
+
+def _only_output_reads(wait: fx.Node | None, output: fx.Node) -> bool:
+    """Whether the result of ``wait`` (through views and layout ops: the
+    split and concatenation of a gather along another dim) is read only by
+    the graph output."""
+    from .recompute_all_gathers import _is_chain_op
+
+    if wait is None:
+        return False
+    stack, seen = [wait], {wait}
+    while stack:
+        for u in stack.pop().users:
+            if u is output or u in seen:
+                continue
+            if _is_chain_op(u) and u.target not in STARTS and u.target is not WAIT:
+                seen.add(u)
+                stack.append(u)
+            else:
+                return False
+    return True
 
 
 def _preparation(start: fx.Node, info: Info) -> set[fx.Node]:
