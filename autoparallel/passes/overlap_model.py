@@ -300,6 +300,7 @@ class Info:
         self.root, self.kept_by, self.keepers = root, kept_by, keepers
         self.size = {n: nbytes(n.meta.get("val")) for n in nodes if root[n] is n and n.op != "output"}
         self.reductions = {n for n in nodes if kind[n] and n.target in GRAD_REDUCTIONS}
+        self.comm_side, self.after = _comm_side_waits(nodes, kind, ins)
 
     def longest_compute_run(self, order: list[fx.Node]) -> int:
         run = best = 0
@@ -346,16 +347,56 @@ class Info:
         return exposed, peak
 
 
+_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
+
+
+def _comm_side_waits(nodes, kind, ins) -> tuple[set[fx.Node], dict[fx.Node, list[fx.Node]]]:
+    """Waits whose result only feeds further collectives (through layout
+    ops and casts: a parameter resharded by an all-to-all, then gathered),
+    and for each collective start, the collectives such waits make it
+    follow. A side stream (FSDP2's copy-in) chains these without stalling
+    compute: the later collective starts when the earlier one ends. (The
+    graph output may read them too: a copy saved for backward.)"""
+    from .recompute_all_gathers import _is_chain_op
+
+    comm_side: set[fx.Node] = set()
+    after: dict[fx.Node, list[fx.Node]] = {}
+    for w in nodes:
+        if kind.get(w) != 2 or not isinstance(w.args[0], fx.Node) or kind.get(w.args[0]) != 1:
+            continue
+        starts, stack, seen, ok = [], [w], {w}, True
+        while stack and ok:
+            for u in stack.pop().users:
+                if u in seen:
+                    continue
+                seen.add(u)
+                if kind.get(u) == 1:
+                    starts.append(u)
+                elif u.op == "output":  # also saved for backward
+                    continue
+                elif kind.get(u) == 3 and (_is_chain_op(u) or u.target is _UNSAFE_VIEW):
+                    stack.append(u)
+                else:
+                    ok = False
+                    break
+        if ok and starts:
+            comm_side.add(w)
+            for c in starts:
+                after.setdefault(c, []).append(w.args[0])
+    return comm_side, after
+
+
 class Clock:
     """The streams' clock as nodes run in some order (see the module
     docstring): ``now`` on the compute stream, ``free[link]`` when each
     link's last collective ends, ``done[start]`` when each collective ends,
     ``exposed``: compute-stream time spent waiting on collectives."""
 
-    __slots__ = ("kind", "time", "stream", "now", "free", "done", "exposed")
+    __slots__ = ("kind", "time", "stream", "comm_side", "after", "now", "free", "done", "exposed")
 
     def __init__(self, info: "Info"):
         self.kind, self.time, self.stream = info.kind, info.time, info.stream
+        self.comm_side, self.after = info.comm_side, info.after
         self.now = self.exposed = 0.0
         self.free: dict[str, float] = {}
         self.done: dict[fx.Node, float] = {}
@@ -368,11 +409,13 @@ class Clock:
         if k == 1:
             link = self.stream[n]
             start = max(self.now, self.free.get(link, 0.0))
+            for prev in self.after.get(n, ()):  # chained behind a collective on a side stream
+                start = max(start, self.done.get(prev, 0.0))
             end = self.free[link] = self.done[n] = start + self.time[n]
             return start, end
         if k == 2:
             end = self.done.get(n.args[0], 0.0)
-            if end > self.now:
+            if end > self.now and n not in self.comm_side:
                 start, self.now = self.now, end
                 self.exposed += end - start
                 return start, end

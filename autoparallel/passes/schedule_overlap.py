@@ -225,22 +225,26 @@ def _schedule(
     ag_layer = _param_chains(gm, ctx)
     stats.all_gathers = sum(1 for n in nodes if n.target is AG)
     stats.reduce_scatters = sum(1 for n in nodes if n.target is RS)
-    # each gather's first need (its chain's first consumer), layers in order of first need
+    # each gather's first need (the first consumer outside its chain of what
+    # it feeds: a chain may gather twice, once for forward, once more for a
+    # copy saved for backward), layers in order of first need
     need_of: dict[fx.Node, int] = {}
     first_need: dict[str, int] = {}
+    chain_sets: dict[int, set[fx.Node]] = {}
     for ag, (layer, chain) in ag_layer.items():
-        chain_set = set(chain)
-        need = min(
-            (index[u] for c in chain for u in c.users if u not in chain_set),
-            default=index[ag],
-        )
+        chain_set = chain_sets.get(id(chain))
+        if chain_set is None:
+            chain_set = chain_sets[id(chain)] = set(chain)
+        need = min((index[u] for u in _chain_users(ag, chain_set)), default=index[ag])
         need_of[ag] = need
         first_need[layer] = min(first_need.get(layer, need), need)
     layer_order = sorted(first_need, key=first_need.__getitem__)
     layer_rank = _layer_ranks(layer_order)
     stats.layers = len(layer_order)
     # prefetch candidates: one gather at a time, in order of need
-    pf_order = sorted(ag_layer, key=lambda a: (need_of[a], index[a]))
+    # (not those the graph only returns, a gathered weight saved for
+    # backward: prefetched, it would only hold memory; they run at the end)
+    pf_order = sorted((a for a in ag_layer if nodes[need_of[a]] is not output), key=lambda a: (need_of[a], index[a]))
     need_points = [first_need[name] for name in layer_order]
 
     # distance (in compute ops) from each node to the nearest gradient reduction
@@ -446,6 +450,21 @@ def _schedule(
             ensure(n)
     emit(output)
     return order
+
+
+def _chain_users(ag: fx.Node, chain: set[fx.Node]) -> list[fx.Node]:
+    """Consumers outside ``chain`` of ``ag`` and the chain ops after it."""
+    out, stack, seen = [], [ag], {ag}
+    while stack:
+        for u in stack.pop().users:
+            if u in seen:
+                continue
+            seen.add(u)
+            if u in chain:
+                stack.append(u)
+            else:
+                out.append(u)
+    return out
 
 
 def _only_output_reads(wait: fx.Node | None, output: fx.Node) -> bool:
