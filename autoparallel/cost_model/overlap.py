@@ -21,7 +21,8 @@ class CommOverlapPolicy:
     repeated block (``layers.3``) costs ``max(f * t, t - w)``: ``w`` is its
     share (by parameter bytes) of the compute it can hide under, one block's
     forward for a parameter gather, half a block's backward for a gradient
-    reduction (the backward re-gathers the parameters on the same link), and
+    reduction and for the parameter's re-gather in backward (both on the same
+    link; the re-gather is counted with ``regather_in_backward``), and
     ``f`` the fraction still counted when it fits (the first block's gather,
     which nothing hides, and the SM and memory bandwidth NCCL takes from
     concurrent compute). A gather longer than its window (a cross-node
@@ -39,6 +40,10 @@ class CommOverlapPolicy:
     param_allgather_discount: float = 0.25
     grad_reduce_scatter_discount: float = 0.25
     compute_windows: bool = True
+    # FSDP-style resharding after forward (PassOptions.reshard_after_forward):
+    # a windowed parameter gather runs again in backward, costed likewise in
+    # the backward's window
+    regather_in_backward: bool = True
 
 
 PARAM_ALL_GATHER = "param_all_gather"
@@ -52,6 +57,7 @@ class HiddenComm:
 
     kind: str  # PARAM_ALL_GATHER or GRAD_REDUCE_SCATTER
     window: float
+    backward_window: float | None = None  # a parameter gather's re-gather in backward
 
 
 def apply_discount(
@@ -64,9 +70,9 @@ def apply_discount(
     all-gather is."""
     if not policy.enabled:
         return time
-    window = None
+    window = again = None
     if isinstance(kind, HiddenComm):
-        kind, window = kind.kind, kind.window
+        kind, window, again = kind.kind, kind.window, kind.backward_window
     if kind == PARAM_ALL_GATHER:
         fraction = policy.param_allgather_discount
     elif kind == GRAD_REDUCE_SCATTER:
@@ -75,7 +81,10 @@ def apply_discount(
         return time
     if window is None or not policy.compute_windows:
         return time * fraction
-    return max(time * fraction, time - window)
+    counted = max(time * fraction, time - window)
+    if again is not None and policy.regather_in_backward:
+        counted += max(time * fraction, time - again)
+    return counted
 
 
 _BLOCK = re.compile(r"^(.*?\.\d+)(\.|$)")
@@ -138,12 +147,12 @@ class ComputeWindows:
         if block is None or not total:
             return kind
         share = self.own_bytes.get(fqn, 0) / total / max(edges, 1)
+        # the backward's link carries the re-gather and the reduction: half
+        # its window each; rounded: repeated blocks share cost matrices
+        half_backward = float(f"{self.backward.get(block, 0.0) / 2 * share:.4g}")
         if kind == PARAM_ALL_GATHER:
-            window = self.forward.get(block, 0.0)
-        else:  # the backward's link also carries the re-gather
-            window = self.backward.get(block, 0.0) / 2
-        # rounded: equal windows of repeated blocks share cost matrices
-        return HiddenComm(kind, float(f"{window * share:.4g}"))
+            return HiddenComm(kind, float(f"{self.forward.get(block, 0.0) * share:.4g}"), half_backward)
+        return HiddenComm(kind, half_backward)
 
 
 __all__ = [

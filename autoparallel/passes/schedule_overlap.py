@@ -289,7 +289,7 @@ def _schedule(
         for a in outside:
             start_users.setdefault(a, []).append(c)
     eager: list[tuple[int, fx.Node]] = []  # ready ones
-    held: list[tuple[int, fx.Node]] = []  # ready reductions waiting for memory
+    held: list[tuple[int, fx.Node]] = []  # ready reductions, issued after the step's prefetches
     pending_rs: deque[tuple[fx.Node, int]] = deque()  # (wait node, compute count when issued)
     compute_count = 0
     since_rs = 0
@@ -354,8 +354,11 @@ def _schedule(
             item = heapq.heappop(eager)
             if item[1] in done:
                 continue
-            if not fits(item[1]):
-                heapq.heappush(held, item)  # its preparation (an fp32 copy of gradients) would not fit yet
+            if item[1] in reductions:
+                # released by the main loop after its prefetches (a gather
+                # queued behind a long reduction on the link is exposed), and
+                # once its preparation (an fp32 copy of gradients) fits
+                heapq.heappush(held, item)
                 continue
             ensure(item[1])
         while pending_rs and (
@@ -375,8 +378,7 @@ def _schedule(
         return memory_limit is None or live.live + prep_bytes.get(c, 0) <= memory_limit
 
     def release_held() -> None:
-        # held reductions, once their preparation fits (after this step's
-        # prefetches: a gather queued behind a long reduction is exposed)
+        # ready reductions, once their preparation fits
         while held and (held[0][1] in done or fits(held[0][1])):
             _, c = heapq.heappop(held)
             if c not in done:
