@@ -4,34 +4,48 @@ A list scheduler walks the graph in its original order and re-emits every
 node after all of its inputs (so the result is always a valid topological
 order), with four rules:
 
-* **Prefetch parameter all-gathers, one at a time, bounded.** A parameter's
-  gather chain (see :func:`.recompute_all_gathers.param_gather_chains`; also
-  found in the backward graph, where the partitioner recomputes it) belongs
-  to a *layer*: its parameter FQN up to the first numeric component
-  (``layers.3``); other parameters are a layer each; a bucket gathering
-  several parameters at once (:mod:`.bucket_collectives`) belongs to its
-  first parameter's layer. Layers are numbered by
-  when the graph first needs them. Gathers are issued in order of need, each
-  only when (a) its layer is at most ``prefetch_layers`` past the layer
-  running now, (b) the comm stream is idle in the two-stream clock the
-  scheduler keeps (a queued gather would delay every reduce-scatter that
-  becomes ready behind it on the single comm stream), and (c) the live bytes
-  now, plus what the original order adds until the gather's use, plus the
-  gathered bytes stay under the unscheduled graph's peak times
-  ``1 + PREFETCH_MEMORY_SLACK``. A gather not prefetched is issued when its
-  consumer needs it, as in the original order. That prediction can miss
-  (prefetched gathers then overlap): a schedule whose estimated peak
-  exceeds the unscheduled one by more than ``PEAK_TOLERANCE`` is redone
-  with a limit lowered by the overshoot, and the original order is kept
-  when no attempt fits.
-* **Issue other collectives as soon as their input exists** (gradient
-  reduce-scatters, activation redistributions).
+* **Prefetch parameter all-gathers, bounded.** A parameter's gather chain
+  (see :func:`.recompute_all_gathers.param_gather_chains`; also found in the
+  backward graph, where the partitioner recomputes it) belongs to a *layer*:
+  its parameter FQN up to the first numeric component (``layers.3``); other
+  parameters are a layer each; a bucket gathering several parameters at once
+  (:mod:`.bucket_collectives`) belongs to its first parameter's layer.
+  Layers are ranked by when the graph first needs them; parameters outside
+  the numbered blocks (embeddings, final norm, output projection) share the
+  rank of the next block (or one after the last), as FSDP wraps them.
+  The whole chain is deferred: its ops run when a consumer needs them (a
+  bucket's split after the wait would otherwise pull the wait forward).
+  Gathers are issued in order of need (each its own: a chain that gathers
+  again for a copy saved for backward is not prefetched), each only when
+  (a) its layer's rank is at most ``prefetch_layers`` past the running one,
+  (b) for a later layer than the running one, its link is idle in the
+  clock the scheduler keeps (a queued gather would delay the collectives
+  that become ready behind it; the running layer's gathers are needed now
+  and queue anyway), and (c) the live bytes now, plus what the original
+  order adds until the gather's use (from the gather's own place on, the
+  original order holds its bytes already), plus the gathered bytes stay
+  under the unscheduled graph's peak times ``1 + PREFETCH_MEMORY_SLACK``.
+  A gather not prefetched is issued when its consumer needs it, as in the
+  original order. That prediction can miss (prefetched gathers then
+  overlap): a schedule whose estimated peak exceeds the unscheduled one by
+  more than ``PEAK_TOLERANCE`` is redone with a limit lowered by the
+  overshoot, and the original order is kept when no attempt fits.
+* **Issue other collectives as soon as their input exists**: activation
+  redistributions (except gathers whose result only leaves the graph, an
+  activation saved for backward: those stay in place), and reductions
+  (gradient reduce-scatters, all-reduces) together with the ops that only
+  prepare their input (a bucket's flatten and fp32 cast, which the original
+  order runs at the very end). A ready reduction is issued by the main loop
+  after that step's prefetches (FSDP2's order: the next layer's gathers
+  before this layer's reduce-scatter, which would otherwise hold the link)
+  and once the bytes its preparation allocates fit under the limit.
 * **Wait late, free early.** A ``wait_tensor`` is emitted only when a
   consumer needs its result; a reduce-scatter's (or all-reduce's) wait,
   whose consumer is often the graph output, as soon as the clock says the
-  collective is done (no stall) and at the latest after
-  ``max_consecutive_compute`` compute ops: its unreduced input stays alive
-  until the wait.
+  collective is done (no stall: on a GPU the unreduced input is freed when
+  the collective ends), and after ``max_consecutive_compute`` compute ops
+  only when the live bytes come near the memory limit (a stall that buys
+  memory).
 * **Cap compute between reduce-scatters.** Once ``max_consecutive_compute``
   compute ops (ops with a FLOP formula: matmuls, attention) have run since
   the last reduce-scatter, the scheduler prefers, among the nodes it may run
@@ -40,12 +54,12 @@ order), with four rules:
   reduces gradients at its very end) and every unreduced gradient is alive
   at once.
 
-Estimates for the stats (before and after): exposed communication from a
-two-stream simulation (compute ops take ``cost_model.node_compute_time``,
-collectives ``cost_model.collective_time`` on the mesh dim's topology; a wait
-stalls compute until its collective ends) and peak memory from a liveness
-walk over the fake tensor sizes (views alias their base; a collective's input
-lives until its wait): :mod:`.overlap_model`, shared with the scheduler.
+Estimates for the stats (before and after): exposed communication from the
+multi-stream clock of :mod:`.overlap_model` (compute on one stream, each
+link, NVLink or network, a FIFO stream of its own; a wait stalls compute
+until its collective ends) and peak memory from a liveness walk over the
+fake tensor sizes (views alias their base; a collective's input lives until
+its wait), shared with the scheduler.
 
 >>> # stats = schedule_overlap(graphs.bw, ctx)   # doctest: +SKIP
 >>> # stats.longest_compute_run_before, stats.longest_compute_run_after  -> 56, 4
