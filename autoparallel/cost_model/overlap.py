@@ -164,13 +164,3 @@ class ComputeWindows:
             return HiddenComm(kind, float(f"{self.forward.get(block, 0.0) * share:.4g}"), half_backward)
         return HiddenComm(kind, half_backward)
 
-
-__all__ = [
-    "CommOverlapPolicy",
-    "ComputeWindows",
-    "HiddenComm",
-    "PARAM_ALL_GATHER",
-    "GRAD_REDUCE_SCATTER",
-    "apply_discount",
-    "block_of",
-]

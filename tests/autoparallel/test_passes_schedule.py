@@ -11,7 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autoparallel.passes import PassContext, PassOptions
-from autoparallel.passes.schedule_overlap import check_topological, longest_compute_run, schedule_overlap
+from autoparallel.passes.schedule_overlap import PEAK_TOLERANCE, check_topological, longest_compute_run, schedule_overlap
 
 c10d = torch.ops._c10d_functional
 AG, RS, WAIT = c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default, c10d.wait_tensor.default
@@ -236,3 +236,35 @@ def test_gather_chain_deferred_whole():
     for k in range(1, LAYERS):
         assert waits[k] > mms[k - 1], (k, waits, mms)
     assert stats.peak_memory_after <= stats.peak_memory_before
+
+
+def _bucketed_backward(*args):
+    # as _backward_like, but each layer's two gradients reduced as one
+    # bucket: flattened, concatenated and cast to fp32 at the very end
+    g, acts, shards = args[0], args[1 : 1 + LAYERS], args[1 + LAYERS :]
+    grads = []
+    for k in reversed(range(LAYERS)):
+        w = c10d.wait_tensor(c10d.all_gather_into_tensor(shards[k], 4, "0"))
+        grads.append((g.t() @ acts[k], (g.t() @ acts[k]).relu()))
+        g = g @ w
+    outs = []
+    for a, b in grads:
+        flat = torch.cat([a.reshape(-1), b.reshape(-1)]).to(torch.float64)
+        outs.append(c10d.wait_tensor(c10d.reduce_scatter_tensor(flat, "sum", 4, "0")))
+    return (g, *outs)
+
+
+def test_bucketed_reduction_issued_with_its_preparation():
+    """The flatten/concatenate/cast before a bucket's reduce-scatter (run at
+    the end in the original order) moves up with it: each reduce-scatter is
+    issued before the next layer's matmuls, not after all of them."""
+    with FakeTensorMode():
+        tokens = 1 << 16  # compute-bound: each reduction ends within a layer
+        args = [torch.randn(tokens, 32)] + [torch.randn(tokens, 32) for _ in range(LAYERS)] + [torch.randn(8, 32) for _ in range(LAYERS)]
+        gm = make_fx(_bucketed_backward)(*args)
+    assert longest_compute_run(gm.graph.nodes) == 3 * LAYERS
+    stats = schedule_overlap(gm, _ctx())
+    check_topological(gm)
+    assert stats.longest_compute_run_after <= 3, stats
+    assert stats.exposed_comm_after_s < stats.exposed_comm_before_s
+    assert stats.peak_memory_after <= (1 + PEAK_TOLERANCE) * stats.peak_memory_before
