@@ -23,32 +23,38 @@ class CommOverlapPolicy:
     forward for a parameter gather, half a block's backward for a gradient
     reduction and for the parameter's re-gather in backward (both on the same
     link; the re-gather is counted with ``regather_in_backward``), and
-    ``f`` the fraction still counted when it fits (the first block's gather,
-    which nothing hides, and the SM and memory bandwidth NCCL takes from
-    concurrent compute). A gather longer than its window (a cross-node
-    gather of a whole block) costs what sticks out, as the scheduler finds.
+    ``f`` the fraction still counted when it fits. A gather longer than its
+    window (a cross-node gather of a whole block) costs what sticks out, as
+    the scheduler finds.
     Each edge is costed on its own (the ILP stays linear and exact for this
     model), which is exact when a block's parameters are laid out alike.
     Parameters outside repeated blocks, and ``compute_windows=False``, get
     the flat fraction ``f``. ``enabled=False`` counts everything.
 
-    ``f``: 0.25 for both; the backward has ~2x the compute window of the
-    forward, but gradient reduce-scatters are often in fp32 (2x the bytes).
+    ``f``: 0.6 for both, chosen against the overlap scheduler's estimate of
+    LLaMA-3 8B bf16 on 16x8 (``examples/example_llama3.py``; estimated step
+    of the plan each value picks, 4 / 32 layers: 0.25: 101.6 / 538.7 ms,
+    0.5: 91.8 / 509.9, 0.6: 90.8 / 502.1, 0.75: 93.2 / -, everything
+    counted: 92.8 / 515.5, the classic FSDP x TP+SP layout). With 0.25
+    parameter gathers look nearly free and the solver shards attention
+    weights over dp*tp: their gathers then crowd both links (on NVLink they
+    queue ahead of the blocking TP activation collectives), a cost no
+    per-edge fraction sees; 0.6 also keeps the solver's terms within ~10%
+    of the scheduler's estimate (it leaves out the first block's gather,
+    which nothing hides, and the backward's re-gather).
 
-    Why the windows are opt-in: on LLaMA-3 8B at 16x8 every block's dp
-    gather fits its window (about 2.2 ms of gather against 2.4 ms of the
-    block's cheapest forward compute), so they change nothing there, while
-    on small, latency-bound models (the test LLaMA on 8 ranks) they make
-    gathers cost nearly in full and the solver replicates small parameters
-    instead of sharding them. What misleads the solver on the flagship plan
-    is elsewhere (see the overlap branch's report: the tp-outer parameter
-    layout, priced about equal, is applied as per-parameter gathers behind
-    dp all-to-alls that the scheduler finds harder to hide).
+    Why the windows are opt-in: on that model every block's dp gather fits
+    its window (about 2.2 ms of gather against 2.4 ms of the block's
+    cheapest forward compute), and the plans they pick scheduled worse than
+    the flat fraction's (f = 0.25, 4 / 32 layers: 103.3 / 667.9 ms against
+    101.6 / 538.7); on small, latency-bound models (the test LLaMA on 8
+    ranks) they make gathers cost nearly in full and the solver replicates
+    small parameters instead of sharding them.
     """
 
     enabled: bool = True
-    param_allgather_discount: float = 0.25
-    grad_reduce_scatter_discount: float = 0.25
+    param_allgather_discount: float = 0.6
+    grad_reduce_scatter_discount: float = 0.6
     compute_windows: bool = False
     # FSDP-style resharding after forward (PassOptions.reshard_after_forward):
     # a windowed parameter gather runs again in backward, costed likewise in

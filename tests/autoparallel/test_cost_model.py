@@ -362,14 +362,15 @@ def test_overlap_policy():
 def test_overlap_compute_windows():
     from autoparallel.cost_model import ComputeWindows, HiddenComm
 
-    on = CommOverlapPolicy(compute_windows=True)
+    flat = CommOverlapPolicy(param_allgather_discount=0.25, grad_reduce_scatter_discount=0.25)
+    on = dataclasses.replace(flat, compute_windows=True)
     # fits its window: the flat fraction; longer: what sticks out
     assert apply_discount(1.0, HiddenComm("param_all_gather", 2.0), on) == 0.25
     assert apply_discount(3.0, HiddenComm("param_all_gather", 2.0), on) == pytest.approx(1.0)
-    assert apply_discount(3.0, HiddenComm("param_all_gather", 2.0), CommOverlapPolicy()) == 0.75  # flat
+    assert apply_discount(3.0, HiddenComm("param_all_gather", 2.0), flat) == 0.75  # windows off
     again = HiddenComm("param_all_gather", 2.0, backward_window=0.5)
     assert apply_discount(1.0, again, on) == 0.25
-    assert apply_discount(1.0, again, CommOverlapPolicy(compute_windows=True, regather_in_backward=True)) == 0.75
+    assert apply_discount(1.0, again, dataclasses.replace(on, regather_in_backward=True)) == 0.75
     assert apply_discount(3.0, HiddenComm("grad_reduce_scatter", 2.0), CommOverlapPolicy(enabled=False)) == 3.0
 
     class Param:
