@@ -34,7 +34,7 @@ class CommOverlapPolicy:
     ``f``: 0.6 for both, chosen against the overlap scheduler's estimate of
     LLaMA-3 8B bf16 on 16x8 (``examples/example_llama3.py``; estimated step
     of the plan each value picks, 4 / 32 layers: 0.25: 101.6 / 538.7 ms,
-    0.5: 91.8 / 509.9, 0.6: 90.8 / 502.1, 0.75: 93.2 / -, everything
+    0.5: 91.8 / 509.9, 0.6: 90.8 / 502.1, 0.75: 93.2 / 502.0, everything
     counted: 92.8 / 515.5, the classic FSDP x TP+SP layout). With 0.25
     parameter gathers look nearly free and the solver shards attention
     weights over dp*tp: their gathers then crowd both links (on NVLink they
