@@ -23,7 +23,6 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.checkpoint import CheckpointPolicy
 
 from autoparallel import AutoParallel, passes
-from autoparallel.cost_model import CommOverlapPolicy
 from autoparallel.models import LLAMA3_CONFIGS, Transformer, apply_ac
 from autoparallel.passes.recompute_all_gathers import param_gather_chains, saved_for_backward
 from autoparallel.passes.schedule_overlap import check_topological, longest_compute_run
@@ -56,12 +55,7 @@ def _plan(mesh_shape, ac=None):
         model = Transformer(ARGS)
     if ac:
         apply_ac(model, ac)
-    # an FSDP plan, whose gather chains the passes under test act on: with
-    # the default overlap fraction (0.6) this small model's FFN goes tensor
-    # parallel on 8 ranks and its norms replicated (estimated 1.6 ms per
-    # step against 2.0 for FSDP), which leaves fewer chains to test
-    fsdp = CommOverlapPolicy(param_allgather_discount=0.25, grad_reduce_scatter_discount=0.25)
-    autop = AutoParallel(model, mesh, torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"), overlap=fsdp)
+    autop = AutoParallel(model, mesh, torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"))
     autop.__enter__()
     batch = (Shard(0),) * mesh.ndim
     autop.add_input_constraints([batch])
