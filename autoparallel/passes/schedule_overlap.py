@@ -314,6 +314,11 @@ def _schedule(
     # live bytes after each node of the original order
     orig_live = live_curve(info, nodes) if memory_limit is not None else []
     range_max = _RangeMax(orig_live)
+    orig_last: dict[fx.Node, int] = {}  # root -> its last keeper's place in the original order
+    if memory_limit is not None:
+        for p, n in enumerate(nodes):
+            for r in info.kept_by[n]:
+                orig_last[r] = p
 
     def emit(n: fx.Node) -> None:
         nonlocal compute_count, since_rs
@@ -418,9 +423,9 @@ def _schedule(
                 # what the original order adds before the gather is used
                 # (it stays alive until then) predicts the rise from here;
                 # from the gather's own place on, the original order holds
-                # the gathered bytes already
+                # the gathered bytes already, if it keeps them to the need
                 base, gathered, at = orig_live[i - 1 if i else 0], nbytes(ag.meta.get("val")), index[ag]
-                if at < i:
+                if at < i or orig_last.get(ag, at) < need_of[ag]:  # (or the original frees it before the need: a copy-out)
                     rise = max(range_max(i, need_of[ag] + 1) - base, 0) + gathered
                 else:
                     rise = max(range_max(i, at) - base + gathered, range_max(at, need_of[ag] + 1) - base, gathered)
@@ -442,10 +447,12 @@ def _schedule(
             emit(n)
     flush()
     i = 0
-    # waits, and parameter gather chains whole: the layout ops after a
-    # gather's wait (a bucket's split into parameters) would otherwise pull
-    # the wait forward to their place in the original order
-    deferred = {n for n in nodes if kind[n] == 2} | {c for _, chain in ag_layer.values() for c in chain}
+    # waits, and of parameter gather chains the ops up to each gather and
+    # the views of its result: a bucket's split into parameters would
+    # otherwise pull the wait forward to its place in the original order (a
+    # copy out of the bucket stays there: deferred, it would hold the whole
+    # bucket until the last parameter's use)
+    deferred = {n for n in nodes if kind[n] == 2} | _deferred_chain_ops(ag_layer, info)
     while i < len(nodes):
         n = nodes[i]
         if n in done or n is output or n in deferred:
@@ -466,6 +473,24 @@ def _schedule(
             ensure(n)
     emit(output)
     return order
+
+
+def _deferred_chain_ops(ag_layer: dict, info: Info) -> set[fx.Node]:
+    """Each gather, its ancestors in its chain, and the chain ops that view
+    its result."""
+    out: set[fx.Node] = set()
+    root, ins = info.root, info.ins
+    for ag, (_, chain) in ag_layer.items():
+        members = set(chain)
+        stack = [ag]
+        while stack:
+            n = stack.pop()
+            if n in out:
+                continue
+            out.add(n)
+            stack.extend(a for a in ins[n] if a in members)
+        out.update(c for c in chain if root.get(c) is ag)
+    return out
 
 
 def _chain_users(ag: fx.Node, chain: set[fx.Node]) -> list[fx.Node]:
