@@ -34,19 +34,17 @@ class CommOverlapPolicy:
     ``f``: 0.25 for both by default. Measured against the overlap
     scheduler's estimate of LLaMA-3 8B bf16 on 16x8
     (``examples/example_llama3.py``; estimated step of the plan each value
-    picks, 4 / 32 layers): 0.25: 101.6 / 538.7 ms, 0.5: 91.8 / 509.9, 0.6:
-    90.8 / 502.1, 0.75: 93.2 / 502.0, everything counted: 92.8 / 515.5 (the
-    classic FSDP x TP+SP layout). With 0.25 parameter gathers look nearly
-    free and the solver shards attention weights over dp*tp: their gathers
-    crowd both links (on NVLink they queue ahead of the blocking TP
-    activation collectives), a cost no per-edge fraction sees. 0.6 is the
-    better setting for that model (and keeps the solver's terms within ~10%
-    of the scheduler's estimate), but as a default it also moves small,
-    latency-bound models off FSDP (the test LLaMA on 8 ranks goes tensor
-    parallel, estimated 1.6 ms per step against 2.0; a dim-8192 block on 2x4
-    keeps weights sharded over dp, 27.4 against 30.7 ms), plans that tests
-    of the apply stage and passes rely on; pass it explicitly:
-    ``CommOverlapPolicy(param_allgather_discount=0.6, grad_reduce_scatter_discount=0.6)``.
+    picks, 4 / 32 layers): 0.25: 98.5 / 495.6 ms, 0.6: 90.8 / 502.3,
+    everything counted (the classic FSDP x TP+SP layout): 92.2 / 515.8.
+    With 0.25 parameter gathers look nearly free and the solver shards
+    attention weights over dp*tp; at 4 layers their gathers crowd the links
+    (on NVLink they queue ahead of the blocking TP activation collectives),
+    at 32 the plan wins. 0.6 keeps the solver's terms closer to the
+    scheduler's estimate (-6% against -21% at 32 layers), but it also moves
+    small, latency-bound models off FSDP (the test LLaMA on 8 ranks goes
+    tensor parallel, estimated 1.6 ms per step against 2.0; a dim-8192
+    block on 2x4 keeps weights sharded over dp, 27.4 against 30.7 ms),
+    plans that tests of the apply stage and passes rely on.
 
     Why the windows are opt-in: on that model every block's dp gather fits
     its window (about 2.2 ms of gather against 2.4 ms of the block's
