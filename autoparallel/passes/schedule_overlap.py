@@ -14,9 +14,7 @@ order), with four rules:
   the numbered blocks (embeddings, final norm, output projection) share the
   rank of the next block (or one after the last), as FSDP wraps them.
   The whole chain is deferred: its ops run when a consumer needs them (a
-  bucket's split after the wait would otherwise pull the wait forward),
-  except a bucket's copy-out into per-parameter tensors, which runs as soon
-  as the clock says its gather is done (no stall, and the bucket is freed).
+  bucket's split after the wait would otherwise pull the wait forward).
   Gathers are issued in order of need (each its own: a chain that gathers
   again for a copy saved for backward is not prefetched), each only when
   (a) its layer's rank is at most ``prefetch_layers`` past the running one,
