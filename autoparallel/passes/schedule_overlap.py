@@ -386,13 +386,11 @@ def _schedule(
             ensure(item[1])
         # a bucket's copy-out once its gather is done (no stall): deferred to
         # the first use, it would hold the whole bucket until the last one
-        while True:
-            ag = next((a for a in pending_copy if clock.done.get(a, 0.0) <= clock.now), None)
-            if ag is None:
-                break
-            pending_copy.remove(ag)  # before ensure: it flushes again
-            for c in copy_outs[ag]:
-                ensure(c)
+        if pending_copy:
+            for ag in [a for a in pending_copy if clock.done.get(a, 0.0) <= clock.now]:
+                pending_copy.remove(ag)
+                for c in copy_outs[ag]:
+                    ensure(c)
         while pending_rs and (
             clock.done.get(pending_rs[0][0].args[0], 0.0) <= clock.now
             or (compute_count - pending_rs[0][1] >= cap and short_of_memory())
