@@ -304,8 +304,6 @@ def _schedule(
             start_users.setdefault(a, []).append(c)
     eager: list[tuple[int, fx.Node]] = []  # ready ones
     held: list[tuple[int, fx.Node]] = []  # ready reductions, issued after the step's prefetches
-    copy_outs = _copy_outs(ag_layer, info)
-    pending_copy: list[fx.Node] = []  # issued gathers whose copy-out has not run
     pending_rs: deque[tuple[fx.Node, int]] = deque()  # (wait node, compute count when issued)
     compute_count = 0
     since_rs = 0
@@ -331,8 +329,6 @@ def _schedule(
         if n in compute:
             compute_count += 1
             since_rs += 1
-        if n in copy_outs:
-            pending_copy.append(n)
         if n in reductions:
             since_rs = 0
             w = wait_of.get(n)
@@ -384,13 +380,6 @@ def _schedule(
                 heapq.heappush(held, item)
                 continue
             ensure(item[1])
-        # a bucket's copy-out once its gather is done (no stall): deferred to
-        # the first use, it would hold the whole bucket until the last one
-        if pending_copy:
-            for ag in [a for a in pending_copy if clock.done.get(a, 0.0) <= clock.now]:
-                pending_copy.remove(ag)
-                for c in copy_outs[ag]:
-                    ensure(c)
         while pending_rs and (
             clock.done.get(pending_rs[0][0].args[0], 0.0) <= clock.now
             or (compute_count - pending_rs[0][1] >= cap and short_of_memory())
@@ -458,10 +447,12 @@ def _schedule(
             emit(n)
     flush()
     i = 0
-    # waits, and parameter gather chains whole: a bucket's split into
-    # parameters would otherwise pull the wait forward to its place in the
-    # original order
-    deferred = {n for n in nodes if kind[n] == 2} | {c for _, chain in ag_layer.values() for c in chain}
+    # waits, and of parameter gather chains the ops up to each gather and
+    # the views of its result: a bucket's split into parameters would
+    # otherwise pull the wait forward to its place in the original order (a
+    # copy out of the bucket stays there: deferred, it would hold the whole
+    # bucket until the last parameter's use)
+    deferred = {n for n in nodes if kind[n] == 2} | _deferred_chain_ops(ag_layer, info)
     while i < len(nodes):
         n = nodes[i]
         if n in done or n is output or n in deferred:
@@ -484,28 +475,21 @@ def _schedule(
     return order
 
 
-def _copy_outs(ag_layer: dict, info: Info) -> dict[fx.Node, list[fx.Node]]:
-    """Gather -> the ops of its chain that copy its result out (a bucket's
-    copy into per-parameter tensors): neither its ancestors nor views of the
-    gathered buffer."""
-    out: dict[fx.Node, list[fx.Node]] = {}
+def _deferred_chain_ops(ag_layer: dict, info: Info) -> set[fx.Node]:
+    """Each gather, its ancestors in its chain, and the chain ops that view
+    its result."""
+    out: set[fx.Node] = set()
     root, ins = info.root, info.ins
     for ag, (_, chain) in ag_layer.items():
-        members, before, stack = set(chain), set(), [ag]
+        members = set(chain)
+        stack = [ag]
         while stack:
             n = stack.pop()
-            if n not in before:
-                before.add(n)
-                stack.extend(a for a in ins[n] if a in members)
-        stack, after = [ag], set()
-        while stack:  # what the gather feeds inside the chain
-            for u in stack.pop().users:
-                if u in members and u not in after:
-                    after.add(u)
-                    stack.append(u)
-        copies = [c for c in chain if c in after and root.get(c) is not ag and info.kind.get(c) == 3]
-        if copies:
-            out[ag] = copies
+            if n in out:
+                continue
+            out.add(n)
+            stack.extend(a for a in ins[n] if a in members)
+        out.update(c for c in chain if root.get(c) is ag)
     return out
 
 
