@@ -34,13 +34,14 @@ class CommOverlapPolicy:
     ``f``: 0.25 for both by default. Measured against the overlap
     scheduler's estimate of LLaMA-3 8B bf16 on 16x8
     (``examples/example_llama3.py``; estimated step of the plan each value
-    picks, 4 / 32 layers): 0.25: 98.5 / 495.6 ms, 0.6: 90.8 / 502.3,
-    everything counted (the classic FSDP x TP+SP layout): 92.2 / 515.8.
+    picks, 4 / 32 layers): 0.25: 104.2 / 601.6 ms, 0.6: 93.9 / 518.7,
+    everything counted (the classic FSDP x TP+SP layout): 95.3 / 517.1.
     With 0.25 parameter gathers look nearly free and the solver shards
-    attention weights over dp*tp; at 4 layers their gathers crowd the links
-    (on NVLink they queue ahead of the blocking TP activation collectives),
-    at 32 the plan wins. 0.6 keeps the solver's terms closer to the
-    scheduler's estimate (-6% against -21% at 32 layers), but it also moves
+    attention weights over dp*tp: their gathers crowd the links (on NVLink
+    they queue ahead of the blocking TP activation collectives). 0.6 picks
+    a plan about as fast as the hand layout and keeps the solver's terms
+    closer to the scheduler's estimate (-9% against -35% at 32 layers),
+    but it also moves
     small, latency-bound models off FSDP (the test LLaMA on 8 ranks goes
     tensor parallel, estimated 1.6 ms per step against 2.0; a dim-8192
     block on 2x4 keeps weights sharded over dp, 27.4 against 30.7 ms),
