@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.fx
@@ -216,7 +216,7 @@ class RedistEdge:
     producer: torch.fx.Node
     consumer: torch.fx.Node
     arg: int
-    kind: str | None
+    kind: str | cost_model.HiddenComm | None
     keep_partial: bool
 
 
@@ -509,6 +509,51 @@ def _flat_placements(placements):
             yield p
 
 
+def _with_compute_windows(traced, strategies, unary, redist_edges: list[RedistEdge]) -> list[RedistEdge]:
+    """The overlap edges with the compute window of their parameter's
+    block (:class:`cost_model.ComputeWindows`)."""
+    from .tracing import module_path
+
+    fqn_of = {p: fqn for fqn, p in traced.param_nodes.items()}
+    for fqn, grad in traced.grad_nodes.items():  # gradient tails, as _grad_tail walks them
+        node = grad
+        while node is not None and node.op == "call_function":
+            fqn_of.setdefault(node, fqn)
+            if node.target not in _PASS_THROUGH_OPS:
+                break
+            node = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+
+    def param_fqn(e: RedistEdge) -> str | None:
+        node = e.producer if e.kind == cost_model.PARAM_ALL_GATHER else e.consumer
+        while node not in fqn_of and node.op == "call_function" and node.args and isinstance(node.args[0], torch.fx.Node):
+            node = node.args[0]  # the forward chain of layout/cast ops back to the parameter
+        return fqn_of.get(node)
+
+    windows = cost_model.ComputeWindows.of(
+        strategies,
+        traced.param_nodes,
+        lambda n: min(unary[id(strategies[n].options)], default=0.0) if strategies[n].getitem_index is None else 0.0,
+        module_path,
+        lambda n: n.meta.get("partitioner_tag") == "is_backward",
+    )
+    if windows.forward:
+        block = next(iter(windows.forward))
+        logger.info(
+            "overlap windows of %s: forward %.2f ms, backward %.2f ms, %.1f MB of parameters",
+            block, windows.forward[block] * 1e3, windows.backward.get(block, 0.0) * 1e3, windows.param_bytes.get(block, 0) / 1e6,
+        )
+    fqns = {e: param_fqn(e) for e in redist_edges if e.kind is not None}
+    edges_per: dict = {}
+    for e, fqn in fqns.items():
+        edges_per[(fqn, e.kind)] = edges_per.get((fqn, e.kind), 0) + 1
+    return [
+        replace(e, kind=windows.kind(e.kind, fqns[e], edges_per[(fqns[e], e.kind)]))
+        if fqns.get(e) is not None
+        else e
+        for e in redist_edges
+    ]
+
+
 def build_problem(
     traced: TracedStep,
     strategies: dict[torch.fx.Node, NodeStrategy],
@@ -550,6 +595,9 @@ def build_problem(
                 else 0.0
                 for o in strat.options
             ]
+
+    if overlap.enabled and overlap.compute_windows:
+        redist_edges = _with_compute_windows(traced, strategies, unary, redist_edges)
 
     size = size_unpruned = estimate_problem_size(traced, strategies)
     logger.info("problem size before pruning: %s", size.describe())

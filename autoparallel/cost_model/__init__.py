@@ -52,7 +52,7 @@ from .compute import (
     op_flops_and_bytes,
 )
 from .devices import A100, B200, H100, H200, DeviceSpec
-from .overlap import GRAD_REDUCE_SCATTER, PARAM_ALL_GATHER, CommOverlapPolicy, apply_discount
+from .overlap import GRAD_REDUCE_SCATTER, PARAM_ALL_GATHER, CommOverlapPolicy, ComputeWindows, HiddenComm, apply_discount
 
 __all__ = [
     "DeviceSpec",
@@ -78,6 +78,8 @@ __all__ = [
     "is_tp_outer",
     "tp_outer_placements",
     "CommOverlapPolicy",
+    "ComputeWindows",
+    "HiddenComm",
     "PARAM_ALL_GATHER",
     "GRAD_REDUCE_SCATTER",
     "apply_discount",

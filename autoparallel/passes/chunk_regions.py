@@ -481,40 +481,30 @@ def _rerun(n: fx.Node, fallback):
 
 def exposed_comm_by_region(nodes: list[fx.Node], costs, regions: dict[str, str], only=None) -> dict[str, float]:
     """Estimated exposed communication (seconds) per region, for ``nodes``
-    run in this order: the two-stream clock of
-    :mod:`.overlap_model`, each wait's stall charged to the region of its
+    run in this order: the streams' clock of
+    :mod:`.overlap_model` (its Clock), each wait's stall charged to the region of its
     collective (``regions``: pattern -> mode, as ``chunk_modules``);
     ``only``: charge these collectives only (others still take time)."""
-    from .overlap_model import Info
+    from .overlap_model import Clock, Info
 
     info = Info(list(nodes), costs)
-    kind, time = info.kind, info.time
-    now = comm_free = 0.0
-    done: dict[fx.Node, float] = {}
+    clock = Clock(info)
     out: dict[str, float] = {}
     for n in nodes:
-        k = kind[n]
-        if k == 1:
-            comm_free = done[n] = max(now, comm_free) + time[n]
-        elif k == 2:
-            end = done.get(n.args[0], 0.0)
-            if end > now:
-                start = n.args[0]
-                r = None
-                if only is None or start in only:
-                    path = module_path(start)
-                    r = next((region_of(path, p) for p in regions if region_of(path, p)), None)
-                if r is not None:
-                    out[r] = out.get(r, 0.0) + end - now
-                now = end
-        elif k == 3:
-            now += time[n]
-            stall = info.blocking.get(n)  # communication inside the op
-            if stall and (only is None or n in only):
-                path = module_path(n)
-                r = next((region_of(path, p) for p in regions if region_of(path, p)), None)
-                if r is not None:
-                    out[r] = out.get(r, 0.0) + stall
+        span = clock.run(n)
+        k = info.kind[n]
+        if k == 2 and span is not None:  # a stall: charged to its collective's region
+            charged, seconds = n.args[0], span[1] - span[0]
+        elif k == 3 and info.blocking.get(n):  # communication inside the op
+            charged, seconds = n, info.blocking[n]
+        else:
+            continue
+        if only is not None and charged not in only:
+            continue
+        path = module_path(charged)
+        r = next((region_of(path, p) for p in regions if region_of(path, p)), None)
+        if r is not None:
+            out[r] = out.get(r, 0.0) + seconds
     return out
 
 

@@ -1,13 +1,29 @@
 """The cost and memory model behind :mod:`.schedule_overlap`.
 
 Per-node facts of a forward or backward graph (:class:`Info`: inputs, kind,
-estimated time, storage roots and what keeps them alive), the two-stream
-estimate of exposed communication and peak memory (:func:`estimate`), and
-the live-bytes tracker (:class:`LiveBytes`) the scheduler and the estimates
-share. Compute ops take ``cost_model.node_compute_time``, collectives
-``cost_model.collective_time`` on the mesh dim's topology; a wait stalls
-compute until its collective ends. Memory: views alias their base, a
-collective's input lives until its wait, graph outputs live to the end.
+estimated time, storage roots and what keeps them alive), the multi-stream
+clock (:class:`Clock`) behind the estimate of exposed communication and
+peak memory (:func:`estimate`), and the live-bytes tracker
+(:class:`LiveBytes`) the scheduler and the estimates share. Compute ops take
+``cost_model.node_compute_time``, collectives ``cost_model.collective_time``
+on their process group's topology.
+
+Streams, as on GPUs: compute runs on one stream; every collective runs on
+the stream of its *link* (:meth:`Costs.link`): the intra-node link (NVLink)
+for groups within a node, the network for groups that span nodes. NCCL runs
+each communicator on its own stream and FSDP2 issues parameter all-gathers
+and gradient reduce-scatters from side streams, so collectives on different
+links (a 16x8 mesh's dp gathers over the network, its tp activation gathers
+over NVLink) proceed concurrently, while collectives sharing a link share
+its bandwidth: each link is one FIFO queue (a collective starts when it is
+issued and the link's previous collective is done). A ``wait_tensor``
+stalls compute until its collective ends: a collective whose consumer runs
+right after it is exposed, one issued a layer ahead (a prefetched gather) or
+waited late (a reduce-scatter) hides behind the compute in between. Not
+modelled: the SM and HBM share NCCL kernels take from concurrent compute.
+
+Memory: views alias their base, a collective's input lives until its wait,
+graph outputs live to the end.
 """
 
 from __future__ import annotations
@@ -23,7 +39,7 @@ from ..apply.moe_a2a_phases import EXCHANGE as MOE_EXCHANGE
 from ..apply.moe_dispatch import in_op_collectives
 from . import PassContext
 
-__all__ = ["Info", "LiveBytes", "estimate", "is_compute", "longest_compute_run", "check_topological"]
+__all__ = ["Clock", "Info", "LiveBytes", "estimate", "is_compute", "longest_compute_run", "check_topological"]
 
 _c10d = torch.ops._c10d_functional
 AG = _c10d.all_gather_into_tensor.default
@@ -126,6 +142,27 @@ class Costs:
         self._cache: dict[fx.Node, float] = {}
         self._free: dict = {}  # target -> launches no kernel
         self._by_shape: dict[tuple, float] = {}
+        self._unresolved: set = set()  # group names not registered here
+
+    def group(self, name: str | None, size: int) -> tuple[int, bool, int]:
+        """(group size, intra-node, members per node) of the process group
+        ``name``: a mesh dim's, else (a flattened or sub-mesh group) from
+        its ranks with 8 GPUs per node as :func:`cost_model.mesh_dim_topology`,
+        else (a bare graph) intra-node."""
+        hit = self.group_dim.get(name)
+        if hit is None and name not in self._unresolved:
+            hit = _group_topology(name)
+            if hit is None:
+                self._unresolved.add(name)
+            else:
+                self.group_dim[name] = hit
+        return hit if hit is not None else (size, True, 1)
+
+    def link(self, n: fx.Node) -> str:
+        """The stream a collective start ``n`` runs on: the link its group
+        uses, ``"nvlink"`` (within a node) or ``"network"`` (across nodes)."""
+        size, name = _group_size_and_name(n)
+        return "nvlink" if self.group(name, size)[1] else "network"
 
     def time(self, n: fx.Node) -> float:
         if n in self._cache:
@@ -133,11 +170,7 @@ class Costs:
         t = 0.0
         if n.op == "call_function" and n.target in STARTS:
             size, name = _group_size_and_name(n)
-            info = self.group_dim.get(name)
-            if info is not None:
-                size, intra, per_node = info
-            else:
-                intra, per_node = True, 1
+            size, intra, per_node = self.group(name, size)
             if n.target is A2A or n.target is MOE_EXCHANGE:
                 size = size or (len(n.args[1]) if isinstance(n.args[1], (list, tuple)) else 2)
             if n.target is AR and not size:
@@ -155,7 +188,7 @@ class Costs:
         all-to-all op): part of its time, and all of it exposed."""
         t = 0.0
         for kind, moved, name in in_op_collectives(n):
-            size, intra, per_node = self.group_dim.get(name, (2, True, 1))
+            size, intra, per_node = self.group(name, 2)
             t += cost_model.collective_time(kind, moved, size, intra, self.device, per_node)
         return t
 
@@ -182,6 +215,26 @@ class Costs:
             if key is not None:
                 self._by_shape[key] = hit
         return hit
+
+
+GPUS_PER_NODE = 8  # as cost_model.mesh_dim_topology's default
+
+
+def _group_topology(name: str | None) -> tuple[int, bool, int] | None:
+    """(size, intra-node, fewest members per node) from the ranks of the
+    registered process group ``name``; None when there is none."""
+    if name is None:
+        return None
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group, get_process_group_ranks
+
+        ranks = get_process_group_ranks(_resolve_process_group(name))
+    except Exception:  # no such group here (a bare graph)
+        return None
+    nodes: dict[int, int] = {}
+    for r in ranks:
+        nodes[r // GPUS_PER_NODE] = nodes.get(r // GPUS_PER_NODE, 0) + 1
+    return len(ranks), len(nodes) == 1, min(nodes.values())
 
 
 class _NoKey(Exception):
@@ -224,6 +277,7 @@ class Info:
         time: dict[fx.Node, float] = {}
         compute: set[fx.Node] = set()
         blocking: dict[fx.Node, float] = {}  # in-op communication (exposed)
+        stream: dict[fx.Node, str] = {}  # collective start -> its link (Costs.link)
         root: dict[fx.Node, fx.Node] = {}
         for n in nodes:
             inputs = n.all_input_nodes
@@ -239,6 +293,7 @@ class Info:
             if target in STARTS:
                 kind[n] = 1
                 time[n] = costs.time(n)
+                stream[n] = costs.link(n)
             elif target is WAIT:
                 kind[n] = 2
             else:
@@ -258,11 +313,12 @@ class Info:
             kept_by[n] = kept
             for r in kept:
                 keepers[r] = keepers.get(r, 0) + 1
-        self.ins, self.kind, self.time, self.compute = ins, kind, time, compute
+        self.ins, self.kind, self.time, self.compute, self.stream = ins, kind, time, compute, stream
         self.blocking = blocking
         self.root, self.kept_by, self.keepers = root, kept_by, keepers
         self.size = {n: nbytes(n.meta.get("val")) for n in nodes if root[n] is n and n.op != "output"}
         self.reductions = {n for n in nodes if kind[n] and n.target in GRAD_REDUCTIONS}
+        self.comm_side, self.after = _comm_side_waits(nodes, kind, ins)
 
     def longest_compute_run(self, order: list[fx.Node]) -> int:
         run = best = 0
@@ -277,24 +333,10 @@ class Info:
 
     def estimate(self, order: list[fx.Node]) -> tuple[float, int]:
         """:func:`estimate` of ``order`` (a topological order of the nodes)."""
-        kind, time = self.kind, self.time
-        now = comm_free = exposed = 0.0
-        done: dict[fx.Node, float] = {}
+        clock = Clock(self)
         for n in order:
-            k = kind[n]
-            if k == 0:
-                continue
-            if k == 1:
-                start = max(now, comm_free)
-                comm_free = done[n] = start + time[n]
-            elif k == 2:
-                end = done.get(n.args[0], 0.0)
-                if end > now:
-                    exposed += end - now
-                    now = end
-            else:
-                now += time[n]
-                exposed += self.blocking.get(n, 0.0)
+            clock.run(n)
+        exposed = clock.exposed
         # memory: storage roots, freed after the last use of any alias
         kept_by = self.kept_by
         last: dict[fx.Node, int] = {}
@@ -321,6 +363,96 @@ class Info:
                 peak = live
             live -= frees.pop(p, 0)
         return exposed, peak
+
+
+_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
+
+
+def _comm_side_waits(nodes, kind, ins) -> tuple[set[fx.Node], dict[fx.Node, list[fx.Node]]]:
+    """Waits whose result only feeds further collectives (through layout
+    ops and casts: a parameter resharded by an all-to-all, then gathered),
+    and for each collective start, the collectives such waits make it
+    follow. A side stream (FSDP2's copy-in) chains these without stalling
+    compute: the later collective starts when the earlier one ends. (The
+    graph output may read them too: a copy saved for backward.)"""
+    from .recompute_all_gathers import _is_chain_op
+
+    comm_side: set[fx.Node] = set()
+    after: dict[fx.Node, list[fx.Node]] = {}
+    for w in nodes:
+        if kind.get(w) != 2 or not isinstance(w.args[0], fx.Node) or kind.get(w.args[0]) != 1:
+            continue
+        starts, stack, seen, ok = [], [w], {w}, True
+        while stack and ok:
+            for u in stack.pop().users:
+                if u in seen:
+                    continue
+                seen.add(u)
+                if kind.get(u) == 1:
+                    starts.append(u)
+                elif u.op == "output":  # also saved for backward
+                    continue
+                elif kind.get(u) == 3 and (_is_chain_op(u) or u.target is _UNSAFE_VIEW):
+                    stack.append(u)
+                else:
+                    ok = False
+                    break
+        if ok and starts:
+            comm_side.add(w)
+            for c in starts:
+                after.setdefault(c, []).append(w.args[0])
+    return comm_side, after
+
+
+class Clock:
+    """The streams' clock as nodes run in some order (see the module
+    docstring): ``now`` on the compute stream, ``free[link]`` when each
+    link's last collective ends, ``done[start]`` when each collective ends,
+    ``exposed``: compute-stream time spent waiting on collectives."""
+
+    __slots__ = ("kind", "time", "stream", "blocking", "comm_side", "after", "now", "free", "done", "exposed")
+
+    def __init__(self, info: "Info"):
+        self.kind, self.time, self.stream = info.kind, info.time, info.stream
+        self.blocking = info.blocking  # in-op communication: part of the op's time, all exposed
+        self.comm_side, self.after = info.comm_side, info.after
+        self.now = self.exposed = 0.0
+        self.free: dict[str, float] = {}
+        self.done: dict[fx.Node, float] = {}
+
+    def run(self, n: fx.Node) -> tuple[float, float] | None:
+        """Advance past ``n``; its interval: a compute op's run, a
+        collective's run on its link, a wait's stall (None: no stall, or a
+        node that takes no time)."""
+        k = self.kind[n]
+        if k == 1:
+            link = self.stream[n]
+            start = max(self.now, self.free.get(link, 0.0))
+            for prev in self.after.get(n, ()):  # chained behind a collective on a side stream
+                start = max(start, self.done.get(prev, 0.0))
+            end = self.free[link] = self.done[n] = start + self.time[n]
+            return start, end
+        if k == 2:
+            end = self.done.get(n.args[0], 0.0)
+            if end > self.now and n not in self.comm_side:
+                start, self.now = self.now, end
+                self.exposed += end - start
+                return start, end
+            return None
+        if k == 3:
+            start = self.now
+            self.now += self.time[n]
+            self.exposed += self.blocking.get(n, 0.0)
+            return start, self.now
+        return None
+
+    def link_idle(self, link: str) -> bool:
+        """Whether ``link`` has finished its queue by ``now``."""
+        return self.free.get(link, 0.0) <= self.now
+
+    def end(self) -> float:
+        """When the last stream is done."""
+        return max([self.now, *self.free.values()])
 
 
 def estimate(nodes: list[fx.Node], costs: Costs) -> tuple[float, int]:

@@ -4,36 +4,50 @@ A list scheduler walks the graph in its original order and re-emits every
 node after all of its inputs (so the result is always a valid topological
 order), with four rules:
 
-* **Prefetch parameter all-gathers, one at a time, bounded.** A parameter's
-  gather chain (see :func:`.recompute_all_gathers.param_gather_chains`; also
-  found in the backward graph, where the partitioner recomputes it) belongs
-  to a *layer*: its parameter FQN up to the first numeric component
-  (``layers.3``); other parameters are a layer each; a bucket gathering
-  several parameters at once (:mod:`.bucket_collectives`) belongs to its
-  first parameter's layer. Layers are numbered by
-  when the graph first needs them. Gathers are issued in order of need, each
-  only when (a) its layer is at most ``prefetch_layers`` past the layer
-  running now, (b) the comm stream is idle in the two-stream clock the
-  scheduler keeps (a queued gather would delay every reduce-scatter that
-  becomes ready behind it on the single comm stream), and (c) the live bytes
-  now, plus what the original order adds until the gather's use, plus the
-  gathered bytes stay under the unscheduled graph's peak times
-  ``1 + PREFETCH_MEMORY_SLACK``. A gather not prefetched is issued when its
-  consumer needs it, as in the original order. That prediction can miss
-  (prefetched gathers then overlap): a schedule whose estimated peak
-  exceeds the unscheduled one by more than ``PEAK_TOLERANCE`` is redone
-  with a limit lowered by the overshoot, and the original order is kept
-  when no attempt fits.
-* **Issue other collectives as soon as their input exists** (gradient
-  reduce-scatters, activation redistributions).
+* **Prefetch parameter all-gathers, bounded.** A parameter's gather chain
+  (see :func:`.recompute_all_gathers.param_gather_chains`; also found in the
+  backward graph, where the partitioner recomputes it) belongs to a *layer*:
+  its parameter FQN up to the first numeric component (``layers.3``); other
+  parameters are a layer each; a bucket gathering several parameters at once
+  (:mod:`.bucket_collectives`) belongs to its first parameter's layer.
+  Layers are ranked by when the graph first needs them; parameters outside
+  the numbered blocks (embeddings, final norm, output projection) share the
+  rank of the next block (or one after the last), as FSDP wraps them.
+  The whole chain is deferred: its ops run when a consumer needs them (a
+  bucket's split after the wait would otherwise pull the wait forward).
+  Gathers are issued in order of need (each its own: a chain that gathers
+  again for a copy saved for backward is not prefetched), each only when
+  (a) its layer's rank is at most ``prefetch_layers`` past the running one,
+  (b) for a later layer than the running one, its link is idle in the
+  clock the scheduler keeps (a queued gather would delay the collectives
+  that become ready behind it; the running layer's gathers are needed now
+  and queue anyway), and (c) the live bytes now, plus what the original
+  order adds until the gather's use (from the gather's own place on, the
+  original order holds its bytes already), plus the gathered bytes stay
+  under the unscheduled graph's peak times ``1 + PREFETCH_MEMORY_SLACK``.
+  A gather not prefetched is issued when its consumer needs it, as in the
+  original order. That prediction can miss (prefetched gathers then
+  overlap): a schedule whose estimated peak exceeds the unscheduled one by
+  more than ``PEAK_TOLERANCE`` is redone with a limit lowered by the
+  overshoot, and the original order is kept when no attempt fits.
+* **Issue other collectives as soon as their input exists**: activation
+  redistributions (except gathers whose result only leaves the graph, an
+  activation saved for backward: those stay in place), and reductions
+  (gradient reduce-scatters, all-reduces) together with the ops that only
+  prepare their input (a bucket's flatten and fp32 cast, which the original
+  order runs at the very end). A ready reduction is issued by the main loop
+  after that step's prefetches (FSDP2's order: the next layer's gathers
+  before this layer's reduce-scatter, which would otherwise hold the link)
+  and once the bytes its preparation allocates fit under the limit.
 * **Wait late, free early.** A ``wait_tensor`` is emitted only when a
   consumer needs its result; a reduce-scatter's (or all-reduce's) wait,
   whose consumer is often the graph output, as soon as the clock says the
-  collective is done (no stall) and at the latest after
-  ``max_consecutive_compute`` compute ops: its unreduced input stays alive
-  until the wait.
+  collective is done (no stall: on a GPU the unreduced input is freed when
+  the collective ends), and after ``max_consecutive_compute`` compute ops
+  only when the live bytes come near the memory limit (a stall that buys
+  memory).
 * **Fill stalls.** When the next node would wait for a collective still in
-  flight (in the two-stream clock), ready nodes from the next
+  flight (in the streams' clock), ready nodes from the next
   ``FILL_WINDOW`` nodes of the original order (all inputs out, within the
   memory limit) run first, until the collective is done: the shared
   experts while the routed tokens are exchanged, the other chunk's compute
@@ -46,12 +60,12 @@ order), with four rules:
   reduces gradients at its very end) and every unreduced gradient is alive
   at once.
 
-Estimates for the stats (before and after): exposed communication from a
-two-stream simulation (compute ops take ``cost_model.node_compute_time``,
-collectives ``cost_model.collective_time`` on the mesh dim's topology; a wait
-stalls compute until its collective ends) and peak memory from a liveness
-walk over the fake tensor sizes (views alias their base; a collective's input
-lives until its wait): :mod:`.overlap_model`, shared with the scheduler.
+Estimates for the stats (before and after): exposed communication from the
+multi-stream clock of :mod:`.overlap_model` (compute on one stream, each
+link, NVLink or network, a FIFO stream of its own; a wait stalls compute
+until its collective ends) and peak memory from a liveness walk over the
+fake tensor sizes (views alias their base; a collective's input lives until
+its wait), shared with the scheduler.
 
 >>> # stats = schedule_overlap(graphs.bw, ctx)   # doctest: +SKIP
 >>> # stats.longest_compute_run_before, stats.longest_compute_run_after  -> 56, 4
@@ -74,6 +88,7 @@ from .overlap_model import (
     RS,
     STARTS,
     WAIT,
+    Clock,
     Costs,
     Info,
     LiveBytes,
@@ -125,6 +140,25 @@ class ScheduleStats:
 def _layer_of(fqn: str) -> str:
     m = re.match(r"^(.*?\.\d+)(\.|$)", fqn)
     return m.group(1) if m else fqn
+
+
+def _layer_ranks(layer_order: list[str]) -> dict[str, int]:
+    """Layer -> its rank for the prefetch distance, layers in order of need.
+    Repeated blocks (``layers.3``) count one each; the parameters between
+    them (embeddings before the first, the final norm and output projection
+    after the last) join the next block, or form one more after the last,
+    as FSDP wraps them: a tiny norm must not use up the prefetch distance
+    and leave the output projection's gather exposed. Without numbered
+    blocks, every layer counts."""
+    numbered = [re.search(r"\.\d+$", name) is not None for name in layer_order]
+    if not any(numbered):
+        return {name: k for k, name in enumerate(layer_order)}
+    ranks: dict[str, int] = {}
+    seen = 0  # numbered layers before this one
+    for name, is_block in zip(layer_order, numbered):
+        ranks[name] = seen
+        seen += is_block
+    return ranks
 
 
 def _param_chains(gm: fx.GraphModule, ctx: PassContext | None) -> dict[fx.Node, tuple[str, list[fx.Node]]]:
@@ -214,22 +248,26 @@ def _schedule(
     ag_layer = _param_chains(gm, ctx)
     stats.all_gathers = sum(1 for n in nodes if n.target is AG)
     stats.reduce_scatters = sum(1 for n in nodes if n.target is RS)
-    # each gather's first need (its chain's first consumer), layers in order of first need
+    # each gather's first need (the first consumer outside its chain of what
+    # it feeds: a chain may gather twice, once for forward, once more for a
+    # copy saved for backward), layers in order of first need
     need_of: dict[fx.Node, int] = {}
     first_need: dict[str, int] = {}
+    chain_sets: dict[int, set[fx.Node]] = {}
     for ag, (layer, chain) in ag_layer.items():
-        chain_set = set(chain)
-        need = min(
-            (index[u] for c in chain for u in c.users if u not in chain_set),
-            default=index[ag],
-        )
+        chain_set = chain_sets.get(id(chain))
+        if chain_set is None:
+            chain_set = chain_sets[id(chain)] = set(chain)
+        need = min((index[u] for u in _chain_users(ag, chain_set)), default=index[ag])
         need_of[ag] = need
         first_need[layer] = min(first_need.get(layer, need), need)
     layer_order = sorted(first_need, key=first_need.__getitem__)
-    layer_rank = {name: k for k, name in enumerate(layer_order)}
+    layer_rank = _layer_ranks(layer_order)
     stats.layers = len(layer_order)
     # prefetch candidates: one gather at a time, in order of need
-    pf_order = sorted(ag_layer, key=lambda a: (need_of[a], index[a]))
+    # (not those the graph only returns, a gathered weight saved for
+    # backward: prefetched, it would only hold memory; they run at the end)
+    pf_order = sorted((a for a in ag_layer if nodes[need_of[a]] is not output), key=lambda a: (need_of[a], index[a]))
     need_points = [first_need[name] for name in layer_order]
 
     # distance (in compute ops) from each node to the nearest gradient reduction
@@ -244,42 +282,59 @@ def _schedule(
 
     done: set[fx.Node] = set()
     order: list[fx.Node] = []
-    # collective starts (not param gathers) are issued once ready: count their missing inputs
-    eager_starts = [n for n in nodes if kind[n] == 1 and n not in ag_layer]
-    remaining_inputs = {n: len(ins[n]) for n in eager_starts}
-    start_users: dict[fx.Node, list[fx.Node]] = {}
-    for c in eager_starts:
-        for a in ins[c]:
-            start_users.setdefault(a, []).append(c)
-    eager: list[tuple[int, fx.Node]] = []  # ready ones
-    pending_rs: deque[tuple[fx.Node, int]] = deque()  # (wait node, compute count when issued)
-    compute_count = 0
-    since_rs = 0
-    next_pf = 0
+    # collective starts (not param gathers) are issued once ready; a
+    # reduction together with the ops that only prepare its input (a
+    # bucket's flatten and cast of gradients), which the original order runs
+    # at the end (reducing early frees the unreduced input; gathering early
+    # would hold the larger output): count the missing inputs of start and
+    # preparation
+    # (a gather whose result only leaves the graph, an activation saved for
+    # backward, stays where the original order has it: early, it would only
+    # hold memory)
     wait_of: dict[fx.Node, fx.Node] = {}
     for n in nodes:
         if kind[n] == 2 and isinstance(n.args[0], fx.Node):
             wait_of[n.args[0]] = n
-    # the two-stream clock of :func:`estimate`, and live bytes, as nodes are emitted
+    eager_starts = [
+        n
+        for n in nodes
+        if kind[n] == 1 and n not in ag_layer and (n in reductions or not _only_output_reads(wait_of.get(n), output))
+    ]
+    remaining_inputs: dict[fx.Node, int] = {}
+    start_users: dict[fx.Node, list[fx.Node]] = {}
+    prep_bytes: dict[fx.Node, int] = {}  # what a reduction's preparation allocates
+    for c in eager_starts:
+        prep = _preparation(c, info) if c in reductions else set()
+        if prep:
+            prep_bytes[c] = sum(info.size.get(m, 0) for m in prep)
+        outside = {a for m in prep | {c} for a in ins[m] if a not in prep}
+        remaining_inputs[c] = len(outside)
+        for a in outside:
+            start_users.setdefault(a, []).append(c)
+    eager: list[tuple[int, fx.Node]] = []  # ready ones
+    held: list[tuple[int, fx.Node]] = []  # ready reductions, issued after the step's prefetches
+    pending_rs: deque[tuple[fx.Node, int]] = deque()  # (wait node, compute count when issued)
+    compute_count = 0
+    since_rs = 0
+    next_pf = 0
+    # the streams' clock of :func:`estimate`, and live bytes, as nodes are emitted
+    clock = Clock(info)
     live = LiveBytes(info)
     # live bytes after each node of the original order
     orig_live = live_curve(info, nodes) if memory_limit is not None else []
     range_max = _RangeMax(orig_live)
-    now = comm_free = 0.0
-    comm_done: dict[fx.Node, float] = {}
+    orig_last: dict[fx.Node, int] = {}  # root -> its last keeper's place in the original order
+    if memory_limit is not None:
+        for p, n in enumerate(nodes):
+            for r in info.kept_by[n]:
+                orig_last[r] = p
 
     def emit(n: fx.Node) -> None:
-        nonlocal compute_count, since_rs, now, comm_free
+        nonlocal compute_count, since_rs
         order.append(n)
         done.add(n)
         live.emit(n)
-        k = kind[n]
-        if k == 1:
-            comm_free = comm_done[n] = max(now, comm_free) + times[n]
-        elif k == 2:
-            now = max(now, comm_done.get(n.args[0], 0.0))
-        elif k == 3:
-            now += times[n]
+        clock.run(n)
         if n in compute:
             compute_count += 1
             since_rs += 1
@@ -324,15 +379,38 @@ def _schedule(
         # reductions do not queue behind gathers); reduction waits once their
         # collective is done (free the unreduced input at no stall) or past the cap
         while eager:
-            _, c = heapq.heappop(eager)
-            if c not in done:
-                ensure(c)
+            item = heapq.heappop(eager)
+            if item[1] in done:
+                continue
+            if item[1] in reductions:
+                # released by the main loop after its prefetches (a gather
+                # queued behind a long reduction on the link is exposed), and
+                # once its preparation (an fp32 copy of gradients) fits
+                heapq.heappush(held, item)
+                continue
+            ensure(item[1])
         while pending_rs and (
-            compute_count - pending_rs[0][1] >= cap or comm_done.get(pending_rs[0][0].args[0], 0.0) <= now
+            clock.done.get(pending_rs[0][0].args[0], 0.0) <= clock.now
+            or (compute_count - pending_rs[0][1] >= cap and short_of_memory())
         ):
             w, _ = pending_rs.popleft()
             if w not in done:
                 ensure(w)
+
+    def short_of_memory() -> bool:
+        # waiting for a reduction stalls compute; on a GPU its input is
+        # freed when it ends anyway: force the wait only near the limit
+        return memory_limit is None or live.live > memory_limit * (1 - PEAK_TOLERANCE)
+
+    def fits(c: fx.Node) -> bool:
+        return memory_limit is None or live.live + prep_bytes.get(c, 0) <= memory_limit
+
+    def release_held() -> None:
+        # ready reductions, once their preparation fits
+        while held and (held[0][1] in done or fits(held[0][1])):
+            _, c = heapq.heappop(held)
+            if c not in done:
+                ensure(c)
 
     def prefetch_step(i: int) -> None:
         # Issue the next parameter gathers (in order of need) while: their
@@ -340,19 +418,27 @@ def _schedule(
         # stream is idle (a queued gather would delay the reductions that
         # become ready meanwhile), and the gathered bytes fit under the limit.
         nonlocal next_pf
-        upto = max(current_rank(i), 0) + prefetch
+        current = max(current_rank(i), 0)
+        upto = current + prefetch
         while next_pf < len(pf_order):
             ag = pf_order[next_pf]
             if ag in done:
                 next_pf += 1
                 continue
-            if layer_rank[ag_layer[ag][0]] > upto or comm_free > now:
+            rank = layer_rank[ag_layer[ag][0]]
+            if rank > upto or (rank > current and not clock.link_idle(info.stream[ag])):
                 return
             if memory_limit is not None:
                 # what the original order adds before the gather is used
-                # (it stays alive until then) predicts the rise from here
-                growth = range_max(i, need_of[ag] + 1) - orig_live[i - 1 if i else 0]
-                if live.live + max(growth, 0) + nbytes(ag.meta.get("val")) > memory_limit:
+                # (it stays alive until then) predicts the rise from here;
+                # from the gather's own place on, the original order holds
+                # the gathered bytes already, if it keeps them to the need
+                base, gathered, at = orig_live[i - 1 if i else 0], nbytes(ag.meta.get("val")), index[ag]
+                if at < i or orig_last.get(ag, at) < need_of[ag]:  # (or the original frees it before the need: a copy-out)
+                    rise = max(range_max(i, need_of[ag] + 1) - base, 0) + gathered
+                else:
+                    rise = max(range_max(i, at) - base + gathered, range_max(at, need_of[ag] + 1) - base, gathered)
+                if live.live + rise > memory_limit:
                     return
             before = compute_count
             ensure(ag)
@@ -370,13 +456,19 @@ def _schedule(
             emit(n)
     flush()
     i = 0
-    deferred = {n for n in nodes if kind[n] == 2} | set(ag_layer)
+    # waits, and of parameter gather chains the ops up to each gather and
+    # the views of its result: a bucket's split into parameters would
+    # otherwise pull the wait forward to its place in the original order (a
+    # copy out of the bucket stays there: deferred, it would hold the whole
+    # bucket until the last parameter's use)
+    deferred = {n for n in nodes if kind[n] == 2} | _deferred_chain_ops(ag_layer, info)
+
     def stall_until(n: fx.Node) -> float:
         # when the collectives behind n's pending waits end (0: no stall)
         end = 0.0
         for a in ins[n]:
-            if kind[a] == 2 and a not in done:
-                end = max(end, comm_done.get(a.args[0], 0.0))
+            if kind[a] == 2 and a not in done and a not in info.comm_side:
+                end = max(end, clock.done.get(a.args[0], 0.0))
         return end
 
     def fill(i: int, until: float) -> None:
@@ -385,7 +477,7 @@ def _schedule(
         # are exchanged, the other chunk's compute): in original order,
         # only nodes whose inputs are all out, within the memory limit.
         for m in nodes[i + 1 : i + FILL_WINDOW]:
-            if now >= until:
+            if clock.now >= until:
                 return
             if m in done or m is output or m in deferred or kind[m] != 3:
                 continue
@@ -402,8 +494,9 @@ def _schedule(
             i += 1
             continue
         prefetch_step(i)
+        release_held()
         until = stall_until(n)
-        if until > now:
+        if until > clock.now:
             fill(i, until)
             if n in done:
                 i += 1
@@ -421,6 +514,79 @@ def _schedule(
             ensure(n)
     emit(output)
     return order
+
+
+def _deferred_chain_ops(ag_layer: dict, info: Info) -> set[fx.Node]:
+    """Each gather, its ancestors in its chain, and the chain ops that view
+    its result."""
+    out: set[fx.Node] = set()
+    root, ins = info.root, info.ins
+    for ag, (_, chain) in ag_layer.items():
+        members = set(chain)
+        stack = [ag]
+        while stack:
+            n = stack.pop()
+            if n in out:
+                continue
+            out.add(n)
+            stack.extend(a for a in ins[n] if a in members)
+        out.update(c for c in chain if root.get(c) is ag)
+    return out
+
+
+def _chain_users(ag: fx.Node, chain: set[fx.Node]) -> list[fx.Node]:
+    """Consumers outside ``chain`` of ``ag`` and the chain ops after it."""
+    out, stack, seen = [], [ag], {ag}
+    while stack:
+        for u in stack.pop().users:
+            if u in seen:
+                continue
+            seen.add(u)
+            if u in chain:
+                stack.append(u)
+            else:
+                out.append(u)
+    return out
+
+
+def _only_output_reads(wait: fx.Node | None, output: fx.Node) -> bool:
+    """Whether the result of ``wait`` (through views and layout ops: the
+    split and concatenation of a gather along another dim) is read only by
+    the graph output."""
+    from .recompute_all_gathers import _is_chain_op
+
+    if wait is None:
+        return False
+    stack, seen = [wait], {wait}
+    while stack:
+        for u in stack.pop().users:
+            if u is output or u in seen:
+                continue
+            if _is_chain_op(u) and u.target not in STARTS and u.target is not WAIT:
+                seen.add(u)
+                stack.append(u)
+            else:
+                return False
+    return True
+
+
+def _preparation(start: fx.Node, info: Info) -> set[fx.Node]:
+    """The ops that only prepare ``start``'s input: its ancestors used by
+    nothing else (directly or through each other), no compute op (matmul,
+    attention), collective or wait among them and no placeholder. For a
+    bucketed reduce-scatter: the casts, views and the concatenation of the
+    layer's gradients."""
+    ins, kind, compute = info.ins, info.kind, info.compute
+    prep: set[fx.Node] = set()
+    stack = list(ins[start])
+    while stack:
+        a = stack.pop()
+        if a in prep or kind.get(a) != 3 or a in compute:
+            continue
+        if all(u is start or u in prep for u in a.users):
+            prep.add(a)
+            stack.extend(ins[a])
+    return prep
 
 
 class _RangeMax:

@@ -2,10 +2,11 @@
 run, where compute waits for communication (exposed), and live bytes.
 
 Replays :meth:`autoparallel.passes.overlap_model.Info.estimate` on the
-graph's final order, recording intervals instead of only totals: compute
-runs on one stream, collectives on another (a collective starts when both
-its issue point and the previous collective are done); a wait whose
-collective has not finished is exposed time. Kept small for the plan:
+graph's final order with its :class:`~autoparallel.passes.overlap_model.Clock`,
+recording intervals instead of only totals: compute runs on one stream,
+collectives on their link's (a collective starts when both its issue point
+and the link's previous collective are done); a wait whose collective has
+not finished is exposed time. Kept small for the plan:
 consecutive compute is merged into one span and the memory curve is
 sampled to at most ``max_points`` points.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..passes.overlap_model import Costs, Info, live_curve
+from ..passes.overlap_model import Clock, Costs, Info, live_curve
 
 
 class _Ctx:
@@ -25,31 +26,26 @@ class _Ctx:
 def simulate(gm: fx.GraphModule, mesh, device, *, max_points: int = 400) -> dict:
     nodes = list(gm.graph.nodes)
     info = Info(nodes, Costs(_Ctx(mesh, device)))
-    kind, time = info.kind, info.time
-    now = comm_free = 0.0
-    done: dict[fx.Node, float] = {}
+    clock = Clock(info)
     compute: list[list] = []  # [start, end]
     comm: list[list] = []  # [start, end, label]
     exposed: list[list] = []  # [start, end]
     at: list[float] = []  # time after each node
     for n in nodes:
-        k = kind[n]
-        if k == 1:
-            start = max(now, comm_free)
-            comm_free = done[n] = start + time[n]
-            comm.append([start, comm_free, str(n.target).split("::")[-1].split(".")[0]])
+        span = clock.run(n)
+        k = info.kind[n]
+        if span is None:
+            pass
+        elif k == 1:
+            comm.append([*span, str(n.target).split("::")[-1].split(".")[0]])
         elif k == 2:
-            end = done.get(n.args[0], 0.0)
-            if end > now:
-                exposed.append([now, end])
-                now = end
-        elif k == 3 and time[n] > 0:
-            if compute and abs(compute[-1][1] - now) < 1e-12:
-                compute[-1][1] = now + time[n]
+            exposed.append(list(span))
+        elif k == 3 and span[1] > span[0]:
+            if compute and abs(compute[-1][1] - span[0]) < 1e-12:
+                compute[-1][1] = span[1]
             else:
-                compute.append([now, now + time[n]])
-            now += time[n]
-        at.append(now)
+                compute.append(list(span))
+        at.append(clock.now)
     live = live_curve(info, nodes)
     step = max(1, len(nodes) // max_points)
     curve = [[at[i], live[i]] for i in range(0, len(nodes), step)]
@@ -58,7 +54,7 @@ def simulate(gm: fx.GraphModule, mesh, device, *, max_points: int = 400) -> dict
         curve.append([at[peak_i], live[peak_i]])
         curve.sort()
     return {
-        "end": max(now, comm_free),
+        "end": clock.end(),
         "compute": _merge(compute, max_points),
         "comm": comm[: 4 * max_points],
         "exposed": exposed,

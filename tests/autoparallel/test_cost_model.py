@@ -359,6 +359,39 @@ def test_overlap_policy():
     assert apply_discount(1.0, "param_all_gather", CommOverlapPolicy(enabled=False)) == 1.0
 
 
+def test_overlap_compute_windows():
+    from autoparallel.cost_model import ComputeWindows, HiddenComm
+
+    flat = CommOverlapPolicy(param_allgather_discount=0.25, grad_reduce_scatter_discount=0.25)
+    on = dataclasses.replace(flat, compute_windows=True)
+    # fits its window: the flat fraction; longer: what sticks out
+    assert apply_discount(1.0, HiddenComm("param_all_gather", 2.0), on) == 0.25
+    assert apply_discount(3.0, HiddenComm("param_all_gather", 2.0), on) == pytest.approx(1.0)
+    assert apply_discount(3.0, HiddenComm("param_all_gather", 2.0), flat) == 0.75  # windows off
+    again = HiddenComm("param_all_gather", 2.0, backward_window=0.5)
+    assert apply_discount(1.0, again, on) == 0.25
+    assert apply_discount(1.0, again, dataclasses.replace(on, regather_in_backward=True)) == 0.75
+    assert apply_discount(3.0, HiddenComm("grad_reduce_scatter", 2.0), CommOverlapPolicy(enabled=False)) == 3.0
+
+    class Param:
+        def __init__(self, numel):
+            self.meta = {"val": torch.empty(numel, device="meta")}
+
+    paths = {"a": "layers.0.attention", "b": "layers.0.feed_forward", "c": "layers.1.attention", "d": "norm", "e": "layers.0.attention"}
+    windows = ComputeWindows.of(
+        ["a", "b", "c", "d", "e"],
+        {"layers.0.w1.weight": Param(300), "layers.0.w2.weight": Param(100), "norm.weight": Param(10)},
+        compute={"a": 1.0, "b": 2.0, "c": 1.0, "d": 5.0, "e": 4.0}.__getitem__,
+        module_path=paths.__getitem__,
+        is_backward=lambda n: n == "e",
+    )
+    assert windows.forward == {"layers.0": 3.0, "layers.1": 1.0} and windows.backward == {"layers.0": 4.0}
+    # w1 holds 3/4 of its block's bytes: 3/4 of the forward, 3/4 of half the backward
+    assert windows.kind("param_all_gather", "layers.0.w1.weight") == HiddenComm("param_all_gather", 2.25, 1.5)
+    assert windows.kind("grad_reduce_scatter", "layers.0.w2.weight", edges=2) == HiddenComm("grad_reduce_scatter", 0.25)
+    assert windows.kind("param_all_gather", "norm.weight") == "param_all_gather"  # outside a block: flat
+
+
 def test_cached_redistribute_benchmark(mesh):
     pairs = [
         (spec(mesh, a), spec(mesh, b))
