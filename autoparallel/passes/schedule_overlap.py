@@ -76,13 +76,13 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import heapq
-import re
 from collections import deque
 from dataclasses import dataclass
 
 import torch.fx as fx
 
 from . import PassContext, register_pass
+from .param_chains import _chain_users, _deferred_chain_ops, _layer_ranks, _param_chains
 from .overlap_model import (
     AG,
     RS,
@@ -136,94 +136,6 @@ class ScheduleStats:
 # ---------------------------------------------------------------------------
 # the scheduler
 
-
-def _layer_of(fqn: str) -> str:
-    m = re.match(r"^(.*?\.\d+)(\.|$)", fqn)
-    return m.group(1) if m else fqn
-
-
-def _layer_ranks(layer_order: list[str]) -> dict[str, int]:
-    """Layer -> its rank for the prefetch distance, layers in order of need.
-    Repeated blocks (``layers.3``) count one each; the parameters between
-    them (embeddings before the first, the final norm and output projection
-    after the last) join the next block, or form one more after the last,
-    as FSDP wraps them: a tiny norm must not use up the prefetch distance
-    and leave the output projection's gather exposed. Without numbered
-    blocks, every layer counts."""
-    numbered = [re.search(r"\.\d+$", name) is not None for name in layer_order]
-    if not any(numbered):
-        return {name: k for k, name in enumerate(layer_order)}
-    ranks: dict[str, int] = {}
-    seen = 0  # numbered layers before this one
-    for name, is_block in zip(layer_order, numbered):
-        ranks[name] = seen
-        seen += is_block
-    return ranks
-
-
-def _param_chains(gm: fx.GraphModule, ctx: PassContext | None) -> dict[fx.Node, tuple[str, list[fx.Node]]]:
-    """all-gather node -> (layer key, ...) for parameter gathers of ``gm``."""
-    from .recompute_all_gathers import param_gather_chains
-
-    local = getattr(ctx, "local", None)
-    fqn_of: dict[str, str] = {}
-    if local is not None:
-        fqns = list(local.param_fqns) + list(local.buffer_fqns)
-        fqn_of = dict(zip(local.primal_names(), fqns))
-    placeholders = [p for p in gm.graph.find_nodes(op="placeholder")]
-    # in a forward/backward graph the parameter shards keep their joint names
-    params = [p for p in placeholders if p.name in fqn_of] if fqn_of else [
-        p for p in placeholders if "tangents" not in p.name
-    ]
-    out: dict[fx.Node, tuple[str, list[fx.Node]]] = {}
-    for p, chain in param_gather_chains(gm, None, params=params, forward_only=False).items():
-        layer = _layer_of(fqn_of.get(p.name, p.name))
-        for n in chain:
-            if n.target is AG:
-                out[n] = (layer, chain)
-    # gathers of several parameters at once (:mod:`.bucket_collectives`)
-    rank = {p: k for k, p in enumerate(params)}
-    for ag in gm.graph.find_nodes(op="call_function", target=AG):
-        if ag not in out:
-            found = _bucket_chain(ag, rank)
-            if found is not None:
-                p, chain = found
-                out[ag] = (_layer_of(fqn_of.get(p.name, p.name)), chain)
-    return out
-
-
-def _bucket_chain(ag: fx.Node, rank: dict[fx.Node, int]) -> tuple[fx.Node, list[fx.Node]] | None:
-    """(first parameter, chain) when ``ag`` gathers data of parameters only
-    (its input made from parameter placeholders by casts and layout ops);
-    the chain is those ops, ``ag`` and the layout ops after its wait."""
-    from .recompute_all_gathers import _is_chain_op
-
-    chain: set[fx.Node] = set()
-    roots: set[fx.Node] = set()
-    stack = list(ag.all_input_nodes)
-    while stack:
-        n = stack.pop()
-        if n in chain or n in roots:
-            continue
-        if n.op == "placeholder":
-            if n not in rank:
-                return None
-            roots.add(n)
-            continue
-        if not _is_chain_op(n) or n.target in STARTS or n.target is WAIT:
-            return None
-        chain.add(n)
-        stack.extend(n.all_input_nodes)
-    if not roots:
-        return None
-    chain.add(ag)
-    stack = [ag]
-    while stack:  # the wait and the layout ops after it
-        for u in stack.pop().users:
-            if u not in chain and _is_chain_op(u) and u.target not in STARTS and all(a in chain for a in u.all_input_nodes):
-                chain.add(u)
-                stack.append(u)
-    return min(roots, key=rank.__getitem__), list(chain)
 
 
 def _schedule(
@@ -516,37 +428,6 @@ def _schedule(
     return order
 
 
-def _deferred_chain_ops(ag_layer: dict, info: Info) -> set[fx.Node]:
-    """Each gather, its ancestors in its chain, and the chain ops that view
-    its result."""
-    out: set[fx.Node] = set()
-    root, ins = info.root, info.ins
-    for ag, (_, chain) in ag_layer.items():
-        members = set(chain)
-        stack = [ag]
-        while stack:
-            n = stack.pop()
-            if n in out:
-                continue
-            out.add(n)
-            stack.extend(a for a in ins[n] if a in members)
-        out.update(c for c in chain if root.get(c) is ag)
-    return out
-
-
-def _chain_users(ag: fx.Node, chain: set[fx.Node]) -> list[fx.Node]:
-    """Consumers outside ``chain`` of ``ag`` and the chain ops after it."""
-    out, stack, seen = [], [ag], {ag}
-    while stack:
-        for u in stack.pop().users:
-            if u in seen:
-                continue
-            seen.add(u)
-            if u in chain:
-                stack.append(u)
-            else:
-                out.append(u)
-    return out
 
 
 def _only_output_reads(wait: fx.Node | None, output: fx.Node) -> bool:
