@@ -133,7 +133,7 @@ class Costs:
         self.group_dim: dict[str, tuple[int, bool, int]] = {}
         if mesh is not None:
             try:
-                topo = cost_model.mesh_dim_topology(mesh)
+                topo = cost_model.mesh_dim_topology(mesh, self.device.gpus_per_node)
                 for d in range(mesh.ndim):
                     t = topo[d]
                     self.group_dim[mesh.get_group(d).group_name] = (mesh.size(d), t.intra_node, t.ranks_per_node)
@@ -147,11 +147,11 @@ class Costs:
     def group(self, name: str | None, size: int) -> tuple[int, bool, int]:
         """(group size, intra-node, members per node) of the process group
         ``name``: a mesh dim's, else (a flattened or sub-mesh group) from
-        its ranks with 8 GPUs per node as :func:`cost_model.mesh_dim_topology`,
+        its ranks with the device's GPUs per node, as :func:`cost_model.mesh_dim_topology`,
         else (a bare graph) intra-node."""
         hit = self.group_dim.get(name)
         if hit is None and name not in self._unresolved:
-            hit = _group_topology(name)
+            hit = _group_topology(name, self.device.gpus_per_node)
             if hit is None:
                 self._unresolved.add(name)
             else:
@@ -217,10 +217,7 @@ class Costs:
         return hit
 
 
-GPUS_PER_NODE = 8  # as cost_model.mesh_dim_topology's default
-
-
-def _group_topology(name: str | None) -> tuple[int, bool, int] | None:
+def _group_topology(name: str | None, gpus_per_node: int) -> tuple[int, bool, int] | None:
     """(size, intra-node, fewest members per node) from the ranks of the
     registered process group ``name``; None when there is none."""
     if name is None:
@@ -233,7 +230,7 @@ def _group_topology(name: str | None) -> tuple[int, bool, int] | None:
         return None
     nodes: dict[int, int] = {}
     for r in ranks:
-        nodes[r // GPUS_PER_NODE] = nodes.get(r // GPUS_PER_NODE, 0) + 1
+        nodes[r // gpus_per_node] = nodes.get(r // gpus_per_node, 0) + 1
     return len(ranks), len(nodes) == 1, min(nodes.values())
 
 
