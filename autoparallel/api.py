@@ -27,6 +27,7 @@ import solver
 
 from . import cost_model, infeasibility, rules, validation  # noqa: F401 - rules register on import
 from . import memory_budget as memory_budget_mod
+from . import option_pricing
 from .memory import ADAMW, OptimizerSpec
 from .plan import NodePlan, Plan
 from .provenance import PlanMismatch, check_applicable, provenance  # noqa: F401 - PlanMismatch re-exported
@@ -83,8 +84,14 @@ class AutoParallel:
             whose LP relaxation is weak; a plan stopped by it has
             ``plan.status == "feasible"`` and reports ``plan.bound`` and
             ``plan.gap``. Plans proven optimal are unaffected.
-        max_problem_bytes: refuse (``ProblemTooLarge``, before building any
-            cost matrix) a problem estimated to need more memory; None: no limit.
+        max_problem_bytes: a problem whose dense edge matrices are estimated
+            to need more memory is solved by option pricing with lazy
+            matrices instead (:mod:`autoparallel.option_pricing`); one too
+            big even for that is refused (``ProblemTooLarge``, before any
+            cost matrix is built); None: no limit.
+        option_pricing: True / False forces / forbids option pricing;
+            None (default) uses it when the dense problem exceeds
+            ``max_problem_bytes``.
         memory_budget: bound the per-rank memory of the whole step
             (parameters, gradients, optimizer state, saved activations; see
             :mod:`autoparallel.memory_budget`) by the device's HBM less 10%;
@@ -107,6 +114,7 @@ class AutoParallel:
         rel_gap: float | None = None,
         max_problem_bytes: float | None = DEFAULT_MAX_PROBLEM_BYTES,
         memory_budget: bool = True,
+        option_pricing: bool | None = None,
     ):
         validation.check_arguments(
             model=model,
@@ -133,7 +141,11 @@ class AutoParallel:
         self.backend = backend
         self.time_limit = time_limit
         self.rel_gap = rel_gap
-        self._constraints = Constraints(max_problem_bytes=max_problem_bytes)
+        if option_pricing is not None and not isinstance(option_pricing, bool):
+            raise TypeError(
+                f"option_pricing must be True, False or None (when the dense problem is too big), got {option_pricing!r}"
+            )
+        self._constraints = Constraints(max_problem_bytes=max_problem_bytes, option_pricing=option_pricing)
         if mp_policy is not None:
             # FSDP semantics: gradients are reduced in reduce_dtype, which
             # defaults to param_dtype.
@@ -339,19 +351,26 @@ class AutoParallel:
         return roles
 
     # -- solving -------------------------------------------------------------------
-    def build_problem(self) -> BuiltProblem:
+    def build_problem(self, strategies: dict[torch.fx.Node, NodeStrategy] | None = None) -> BuiltProblem:
+        """The planning problem over ``strategies`` (default: every node's
+        options; option pricing passes the options it kept, with pruning
+        and pricing off for that dense rebuild)."""
         self._require_open()
         c = self._constraints
+        narrowed = strategies is not None
+        strategies = self.strategies if strategies is None else strategies
         infeasibility.check_memory_budget(
             self.traced.param_nodes, self.strategies, self.mesh, c.pins, c.memory_low, c.memory_high
         )
         step_memory = self._check_step_memory()
-        with self._stages.stage("problem build", "problem_build"), unset_fake_temporarily():
+        constraints = dataclasses.replace(c, prune_options=False, option_pricing=False) if narrowed else c
+        stage = "problem rebuild (kept options)" if narrowed else "problem build"
+        with self._stages.stage(stage, "problem_rebuild" if narrowed else "problem_build"), unset_fake_temporarily():
             self.built = build_problem(
                 self.traced,
-                self.strategies,
+                strategies,
                 self.mesh,
-                self._constraints,
+                constraints,
                 device=self.device,
                 overlap=self.overlap,
                 repeats=self.repeats,
@@ -382,11 +401,14 @@ class AutoParallel:
         built = self.build_problem()
         dump_dir = os.environ.get(DUMP_DIR_ENV)
         try:
-            with self._stages.stage(f"solve ({len(built.problem.decisions)} decisions)", "solve"):
-                solution, _ = memory_budget_mod.solve_within_budget(
-                    built.problem,
-                    lambda p: solver.solve(p, backend=self.backend, time_limit=self.time_limit, rel_gap=self.rel_gap),
-                )
+            if built.lazy:
+                built, solution = self._solve_by_pricing(built)
+            else:
+                with self._stages.stage(f"solve ({len(built.problem.decisions)} decisions)", "solve"):
+                    solution, _ = memory_budget_mod.solve_within_budget(
+                        built.problem,
+                        lambda p: solver.solve(p, backend=self.backend, time_limit=self.time_limit, rel_gap=self.rel_gap),
+                    )
         except Exception as exc:
             # the problem is what one needs to debug a failed solve
             if dump_dir:
@@ -401,6 +423,30 @@ class AutoParallel:
             self._dump(dump_dir, built, solution, plan)
         logger.info("%s", plan.summary(legend=False))
         return plan
+
+    def _solve_by_pricing(self, built: BuiltProblem) -> tuple[BuiltProblem, solver.Solution]:
+        """Solve a lazy problem by option pricing, then rebuild it densely
+        over the kept options (what the plan, its report and the dumps
+        read) and map the choice into it."""
+        results = []
+
+        def price(p: solver.Problem) -> solver.Solution:
+            results.append(option_pricing.solve_lazy(p, built.strategies, backend=self.backend, time_limit=self.time_limit))
+            return results[-1].solution
+
+        with self._stages.stage(f"option pricing ({len(built.problem.decisions)} decisions)", "solve"):
+            try:
+                memory_budget_mod.solve_within_budget(built.problem, price)
+            finally:
+                option_pricing.release_caches()
+        result = results[-1]
+        narrowed = option_pricing.narrow_strategies(built.strategies, result.kept)
+        full = built.strategies
+        dense = self.build_problem(narrowed)
+        choice = option_pricing.map_choice(full, narrowed, result.solution.choice)
+        solution = option_pricing.narrowed_solution(result, dense.problem, choice)
+        solution.timings.update({f"pricing.{k}": v for k, v in dataclasses.asdict(result.stats).get("seconds", {}).items()})
+        return dense, solution
 
     def _dump(
         self,

@@ -39,12 +39,13 @@ import solver
 
 from . import cost_model
 from .edge_costs import clear_caches as clear_edge_cost_caches
-from .edge_costs import redistribution_matrix
+from .edge_matrices import EdgeMatrices
 from .option_pruning import PruneStats, prune_partials
 from .problem_size import (  # noqa: F401  (the size guard, re-exported)
     DEFAULT_MAX_PROBLEM_BYTES,
     ProblemSize,
     ProblemTooLarge,
+    check_lazy_size,
     check_problem_size,
     estimate_problem_size,
 )
@@ -72,7 +73,6 @@ _PASS_THROUGH_OPS = {
 }
 
 
-# Well under a 24 GB workstation, far above any 2-D plan of LLaMA-3 (<1 GB).
 @dataclass
 class Constraints:
     """What the user asked for, in node terms (validated by the API)."""
@@ -94,6 +94,11 @@ class Constraints:
     # pair matrices (exact: see autoparallel.option_pruning); off only to
     # compare against.
     prune_options: bool = True
+    # Lazy edge matrices and option pricing (solver.pricing) instead of
+    # dense matrices: True, False, or None = when the dense problem's
+    # estimate exceeds max_problem_bytes (then max_problem_bytes bounds the
+    # lazy estimate instead).
+    option_pricing: bool | None = None
 
 
 @dataclass
@@ -107,6 +112,13 @@ class BuiltProblem:
     size: ProblemSize | None = None  # as built (after pruning)
     pruning: PruneStats | None = None
     size_unpruned: ProblemSize | None = None
+    # edges hold lazy matrices (autoparallel.edge_matrices): solve with
+    # autoparallel.option_pricing, not solver.solve
+    lazy: bool = False
+
+
+# tests patch the class under its old name
+_EdgeMatrices = EdgeMatrices
 
 
 def local_numel(shape, placements, mesh: DeviceMesh) -> int:
@@ -168,10 +180,6 @@ def _unreducible_grad_nodes(traced: TracedStep, reduce_dtype: torch.dtype | None
     }
 
 
-def _partial_mask(spec) -> int:
-    return sum(1 << i for i, p in enumerate(spec.placements) if p.is_partial())
-
-
 @dataclass(frozen=True)
 class RedistEdge:
     """An edge costed by redistribution."""
@@ -181,162 +189,6 @@ class RedistEdge:
     arg: int
     kind: str | cost_model.HiddenComm | None
     keep_partial: bool
-
-
-class _EdgeMatrices:
-    """Edge cost matrices, each computed once per distinct block.
-
-    * Per (producer option list, consumer option list, argument, overlap
-      kind), by identity: repeated layers share option lists, so every
-      repeat of an edge gets the same matrix object, which the solver then
-      reads once (it memoises matrices by id in validation and presolve).
-    * Per (distinct source placements, distinct target placements, tensor
-      shape and dtype, overlap kind), by value: the option grid repeats
-      placements (options differ in their other inputs), and many edges of
-      a layer carry tensors of one shape (q/k/v, gate/up, residuals).
-    """
-
-    def __init__(self, device, overlap):
-        self.device = device
-        self.overlap = overlap
-        self._matrices: dict = {}
-        self._classes: dict = {}
-        self._pair_cache: dict = {}  # for edge_costs.redistribution_matrix
-
-    def _pair(self, src, dst, kind) -> float:
-        t = cost_model.redistribute_time(src, dst, self.device)
-        if t != 0.0 and math.isfinite(t):
-            if kind is not None:
-                t = cost_model.apply_discount(t, kind, self.overlap)
-            t += cost_model.TRANSITION_TIEBREAK
-        elif t == 0.0 and src.placements != dst.placements:
-            t = cost_model.TRANSITION_TIEBREAK
-        return t
-
-    def classes(self, prod: list[Option], cons: list[Option], arg: int, kind: str | None, keep_partial: bool = False):
-        """The redistribution costs between distinct placements: a matrix
-        over (distinct producer outputs) x (distinct consumer inputs ``arg``),
-        and each producer / consumer option's row / column index in it."""
-        src_specs, row_class = _spec_classes([po.output_spec for po in prod])
-        dst_specs, col_class = _spec_classes([co.input_specs[arg] for co in cons])
-        src_meta, dst_meta = src_specs[0].tensor_meta, dst_specs[0].tensor_meta
-        class_key = (
-            tuple((s.placements, s.shard_order) for s in src_specs),
-            tuple((d.placements, d.shard_order) for d in dst_specs),
-            tuple(src_meta.shape),
-            src_meta.dtype,
-            tuple(dst_meta.shape),
-            kind,
-            keep_partial,
-        )
-        class_rows = self._classes.get(class_key)
-        if class_rows is None:
-            class_rows = self._classes[class_key] = self._class_matrix(src_specs, dst_specs, kind, keep_partial)
-        return class_rows, row_class, col_class
-
-    def drop_pair_cache(self) -> None:
-        self._pair_cache = {}
-
-    def _class_matrix(self, src_specs, dst_specs, kind, keep_partial) -> list[list[float]]:
-        """:meth:`_pair` for every (source, target) spec, with the raw times
-        from :func:`edge_costs.redistribution_matrix` (equal to
-        ``redistribute_time``, ~10x faster on 3-D meshes)."""
-        raw = redistribution_matrix(src_specs, dst_specs, self.device, self._pair_cache)
-        tiebreak = cost_model.TRANSITION_TIEBREAK
-        discount = (lambda t: cost_model.apply_discount(t, kind, self.overlap)) if kind is not None else None
-        # Partial mesh dims of each source / non-partial ones of each target:
-        # a pair reduces a Partial where they meet.
-        src_partial = [_partial_mask(s) for s in src_specs]
-        dst_whole = [~_partial_mask(d) for d in dst_specs]
-        rows = []
-        for s, sp, raw_row in zip(src_specs, src_partial, raw):
-            row = []
-            for d, dw, t in zip(dst_specs, dst_whole, raw_row):
-                if keep_partial and sp & dw:
-                    row.append(math.inf)
-                    continue
-                # as _pair
-                if t != 0.0 and math.isfinite(t):
-                    if discount is not None:
-                        t = discount(t)
-                    t += tiebreak
-                elif t == 0.0 and s.placements != d.placements:
-                    t = tiebreak
-                row.append(t)
-            rows.append(row)
-        return rows
-
-    def redistribution(
-        self, prod: list[Option], cons: list[Option], arg: int, kind: str | None, keep_partial: bool = False
-    ):
-        """Producer option x consumer option: time to bring the producer's
-        output to what the consumer's option needs for argument ``arg``
-        (``keep_partial``: reducing a Partial mesh dim is forbidden)."""
-        key = (id(prod), id(cons), arg, kind, keep_partial)
-        hit = self._matrices.get(key)
-        if hit is not None:
-            return hit[0]
-        class_rows, row_class, col_class = self.classes(prod, cons, arg, kind, keep_partial)
-        # Options with the same output placements get the same row object.
-        rows_by_class: dict[int, list[float]] = {}
-        rows = []
-        for r in row_class:
-            row = rows_by_class.get(r)
-            if row is None:
-                costs = class_rows[r]
-                row = rows_by_class[r] = [costs[c] for c in col_class]
-            rows.append(row)
-        # keep prod/cons alive so their ids stay unique while cached
-        self._matrices[key] = (rows, prod, cons)
-        return rows
-
-    def gradient(self, param: list[Option], grad: list[Option], kind: str):
-        """Parameter option x gradient option: 0 where the gradient already
-        has the parameter's placements; for a tp-outer parameter, the time
-        to bring the gradient to it (a reduce-scatter of kind ``kind``);
-        inf otherwise."""
-        key = ("gradient", id(param), id(grad), kind)
-        hit = self._matrices.get(key)
-        if hit is None:
-            # costs depend on the gradient's output placements only: priced
-            # per distinct placements (a gradient op has many options per
-            # output layout, and a tp-outer pair goes through DTensor's
-            # planner, ~100 us)
-            grad_specs, grad_class = _spec_classes([go.output_spec for go in grad])
-            mesh_shape = None
-            rows = []
-            for po in param:
-                ps = po.output_spec
-                mesh_shape = mesh_shape or tuple(ps.mesh.shape)
-                strided = cost_model.is_tp_outer(ps.placements, mesh_shape)
-                by_class = [
-                    0.0 if gs.placements == ps.placements else self._pair(gs, ps, kind) if strided else math.inf
-                    for gs in grad_specs
-                ]
-                rows.append([by_class[c] for c in grad_class])
-            hit = self._matrices[key] = (rows, param, grad)
-        return hit[0]
-
-    def getitem(self, parent: list[Option], item: list[Option], idx: int):
-        """0 where the parent option's ``idx``-th output is the item's option, else inf."""
-        key = ("getitem", id(parent), id(item), idx)
-        hit = self._matrices.get(key)
-        if hit is None:
-            rows = [[0.0 if po.output_specs[idx] == co.output_specs else math.inf for co in item] for po in parent]
-            hit = self._matrices[key] = (rows, parent, item)
-        return hit[0]
-
-    def equal_placements(self, a: list[Option], b: list[Option]):
-        """0 where both options' outputs have the same placements, else inf."""
-        key = ("equal", id(a), id(b))
-        hit = self._matrices.get(key)
-        if hit is None:
-            rows = [
-                [0.0 if placements_of(x.output_specs) == placements_of(y.output_specs) else math.inf for y in b]
-                for x in a
-            ]
-            hit = self._matrices[key] = (rows, a, b)
-        return hit[0]
 
 
 class _Progress:
@@ -351,20 +203,6 @@ class _Progress:
         if now - self.last >= self.every:
             self.last = now
             logger.info("%s: %d/%d after %.0fs", self.what, done, self.total, now - self.t0)
-
-
-def _spec_classes(specs: list) -> tuple[list, list[int]]:
-    """Distinct specs (by placements) and, per input spec, its class index."""
-    index: dict = {}
-    distinct: list = []
-    classes: list[int] = []
-    for spec in specs:
-        cls = index.setdefault(spec.placements, len(index))
-        if cls == len(distinct):
-            distinct.append(spec)
-        classes.append(cls)
-    return distinct, classes
-
 
 
 def _frozen_nodes(traced, strategies, constraints: Constraints, repeats) -> set[torch.fx.Node]:
@@ -446,7 +284,6 @@ def build_problem(
     param_chain = _forward_param_chain(traced)
     grad_tail = _grad_tail(traced)
     unreducible = _unreducible_grad_nodes(traced, constraints.reduce_dtype)
-    matrices = _EdgeMatrices(device, overlap)
     redist_edges = []
     for node, strat in strategies.items():
         if strat.getitem_index is not None:
@@ -486,7 +323,19 @@ def build_problem(
         strategies, pruning = prune_partials(strategies, unary, frozen, mesh.ndim, linked)
         size = estimate_problem_size(traced, strategies)
         logger.info("problem size after pruning: %s", size.describe())
-    check_problem_size(size, mesh, constraints.max_problem_bytes)
+    lazy = constraints.option_pricing
+    if lazy is None:
+        lazy = constraints.max_problem_bytes is not None and size.estimated_bytes > constraints.max_problem_bytes
+        if lazy:
+            logger.info(
+                "dense problem estimated at %.2f GiB, over max_problem_bytes (%.2f GiB): lazy edge matrices and option pricing",
+                size.estimated_bytes / 2**30, constraints.max_problem_bytes / 2**30,
+            )
+    if lazy:
+        check_lazy_size(size, mesh, constraints.max_problem_bytes)
+    else:
+        check_problem_size(size, mesh, constraints.max_problem_bytes)
+    matrices = EdgeMatrices(device, overlap, lazy=lazy)
     nodes = list(strategies)
     decisions: list[solver.Decision] = []
     compute: dict[str, list[float]] = {}
@@ -533,10 +382,12 @@ def build_problem(
             matrix = matrices.equal_placements(strategies[out].options, strategies[tangent].options)
             edges.append(solver.Edge(out.name, tangent.name, -1, matrix))
 
-    # the step plans per placement pair are only needed while costing
-    # (millions of entries on a 4-D mesh)
-    clear_edge_cost_caches()
-    matrices.drop_pair_cache()
+    if not lazy:
+        # the step plans per placement pair are only needed while costing
+        # (millions of entries on a 4-D mesh); lazy matrices cost while the
+        # solver prices (autoparallel.option_pricing clears them after)
+        clear_edge_cost_caches()
+        matrices.drop_pair_cache()
 
     pins = []
     for name, (cname, placements) in constraints.pins.items():
@@ -575,7 +426,7 @@ def build_problem(
         len(links),
         seconds,
     )
-    return BuiltProblem(problem, nodes, strategies, compute, seconds, size, pruning, size_unpruned)
+    return BuiltProblem(problem, nodes, strategies, compute, seconds, size, pruning, size_unpruned, lazy)
 
 
 def _layer_name(node: torch.fx.Node) -> str | None:

@@ -24,6 +24,12 @@ DEFAULT_MAX_PROBLEM_BYTES = 4 * 2**30
 # more pairs, +100 MiB); 2 B leaves a margin.
 BYTES_PER_DISTINCT_PAIR = 200
 BYTES_PER_PAIR = 2
+# Lazy matrices and option pricing (autoparallel.option_pricing) keep, per
+# distinct edge matrix, whole rows and columns for the options in play
+# (tens per decision) in the solver's and the matrices' caches: bytes per
+# row or column of a distinct matrix, and per option (labels, unary costs).
+BYTES_PER_LAZY_LINE = 1024
+BYTES_PER_OPTION = 400
 
 
 class ProblemTooLarge(RuntimeError):
@@ -45,11 +51,18 @@ class ProblemSize:
     pairs: int
     distinct_pairs: int
     estimated_bytes: float
+    # rows + columns over the distinct matrices: what lazy matrices grow with
+    distinct_lines: int = 0
     # (pairs, producer, consumer) of the largest distinct edge matrices
     largest: list[tuple[int, str, str]] = field(default_factory=list)
     # (op, nodes, options, option pairs of the edges into its nodes) of the
     # op kinds holding the most pairs: where a mesh's options come from
     by_op: list[tuple[str, int, int, int]] = field(default_factory=list)
+
+    @property
+    def lazy_bytes(self) -> float:
+        """Estimated peak bytes with lazy matrices and option pricing."""
+        return float(BYTES_PER_LAZY_LINE * self.distinct_lines + BYTES_PER_OPTION * self.options)
 
     def describe(self) -> str:
         return (
@@ -85,6 +98,7 @@ def estimate_problem_size(traced: TracedStep, strategies: dict[torch.fx.Node, No
     the edges, no cost evaluated)."""
     pairs = 0
     edges = 0
+    lines = 0
     distinct: dict[tuple, tuple[int, str, str]] = {}
     # op -> [nodes, options, pairs into its nodes]
     per_op: dict[str, list[int]] = {}
@@ -96,7 +110,9 @@ def estimate_problem_size(traced: TracedStep, strategies: dict[torch.fx.Node, No
         n = len(strategies[producer].options) * len(strategies[consumer].options)
         pairs += n
         edges += 1
-        distinct.setdefault(key, (n, producer.name, consumer.name))
+        if key not in distinct:
+            distinct[key] = (n, producer.name, consumer.name)
+            lines += len(strategies[producer].options) + len(strategies[consumer].options)
         per_op[_op_kind(consumer)][2] += n
     distinct_pairs = sum(v[0] for v in distinct.values())
     largest = sorted(distinct.values(), reverse=True)[:3]
@@ -108,6 +124,7 @@ def estimate_problem_size(traced: TracedStep, strategies: dict[torch.fx.Node, No
         pairs=pairs,
         distinct_pairs=distinct_pairs,
         estimated_bytes=float(BYTES_PER_DISTINCT_PAIR * distinct_pairs + BYTES_PER_PAIR * pairs),
+        distinct_lines=lines,
         largest=largest,
         by_op=by_op,
     )
@@ -141,5 +158,23 @@ def check_problem_size(size: ProblemSize, mesh: DeviceMesh, limit: float | None)
         f"add_node_constraint, add_parameter_memory_constraint), use a coarser option set "
         f"(fewer layers: repeated layers share matrices), or raise max_problem_bytes "
         f"(AutoParallel(..., max_problem_bytes=...)) if this machine has the memory.",
+        size,
+    )
+
+
+def check_lazy_size(size: ProblemSize, mesh: DeviceMesh, limit: float | None) -> None:
+    """Raise :class:`ProblemTooLarge` when even lazy matrices and option
+    pricing (whose memory grows with options, not option pairs) would
+    exceed ``limit`` bytes."""
+    if limit is None or size.lazy_bytes <= limit:
+        return
+    raise ProblemTooLarge(
+        f"planning problem too large even with lazy edge matrices: {size.decisions} decisions, "
+        f"{size.options:,} options, {size.distinct_lines:,} rows and columns of distinct edge "
+        f"matrices, estimated {size.lazy_bytes / 2**30:.2f} GiB, over the limit of "
+        f"{limit / 2**30:.2f} GiB (max_problem_bytes). Why: on a {mesh.ndim}-D mesh "
+        f"{tuple(mesh.shape)} each node's options are the product of its per-mesh-dim placements. "
+        f"To change: plan on fewer mesh dims (flatten data-parallel dims into one), pin layouts "
+        f"(add_input_constraints, add_node_constraint), or raise max_problem_bytes.",
         size,
     )

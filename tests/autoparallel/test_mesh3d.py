@@ -58,7 +58,7 @@ def test_size_guard_refuses_before_building(fake_world, monkeypatch):
     with torch.device("meta"):
         model = Transformer(ARGS)
     inputs = torch.empty(BATCH, SEQ, dtype=torch.long, device="meta")
-    with AutoParallel(model, mesh, inputs, max_problem_bytes=2**20) as autop:
+    with AutoParallel(model, mesh, inputs, max_problem_bytes=2**20, option_pricing=False) as autop:
         unpruned = problem_builder.estimate_problem_size(autop.traced, autop.strategies)
         with pytest.raises(ProblemTooLarge) as err:
             autop.optimize_placement()

@@ -1,0 +1,335 @@
+"""Edge cost matrices of the planning problem: producer option x consumer
+option, dense (lists of rows, each computed once per distinct block) or lazy.
+
+Dense matrices hold every pair; on a 4-D mesh one layer's pointwise edges
+alone hold ~100M pairs (LLaMA-3 70B, 4x4x8x8), more than any machine should
+build. Lazy matrices (``lazy=True``) compute only the blocks the option
+pricing solver (:func:`solver.pricing.solve_by_pricing`) asks for: its
+options in play against every option of the other end. They implement the
+solver's lazy-matrix interface: ``shape``, ``floor`` (a lower bound on every
+entry: costs are times, >= 0) and ``block(rows, cols)`` (a float64 array,
+``inf`` for a forbidden pair). Entries equal the dense matrices' exactly
+(tests/autoparallel/test_lazy_matrices.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import cost_model
+from .edge_costs import redistribution_matrix
+from .strategies import Option, placements_of
+
+
+def _partial_mask(spec) -> int:
+    return sum(1 << i for i, p in enumerate(spec.placements) if p.is_partial())
+
+
+
+class EdgeMatrices:
+    """Edge cost matrices, each computed once per distinct block (dense),
+    or lazy objects computing the blocks asked for (``lazy=True``).
+
+    * Per (producer option list, consumer option list, argument, overlap
+      kind), by identity: repeated layers share option lists, so every
+      repeat of an edge gets the same matrix object, which the solver then
+      reads once (it memoises matrices by id in validation and presolve).
+    * Per (distinct source placements, distinct target placements, tensor
+      shape and dtype, overlap kind), by value: the option grid repeats
+      placements (options differ in their other inputs), and many edges of
+      a layer carry tensors of one shape (q/k/v, gate/up, residuals).
+    """
+
+    def __init__(self, device, overlap, lazy: bool = False):
+        self.device = device
+        self.overlap = overlap
+        self.lazy = lazy
+        self._grids: dict = {}  # class key -> _ClassGrid (lazy)
+        self._matrices: dict = {}
+        self._classes: dict = {}
+        self._pair_cache: dict = {}  # for edge_costs.redistribution_matrix
+
+    def _pair(self, src, dst, kind) -> float:
+        t = cost_model.redistribute_time(src, dst, self.device)
+        if t != 0.0 and math.isfinite(t):
+            if kind is not None:
+                t = cost_model.apply_discount(t, kind, self.overlap)
+            t += cost_model.TRANSITION_TIEBREAK
+        elif t == 0.0 and src.placements != dst.placements:
+            t = cost_model.TRANSITION_TIEBREAK
+        return t
+
+    def _class_specs(self, prod: list[Option], cons: list[Option], arg: int, kind, keep_partial: bool):
+        """Distinct producer outputs and consumer inputs ``arg`` (by
+        placements), each option's index among them, and the key of the
+        costs between them (placements, shapes, dtype, overlap kind)."""
+        src_specs, row_class = _spec_classes([po.output_spec for po in prod])
+        dst_specs, col_class = _spec_classes([co.input_specs[arg] for co in cons])
+        src_meta, dst_meta = src_specs[0].tensor_meta, dst_specs[0].tensor_meta
+        class_key = (
+            tuple((s.placements, s.shard_order) for s in src_specs),
+            tuple((d.placements, d.shard_order) for d in dst_specs),
+            tuple(src_meta.shape),
+            src_meta.dtype,
+            tuple(dst_meta.shape),
+            kind,
+            keep_partial,
+        )
+        return src_specs, row_class, dst_specs, col_class, class_key
+
+    def classes(self, prod: list[Option], cons: list[Option], arg: int, kind: str | None, keep_partial: bool = False):
+        """The redistribution costs between distinct placements: a matrix
+        over (distinct producer outputs) x (distinct consumer inputs ``arg``),
+        and each producer / consumer option's row / column index in it."""
+        src_specs, row_class, dst_specs, col_class, class_key = self._class_specs(prod, cons, arg, kind, keep_partial)
+        class_rows = self._classes.get(class_key)
+        if class_rows is None:
+            class_rows = self._classes[class_key] = self._class_matrix(src_specs, dst_specs, kind, keep_partial)
+        return class_rows, row_class, col_class
+
+    def drop_pair_cache(self) -> None:
+        self._pair_cache = {}
+
+    def _class_matrix(self, src_specs, dst_specs, kind, keep_partial) -> list[list[float]]:
+        """:meth:`_pair` for every (source, target) spec, with the raw times
+        from :func:`edge_costs.redistribution_matrix` (equal to
+        ``redistribute_time``, ~10x faster on 3-D meshes)."""
+        raw = redistribution_matrix(src_specs, dst_specs, self.device, self._pair_cache)
+        tiebreak = cost_model.TRANSITION_TIEBREAK
+        discount = (lambda t: cost_model.apply_discount(t, kind, self.overlap)) if kind is not None else None
+        # Partial mesh dims of each source / non-partial ones of each target:
+        # a pair reduces a Partial where they meet.
+        src_partial = [_partial_mask(s) for s in src_specs]
+        dst_whole = [~_partial_mask(d) for d in dst_specs]
+        rows = []
+        for s, sp, raw_row in zip(src_specs, src_partial, raw):
+            row = []
+            for d, dw, t in zip(dst_specs, dst_whole, raw_row):
+                if keep_partial and sp & dw:
+                    row.append(math.inf)
+                    continue
+                # as _pair
+                if t != 0.0 and math.isfinite(t):
+                    if discount is not None:
+                        t = discount(t)
+                    t += tiebreak
+                elif t == 0.0 and s.placements != d.placements:
+                    t = tiebreak
+                row.append(t)
+            rows.append(row)
+        return rows
+
+    def redistribution(
+        self, prod: list[Option], cons: list[Option], arg: int, kind: str | None, keep_partial: bool = False
+    ):
+        """Producer option x consumer option: time to bring the producer's
+        output to what the consumer's option needs for argument ``arg``
+        (``keep_partial``: reducing a Partial mesh dim is forbidden)."""
+        key = (id(prod), id(cons), arg, kind, keep_partial)
+        hit = self._matrices.get(key)
+        if hit is not None:
+            return hit[0]
+        if self.lazy:
+            src_specs, row_class, dst_specs, col_class, class_key = self._class_specs(prod, cons, arg, kind, keep_partial)
+            grid = self._grids.get(class_key)
+            if grid is None:
+                grid = self._grids[class_key] = _ClassGrid(
+                    lambda s, d: self._class_matrix(s, d, kind, keep_partial), src_specs, dst_specs
+                )
+            matrix = LazyClassMatrix(grid, row_class, col_class)
+            self._matrices[key] = (matrix, prod, cons)
+            return matrix
+        class_rows, row_class, col_class = self.classes(prod, cons, arg, kind, keep_partial)
+        # Options with the same output placements get the same row object.
+        rows_by_class: dict[int, list[float]] = {}
+        rows = []
+        for r in row_class:
+            row = rows_by_class.get(r)
+            if row is None:
+                costs = class_rows[r]
+                row = rows_by_class[r] = [costs[c] for c in col_class]
+            rows.append(row)
+        # keep prod/cons alive so their ids stay unique while cached
+        self._matrices[key] = (rows, prod, cons)
+        return rows
+
+    def gradient(self, param: list[Option], grad: list[Option], kind: str):
+        """Parameter option x gradient option: 0 where the gradient already
+        has the parameter's placements; for a tp-outer parameter, the time
+        to bring the gradient to it (a reduce-scatter of kind ``kind``);
+        inf otherwise."""
+        key = ("gradient", id(param), id(grad), kind)
+        hit = self._matrices.get(key)
+        if hit is None and self.lazy:
+            hit = self._matrices[key] = (self._lazy_gradient(param, grad, kind), param, grad)
+        if hit is None:
+            # costs depend on the gradient's output placements only: priced
+            # per distinct placements (a gradient op has many options per
+            # output layout, and a tp-outer pair goes through DTensor's
+            # planner, ~100 us)
+            grad_specs, grad_class = _spec_classes([go.output_spec for go in grad])
+            mesh_shape = None
+            rows = []
+            for po in param:
+                ps = po.output_spec
+                mesh_shape = mesh_shape or tuple(ps.mesh.shape)
+                strided = cost_model.is_tp_outer(ps.placements, mesh_shape)
+                by_class = [
+                    0.0 if gs.placements == ps.placements else self._pair(gs, ps, kind) if strided else math.inf
+                    for gs in grad_specs
+                ]
+                rows.append([by_class[c] for c in grad_class])
+            hit = self._matrices[key] = (rows, param, grad)
+        return hit[0]
+
+    def _lazy_gradient(self, param: list[Option], grad: list[Option], kind: str) -> "LazyKeyMatch":
+        """:meth:`gradient` as a lazy matrix: equal placements cost 0, a
+        tp-outer parameter's row is priced by redistribution (per distinct
+        gradient placements, when first asked for)."""
+        grad_specs, grad_class = _spec_classes([go.output_spec for go in grad])
+        keys: dict = {}
+        col_keys = [keys.setdefault(gs.placements, len(keys)) for gs in grad_specs]
+        row_keys, special = [], {}
+        for i, po in enumerate(param):
+            ps = po.output_spec
+            row_keys.append(keys.setdefault(ps.placements, len(keys)))
+            if cost_model.is_tp_outer(ps.placements, tuple(ps.mesh.shape)):
+                special[i] = ps
+        classes = np.asarray(grad_class, dtype=np.int64)
+
+        def row_costs(i: int) -> np.ndarray:
+            ps = special[i]
+            by_class = [0.0 if gs.placements == ps.placements else self._pair(gs, ps, kind) for gs in grad_specs]
+            return np.asarray(by_class, dtype=np.float64)[classes]
+
+        return LazyKeyMatch(row_keys, [col_keys[c] for c in grad_class], {i: row_costs for i in special})
+
+    def getitem(self, parent: list[Option], item: list[Option], idx: int):
+        """0 where the parent option's ``idx``-th output is the item's option, else inf."""
+        key = ("getitem", id(parent), id(item), idx)
+        hit = self._matrices.get(key)
+        if hit is None and self.lazy:
+            keys: dict = {}
+            matrix = LazyKeyMatch(
+                [keys.setdefault(po.output_specs[idx], len(keys)) for po in parent],
+                [keys.setdefault(co.output_specs, len(keys)) for co in item],
+            )
+            hit = self._matrices[key] = (matrix, parent, item)
+        if hit is None:
+            rows = [[0.0 if po.output_specs[idx] == co.output_specs else math.inf for co in item] for po in parent]
+            hit = self._matrices[key] = (rows, parent, item)
+        return hit[0]
+
+    def equal_placements(self, a: list[Option], b: list[Option]):
+        """0 where both options' outputs have the same placements, else inf."""
+        key = ("equal", id(a), id(b))
+        hit = self._matrices.get(key)
+        if hit is None and self.lazy:
+            keys: dict = {}
+            matrix = LazyKeyMatch(
+                [keys.setdefault(placements_of(x.output_specs), len(keys)) for x in a],
+                [keys.setdefault(placements_of(y.output_specs), len(keys)) for y in b],
+            )
+            hit = self._matrices[key] = (matrix, a, b)
+        if hit is None:
+            rows = [
+                [0.0 if placements_of(x.output_specs) == placements_of(y.output_specs) else math.inf for y in b]
+                for x in a
+            ]
+            hit = self._matrices[key] = (rows, a, b)
+        return hit[0]
+
+
+
+def _spec_classes(specs: list) -> tuple[list, list[int]]:
+    """Distinct specs (by placements) and, per input spec, its class index."""
+    index: dict = {}
+    distinct: list = []
+    classes: list[int] = []
+    for spec in specs:
+        cls = index.setdefault(spec.placements, len(index))
+        if cls == len(distinct):
+            distinct.append(spec)
+        classes.append(cls)
+    return distinct, classes
+
+
+
+
+
+class _ClassGrid:
+    """Costs between the distinct source and target specs of one tensor,
+    computed on demand by whole columns (every source, some targets) or whole
+    rows, and kept: pricing asks each option in play against all others."""
+
+    def __init__(self, compute, src_specs: list, dst_specs: list):
+        self._compute = compute  # (source specs, target specs) -> rows
+        self._src, self._dst = src_specs, dst_specs
+        self._cols: dict[int, np.ndarray] = {}
+        self._rows: dict[int, np.ndarray] = {}
+
+    def block(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        """Costs of the sources ``src`` x the targets ``dst`` (class ids)."""
+        if len(dst) <= len(src):
+            missing = [int(d) for d in dst if int(d) not in self._cols]
+            if missing:
+                m = np.asarray(self._compute(self._src, [self._dst[d] for d in missing]), dtype=np.float64)
+                for k, d in enumerate(missing):
+                    self._cols[d] = m[:, k].copy()
+            return np.stack([self._cols[int(d)] for d in dst], axis=1)[src]
+        missing = [int(r) for r in src if int(r) not in self._rows]
+        if missing:
+            m = np.asarray(self._compute([self._src[r] for r in missing], self._dst), dtype=np.float64)
+            for k, r in enumerate(missing):
+                self._rows[r] = m[k].copy()
+        return np.stack([self._rows[int(r)] for r in src], axis=0)[:, dst]
+
+
+class LazyClassMatrix:
+    """A redistribution matrix over options, by the classes (distinct
+    placements) of its rows and columns in a shared :class:`_ClassGrid`."""
+
+    floor = 0.0
+
+    def __init__(self, grid: _ClassGrid, row_class: list[int], col_class: list[int]):
+        self._grid = grid
+        self._row_class = np.asarray(row_class, dtype=np.int64)
+        self._col_class = np.asarray(col_class, dtype=np.int64)
+        self.shape = (len(row_class), len(col_class))
+
+    def block(self, rows, cols) -> np.ndarray:
+        rc = self._row_class[np.asarray(rows, dtype=np.int64)]
+        cc = self._col_class[np.asarray(cols, dtype=np.int64)]
+        ur, rinv = np.unique(rc, return_inverse=True)
+        uc, cinv = np.unique(cc, return_inverse=True)
+        return self._grid.block(ur, uc)[np.ix_(rinv, cinv)]
+
+
+class LazyKeyMatch:
+    """0 where a row's key equals a column's, ``inf`` elsewhere (structural
+    pairs: getitem, tangent = output, gradient = parameter), except rows
+    priced by their own function (a tp-outer parameter's gradient)."""
+
+    floor = 0.0
+
+    def __init__(self, row_keys: list[int], col_keys: list[int], row_costs: dict | None = None):
+        self._row_keys = np.asarray(row_keys, dtype=np.int64)
+        self._col_keys = np.asarray(col_keys, dtype=np.int64)
+        self._row_costs = row_costs or {}
+        self._rows: dict[int, np.ndarray] = {}
+        self.shape = (len(row_keys), len(col_keys))
+
+    def block(self, rows, cols) -> np.ndarray:
+        rows = np.asarray(rows, dtype=np.int64)
+        cols = np.asarray(cols, dtype=np.int64)
+        out = np.where(self._row_keys[rows][:, None] == self._col_keys[cols][None, :], 0.0, math.inf)
+        for k, r in enumerate(rows.tolist()):
+            f = self._row_costs.get(r)
+            if f is not None:
+                row = self._rows.get(r)
+                if row is None:
+                    row = self._rows[r] = f(r)
+                out[k] = row[cols]
+        return out

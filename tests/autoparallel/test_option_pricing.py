@@ -1,0 +1,99 @@
+"""Lazy edge matrices and option pricing (issue 13): lazy blocks equal the
+dense matrices entry for entry; a plan by option pricing has the dense
+solve's optimal objective, over far fewer options; a problem too big even
+for lazy matrices is refused with its size."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+
+from autoparallel import AutoParallel, ProblemTooLarge
+from autoparallel.models import FFN, LLAMA3_CONFIGS, Transformer
+from autoparallel.problem_builder import build_problem
+
+pytestmark = [pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")]
+
+
+def _tiny_llama():
+    args = LLAMA3_CONFIGS["debug"]
+    with torch.device("meta"):
+        return Transformer(args), torch.empty(4, 16, dtype=torch.long, device="meta")
+
+
+def test_lazy_blocks_equal_dense_matrices(fake_world):
+    fake_world(8)
+    mesh = init_device_mesh("cpu", (2, 2, 2))
+    with torch.device("meta"):
+        model = FFN(16, 64, bias=True)
+    with AutoParallel(model, mesh, torch.empty(8, 16, 16, device="meta")) as autop:
+        args = (autop.traced, autop.strategies, autop.mesh)
+        kw = dict(device=autop.device, overlap=autop.overlap, repeats=autop.repeats)
+        dense = build_problem(*args, autop._constraints.__class__(option_pricing=False), **kw)
+        lazy = build_problem(*args, autop._constraints.__class__(option_pricing=True), **kw)
+    assert lazy.lazy and not dense.lazy
+    assert [d.costs for d in lazy.problem.decisions] == [d.costs for d in dense.problem.decisions]
+    rng = np.random.default_rng(0)
+    kinds = set()
+    for de, le in zip(dense.problem.edges, lazy.problem.edges, strict=True):
+        assert (de.producer, de.consumer, de.arg_index) == (le.producer, le.consumer, le.arg_index)
+        full = np.asarray(de.costs, dtype=np.float64)
+        assert le.costs.shape == full.shape and le.costs.floor <= full.min()
+        kinds.add(type(le.costs).__name__)
+        # a few rows against every column, every row against a few columns
+        # (the two ways the grid fills), then the whole matrix
+        rows = np.sort(rng.choice(full.shape[0], size=min(3, full.shape[0]), replace=False))
+        cols = np.sort(rng.choice(full.shape[1], size=min(3, full.shape[1]), replace=False))
+        np.testing.assert_array_equal(le.costs.block(rows, np.arange(full.shape[1])), full[rows])
+        np.testing.assert_array_equal(le.costs.block(np.arange(full.shape[0]), cols), full[:, cols])
+        np.testing.assert_array_equal(le.costs.block(np.arange(full.shape[0]), np.arange(full.shape[1])), full)
+    assert {"LazyClassMatrix", "LazyKeyMatch"} <= kinds
+
+
+@pytest.mark.parametrize("case, shape", [("ffn", (2, 2, 2)), ("llama", (2, 2))])
+def test_pricing_plan_has_the_dense_optimum(fake_world, case, shape):
+    """Option pricing proves the same optimum as the dense solve, keeping
+    a small part of the options; the plan is an ordinary one over them."""
+    fake_world(8)
+    mesh = init_device_mesh("cpu", shape)
+    if case == "ffn":
+        with torch.device("meta"):
+            model = FFN(16, 64, bias=True)
+        example = torch.empty(8, 16, 16, device="meta")
+    else:
+        model, example = _tiny_llama()
+    plans = {}
+    for pricing in (False, True):
+        with AutoParallel(model, mesh, example, time_limit=None, option_pricing=pricing) as autop:
+            batch = [(Shard(0),) + (Replicate(),) * (mesh.ndim - 1)]
+            autop.add_input_constraints(batch)
+            autop.add_output_constraints(batch)
+            plans[pricing] = (autop.optimize_placement(), autop.built, autop.strategies)
+    (dense, dense_built, _), (priced, priced_built, full) = plans[False], plans[True]
+    assert dense.solution.status == priced.solution.status == "optimal"
+    assert priced.solution.objective == pytest.approx(dense.solution.objective, rel=1e-9)
+    assert priced.solution.bound == pytest.approx(priced.solution.objective, rel=1e-9)
+    assert not priced_built.lazy  # rebuilt dense over the kept options
+    kept = sum(len(s.options) for s in priced_built.strategies.values())
+    assert kept < sum(len(s.options) for s in dense_built.strategies.values()) / 4
+    # every node's plan is one of its own options
+    for node, strat in priced_built.strategies.items():
+        assert all(any(o is f for f in full[node].options) for o in strat.options), node.name
+
+
+def test_lazy_size_guard(fake_world):
+    """Over the limit even with lazy matrices: refused, naming options and
+    what to change, before any matrix exists."""
+    fake_world(8)
+    mesh = init_device_mesh("cpu", (2, 2, 2))
+    model, example = _tiny_llama()
+    with AutoParallel(model, mesh, example, max_problem_bytes=2**20) as autop:
+        with pytest.raises(ProblemTooLarge) as err:
+            autop.optimize_placement()
+    msg, size = str(err.value), err.value.size
+    assert size.lazy_bytes > 2**20 and size.estimated_bytes > size.lazy_bytes
+    assert "even with lazy edge matrices" in msg and f"{size.options:,} options" in msg
+    assert "3-D mesh (2, 2, 2)" in msg and "fewer mesh dims" in msg and "max_problem_bytes" in msg
