@@ -57,7 +57,7 @@ import solver
 
 from .activation_checkpointing import forward_nodes
 from .memory import ADAMW, HBM_BYTES, OptimizerSpec, shard_factor
-from .placements import format_specs
+from .placements import SpecLabels, format_specs
 
 logger = logging.getLogger(__name__)
 
@@ -411,9 +411,8 @@ def _labels(strategies, node, cache: dict, k: int | None = None) -> list[str]:
     opts = strategies[node].options
     labels = cache.get((id(opts), k))
     if labels is None:
-        labels = cache[(id(opts), k)] = [
-            format_specs(o.output_specs if k is None else o.input_specs[k]) for o in opts
-        ]
+        fmt = cache.setdefault("formatter", SpecLabels())
+        labels = cache[(id(opts), k)] = [fmt(o.output_specs if k is None else o.input_specs[k]) for o in opts]
     return labels
 
 

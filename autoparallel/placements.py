@@ -117,3 +117,30 @@ def format_specs(specs: Specs) -> str:
     if isinstance(specs, (tuple, list)):
         return "(" + ", ".join(format_specs(s) for s in specs) + ")"
     return "".join(format_placement(p) for p in specs.placements)
+
+
+class SpecLabels:
+    """:func:`format_specs` memoised per spec object, for labelling many
+    options at once: options share pooled specs (a 4-D mesh layer has ~143K
+    options over a few thousand specs). Holds the specs it labelled, so
+    their ids stay theirs while it lives; use one per labelling pass."""
+
+    def __init__(self):
+        self._memo: dict[int, tuple[str, object]] = {}
+
+    def __call__(self, specs: Specs) -> str:
+        hit = self._memo.get(id(specs))
+        if hit is None:
+            if isinstance(specs, (tuple, list)):
+                text = "(" + ", ".join(self(s) for s in specs) + ")"
+            else:
+                text = format_specs(specs)
+            hit = self._memo[id(specs)] = (text, specs)
+        return hit[0]
+
+    def option(self, option) -> str:
+        """An option's ``inputs->output`` label, as ``Option.label``."""
+        out = self(option.output_specs)
+        if not option.input_specs:
+            return out
+        return ",".join(self(s) for s in option.input_specs) + "->" + out

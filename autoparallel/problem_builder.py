@@ -50,6 +50,7 @@ from .problem_size import (  # noqa: F401  (the size guard, re-exported)
     estimate_problem_size,
 )
 from .option_pruning import copy_cheaper_than_collectives as cost_model_allows_pruning
+from .placements import SpecLabels
 from .repeated_layers import RepeatedLayers
 from .strategies import NodeStrategy, Option, placements_of
 from .tracing import TracedStep
@@ -340,12 +341,13 @@ def build_problem(
     decisions: list[solver.Decision] = []
     compute: dict[str, list[float]] = {}
     labels_cache: dict[int, list[str]] = {}
+    label = SpecLabels().option
     for node in nodes:
         strat = strategies[node]
         key = id(strat.options)
         labels = labels_cache.get(key)
         if labels is None:
-            labels = labels_cache[key] = [o.label for o in strat.options]
+            labels = labels_cache[key] = [label(o) for o in strat.options]
         compute[node.name] = unary[key]
         decisions.append(solver.Decision(node.name, labels, unary[key]))
 

@@ -13,6 +13,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autoparallel import AutoParallel, ProblemTooLarge
 from autoparallel.models import FFN, LLAMA3_CONFIGS, Transformer
+from autoparallel.placements import SpecLabels
 from autoparallel.problem_builder import build_problem
 
 pytestmark = [pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")]
@@ -35,6 +36,9 @@ def test_lazy_blocks_equal_dense_matrices(fake_world):
         dense = build_problem(*args, autop._constraints.__class__(option_pricing=False), **kw)
         lazy = build_problem(*args, autop._constraints.__class__(option_pricing=True), **kw)
     assert lazy.lazy and not dense.lazy
+    # the problem's labels (memoised per pooled spec) are the options' own
+    label = SpecLabels().option
+    assert all(label(o) == o.label for s in autop.strategies.values() for o in s.options)
     assert [d.costs for d in lazy.problem.decisions] == [d.costs for d in dense.problem.decisions]
     rng = np.random.default_rng(0)
     kinds = set()
