@@ -8,6 +8,7 @@ from .api import solve
 from .backends import SolverError, available_backends
 from .diagnose import InfeasibleError
 from .evaluate import evaluate, violations
+from .pricing import PricingResult, PricingStats, solve_by_pricing
 from .problem import (
     INF,
     Decision,
@@ -29,6 +30,8 @@ __all__ = [
     "Pin",
     "PresolveStats",
     "Problem",
+    "PricingResult",
+    "PricingStats",
     "ProblemError",
     "ResourceConstraint",
     "Solution",
@@ -37,5 +40,6 @@ __all__ = [
     "available_backends",
     "evaluate",
     "solve",
+    "solve_by_pricing",
     "violations",
 ]

@@ -1,0 +1,573 @@
+"""Exact plans over a few options per decision: option pricing with LP duals.
+
+Why: on a 4-D mesh one transformer layer has ~143K options and ~114M option
+pairs; the dense :class:`~solver.problem.Problem` cannot even be built, yet
+almost no option ever matters. :func:`solve_by_pricing` solves over a small
+subset of options per decision and proves, with LP duals, that no left-out
+option can improve the plan ("price and branch" with reduced-cost fixing).
+
+How (on the quotient by links, :mod:`solver.pricing_quotient`), with subsets
+``S_q`` per class ``q``:
+
+1. The restricted LP (local polytope): ``min sum c_q(o) x_qo + sum C_E(i,j)
+   y_Eij`` over ``o in S_q`` and finite pairs of ``S_p x S_c``, s.t.
+   ``sum_o x_qo = 1`` (dual ``u_q``), ``sum_j y_Eij - x_pi = 0``
+   (``alpha_Ei``), ``sum_i y_Eij - x_cj = 0`` (``beta_Ej``), resource rows
+   (``rho_r``). HiGHS' reduced cost of a column is ``c - A^T y``.
+2. Its duals extend to every option: a left-out row option ``o`` of ``E``
+   gets ``alpha_Eo = min(floor_E/2, min_{j in S_c} C(o,j) - beta_Ej)``, a
+   left-out column option ``beta_Eo = min(floor_E/2, min_{i in S_p} C(i,o) -
+   alpha_Ei)``: every pair column is then dual feasible (two left-out options:
+   ``alpha + beta <= floor <= C``). An option's reduced cost is ``r_q(o) =
+   c_q(o) - u_q + sum_{E: q rows} alpha_Eo + sum_{E: q cols} beta_Eo - sum_r
+   rho_r w_r(o)``, and lowering ``u_q`` by ``v_q = max(0, -min_o r_q(o))``
+   makes the whole dual feasible: ``LB = LP - sum_q v_q`` bounds the full LP,
+   hence the optimum, from below (in every round).
+3. Options with ``r < 0`` are added (the most negative few per class) and the
+   LP re-solved until none is left: then LB equals the full LP's optimum.
+4. The restricted ILP (a dense problem over the subsets, :func:`solver.solve`)
+   gives ``z_R``. Any choice costs at least ``LB + sum_q r'_q(o_q)`` with
+   ``r' = r + v >= 0``, so one cheaper than ``z_R`` uses only left-out
+   options with ``r' <= z_R - LB`` ("reduced-cost fixing"): with those added,
+   the restricted optimum is the full optimum. If that would exceed
+   ``max_options``, the result is ``z_R`` with bound LB, status "feasible".
+
+Example::
+
+    >>> from solver.problem import Decision, Edge, Problem
+    >>> p = Problem(
+    ...     decisions=[Decision("a", ["R", "S0", "S1"], [1.0, 0.5, 9.0]),
+    ...                Decision("b", ["R", "S0", "S1"], [1.0, 0.5, 9.0])],
+    ...     edges=[Edge("a", "b", 0, [[0, 1, 1], [2, 0, 1], [1, 1, 0]])],
+    ... )
+    >>> r = solve_by_pricing(p, {"a": [0], "b": [0]})
+    >>> r.solution.choice, r.solution.objective, r.solution.status
+    ({'a': 1, 'b': 1}, 1.0, 'optimal')
+    >>> r.kept
+    {'a': [0, 1], 'b': [0, 1]}
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .api import solve
+from .diagnose import InfeasibleError
+from .problem import Decision, Edge, Problem, ResourceConstraint, Solution
+from .pricing_quotient import Quotient, build_quotient, evaluate_lazy
+
+logger = logging.getLogger(__name__)
+
+# Default cap on the options kept over all classes: reduced-cost fixing that
+# would need more gives up proving (status "feasible" with the LP bound).
+DEFAULT_MAX_OPTIONS = 20_000
+# Options priced in per class and round (the most negative reduced costs),
+# and per round overall (at least ROUND_CAP_MIN, else 2 per class).
+ADD_PER_CLASS = 8
+ROUND_CAP_MIN = 256
+# Left-out options enter when their reduced cost is below -PRICE_TOL in
+# scaled units (costs divided by the largest seen, so about 1): HiGHS' own
+# dual feasibility tolerance is set to DUAL_TOL.
+PRICE_TOL = 1e-9
+DUAL_TOL = 1e-10
+# Relative gap under which the restricted ILP's objective is the optimum.
+OPT_RTOL = 1e-9
+
+
+@dataclass
+class PricingStats:
+    """How the pricing went; seconds per phase: setup (quotient), lp,
+    pricing, ilp, evaluate."""
+
+    classes: int = 0
+    options_total: int = 0  # allowed options over all classes
+    rounds: int = 0
+    kept_per_round: list[int] = field(default_factory=list)
+    priced_per_round: list[int] = field(default_factory=list)
+    lp_objective_per_round: list[float] = field(default_factory=list)
+    bound_per_round: list[float] = field(default_factory=list)
+    lower_bound: float = -math.inf
+    restricted_objectives: list[float] = field(default_factory=list)
+    fixed_in: int = 0  # options added by reduced-cost fixing
+    entries_read: int = 0  # matrix entries materialised (pairs)
+    converged: bool = False  # the LP reached the full LP's optimum
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class PricingResult:
+    """``solution.choice`` in the problem's option ids; ``kept``: per
+    decision, the sorted option ids of the final subsets (the optimum over
+    them is the optimum over all when ``solution.status == "optimal"``)."""
+
+    solution: Solution
+    kept: dict[str, list[int]]
+    stats: PricingStats
+
+
+@dataclass
+class _LP:
+    objective: float  # true units
+    u: np.ndarray  # per class
+    alpha: list[np.ndarray]  # per quotient edge, over S_p
+    beta: list[np.ndarray]  # per quotient edge, over S_c
+    rho: np.ndarray  # per resource
+    x_reduced: list[np.ndarray]  # HiGHS' reduced costs of the x columns, per class (checks)
+
+
+class _Pricer:
+    """The subsets, the restricted LP and the pricing of one quotient."""
+
+    def __init__(self, quotient: Quotient):
+        self.q = quotient
+        self.kept = [np.zeros(c.num_options, dtype=bool) for c in quotient.classes]
+        self.scale: float | None = None
+
+    # -- subsets ----------------------------------------------------------
+    def subsets(self) -> list[np.ndarray]:
+        return [np.flatnonzero(k) for k in self.kept]
+
+    def num_kept(self) -> int:
+        return int(sum(k.sum() for k in self.kept))
+
+    def add(self, q: int, options) -> int:
+        opts = np.asarray(options, dtype=np.int64)
+        opts = opts[self.q.classes[q].allowed[opts] & ~self.kept[q][opts]]
+        self.kept[q][opts] = True
+        return len(opts)
+
+    def seed(self, problem: Problem, initial: dict[str, list[int]] | None) -> None:
+        classes = self.q.classes
+        if initial is not None:
+            known = {d.name for d in problem.decisions}
+            unknown = sorted(set(initial) - known)
+            if unknown:
+                raise KeyError(f"initial options for unknown decisions {unknown}")
+            for q, cls in enumerate(classes):
+                for name, omap in cls.members:
+                    ids = np.asarray(initial.get(name, ()), dtype=np.int64)
+                    if not len(ids):
+                        continue
+                    self.add(q, ids if omap is None else np.flatnonzero(np.isin(omap, ids)))
+        for q, cls in enumerate(classes):
+            if initial is None or not self.kept[q].any():
+                self.add(q, [self.cheapest(q)])
+        if initial is None:
+            self.add_resource_extremes()
+        self.repair_arcs()
+
+    def cheapest(self, q: int, k: int = 1) -> np.ndarray:
+        """The ``k`` allowed options of lowest unary cost (ties: lowest id)."""
+        cls = self.q.classes[q]
+        opts = np.flatnonzero(cls.allowed)
+        return opts[np.lexsort((opts, cls.unary[opts]))][:k]
+
+    def add_resource_extremes(self) -> int:
+        """Per resource and class, its lightest option (heaviest for a lower
+        bound): what a restricted LP needs to meet the bounds."""
+        added = 0
+        for r in self.q.resources:
+            for q, w in r.weights.items():
+                cls = self.q.classes[q]
+                opts = np.flatnonzero(cls.allowed)
+                for sign, bound in ((1.0, r.high), (-1.0, r.low)):
+                    if bound is not None:
+                        best = opts[np.lexsort((opts, cls.unary[opts], sign * w[opts]))][:1]
+                        added += self.add(q, best)
+        return added
+
+    def repair_arcs(self, passes: int = 8) -> int:
+        """Give every kept option a finite partner on each edge (the cheapest
+        by pair plus unary cost), to a fixpoint or ``passes`` passes."""
+        classes = self.q.classes
+        added = 0
+        for _ in range(passes):
+            before = added
+            for e in self.q.edges:
+                S = self.subsets()
+                sp, sc = S[e.p], S[e.c]
+                rows = e.rows(sp)  # |S_p| x all column options
+                lonely = ~np.isfinite(rows[:, sc]).any(axis=1)
+                for k in np.flatnonzero(lonely):
+                    j = _argmin_finite(rows[k] + classes[e.c].unary)
+                    if j is not None:
+                        added += self.add(e.c, [j])
+                cols = e.cols(sc)
+                lonely = ~np.isfinite(cols[sp]).any(axis=0)
+                for k in np.flatnonzero(lonely):
+                    i = _argmin_finite(cols[:, k] + classes[e.p].unary)
+                    if i is not None:
+                        added += self.add(e.p, [i])
+            if added == before:
+                break
+        return added
+
+    def grow(self, level: int) -> int:
+        """Seed growth for an infeasible restricted problem: resource
+        extremes, then the ``2**level`` cheapest options per class, the
+        level raised until some option is new (unless all are kept).
+        Returns the level reached."""
+        before = self.num_kept()
+        self.add_resource_extremes()
+        total = sum(int(c.allowed.sum()) for c in self.q.classes)
+        while True:
+            for q in range(len(self.q.classes)):
+                self.add(q, self.cheapest(q, 2 ** level))
+            self.repair_arcs()
+            if self.num_kept() > before or self.num_kept() >= total:
+                return level
+            level += 1
+
+    # -- the restricted LP ------------------------------------------------
+    def _scale(self, S: list[np.ndarray]) -> float:
+        if self.scale is None:
+            big = max((float(np.abs(c.unary[s]).max()) for c, s in zip(self.q.classes, S)), default=0.0)
+            for e in self.q.edges:
+                b = e.block(S[e.p], S[e.c])
+                b = b[np.isfinite(b)]
+                if b.size:
+                    big = max(big, float(np.abs(b).max()))
+            self.scale = 1.0 / big if big > 0 else 1.0
+        return self.scale
+
+    def solve_lp(self, time_limit: float | None) -> _LP | None:
+        """The restricted LP's optimum and duals (true units); ``None`` when
+        it is infeasible. Raises TimeoutError when it runs out of time."""
+        import highspy
+
+        classes, edges, res = self.q.classes, self.q.edges, self.q.resources
+        S = self.subsets()
+        s = self._scale(S)
+        n_cls = len(classes)
+        xoff = np.concatenate([[0], np.cumsum([len(x) for x in S])]).astype(np.int64)
+        n_x = int(xoff[-1])
+        ent_r, ent_c, ent_v = [], [], []
+        costs = [np.concatenate([c.unary[x] for c, x in zip(classes, S)]) * s]
+        xcol = np.arange(n_x)
+        ent_r.append(np.repeat(np.arange(n_cls), [len(x) for x in S]))
+        ent_c.append(xcol)
+        ent_v.append(np.ones(n_x))
+        row = n_cls
+        col = n_x
+        aoff, boff = [], []
+        for e in edges:
+            sp, sc = S[e.p], S[e.c]
+            a0, b0 = row, row + len(sp)
+            row = b0 + len(sc)
+            aoff.append(a0)
+            boff.append(b0)
+            ent_r += [a0 + np.arange(len(sp)), b0 + np.arange(len(sc))]
+            ent_c += [xoff[e.p] + np.arange(len(sp)), xoff[e.c] + np.arange(len(sc))]
+            ent_v += [np.full(len(sp), -1.0), np.full(len(sc), -1.0)]
+            block = e.block(sp, sc)
+            ii, jj = np.nonzero(np.isfinite(block))
+            ycol = col + np.arange(len(ii))
+            col += len(ii)
+            costs.append(block[ii, jj] * s)
+            ent_r += [a0 + ii, b0 + jj]
+            ent_c += [ycol, ycol]
+            ent_v += [np.ones(len(ii)), np.ones(len(ii))]
+        r0 = row
+        for k, r in enumerate(res):
+            for q, w in r.weights.items():
+                wq = w[S[q]]
+                nz = np.flatnonzero(wq)
+                ent_r.append(np.full(len(nz), r0 + k))
+                ent_c.append(xoff[q] + nz)
+                ent_v.append(wq[nz])
+        n_rows = r0 + len(res)
+        rows_i = np.concatenate(ent_r).astype(np.int64)
+        cols_i = np.concatenate(ent_c).astype(np.int64)
+        vals = np.concatenate(ent_v).astype(float)
+        order = np.lexsort((rows_i, cols_i))
+        start = np.zeros(col + 1, dtype=np.int64)
+        np.cumsum(np.bincount(cols_i, minlength=col), out=start[1:])
+
+        lp = highspy.HighsLp()
+        lp.num_col_ = col
+        lp.num_row_ = n_rows
+        lp.col_cost_ = np.concatenate(costs)
+        lp.col_lower_ = np.zeros(col)
+        lp.col_upper_ = np.full(col, highspy.kHighsInf)
+        lower = np.zeros(n_rows)
+        upper = np.zeros(n_rows)
+        lower[:n_cls] = upper[:n_cls] = 1.0
+        for k, r in enumerate(res):
+            lower[r0 + k] = -highspy.kHighsInf if r.low is None else r.low
+            upper[r0 + k] = highspy.kHighsInf if r.high is None else r.high
+        lp.row_lower_ = lower
+        lp.row_upper_ = upper
+        a = lp.a_matrix_
+        a.format_ = highspy.MatrixFormat.kColwise
+        a.num_col_ = col
+        a.num_row_ = n_rows
+        a.start_ = start.astype(np.int32)
+        a.index_ = rows_i[order].astype(np.int32)
+        a.value_ = vals[order]
+        h = highspy.Highs()
+        h.setOptionValue("output_flag", False)
+        h.setOptionValue("dual_feasibility_tolerance", DUAL_TOL)
+        if time_limit is not None:
+            h.setOptionValue("time_limit", max(float(time_limit), 1e-3))
+        h.passModel(lp)
+        h.run()
+        st = h.getModelStatus()
+        M = highspy.HighsModelStatus
+        if st in (M.kInfeasible, M.kUnboundedOrInfeasible):
+            return None
+        if st != M.kOptimal:
+            raise TimeoutError(f"restricted LP stopped: {h.modelStatusToString(st)}")
+        sol = h.getSolution()
+        y = np.asarray(sol.row_dual) / s
+        dj = np.asarray(sol.col_dual[:n_x]) / s
+        return _LP(
+            objective=h.getInfo().objective_function_value / s,
+            u=y[:n_cls],
+            alpha=[y[a0:a0 + len(S[e.p])] for e, a0 in zip(edges, aoff)],
+            beta=[y[b0:b0 + len(S[e.c])] for e, b0 in zip(edges, boff)],
+            rho=y[r0:],
+            x_reduced=[dj[xoff[q]:xoff[q + 1]] for q in range(n_cls)],
+        )
+
+    # -- pricing ----------------------------------------------------------
+    def reduced_costs(self, lp: _LP) -> list[np.ndarray]:
+        """``r_q(o)`` for every option of every class (inf: not allowed),
+        with the restricted duals extended to all options (module docstring)."""
+        classes = self.q.classes
+        S = self.subsets()
+        acc = [c.unary - lp.u[q] for q, c in enumerate(classes)]
+        for e, a, b in zip(self.q.edges, lp.alpha, lp.beta):
+            sp, sc = S[e.p], S[e.c]
+            half = e.floor / 2
+            ext_a = np.minimum(half, (e.cols(sc) - b).min(axis=1))
+            ext_a[sp] = a
+            ext_b = np.minimum(half, (e.rows(sp) - a[:, None]).min(axis=0))
+            ext_b[sc] = b
+            acc[e.p] += ext_a
+            acc[e.c] += ext_b
+        for r, rho in zip(self.q.resources, lp.rho):
+            if rho:
+                for q, w in r.weights.items():
+                    acc[q] -= rho * w
+        for q, c in enumerate(classes):
+            acc[q][~c.allowed] = math.inf
+        return acc
+
+    def select(self, reduced: list[np.ndarray], tol: float) -> list[tuple[float, int, int]]:
+        """Left-out options to price in: per class the ADD_PER_CLASS most
+        negative below ``-tol``, at most a round cap overall; (r, class, option)."""
+        picks = []
+        for q, r in enumerate(reduced):
+            cand = np.flatnonzero((r < -tol) & ~self.kept[q])
+            cand = cand[np.lexsort((cand, r[cand]))][:ADD_PER_CLASS]
+            picks += [(float(r[o]), q, int(o)) for o in cand]
+        picks.sort()
+        return picks[:max(ROUND_CAP_MIN, 2 * len(reduced))]
+
+    # -- the restricted ILP ------------------------------------------------
+    def restricted_problem(self) -> Problem:
+        classes = self.q.classes
+        S = self.subsets()
+        return Problem(
+            decisions=[Decision(c.name, [c.labels[o] for o in s], c.unary[s].tolist())
+                       for c, s in zip(classes, S)],
+            edges=[Edge(classes[e.p].name, classes[e.c].name, 0, e.block(S[e.p], S[e.c]).tolist())
+                   for e in self.q.edges],
+            resources=[ResourceConstraint(r.name, {classes[q].name: w[S[q]].tolist()
+                                                   for q, w in r.weights.items()}, r.low, r.high)
+                       for r in self.q.resources],
+            name="pricing-restricted",
+        )
+
+    def solve_ilp(self, backend, time_limit) -> Solution | None:
+        """The restricted ILP's solution with class choices in root option
+        ids (``choice`` keyed by class index); ``None`` if infeasible."""
+        try:
+            sol = solve(self.restricted_problem(), backend=backend, time_limit=time_limit)
+        except InfeasibleError as exc:
+            logger.info("restricted ILP over %d options infeasible: %s", self.num_kept(), exc)
+            return None
+        S = self.subsets()
+        sol.choice = {q: int(S[q][sol.choice[c.name]]) for q, c in enumerate(self.q.classes)}
+        return sol
+
+
+def _argmin_finite(values: np.ndarray) -> int | None:
+    if not np.isfinite(values).any():
+        return None
+    return int(np.argmin(values))  # first of the minima: lowest id
+
+
+def solve_by_pricing(
+    problem: Problem,
+    initial: dict[str, list[int]] | None = None,
+    *,
+    backend: str | None = None,
+    time_limit: float | None = None,
+    max_options: int | None = None,
+) -> PricingResult:
+    """An optimal choice of ``problem`` (dense or lazy edge matrices) found
+    over small option subsets; see the module docstring.
+
+    ``initial``: per decision, option ids to start from (default: per class
+    its cheapest option and its lightest per resource). ``max_options``: the
+    most options kept over all classes (default DEFAULT_MAX_OPTIONS); when
+    the proof would need more, the result is "feasible" with a gap.
+    ``time_limit`` (seconds) bounds the pricing rounds and the ILP solves.
+
+    Raises :class:`InfeasibleError` when no choice satisfies the problem
+    (or no restricted problem within ``max_options`` is feasible).
+    """
+    t_start = time.perf_counter()
+    deadline = None if time_limit is None else t_start + time_limit
+    cap = DEFAULT_MAX_OPTIONS if max_options is None else max_options
+    stats = PricingStats()
+    sec = stats.seconds
+    for phase in ("setup", "lp", "pricing", "ilp", "evaluate"):
+        sec[phase] = 0.0
+
+    def left() -> float | None:
+        return None if deadline is None else max(deadline - time.perf_counter(), 1e-3)
+
+    quotient = build_quotient(problem)
+    pr = _Pricer(quotient)
+    pr.seed(problem, initial)
+    stats.classes = len(quotient.classes)
+    stats.options_total = int(sum(c.allowed.sum() for c in quotient.classes))
+    sec["setup"] = time.perf_counter() - t_start
+
+    growth = 0
+    reduced = None
+    lb = -math.inf
+    while True:
+        t0 = time.perf_counter()
+        try:
+            lp = pr.solve_lp(left())
+        except TimeoutError as exc:
+            logger.info("pricing stopped: %s", exc)
+            sec["lp"] += time.perf_counter() - t0
+            break
+        sec["lp"] += time.perf_counter() - t0
+        if lp is None:  # the seed cannot support any choice: grow it
+            if pr.num_kept() >= stats.options_total:
+                raise InfeasibleError(
+                    f"Infeasible: the LP relaxation over all {stats.options_total} options has no "
+                    "solution, so the problem has none")
+            growth = pr.grow(growth + 1)
+            logger.info("restricted LP infeasible: seed grown to %d options", pr.num_kept())
+            if pr.num_kept() > cap:
+                raise InfeasibleError(
+                    f"Infeasible restricted LP: the seed could not be made feasible within "
+                    f"max_options={cap} options ({pr.num_kept()} kept); raise max_options")
+            continue
+        t0 = time.perf_counter()
+        reduced = pr.reduced_costs(lp)
+        violation = sum(min(0.0, float(r.min())) for r in reduced)
+        lb = max(lb, lp.objective + violation)
+        picks = pr.select(reduced, PRICE_TOL / pr.scale)
+        stats.rounds += 1
+        stats.kept_per_round.append(pr.num_kept())
+        stats.priced_per_round.append(len(picks))
+        stats.lp_objective_per_round.append(lp.objective)
+        stats.bound_per_round.append(lp.objective + violation)
+        sec["pricing"] += time.perf_counter() - t0
+        logger.info("pricing round %d: %d options kept, %d priced in, LP %.12g, bound %.12g, %.2fs",
+                    stats.rounds, pr.num_kept(), len(picks), lp.objective, lp.objective + violation,
+                    time.perf_counter() - t_start)
+        if not picks:
+            stats.converged = True
+            break
+        if pr.num_kept() + len(picks) > cap or (deadline is not None and time.perf_counter() > deadline):
+            break
+        for _, q, o in picks:
+            pr.add(q, [o])
+    stats.lower_bound = lb
+
+    def run_ilp() -> Solution | None:
+        t0 = time.perf_counter()
+        sol = pr.solve_ilp(backend, left())
+        sec["ilp"] += time.perf_counter() - t0
+        if sol is not None:
+            stats.restricted_objectives.append(sol.objective)
+        return sol
+
+    sol = run_ilp()
+    while sol is None:  # LP-feasible but no integral choice over the subsets
+        if pr.num_kept() >= stats.options_total:
+            raise InfeasibleError(f"Infeasible: no choice over all {stats.options_total} options")
+        growth = pr.grow(growth + 1)
+        if pr.num_kept() > cap:
+            raise InfeasibleError(
+                f"no feasible choice over {pr.num_kept()} of {stats.options_total} options; "
+                f"raise max_options={cap} to look further")
+        sol = run_ilp()
+
+    z = sol.objective
+    tol = OPT_RTOL * max(1.0, abs(z))
+    bound = lb
+    if sol.status == "optimal" and z - lb <= tol:
+        bound = z
+    elif reduced is not None and sol.status == "optimal":
+        # Reduced-cost fixing with the last round's duals (any round's are
+        # valid): a cheaper choice uses only options with r' = r + v_q <= z - LB.
+        gap = z - stats.bound_per_round[-1]
+        fix = []
+        for q, r in enumerate(reduced):
+            rp = r - min(0.0, float(r.min()))
+            fix.append(np.flatnonzero((rp <= gap + tol) & ~pr.kept[q]))
+        n_fix = sum(len(f) for f in fix)
+        logger.info("reduced-cost fixing: gap %.6g, %d options within it (%d kept)", gap, n_fix, pr.num_kept())
+        if pr.num_kept() + n_fix <= cap:
+            for q, f in enumerate(fix):
+                pr.add(q, f)
+            stats.fixed_in = n_fix
+            if n_fix:
+                better = run_ilp()
+                proven = better is not None and better.status == "optimal"
+                if better is not None and better.objective < sol.objective:
+                    sol = better
+            else:
+                proven = True
+            if proven:
+                bound = sol.objective
+        else:
+            logger.info("reduced-cost fixing needs %d options over max_options=%d: not proven optimal",
+                        pr.num_kept() + n_fix, cap)
+    t0 = time.perf_counter()
+    choice = quotient.expand(sol.choice)
+    unary, edge = evaluate_lazy(problem, quotient, choice)
+    sec["evaluate"] = time.perf_counter() - t0
+    objective = unary + edge
+    bound = min(bound, objective)
+    optimal = objective - bound <= OPT_RTOL * max(1.0, abs(objective))
+    stats.entries_read = quotient.entries_read()
+    sec["total"] = time.perf_counter() - t_start
+    S = pr.subsets()
+    kept = {}
+    for q, c in enumerate(quotient.classes):
+        for name, omap in c.members:
+            kept[name] = sorted(int(o if omap is None else omap[o]) for o in S[q])
+    logger.info("solve_by_pricing %r: objective %.12g, bound %.12g, %s; %d of %d options kept, "
+                "%d entries read, %.2fs", problem.name, objective, bound,
+                "optimal" if optimal else "feasible", pr.num_kept(), stats.options_total,
+                stats.entries_read, sec["total"])
+    solution = Solution(
+        choice={d.name: choice[d.name] for d in problem.decisions},
+        objective=objective,
+        unary_cost=unary,
+        edge_cost=edge,
+        status="optimal" if optimal else "feasible",
+        optimal=optimal,
+        gap=0.0 if optimal else (objective - bound) / max(1.0, abs(objective)),
+        backend=f"pricing+{sol.backend}",
+        bound=bound,
+        timings=dict(sec),
+        num_variables=sol.num_variables,
+        num_constraints=sol.num_constraints,
+    )
+    return PricingResult(solution, {d.name: kept[d.name] for d in problem.decisions}, stats)

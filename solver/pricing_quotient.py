@@ -1,0 +1,397 @@
+"""The quotient problem that :mod:`solver.pricing` works on, over lazy matrices.
+
+Links merge decisions into *classes* that take corresponding options (the
+same union-find as :mod:`solver.presolve`'s merge, reused from there). A
+class's option ids are its root decision's (the lowest-index member); an
+option is *allowed* when every member has it (mapped by every link, finite
+unary cost, allowed by every pin) and every edge inside the class allows its
+diagonal pair. Member unary costs, resource weights and the diagonals of
+edges inside the class sum into the class's; edges between two classes sum
+into one :class:`QuotientEdge` (rows: the lower class index).
+
+Edge matrices may be lazy: any object with ``shape``, ``floor`` (a lower
+bound on every entry) and ``block(rows, cols) -> ndarray`` (``inf``: a
+forbidden pair). A dense ``list[list[float]]`` is wrapped by
+:class:`DenseMatrix`. Entries are read through one :class:`BlockCache` per
+matrix object (edges sharing an object share it): whole columns or rows of
+the options that some subset holds, each asked for once, so the work is
+(options) x (subset size) per distinct object, not per round nor per edge.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .diagnose import InfeasibleError
+from .presolve.merge import MergePhase
+from .problem import Problem, ProblemError
+
+logger = logging.getLogger(__name__)
+
+# Pairs read one by one (diagonals of edges inside a class, the final
+# evaluation) come from square blocks of this many rows and columns when
+# the matrix has no ``entries(rows, cols)`` method: fewer calls, more entries.
+PAIR_CHUNK = 16
+
+
+class DenseMatrix:
+    """The lazy-matrix interface over a dense ``costs[i][j]`` list of lists."""
+
+    def __init__(self, costs, n_rows: int, n_cols: int, where: str):
+        try:
+            arr = np.array(costs, dtype=float)
+        except (TypeError, ValueError) as exc:
+            raise ProblemError(f"{where}: cost matrix is not {n_rows} x {n_cols} numbers ({exc})") from None
+        if arr.shape != (n_rows, n_cols):
+            raise ProblemError(f"{where}: cost matrix has shape {arr.shape}, expected ({n_rows}, {n_cols})")
+        if np.isnan(arr).any() or (arr == -math.inf).any():
+            raise ProblemError(f"{where}: cost matrix holds NaN or -inf (costs are numbers or +inf)")
+        self.array = arr
+        self.shape = (n_rows, n_cols)
+        finite = arr[np.isfinite(arr)]
+        self.floor = float(finite.min()) if finite.size else 0.0
+
+    def block(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        return self.array[np.ix_(rows, cols)]
+
+    def entries(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        return self.array[rows, cols]
+
+
+class BlockCache:
+    """Entries of one (lazy) matrix object, read as whole columns and rows."""
+
+    def __init__(self, matrix):
+        self.matrix = matrix
+        self.shape = tuple(int(n) for n in matrix.shape)
+        self.floor = float(matrix.floor)
+        self._cols: dict[int, np.ndarray] = {}  # column id -> all rows
+        self._rows: dict[int, np.ndarray] = {}  # row id -> all columns
+        self.entries_read = 0
+
+    def _block(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        out = np.asarray(self.matrix.block(rows, cols), dtype=float)
+        if out.shape != (len(rows), len(cols)):
+            raise ProblemError(
+                f"lazy matrix {type(self.matrix).__name__}.block returned shape {out.shape} "
+                f"for {len(rows)} rows x {len(cols)} columns"
+            )
+        self.entries_read += out.size
+        return out
+
+    def cols(self, ids: np.ndarray) -> np.ndarray:
+        """``matrix[:, ids]`` (all rows)."""
+        missing = sorted({int(i) for i in ids} - self._cols.keys())
+        if missing:
+            b = self._block(np.arange(self.shape[0]), np.array(missing, dtype=np.int64))
+            for k, j in enumerate(missing):
+                self._cols[j] = np.ascontiguousarray(b[:, k])
+        if not len(ids):
+            return np.empty((self.shape[0], 0))
+        return np.stack([self._cols[int(j)] for j in ids], axis=1)
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """``matrix[ids, :]`` (all columns)."""
+        missing = sorted({int(i) for i in ids} - self._rows.keys())
+        if missing:
+            b = self._block(np.array(missing, dtype=np.int64), np.arange(self.shape[1]))
+            for k, i in enumerate(missing):
+                self._rows[i] = np.ascontiguousarray(b[k])
+        if not len(ids):
+            return np.empty((0, self.shape[1]))
+        return np.stack([self._rows[int(i)] for i in ids], axis=0)
+
+    def pairs(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """``matrix[rows[k], cols[k]]`` for each k: from cached columns or
+        rows where there are, else ``entries`` or small square blocks."""
+        out = np.empty(len(rows))
+        pending = []
+        for k, (i, j) in enumerate(zip(rows.tolist(), cols.tolist())):
+            if j in self._cols:
+                out[k] = self._cols[j][i]
+            elif i in self._rows:
+                out[k] = self._rows[i][j]
+            else:
+                pending.append(k)
+        if pending:
+            pend = np.array(pending, dtype=np.int64)
+            r, c = rows[pend], cols[pend]
+            if hasattr(self.matrix, "entries"):
+                out[pend] = np.asarray(self.matrix.entries(r, c), dtype=float)
+                self.entries_read += len(pend)
+            else:
+                for s in range(0, len(pend), PAIR_CHUNK):
+                    out[pend[s:s + PAIR_CHUNK]] = np.diagonal(
+                        self._block(r[s:s + PAIR_CHUNK], c[s:s + PAIR_CHUNK]))
+        return out
+
+
+@dataclass
+class Term:
+    """One matrix object's share of a quotient edge: ``count`` member edges
+    with the same object and option maps. ``rmap``/``cmap`` give the object
+    ids of the quotient edge's row/column class options (root option ids);
+    ``transposed``: the object's rows are the quotient edge's columns."""
+
+    cache: BlockCache
+    rmap: np.ndarray
+    cmap: np.ndarray
+    transposed: bool
+    count: int = 1
+
+    def cols(self, J: np.ndarray) -> np.ndarray:
+        if self.transposed:
+            return self.cache.rows(self.cmap[J])[:, self.rmap].T
+        return self.cache.cols(self.cmap[J])[self.rmap]
+
+    def rows(self, I: np.ndarray) -> np.ndarray:
+        if self.transposed:
+            return self.cache.cols(self.rmap[I])[self.cmap].T
+        return self.cache.rows(self.rmap[I])[:, self.cmap]
+
+
+@dataclass
+class QuotientEdge:
+    """Sum of the member edges between classes ``p`` (rows) and ``c``."""
+
+    p: int
+    c: int
+    terms: list[Term]
+    floor: float = 0.0
+    names: list[str] = field(default_factory=list)  # member edges, for messages
+    _cols: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+    _rows: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+
+    def cols(self, J: np.ndarray) -> np.ndarray:
+        """(all row-class options) x ``J``, summed over the terms; cached."""
+        missing = np.array(sorted({int(j) for j in J} - self._cols.keys()), dtype=np.int64)
+        if len(missing):
+            total = sum(t.count * t.cols(missing) if t.count != 1 else t.cols(missing) for t in self.terms)
+            for k, j in enumerate(missing.tolist()):
+                self._cols[j] = np.ascontiguousarray(total[:, k])
+        n_p = len(self.terms[0].rmap)
+        if not len(J):
+            return np.empty((n_p, 0))
+        return np.stack([self._cols[int(j)] for j in J], axis=1)
+
+    def rows(self, I: np.ndarray) -> np.ndarray:
+        """``I`` x (all column-class options), summed over the terms; cached."""
+        missing = np.array(sorted({int(i) for i in I} - self._rows.keys()), dtype=np.int64)
+        if len(missing):
+            total = sum(t.count * t.rows(missing) if t.count != 1 else t.rows(missing) for t in self.terms)
+            for k, i in enumerate(missing.tolist()):
+                self._rows[i] = np.ascontiguousarray(total[k])
+        n_c = len(self.terms[0].cmap)
+        if not len(I):
+            return np.empty((0, n_c))
+        return np.stack([self._rows[int(i)] for i in I], axis=0)
+
+    def block(self, I: np.ndarray, J: np.ndarray) -> np.ndarray:
+        """``I`` x ``J`` (from the cached columns ``J``)."""
+        return self.cols(J)[I]
+
+
+@dataclass
+class OptionClass:
+    """Decisions merged by links; option ids are the root decision's."""
+
+    name: str  # root decision's name
+    members: list[tuple[str, np.ndarray | None]]  # (decision, root option -> its option; None: same ids)
+    allowed: np.ndarray  # bool per root option
+    unary: np.ndarray  # summed unary costs (+ diagonals); inf where not allowed
+    labels: list[str]
+
+    @property
+    def num_options(self) -> int:
+        return len(self.allowed)
+
+
+@dataclass
+class ClassResource:
+    name: str
+    low: float | None
+    high: float | None
+    weights: dict[int, np.ndarray]  # class -> weight per root option
+
+
+@dataclass
+class Quotient:
+    classes: list[OptionClass]
+    edges: list[QuotientEdge]
+    resources: list[ClassResource]
+    caches: dict[int, BlockCache]  # id(matrix object) -> its cache
+    edge_caches: list[BlockCache]  # per edge of the problem, its matrix's cache
+
+    def entries_read(self) -> int:
+        return sum(c.entries_read for c in self.caches.values())
+
+    def expand(self, choice: dict[int, int]) -> dict[str, int]:
+        """Per original decision, its option for class choices (root ids)."""
+        out: dict[str, int] = {}
+        for q, o in choice.items():
+            for name, omap in self.classes[q].members:
+                out[name] = int(o if omap is None else omap[o])
+        return out
+
+
+class _Links(MergePhase):
+    """Presolve's link union-find (:meth:`MergePhase._link_components`),
+    without the rest of presolve."""
+
+    def __init__(self, problem: Problem):
+        self.p = problem
+
+
+def is_lazy(costs) -> bool:
+    return hasattr(costs, "block") and hasattr(costs, "shape")
+
+
+def build_quotient(problem: Problem) -> Quotient:
+    """The quotient of ``problem`` by its links (see the module docstring).
+
+    Raises :class:`~solver.problem.ProblemError` when the problem is
+    malformed and :class:`InfeasibleError` when a class has no allowed option.
+    """
+    problem._validate(edge_costs=False)  # names, pins, links, resources
+    decs = problem.decisions
+    index = {d.name: i for i, d in enumerate(decs)}
+    comps = _Links(problem)._link_components(index)
+    in_comp = {i for comp in comps for i in comp[0]}
+    plan = [([i], [None], None, None) for i in range(len(decs)) if i not in in_comp]
+    plan += comps
+    plan.sort(key=lambda t: t[0][0])
+
+    arrays: dict[int, np.ndarray] = {}  # id(list) -> array (shared cost lists read once)
+
+    def as_array(values: list) -> np.ndarray:
+        a = arrays.get(id(values))
+        if a is None:
+            a = arrays[id(values)] = np.fromiter(values, float, len(values))
+        return a
+
+    pins_on: dict[int, list] = {}
+    for pin in problem.pins:
+        pins_on.setdefault(index[pin.decision], []).append(pin)
+    class_of = [-1] * len(decs)
+    member_map: list[np.ndarray | None] = [None] * len(decs)
+    classes: list[OptionClass] = []
+    why: list[str] = []
+    for q, (members, omaps, valid, cause) in enumerate(plan):
+        root = decs[members[0]]
+        n = len(root.options)
+        allowed = np.ones(n, dtype=bool) if valid is None else np.asarray(valid, dtype=bool).copy()
+        reason = cause or "every option has an infinite unary cost"
+        unary = np.zeros(n)
+        for m, omap in zip(members, omaps):
+            class_of[m] = q
+            sel = None if omap is None else np.where(omap >= 0, omap, 0)
+            member_map[m] = sel
+            c = as_array(decs[m].costs)
+            unary = unary + (c if sel is None else c[sel])
+            for pin in pins_on.get(m, ()):
+                ids = np.arange(n) if sel is None else sel
+                allowed &= np.isin(ids, pin.allowed)
+                reason = f"pin {pin.name!r} on {decs[m].name!r} allows {sorted(pin.allowed)}"
+        allowed &= np.isfinite(unary)
+        unary[~allowed] = math.inf
+        classes.append(OptionClass(root.name, [(decs[m].name, member_map[m]) for m in members],
+                                   allowed, unary, list(root.options)))
+        why.append(reason)
+
+    def ids(m: int) -> np.ndarray:
+        s = member_map[m]
+        return np.arange(len(decs[m].options)) if s is None else s
+
+    resources = []
+    for rc in problem.resources:
+        weights: dict[int, np.ndarray] = {}
+        for name, w in rc.terms.items():
+            m = index[name]
+            q = class_of[m]
+            arr = as_array(w)[ids(m)]
+            weights[q] = weights[q] + arr if q in weights else arr
+        resources.append(ClassResource(rc.name, rc.low, rc.high, weights))
+
+    caches: dict[int, BlockCache] = {}
+    dense: dict[int, DenseMatrix] = {}
+    edge_caches: list[BlockCache] = []
+    diagonals: list[tuple[int, BlockCache, int, int, str]] = []
+    grouped: dict[tuple[int, int], dict[tuple, Term]] = {}
+    edge_names: dict[tuple[int, int], list[str]] = {}
+    for k, e in enumerate(problem.edges):
+        a, b = index[e.producer], index[e.consumer]
+        where = f"edge #{k} ({e.producer!r} -> {e.consumer!r})"
+        shape = (len(decs[a].options), len(decs[b].options))
+        matrix = e.costs
+        if not is_lazy(matrix):
+            matrix = dense.get(id(e.costs))
+            if matrix is None or matrix.shape != shape:
+                matrix = dense[id(e.costs)] = DenseMatrix(e.costs, *shape, where)
+        elif tuple(matrix.shape) != shape:
+            raise ProblemError(f"{where}: lazy matrix has shape {tuple(matrix.shape)}, expected {shape}")
+        cache = caches.get(id(matrix))
+        if cache is None:
+            cache = caches[id(matrix)] = BlockCache(matrix)
+        edge_caches.append(cache)
+        qa, qb = class_of[a], class_of[b]
+        if qa == qb:
+            diagonals.append((qa, cache, a, b, where))
+            continue
+        transposed = qa > qb
+        key = (qb, qa) if transposed else (qa, qb)
+        rm, cm = (b, a) if transposed else (a, b)
+        sig = (id(cache), id(member_map[rm]), id(member_map[cm]), transposed)
+        terms = grouped.setdefault(key, {})
+        edge_names.setdefault(key, []).append(f"{e.producer} -> {e.consumer}")
+        if sig in terms:
+            terms[sig].count += 1
+        else:
+            terms[sig] = Term(cache, ids(rm), ids(cm), transposed)
+
+    for q, cache, a, b, where in diagonals:
+        cls = classes[q]
+        opts = np.flatnonzero(cls.allowed)
+        diag = cache.pairs(ids(a)[opts], ids(b)[opts])
+        cls.unary[opts] += diag
+        bad = ~np.isfinite(cls.unary)
+        if bad[opts].any():
+            why[q] = f"{where}, inside the linked group, forbids its diagonal pairs"
+        cls.allowed &= ~bad
+        cls.unary[bad] = math.inf
+
+    empty = [q for q, c in enumerate(classes) if not c.allowed.any()]
+    if empty:
+        names = [classes[q].name for q in empty]
+        raise InfeasibleError(
+            "Infeasible: no allowed option left for "
+            + "; ".join(f"{classes[q].name!r} ({why[q]})" for q in empty),
+            decisions=names,
+        )
+
+    edges = []
+    for (p, c), terms in grouped.items():
+        ts = list(terms.values())
+        edges.append(QuotientEdge(p, c, ts, sum(t.count * t.cache.floor for t in ts), edge_names[(p, c)]))
+    logger.debug("quotient: %d decisions -> %d classes, %d edges -> %d, %d matrix objects",
+                 len(decs), len(classes), len(problem.edges), len(edges), len(caches))
+    return Quotient(classes, edges, resources, caches, edge_caches)
+
+
+def evaluate_lazy(problem: Problem, quotient: Quotient, choice: dict[str, int]) -> tuple[float, float]:
+    """``(unary_cost, edge_cost)`` of a full choice, like
+    :func:`solver.evaluate.evaluate`, reading the edge matrices through the
+    quotient's caches (one request per matrix object)."""
+    unary = math.fsum(d.costs[choice[d.name]] for d in problem.decisions)
+    wanted: dict[int, tuple[BlockCache, list, list]] = {}
+    for e, cache in zip(problem.edges, quotient.edge_caches):
+        entry = wanted.setdefault(id(cache), (cache, [], []))
+        entry[1].append(choice[e.producer])
+        entry[2].append(choice[e.consumer])
+    values = []
+    for cache, rows, cols in wanted.values():
+        values.extend(cache.pairs(np.array(rows, dtype=np.int64), np.array(cols, dtype=np.int64)).tolist())
+    return unary, math.fsum(values)
