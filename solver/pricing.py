@@ -59,6 +59,7 @@ import numpy as np
 from .api import solve
 from .diagnose import InfeasibleError
 from .problem import Decision, Edge, Problem, ResourceConstraint, Solution
+from .pricing_lp import LPSolution, RestrictedLP
 from .pricing_quotient import Quotient, build_quotient, evaluate_lazy
 
 logger = logging.getLogger(__name__)
@@ -71,10 +72,9 @@ DEFAULT_MAX_OPTIONS = 20_000
 ADD_PER_CLASS = 8
 ROUND_CAP_MIN = 256
 # Left-out options enter when their reduced cost is below -PRICE_TOL in
-# scaled units (costs divided by the largest seen, so about 1): HiGHS' own
-# dual feasibility tolerance is set to DUAL_TOL.
+# scaled units (costs divided by the largest seen, so about 1; HiGHS' own
+# dual feasibility tolerance is solver.pricing_lp.DUAL_TOL).
 PRICE_TOL = 1e-9
-DUAL_TOL = 1e-10
 # Relative gap under which the restricted ILP's objective is the optimum.
 OPT_RTOL = 1e-9
 
@@ -110,16 +110,6 @@ class PricingResult:
     stats: PricingStats
 
 
-@dataclass
-class _LP:
-    objective: float  # true units
-    u: np.ndarray  # per class
-    alpha: list[np.ndarray]  # per quotient edge, over S_p
-    beta: list[np.ndarray]  # per quotient edge, over S_c
-    rho: np.ndarray  # per resource
-    x_reduced: list[np.ndarray]  # HiGHS' reduced costs of the x columns, per class (checks)
-
-
 class _Pricer:
     """The subsets, the restricted LP and the pricing of one quotient."""
 
@@ -127,6 +117,7 @@ class _Pricer:
         self.q = quotient
         self.kept = [np.zeros(c.num_options, dtype=bool) for c in quotient.classes]
         self.scale: float | None = None
+        self.lp: RestrictedLP | None = None
 
     # -- subsets ----------------------------------------------------------
     def subsets(self) -> list[np.ndarray]:
@@ -235,107 +226,16 @@ class _Pricer:
             self.scale = 1.0 / big if big > 0 else 1.0
         return self.scale
 
-    def solve_lp(self, time_limit: float | None) -> _LP | None:
+    def solve_lp(self, time_limit: float | None) -> LPSolution | None:
         """The restricted LP's optimum and duals (true units); ``None`` when
         it is infeasible. Raises TimeoutError when it runs out of time."""
-        import highspy
-
-        classes, edges, res = self.q.classes, self.q.edges, self.q.resources
-        S = self.subsets()
-        s = self._scale(S)
-        n_cls = len(classes)
-        xoff = np.concatenate([[0], np.cumsum([len(x) for x in S])]).astype(np.int64)
-        n_x = int(xoff[-1])
-        ent_r, ent_c, ent_v = [], [], []
-        costs = [np.concatenate([c.unary[x] for c, x in zip(classes, S)]) * s]
-        xcol = np.arange(n_x)
-        ent_r.append(np.repeat(np.arange(n_cls), [len(x) for x in S]))
-        ent_c.append(xcol)
-        ent_v.append(np.ones(n_x))
-        row = n_cls
-        col = n_x
-        aoff, boff = [], []
-        for e in edges:
-            sp, sc = S[e.p], S[e.c]
-            a0, b0 = row, row + len(sp)
-            row = b0 + len(sc)
-            aoff.append(a0)
-            boff.append(b0)
-            ent_r += [a0 + np.arange(len(sp)), b0 + np.arange(len(sc))]
-            ent_c += [xoff[e.p] + np.arange(len(sp)), xoff[e.c] + np.arange(len(sc))]
-            ent_v += [np.full(len(sp), -1.0), np.full(len(sc), -1.0)]
-            block = e.block(sp, sc)
-            ii, jj = np.nonzero(np.isfinite(block))
-            ycol = col + np.arange(len(ii))
-            col += len(ii)
-            costs.append(block[ii, jj] * s)
-            ent_r += [a0 + ii, b0 + jj]
-            ent_c += [ycol, ycol]
-            ent_v += [np.ones(len(ii)), np.ones(len(ii))]
-        r0 = row
-        for k, r in enumerate(res):
-            for q, w in r.weights.items():
-                wq = w[S[q]]
-                nz = np.flatnonzero(wq)
-                ent_r.append(np.full(len(nz), r0 + k))
-                ent_c.append(xoff[q] + nz)
-                ent_v.append(wq[nz])
-        n_rows = r0 + len(res)
-        rows_i = np.concatenate(ent_r).astype(np.int64)
-        cols_i = np.concatenate(ent_c).astype(np.int64)
-        vals = np.concatenate(ent_v).astype(float)
-        order = np.lexsort((rows_i, cols_i))
-        start = np.zeros(col + 1, dtype=np.int64)
-        np.cumsum(np.bincount(cols_i, minlength=col), out=start[1:])
-
-        lp = highspy.HighsLp()
-        lp.num_col_ = col
-        lp.num_row_ = n_rows
-        lp.col_cost_ = np.concatenate(costs)
-        lp.col_lower_ = np.zeros(col)
-        lp.col_upper_ = np.full(col, highspy.kHighsInf)
-        lower = np.zeros(n_rows)
-        upper = np.zeros(n_rows)
-        lower[:n_cls] = upper[:n_cls] = 1.0
-        for k, r in enumerate(res):
-            lower[r0 + k] = -highspy.kHighsInf if r.low is None else r.low
-            upper[r0 + k] = highspy.kHighsInf if r.high is None else r.high
-        lp.row_lower_ = lower
-        lp.row_upper_ = upper
-        a = lp.a_matrix_
-        a.format_ = highspy.MatrixFormat.kColwise
-        a.num_col_ = col
-        a.num_row_ = n_rows
-        a.start_ = start.astype(np.int32)
-        a.index_ = rows_i[order].astype(np.int32)
-        a.value_ = vals[order]
-        h = highspy.Highs()
-        h.setOptionValue("output_flag", False)
-        h.setOptionValue("dual_feasibility_tolerance", DUAL_TOL)
-        if time_limit is not None:
-            h.setOptionValue("time_limit", max(float(time_limit), 1e-3))
-        h.passModel(lp)
-        h.run()
-        st = h.getModelStatus()
-        M = highspy.HighsModelStatus
-        if st in (M.kInfeasible, M.kUnboundedOrInfeasible):
-            return None
-        if st != M.kOptimal:
-            raise TimeoutError(f"restricted LP stopped: {h.modelStatusToString(st)}")
-        sol = h.getSolution()
-        y = np.asarray(sol.row_dual) / s
-        dj = np.asarray(sol.col_dual[:n_x]) / s
-        return _LP(
-            objective=h.getInfo().objective_function_value / s,
-            u=y[:n_cls],
-            alpha=[y[a0:a0 + len(S[e.p])] for e, a0 in zip(edges, aoff)],
-            beta=[y[b0:b0 + len(S[e.c])] for e, b0 in zip(edges, boff)],
-            rho=y[r0:],
-            x_reduced=[dj[xoff[q]:xoff[q + 1]] for q in range(n_cls)],
-        )
+        if self.lp is None:
+            self.lp = RestrictedLP(self.q, self._scale(self.subsets()))
+        self.lp.sync(self.kept)
+        return self.lp.solve(time_limit)
 
     # -- pricing ----------------------------------------------------------
-    def reduced_costs(self, lp: _LP) -> list[np.ndarray]:
+    def reduced_costs(self, lp: LPSolution) -> list[np.ndarray]:
         """``r_q(o)`` for every option of every class (inf: not allowed),
         with the restricted duals extended to all options (module docstring)."""
         classes = self.q.classes
@@ -343,10 +243,10 @@ class _Pricer:
         acc = [c.unary - lp.u[q] for q, c in enumerate(classes)]
         for e, a, b in zip(self.q.edges, lp.alpha, lp.beta):
             sp, sc = S[e.p], S[e.c]
-            half = e.floor / 2
-            ext_a = np.minimum(half, (e.cols(sc) - b).min(axis=1))
+            cap_a, cap_b = _caps(e.floor, a, b, lp.x[e.p], lp.x[e.c])
+            ext_a = np.minimum(cap_a, (e.cols(sc) - b).min(axis=1))
             ext_a[sp] = a
-            ext_b = np.minimum(half, (e.rows(sp) - a[:, None]).min(axis=0))
+            ext_b = np.minimum(cap_b, (e.rows(sp) - a[:, None]).min(axis=0))
             ext_b[sc] = b
             acc[e.p] += ext_a
             acc[e.c] += ext_b
@@ -395,6 +295,22 @@ class _Pricer:
         S = self.subsets()
         sol.choice = {q: int(S[q][sol.choice[c.name]]) for q, c in enumerate(self.q.classes)}
         return sol
+
+
+def _caps(floor: float, alpha: np.ndarray, beta: np.ndarray, x_p: np.ndarray, x_c: np.ndarray
+          ) -> tuple[float, float]:
+    """Caps on the extended duals of an edge's left-out options, one per
+    end, summing to ``floor`` (so a pair of two left-out options stays dual
+    feasible). Any split is valid; the LP's duals are degenerate (a constant
+    moves freely between an edge's two ends), so a fixed split like
+    ``floor/2`` can leave every left-out option looking cheaper than the kept
+    ones. Centring the caps on the duals of the options the LP uses
+    (weighted by x; any excess over ``floor`` shared equally) prices a
+    left-out option like a used one."""
+    top_a = float(alpha @ x_p) / max(float(x_p.sum()), 1e-300)
+    top_b = float(beta @ x_c) / max(float(x_c.sum()), 1e-300)
+    excess = (top_a + top_b - floor) / 2
+    return top_a - excess, top_b - excess
 
 
 def _argmin_finite(values: np.ndarray) -> int | None:
