@@ -20,12 +20,14 @@ import dataclasses
 import logging
 import math
 
+import numpy as np
 import torch.fx
 
 import solver
 from solver.pricing import PricingResult, solve_by_pricing
 
 from .edge_costs import clear_caches as clear_edge_cost_caches
+from .edge_matrices import LazyKeyMatch
 from .strategies import NodeStrategy, Option
 
 logger = logging.getLogger(__name__)
@@ -35,26 +37,123 @@ logger = logging.getLogger(__name__)
 # most plans use, plus its all-Replicate option, which makes any seed
 # feasible (every layout reaches Replicate).
 SEED_CHEAPEST = 4
+# Seconds for the whole pricing (rounds, restricted ILPs) when the caller
+# gives the ILP a time limit (AutoParallel's time_limit bounds ILP search;
+# pricing is a longer process); past it the plan reports its gap.
+PRICING_TIME_LIMIT = 60.0
+# Cap on the options pricing may keep (None: the solver's default): past it
+# the plan reports its gap instead of growing the restricted problem.
+MAX_KEPT_OPTIONS: int | None = None
 
 
 def seed_options(problem: solver.Problem, strategies: dict[torch.fx.Node, NodeStrategy]) -> dict[str, list[int]]:
-    """A small starting subset of options per decision."""
+    """A small starting subset of options per decision (within its pins),
+    closed over structural edges (a gradient takes its parameter's layout,
+    a getitem its parent's element, a tangent its output's): every seeded
+    option there has a seeded partner, so the seed can hold a plan."""
     by_name = {n.name: s for n, s in strategies.items()}
-    seeds: dict[str, list[int]] = {}
-    cache: dict[int, list[int]] = {}
+    allowed = pinned_options(problem)
+    seeds: dict[str, set[int]] = {}
+    cache: dict[tuple, set[int]] = {}
     for d in problem.decisions:
         strat = by_name[d.name]
-        key = id(strat.options)
+        ok = allowed.get(d.name)
+        key = (id(strat.options), None if ok is None else tuple(sorted(ok)))
         chosen = cache.get(key)
         if chosen is None:
-            finite = [i for i, c in enumerate(d.costs) if math.isfinite(c)]
-            chosen = sorted(finite, key=lambda i: (d.costs[i], i))[:SEED_CHEAPEST]
-            replicated = next((i for i in finite if _all_replicate(strat.options[i])), None)
-            if replicated is not None and replicated not in chosen:
-                chosen.append(replicated)
-            chosen = cache[key] = sorted(chosen)
-        seeds[d.name] = chosen
-    return seeds
+            finite = [i for i, c in enumerate(d.costs) if math.isfinite(c) and (ok is None or i in ok)]
+            chosen = set(sorted(finite, key=lambda i: (d.costs[i], i))[:SEED_CHEAPEST])
+            chosen.update(i for i in finite if _all_replicate(strat.options[i]))
+            cache[key] = chosen
+        seeds[d.name] = set(chosen)
+    # per bounded resource (the parameter memory budget: by default every
+    # parameter at its most sharded), each term's lightest option
+    costs = {d.name: d.costs for d in problem.decisions}
+    for r in problem.resources:
+        if r.high is None:
+            continue
+        for name, weights in r.terms.items():
+            ok = allowed.get(name)
+            finite = [i for i, c in enumerate(costs[name]) if math.isfinite(c) and (ok is None or i in ok)]
+            if finite:
+                seeds[name].add(min(finite, key=lambda i: (weights[i], costs[name][i], i)))
+    for name, option in greedy_plan(problem, allowed).items():
+        seeds[name].add(option)
+    _close_over_structural_edges(problem, seeds, allowed)
+    return {name: sorted(ids) for name, ids in seeds.items()}
+
+
+def pinned_options(problem: solver.Problem) -> dict[str, set[int]]:
+    """Per pinned decision, the options every pin on it allows."""
+    allowed: dict[str, set[int]] = {}
+    for pin in problem.pins:
+        allowed[pin.decision] = allowed.get(pin.decision, set(pin.allowed)) & set(pin.allowed)
+    return allowed
+
+
+def greedy_plan(problem: solver.Problem, allowed: dict[str, set[int]] | None = None) -> dict[str, int]:
+    """Per decision in graph order, the option cheapest in compute plus the
+    redistributions from / to the neighbours already chosen: a plan (not an
+    optimal one) the seed can hold, so pricing starts near good layouts
+    rather than from arbitrary ties of compute. Decisions linked to a
+    reference (repeated layers) are skipped: they take its options."""
+    allowed = pinned_options(problem) if allowed is None else allowed
+    linked = {link.b for link in problem.links}
+    edges_of: dict[str, list] = {}
+    for e in problem.edges:
+        edges_of.setdefault(e.producer, []).append(e)
+        edges_of.setdefault(e.consumer, []).append(e)
+    chosen: dict[str, int] = {}
+    for d in problem.decisions:
+        if d.name in linked:
+            continue
+        total = np.asarray(d.costs, dtype=np.float64).copy()
+        ok = allowed.get(d.name)
+        if ok is not None:
+            mask = np.full(len(total), np.inf)
+            mask[sorted(ok)] = 0.0
+            total += mask
+        everything = np.arange(len(total), dtype=np.int64)
+        for e in edges_of.get(d.name, ()):
+            if e.producer == d.name and e.consumer in chosen:
+                total += _block(e.costs, everything, np.asarray([chosen[e.consumer]]))[:, 0]
+            elif e.consumer == d.name and e.producer in chosen:
+                total += _block(e.costs, np.asarray([chosen[e.producer]]), everything)[0]
+        best = int(np.argmin(total))
+        if math.isfinite(total[best]):
+            chosen[d.name] = best
+    return chosen
+
+
+def _block(costs, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    if hasattr(costs, "block"):
+        return costs.block(rows, cols)
+    return np.asarray(costs, dtype=np.float64)[np.ix_(rows, cols)]
+
+
+def _close_over_structural_edges(problem: solver.Problem, seeds: dict[str, set[int]], allowed: dict) -> None:
+    """Add, for every seeded option at an end of a structural edge (finite
+    only between matching layouts) that has no seeded partner, its first
+    allowed partner, until nothing changes."""
+    structural = [e for e in problem.edges if isinstance(e.costs, LazyKeyMatch)]
+    for _ in range(len(structural) + 1):
+        changed = False
+        for e in structural:
+            m = e.costs
+            for mine, other, by_row in ((e.producer, e.consumer, True), (e.consumer, e.producer, False)):
+                have = np.asarray(sorted(seeds[mine]), dtype=np.int64)
+                theirs = np.asarray(sorted(seeds[other]), dtype=np.int64)
+                block = m.block(have, theirs) if by_row else m.block(theirs, have).T
+                ok = allowed.get(other)
+                for k in np.flatnonzero(~np.isfinite(block).any(axis=1)):
+                    everything = np.arange(m.shape[1] if by_row else m.shape[0], dtype=np.int64)
+                    row = m.block(have[k:k + 1], everything)[0] if by_row else m.block(everything, have[k:k + 1])[:, 0]
+                    partner = next((int(j) for j in np.flatnonzero(np.isfinite(row)) if ok is None or j in ok), None)
+                    if partner is not None:
+                        seeds[other].add(partner)
+                        changed = True
+        if not changed:
+            return
 
 
 def _all_replicate(option: Option) -> bool:
@@ -72,7 +171,10 @@ def release_caches() -> None:
 
 def solve_lazy(problem: solver.Problem, strategies, *, backend=None, time_limit=None) -> PricingResult:
     """Solve a problem with lazy edge matrices by option pricing."""
-    result = solve_by_pricing(problem, seed_options(problem, strategies), backend=backend, time_limit=time_limit)
+    limit = None if time_limit is None else max(time_limit, PRICING_TIME_LIMIT)
+    extra = {} if MAX_KEPT_OPTIONS is None else {"max_options": MAX_KEPT_OPTIONS}
+    result = solve_by_pricing(problem, seed_options(problem, strategies), backend=backend, time_limit=limit, **extra)
+    result = dataclasses.replace(result, solution=_with_compute_bound(result.solution, compute_bound(problem)))
     kept = sum(len(v) for v in result.kept.values())
     logger.info(
         "option pricing: %s, objective %.6g, bound %.6g, kept %d of %d options",
@@ -112,6 +214,27 @@ def map_choice(
         picked = strat.options[choice[node.name]]
         out[node.name] = next(i for i, o in enumerate(narrowed[node].options) if o is picked)
     return out
+
+
+def compute_bound(problem: solver.Problem) -> float:
+    """A lower bound on any plan's cost, from compute alone: every decision
+    at its cheapest option allowed by its pins (edge costs are >= 0). Weak
+    where plans differ in communication, but it holds when pricing's dual
+    bound has not closed yet."""
+    allowed = pinned_options(problem)
+    total = 0.0
+    for d in problem.decisions:
+        ok = allowed.get(d.name)
+        total += min((c for i, c in enumerate(d.costs) if ok is None or i in ok), default=0.0)
+    return total + sum(getattr(e.costs, "floor", 0.0) for e in problem.edges)
+
+
+def _with_compute_bound(sol: solver.Solution, bound: float) -> solver.Solution:
+    """``sol`` with the better of its bound and ``bound``."""
+    if sol.optimal or (sol.bound is not None and sol.bound >= bound):
+        return sol
+    gap = (sol.objective - bound) / abs(sol.objective) if sol.objective else None
+    return dataclasses.replace(sol, bound=bound, gap=gap)
 
 
 def narrowed_solution(
