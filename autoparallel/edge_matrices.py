@@ -47,6 +47,8 @@ class EdgeMatrices:
         self.overlap = overlap
         self.lazy = lazy
         self._grids: dict = {}  # class key -> _ClassGrid (lazy)
+        self._sides: dict = {}  # (id(option list), arg) -> distinct specs
+        self._placement_ids: dict = {}  # distinct placements -> small int
         self._matrices: dict = {}
         self._classes: dict = {}
         self._pair_cache: dict = {}  # for edge_costs.redistribution_matrix
@@ -61,22 +63,27 @@ class EdgeMatrices:
             t = cost_model.TRANSITION_TIEBREAK
         return t
 
+    def _side(self, options: list[Option], arg: int | None):
+        """Distinct specs (by placements) of the options' output (``arg``
+        None) or input ``arg``, each option's index among them, and an id
+        of those placements: once per option list (edges share lists)."""
+        key = (id(options), arg)
+        hit = self._sides.get(key)
+        if hit is None:
+            specs, classes = _spec_classes([o.output_spec if arg is None else o.input_specs[arg] for o in options])
+            placements = tuple((s.placements, s.shard_order) for s in specs)
+            ident = self._placement_ids.setdefault(placements, len(self._placement_ids))
+            hit = self._sides[key] = (specs, classes, ident, options)  # options: keep the id theirs
+        return hit[:3]
+
     def _class_specs(self, prod: list[Option], cons: list[Option], arg: int, kind, keep_partial: bool):
         """Distinct producer outputs and consumer inputs ``arg`` (by
         placements), each option's index among them, and the key of the
         costs between them (placements, shapes, dtype, overlap kind)."""
-        src_specs, row_class = _spec_classes([po.output_spec for po in prod])
-        dst_specs, col_class = _spec_classes([co.input_specs[arg] for co in cons])
+        src_specs, row_class, src_id = self._side(prod, None)
+        dst_specs, col_class, dst_id = self._side(cons, arg)
         src_meta, dst_meta = src_specs[0].tensor_meta, dst_specs[0].tensor_meta
-        class_key = (
-            tuple((s.placements, s.shard_order) for s in src_specs),
-            tuple((d.placements, d.shard_order) for d in dst_specs),
-            tuple(src_meta.shape),
-            src_meta.dtype,
-            tuple(dst_meta.shape),
-            kind,
-            keep_partial,
-        )
+        class_key = (src_id, dst_id, tuple(src_meta.shape), src_meta.dtype, tuple(dst_meta.shape), kind, keep_partial)
         return src_specs, row_class, dst_specs, col_class, class_key
 
     def classes(self, prod: list[Option], cons: list[Option], arg: int, kind: str | None, keep_partial: bool = False):
