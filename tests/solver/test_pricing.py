@@ -184,14 +184,17 @@ def test_duals_match_highs_reduced_costs_and_full_lp():
             lp = pr.solve_lp(None)
             assert lp is not None
             r = pr.reduced_costs(lp)
-            for qi, (k, rq) in enumerate(zip(pr.kept, r)):
-                assert np.allclose(rq[np.flatnonzero(k)], lp.x_reduced[qi], atol=1e-7)
+            for qi, rq in enumerate(r):
+                assert np.allclose(rq[lp.options[qi]], lp.x_reduced[qi], atol=1e-7)
             picks = pr.select(r, 1e-9 / pr.scale)
             bound = lp.objective + sum(min(0.0, float(x.min())) for x in r)
-            if not picks:
+            promote = pr.promotions(lp, lp.fake)
+            if not picks and not promote:
                 break
             for _, qi, o in picks:
-                pr.add(qi, [o])
+                pr.relax(qi, o)
+            for qi, opts in promote:
+                pr.add(qi, opts)
         full = _Pricer(q)
         for qi, c in enumerate(q.classes):
             full.add(qi, np.flatnonzero(c.allowed))
