@@ -6,31 +6,42 @@ almost no option ever matters. :func:`solve_by_pricing` solves over a small
 subset of options per decision and proves, with LP duals, that no left-out
 option can improve the plan ("price and branch" with reduced-cost fixing).
 
-How (on the quotient by links, :mod:`solver.pricing_quotient`), with subsets
-``S_q`` per class ``q``:
+How (on the quotient by links, :mod:`solver.pricing_quotient`): per class
+``q`` a set ``S_q`` of *exact* options (all their pairs read: whole rows and
+columns of the lazy matrices) and a set ``R_q`` of *relaxed* ones (pairs
+with exact options read, pairs of two relaxed options charged the edge's
+``floor``, a lower bound, through one aggregate flow per edge), see
+:mod:`solver.pricing_lp`.
 
-1. The restricted LP (local polytope): ``min sum c_q(o) x_qo + sum C_E(i,j)
-   y_Eij`` over ``o in S_q`` and finite pairs of ``S_p x S_c``, s.t.
-   ``sum_o x_qo = 1`` (dual ``u_q``), ``sum_j y_Eij - x_pi = 0``
-   (``alpha_Ei``), ``sum_i y_Eij - x_cj = 0`` (``beta_Ej``), resource rows
-   (``rho_r``). HiGHS' reduced cost of a column is ``c - A^T y``.
-2. Its duals extend to every option: a left-out row option ``o`` of ``E``
-   gets ``alpha_Eo = min(floor_E/2, min_{j in S_c} C(o,j) - beta_Ej)``, a
-   left-out column option ``beta_Eo = min(floor_E/2, min_{i in S_p} C(i,o) -
-   alpha_Ei)``: every pair column is then dual feasible (two left-out options:
-   ``alpha + beta <= floor <= C``). An option's reduced cost is ``r_q(o) =
-   c_q(o) - u_q + sum_{E: q rows} alpha_Eo + sum_{E: q cols} beta_Eo - sum_r
-   rho_r w_r(o)``, and lowering ``u_q`` by ``v_q = max(0, -min_o r_q(o))``
-   makes the whole dual feasible: ``LB = LP - sum_q v_q`` bounds the full LP,
-   hence the optimum, from below (in every round).
-3. Options with ``r < 0`` are added (the most negative few per class) and the
-   LP re-solved until none is left: then LB equals the full LP's optimum.
-4. The restricted ILP (a dense problem over the subsets, :func:`solver.solve`)
-   gives ``z_R``. Any choice costs at least ``LB + sum_q r'_q(o_q)`` with
-   ``r' = r + v >= 0``, so one cheaper than ``z_R`` uses only left-out
-   options with ``r' <= z_R - LB`` ("reduced-cost fixing"): with those added,
-   the restricted optimum is the full optimum. If that would exceed
-   ``max_options``, the result is ``z_R`` with bound LB, status "feasible".
+1. The restricted LP (local polytope) over ``S`` and ``R``: ``min sum
+   c_q(o) x_qo + sum C_E(i,j) y_Eij + floor_E z_E`` s.t. ``sum_o x_qo = 1``
+   (dual ``u_q``), ``sum_j y_Eij (+ z_Ei) - x_pi = 0`` (``alpha_Ei``), ``sum_i
+   y_Eij (+ w_Ej) - x_cj = 0`` (``beta_Ej``), ``sum z_E = sum w_E``
+   (``gamma_E``), resource rows (``rho_r``). HiGHS' reduced cost of a column
+   is ``c - A^T y``. It is a relaxation of the problem over ``S`` and ``R``.
+2. Its duals extend to every option left out: at the row end of ``E``,
+   ``alpha_Eo = min(floor_E - gamma_E, min_{j in S_c} C(o,j) - beta_Ej)``, at
+   the column end ``beta_Eo = min(gamma_E, min_{i in S_p} C(i,o) -
+   alpha_Ei)``; every pair column is then dual feasible (a pair with no exact
+   end: ``alpha + beta <= floor <= C``, the z/w columns enforcing the caps on
+   relaxed options). ``gamma_E`` may be any value the relaxed options allow
+   (:func:`_gamma` picks one centred on the used options' duals). An option's
+   reduced cost is ``r_q(o) = c_q(o) - u_q + sum_{E: q rows} alpha_Eo +
+   sum_{E: q cols} beta_Eo - sum_r rho_r w_r(o)``; lowering ``u_q`` by ``v_q
+   = max(0, -min_o r_q(o))`` makes the whole dual feasible for the full LP:
+   ``LB = LP - sum_q v_q`` bounds the optimum from below, in every round.
+3. Left-out options with ``r < 0`` enter as relaxed (the most negative few
+   per class: no matrix entry read); relaxed options the LP sends flow
+   through the aggregate (a pair of two relaxed options) become exact. When
+   neither happens, the LP's optimum uses exact pairs only, so it is feasible
+   for the full LP, and ``LB`` equals its value: the full LP's optimum.
+4. The options the LP uses become exact and the restricted ILP (a dense
+   problem over ``S``, :func:`solver.solve`) gives ``z_R``. Any choice costs
+   at least ``LB + sum_q r'_q(o_q)`` with ``r' = r + v >= 0``, so a cheaper
+   one uses only options outside ``S`` with ``r' <= z_R - LB`` ("reduced-cost
+   fixing"): with those made exact, the restricted optimum is the full
+   optimum. If that would exceed ``max_options``, the result is ``z_R`` with
+   bound LB, status "feasible".
 
 Example::
 
@@ -450,7 +461,8 @@ def solve_by_pricing(
 
     def run_ilp() -> Solution | None:
         t0 = time.perf_counter()
-        sol = pr.solve_ilp(backend, left())
+        # past the deadline the ILP still gets a second: an answer beats none
+        sol = pr.solve_ilp(backend, None if deadline is None else max(deadline - time.perf_counter(), 1.0))
         sec["ilp"] += time.perf_counter() - t0
         if sol is not None:
             stats.restricted_objectives.append(sol.objective)
@@ -523,9 +535,9 @@ def solve_by_pricing(
         edge_cost=edge,
         status="optimal" if optimal else "feasible",
         optimal=optimal,
-        gap=0.0 if optimal else (objective - bound) / max(1.0, abs(objective)),
+        gap=0.0 if optimal else (objective - bound) / max(1.0, abs(objective)) if math.isfinite(bound) else None,
         backend=f"pricing+{sol.backend}",
-        bound=bound,
+        bound=bound if math.isfinite(bound) else None,
         timings=dict(sec),
         num_variables=sol.num_variables,
         num_constraints=sol.num_constraints,

@@ -165,6 +165,9 @@ def test_one_option_seed_prices_options_in():
     worst = {d.name: [int(np.argmax(d.costs))] for d in p.decisions}
     res = check(p, worst)
     assert res.stats.rounds > 1 and sum(res.stats.priced_per_round) > 0
+    # options entered relaxed, then exact when the LP leaned on them
+    assert max(res.stats.relaxed_per_round) > 0 and sum(res.stats.promoted_per_round) > 0
+    assert res.stats.converged
     assert any(res.solution.choice[n] not in worst[n] for n in worst)
 
 
@@ -298,3 +301,13 @@ def test_deterministic():
     b = solve_by_pricing(layered_problem(2))
     assert a.solution.choice == b.solution.choice and a.kept == b.kept
     assert a.stats.kept_per_round == b.stats.kept_per_round
+
+
+def test_time_limit_still_answers_with_a_valid_bound():
+    p = layered_problem(4, inf_rate=0.0)
+    want = solve(dense_copy(p)).objective
+    sol = solve_by_pricing(p, one_option_each(p), time_limit=1e-3).solution
+    assert sol.objective >= want - 1e-9
+    assert sol.bound is None or sol.bound <= want + 1e-9
+    if sol.status == "optimal":
+        assert sol.objective == pytest.approx(want, rel=1e-9)
