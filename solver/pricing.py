@@ -6,31 +6,42 @@ almost no option ever matters. :func:`solve_by_pricing` solves over a small
 subset of options per decision and proves, with LP duals, that no left-out
 option can improve the plan ("price and branch" with reduced-cost fixing).
 
-How (on the quotient by links, :mod:`solver.pricing_quotient`), with subsets
-``S_q`` per class ``q``:
+How (on the quotient by links, :mod:`solver.pricing_quotient`): per class
+``q`` a set ``S_q`` of *exact* options (all their pairs read: whole rows and
+columns of the lazy matrices) and a set ``R_q`` of *relaxed* ones (pairs
+with exact options read, pairs of two relaxed options charged the edge's
+``floor``, a lower bound, through one aggregate flow per edge), see
+:mod:`solver.pricing_lp`.
 
-1. The restricted LP (local polytope): ``min sum c_q(o) x_qo + sum C_E(i,j)
-   y_Eij`` over ``o in S_q`` and finite pairs of ``S_p x S_c``, s.t.
-   ``sum_o x_qo = 1`` (dual ``u_q``), ``sum_j y_Eij - x_pi = 0``
-   (``alpha_Ei``), ``sum_i y_Eij - x_cj = 0`` (``beta_Ej``), resource rows
-   (``rho_r``). HiGHS' reduced cost of a column is ``c - A^T y``.
-2. Its duals extend to every option: a left-out row option ``o`` of ``E``
-   gets ``alpha_Eo = min(floor_E/2, min_{j in S_c} C(o,j) - beta_Ej)``, a
-   left-out column option ``beta_Eo = min(floor_E/2, min_{i in S_p} C(i,o) -
-   alpha_Ei)``: every pair column is then dual feasible (two left-out options:
-   ``alpha + beta <= floor <= C``). An option's reduced cost is ``r_q(o) =
-   c_q(o) - u_q + sum_{E: q rows} alpha_Eo + sum_{E: q cols} beta_Eo - sum_r
-   rho_r w_r(o)``, and lowering ``u_q`` by ``v_q = max(0, -min_o r_q(o))``
-   makes the whole dual feasible: ``LB = LP - sum_q v_q`` bounds the full LP,
-   hence the optimum, from below (in every round).
-3. Options with ``r < 0`` are added (the most negative few per class) and the
-   LP re-solved until none is left: then LB equals the full LP's optimum.
-4. The restricted ILP (a dense problem over the subsets, :func:`solver.solve`)
-   gives ``z_R``. Any choice costs at least ``LB + sum_q r'_q(o_q)`` with
-   ``r' = r + v >= 0``, so one cheaper than ``z_R`` uses only left-out
-   options with ``r' <= z_R - LB`` ("reduced-cost fixing"): with those added,
-   the restricted optimum is the full optimum. If that would exceed
-   ``max_options``, the result is ``z_R`` with bound LB, status "feasible".
+1. The restricted LP (local polytope) over ``S`` and ``R``: ``min sum
+   c_q(o) x_qo + sum C_E(i,j) y_Eij + floor_E z_E`` s.t. ``sum_o x_qo = 1``
+   (dual ``u_q``), ``sum_j y_Eij (+ z_Ei) - x_pi = 0`` (``alpha_Ei``), ``sum_i
+   y_Eij (+ w_Ej) - x_cj = 0`` (``beta_Ej``), ``sum z_E = sum w_E``
+   (``gamma_E``), resource rows (``rho_r``). HiGHS' reduced cost of a column
+   is ``c - A^T y``. It is a relaxation of the problem over ``S`` and ``R``.
+2. Its duals extend to every option left out: at the row end of ``E``,
+   ``alpha_Eo = min(floor_E - gamma_E, min_{j in S_c} C(o,j) - beta_Ej)``, at
+   the column end ``beta_Eo = min(gamma_E, min_{i in S_p} C(i,o) -
+   alpha_Ei)``; every pair column is then dual feasible (a pair with no exact
+   end: ``alpha + beta <= floor <= C``, the z/w columns enforcing the caps on
+   relaxed options). ``gamma_E`` may be any value the relaxed options allow
+   (:func:`_gamma` picks one centred on the used options' duals). An option's
+   reduced cost is ``r_q(o) = c_q(o) - u_q + sum_{E: q rows} alpha_Eo +
+   sum_{E: q cols} beta_Eo - sum_r rho_r w_r(o)``; lowering ``u_q`` by ``v_q
+   = max(0, -min_o r_q(o))`` makes the whole dual feasible for the full LP:
+   ``LB = LP - sum_q v_q`` bounds the optimum from below, in every round.
+3. Left-out options with ``r < 0`` enter as relaxed (the most negative few
+   per class: no matrix entry read); relaxed options the LP sends flow
+   through the aggregate (a pair of two relaxed options) become exact. When
+   neither happens, the LP's optimum uses exact pairs only, so it is feasible
+   for the full LP, and ``LB`` equals its value: the full LP's optimum.
+4. The options the LP uses become exact and the restricted ILP (a dense
+   problem over ``S``, :func:`solver.solve`) gives ``z_R``. Any choice costs
+   at least ``LB + sum_q r'_q(o_q)`` with ``r' = r + v >= 0``, so a cheaper
+   one uses only options outside ``S`` with ``r' <= z_R - LB`` ("reduced-cost
+   fixing"): with those made exact, the restricted optimum is the full
+   optimum. If that would exceed ``max_options``, the result is ``z_R`` with
+   bound LB, status "feasible".
 
 Example::
 
@@ -87,7 +98,9 @@ class PricingStats:
     classes: int = 0
     options_total: int = 0  # allowed options over all classes
     rounds: int = 0
-    kept_per_round: list[int] = field(default_factory=list)
+    kept_per_round: list[int] = field(default_factory=list)  # exact options
+    relaxed_per_round: list[int] = field(default_factory=list)
+    promoted_per_round: list[int] = field(default_factory=list)
     priced_per_round: list[int] = field(default_factory=list)
     lp_objective_per_round: list[float] = field(default_factory=list)
     bound_per_round: list[float] = field(default_factory=list)
@@ -115,7 +128,10 @@ class _Pricer:
 
     def __init__(self, quotient: Quotient):
         self.q = quotient
+        # exact options (S: every pair read) and relaxed ones (R: pairs with
+        # S read, pairs within R charged the edge's floor); disjoint
         self.kept = [np.zeros(c.num_options, dtype=bool) for c in quotient.classes]
+        self.relaxed = [np.zeros(c.num_options, dtype=bool) for c in quotient.classes]
         self.scale: float | None = None
         self.lp: RestrictedLP | None = None
 
@@ -126,10 +142,14 @@ class _Pricer:
     def num_kept(self) -> int:
         return int(sum(k.sum() for k in self.kept))
 
+    def num_relaxed(self) -> int:
+        return int(sum(k.sum() for k in self.relaxed))
+
     def add(self, q: int, options) -> int:
         opts = np.asarray(options, dtype=np.int64)
         opts = opts[self.q.classes[q].allowed[opts] & ~self.kept[q][opts]]
         self.kept[q][opts] = True
+        self.relaxed[q][opts] = False
         return len(opts)
 
     def seed(self, problem: Problem, initial: dict[str, list[int]] | None) -> None:
@@ -231,23 +251,27 @@ class _Pricer:
         it is infeasible. Raises TimeoutError when it runs out of time."""
         if self.lp is None:
             self.lp = RestrictedLP(self.q, self._scale(self.subsets()))
-        self.lp.sync(self.kept)
+        self.lp.sync(self.kept, self.relaxed)
         return self.lp.solve(time_limit)
 
     # -- pricing ----------------------------------------------------------
     def reduced_costs(self, lp: LPSolution) -> list[np.ndarray]:
         """``r_q(o)`` for every option of every class (inf: not allowed),
-        with the restricted duals extended to all options (module docstring)."""
+        with the restricted duals extended to the options left out of the
+        LP (module docstring): a left-out row option of edge E gets
+        ``min(floor - gamma, min_{j in S_c} C(o,j) - beta_j)``, a column one
+        ``min(gamma, min_{i in S_p} C(i,o) - alpha_i)``."""
         classes = self.q.classes
-        S = self.subsets()
+        L = lp.options
         acc = [c.unary - lp.u[q] for q, c in enumerate(classes)]
-        for e, a, b in zip(self.q.edges, lp.alpha, lp.beta):
-            sp, sc = S[e.p], S[e.c]
-            cap_a, cap_b = _caps(e.floor, a, b, lp.x[e.p], lp.x[e.c])
-            ext_a = np.minimum(cap_a, (e.cols(sc) - b).min(axis=1))
-            ext_a[sp] = a
-            ext_b = np.minimum(cap_b, (e.rows(sp) - a[:, None]).min(axis=0))
-            ext_b[sc] = b
+        for k, e in enumerate(self.q.edges):
+            a, b = lp.alpha[k], lp.beta[k]
+            exact_p, exact_c = self.kept[e.p][L[e.p]], self.kept[e.c][L[e.c]]
+            gamma = _gamma(e.floor, lp, k, a, b, ~exact_p, ~exact_c, lp.x[e.p], lp.x[e.c])
+            ext_a = np.minimum(e.floor - gamma, (e.cols(L[e.c][exact_c]) - b[exact_c]).min(axis=1))
+            ext_a[L[e.p]] = a
+            ext_b = np.minimum(gamma, (e.rows(L[e.p][exact_p]) - a[exact_p][:, None]).min(axis=0))
+            ext_b[L[e.c]] = b
             acc[e.p] += ext_a
             acc[e.c] += ext_b
         for r, rho in zip(self.q.resources, lp.rho):
@@ -259,15 +283,28 @@ class _Pricer:
         return acc
 
     def select(self, reduced: list[np.ndarray], tol: float) -> list[tuple[float, int, int]]:
-        """Left-out options to price in: per class the ADD_PER_CLASS most
+        """Options left out of the LP to price in (as relaxed): per class the ADD_PER_CLASS most
         negative below ``-tol``, at most a round cap overall; (r, class, option)."""
         picks = []
         for q, r in enumerate(reduced):
-            cand = np.flatnonzero((r < -tol) & ~self.kept[q])
+            cand = np.flatnonzero((r < -tol) & ~self.kept[q] & ~self.relaxed[q])
             cand = cand[np.lexsort((cand, r[cand]))][:ADD_PER_CLASS]
             picks += [(float(r[o]), q, int(o)) for o in cand]
         picks.sort()
         return picks[:max(ROUND_CAP_MIN, 2 * len(reduced))]
+
+    def relax(self, q: int, o: int) -> None:
+        if not self.kept[q][o]:
+            self.relaxed[q][o] = True
+
+    def promotions(self, lp: LPSolution, values: list[np.ndarray]) -> list[tuple[int, np.ndarray]]:
+        """Relaxed options whose ``values`` (per LP option) exceed 1e-9."""
+        out = []
+        for q, (opts, v) in enumerate(zip(lp.options, values)):
+            up = opts[(v > 1e-9) & self.relaxed[q][opts]]
+            if len(up):
+                out.append((q, up))
+        return out
 
     # -- the restricted ILP ------------------------------------------------
     def restricted_problem(self) -> Problem:
@@ -297,20 +334,26 @@ class _Pricer:
         return sol
 
 
-def _caps(floor: float, alpha: np.ndarray, beta: np.ndarray, x_p: np.ndarray, x_c: np.ndarray
-          ) -> tuple[float, float]:
-    """Caps on the extended duals of an edge's left-out options, one per
-    end, summing to ``floor`` (so a pair of two left-out options stays dual
-    feasible). Any split is valid; the LP's duals are degenerate (a constant
-    moves freely between an edge's two ends), so a fixed split like
-    ``floor/2`` can leave every left-out option looking cheaper than the kept
-    ones. Centring the caps on the duals of the options the LP uses
-    (weighted by x; any excess over ``floor`` shared equally) prices a
-    left-out option like a used one."""
+def _gamma(floor: float, lp: LPSolution, k: int, alpha: np.ndarray, beta: np.ndarray,
+           relaxed_p: np.ndarray, relaxed_c: np.ndarray, x_p: np.ndarray, x_c: np.ndarray) -> float:
+    """Edge ``k``'s split of its floor between the caps of left-out options
+    (``floor - gamma`` at the row end, ``gamma`` at the column end).
+
+    The LP's relaxed options need ``max beta_R <= gamma <= floor - max
+    alpha_R`` (their z/w columns); within that any value is valid. The LP's
+    duals are degenerate (a constant moves freely between an edge's two
+    ends), so its own gamma, or a fixed split like ``floor/2``, can leave
+    every left-out option looking cheaper than the kept ones: the split is
+    centred on the duals of the options the LP uses (weighted by x; any
+    excess over the floor shared equally), then clamped into that range."""
     top_a = float(alpha @ x_p) / max(float(x_p.sum()), 1e-300)
     top_b = float(beta @ x_c) / max(float(x_c.sum()), 1e-300)
-    excess = (top_a + top_b - floor) / 2
-    return top_a - excess, top_b - excess
+    gamma = top_b - (top_a + top_b - floor) / 2
+    lo = float(beta[relaxed_c].max()) if relaxed_c.any() else -math.inf
+    hi = floor - float(alpha[relaxed_p].max()) if relaxed_p.any() else math.inf
+    if lo > hi:  # tolerances: HiGHS' own value is feasible
+        return float(lp.gamma[k])
+    return min(max(gamma, lo), hi)
 
 
 def _argmin_finite(values: np.ndarray) -> int | None:
@@ -383,30 +426,43 @@ def solve_by_pricing(
             continue
         t0 = time.perf_counter()
         reduced = pr.reduced_costs(lp)
+        lp_last = lp
         violation = sum(min(0.0, float(r.min())) for r in reduced)
         lb = max(lb, lp.objective + violation)
         picks = pr.select(reduced, PRICE_TOL / pr.scale)
+        # relaxed options carrying relaxed-relaxed flow become exact
+        promote = pr.promotions(lp, lp.fake)
         stats.rounds += 1
         stats.kept_per_round.append(pr.num_kept())
+        stats.relaxed_per_round.append(pr.num_relaxed())
         stats.priced_per_round.append(len(picks))
+        stats.promoted_per_round.append(sum(len(o) for _, o in promote))
         stats.lp_objective_per_round.append(lp.objective)
         stats.bound_per_round.append(lp.objective + violation)
         sec["pricing"] += time.perf_counter() - t0
-        logger.info("pricing round %d: %d options kept, %d priced in, LP %.12g, bound %.12g, %.2fs",
-                    stats.rounds, pr.num_kept(), len(picks), lp.objective, lp.objective + violation,
+        logger.info("pricing round %d: %d exact + %d relaxed options, %d priced in, %d promoted, "
+                    "LP %.12g, bound %.12g, %.2fs", stats.rounds, pr.num_kept(), pr.num_relaxed(),
+                    len(picks), stats.promoted_per_round[-1], lp.objective, lp.objective + violation,
                     time.perf_counter() - t_start)
-        if not picks:
-            stats.converged = True
+        if not picks and not promote:
+            stats.converged = True  # an LP optimum using exact pairs only, no left-out option cheaper
             break
-        if pr.num_kept() + len(picks) > cap or (deadline is not None and time.perf_counter() > deadline):
+        if (pr.num_kept() + pr.num_relaxed() + len(picks) > cap
+                or (deadline is not None and time.perf_counter() > deadline)):
             break
         for _, q, o in picks:
-            pr.add(q, [o])
+            pr.relax(q, o)
+        for q, opts in promote:
+            pr.add(q, opts)
     stats.lower_bound = lb
+    if stats.rounds:  # what the last LP used becomes exact: the ILP may use it
+        for q, opts in pr.promotions(lp_last, lp_last.x):
+            pr.add(q, opts)
 
     def run_ilp() -> Solution | None:
         t0 = time.perf_counter()
-        sol = pr.solve_ilp(backend, left())
+        # past the deadline the ILP still gets a second: an answer beats none
+        sol = pr.solve_ilp(backend, None if deadline is None else max(deadline - time.perf_counter(), 1.0))
         sec["ilp"] += time.perf_counter() - t0
         if sol is not None:
             stats.restricted_objectives.append(sol.objective)
@@ -479,9 +535,9 @@ def solve_by_pricing(
         edge_cost=edge,
         status="optimal" if optimal else "feasible",
         optimal=optimal,
-        gap=0.0 if optimal else (objective - bound) / max(1.0, abs(objective)),
+        gap=0.0 if optimal else (objective - bound) / max(1.0, abs(objective)) if math.isfinite(bound) else None,
         backend=f"pricing+{sol.backend}",
-        bound=bound,
+        bound=bound if math.isfinite(bound) else None,
         timings=dict(sec),
         num_variables=sol.num_variables,
         num_constraints=sol.num_constraints,

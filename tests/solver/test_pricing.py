@@ -165,6 +165,9 @@ def test_one_option_seed_prices_options_in():
     worst = {d.name: [int(np.argmax(d.costs))] for d in p.decisions}
     res = check(p, worst)
     assert res.stats.rounds > 1 and sum(res.stats.priced_per_round) > 0
+    # options entered relaxed, then exact when the LP leaned on them
+    assert max(res.stats.relaxed_per_round) > 0 and sum(res.stats.promoted_per_round) > 0
+    assert res.stats.converged
     assert any(res.solution.choice[n] not in worst[n] for n in worst)
 
 
@@ -184,14 +187,17 @@ def test_duals_match_highs_reduced_costs_and_full_lp():
             lp = pr.solve_lp(None)
             assert lp is not None
             r = pr.reduced_costs(lp)
-            for qi, (k, rq) in enumerate(zip(pr.kept, r)):
-                assert np.allclose(rq[np.flatnonzero(k)], lp.x_reduced[qi], atol=1e-7)
+            for qi, rq in enumerate(r):
+                assert np.allclose(rq[lp.options[qi]], lp.x_reduced[qi], atol=1e-7)
             picks = pr.select(r, 1e-9 / pr.scale)
             bound = lp.objective + sum(min(0.0, float(x.min())) for x in r)
-            if not picks:
+            promote = pr.promotions(lp, lp.fake)
+            if not picks and not promote:
                 break
             for _, qi, o in picks:
-                pr.add(qi, [o])
+                pr.relax(qi, o)
+            for qi, opts in promote:
+                pr.add(qi, opts)
         full = _Pricer(q)
         for qi, c in enumerate(q.classes):
             full.add(qi, np.flatnonzero(c.allowed))
@@ -295,3 +301,13 @@ def test_deterministic():
     b = solve_by_pricing(layered_problem(2))
     assert a.solution.choice == b.solution.choice and a.kept == b.kept
     assert a.stats.kept_per_round == b.stats.kept_per_round
+
+
+def test_time_limit_still_answers_with_a_valid_bound():
+    p = layered_problem(4, inf_rate=0.0)
+    want = solve(dense_copy(p)).objective
+    sol = solve_by_pricing(p, one_option_each(p), time_limit=1e-3).solution
+    assert sol.objective >= want - 1e-9
+    assert sol.bound is None or sol.bound <= want + 1e-9
+    if sol.status == "optimal":
+        assert sol.objective == pytest.approx(want, rel=1e-9)
