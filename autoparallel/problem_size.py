@@ -30,6 +30,9 @@ BYTES_PER_PAIR = 2
 # row or column of a distinct matrix, and per option (labels, unary costs).
 BYTES_PER_LAZY_LINE = 1024
 BYTES_PER_OPTION = 400
+# per option of every decision: links' option mappings, the solver's
+# per-decision index arrays (option lists themselves are shared)
+BYTES_PER_DECISION_OPTION = 48
 
 
 class ProblemTooLarge(RuntimeError):
@@ -53,6 +56,8 @@ class ProblemSize:
     estimated_bytes: float
     # rows + columns over the distinct matrices: what lazy matrices grow with
     distinct_lines: int = 0
+    # options over distinct option lists (repeated layers share theirs)
+    distinct_options: int = 0
     # (pairs, producer, consumer) of the largest distinct edge matrices
     largest: list[tuple[int, str, str]] = field(default_factory=list)
     # (op, nodes, options, option pairs of the edges into its nodes) of the
@@ -62,7 +67,11 @@ class ProblemSize:
     @property
     def lazy_bytes(self) -> float:
         """Estimated peak bytes with lazy matrices and option pricing."""
-        return float(BYTES_PER_LAZY_LINE * self.distinct_lines + BYTES_PER_OPTION * self.options)
+        return float(
+            BYTES_PER_LAZY_LINE * self.distinct_lines
+            + BYTES_PER_OPTION * self.distinct_options
+            + BYTES_PER_DECISION_OPTION * self.options
+        )
 
     def describe(self) -> str:
         return (
@@ -125,6 +134,7 @@ def estimate_problem_size(traced: TracedStep, strategies: dict[torch.fx.Node, No
         distinct_pairs=distinct_pairs,
         estimated_bytes=float(BYTES_PER_DISTINCT_PAIR * distinct_pairs + BYTES_PER_PAIR * pairs),
         distinct_lines=lines,
+        distinct_options=sum({id(s.options): len(s.options) for s in strategies.values()}.values()),
         largest=largest,
         by_op=by_op,
     )
@@ -170,7 +180,8 @@ def check_lazy_size(size: ProblemSize, mesh: DeviceMesh, limit: float | None) ->
         return
     raise ProblemTooLarge(
         f"planning problem too large even with lazy edge matrices: {size.decisions} decisions, "
-        f"{size.options:,} options, {size.distinct_lines:,} rows and columns of distinct edge "
+        f"{size.options:,} options ({size.distinct_options:,} in distinct option lists), "
+        f"{size.distinct_lines:,} rows and columns of distinct edge "
         f"matrices, estimated {size.lazy_bytes / 2**30:.2f} GiB, over the limit of "
         f"{limit / 2**30:.2f} GiB (max_problem_bytes). Why: on a {mesh.ndim}-D mesh "
         f"{tuple(mesh.shape)} each node's options are the product of its per-mesh-dim placements. "
