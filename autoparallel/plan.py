@@ -126,10 +126,12 @@ class Plan:
             return f"proven optimal: objective {_us(s.objective)}"
         bound = "no bound" if s.bound is None else f"bound {_us(s.bound)}"
         gap = "" if s.gap is None else f", gap {100 * s.gap:.3g}%"
-        return (
-            f"NOT proven optimal (solver stopped at its time limit or gap): "
-            f"objective {_us(s.objective)}, {bound}{gap}"
+        why = (
+            "option pricing stopped at its time or option limit"
+            if s.backend.startswith("pricing")
+            else "solver stopped at its time limit or gap"
         )
+        return f"NOT proven optimal ({why}): objective {_us(s.objective)}, {bound}{gap}"
 
     def placements(self, name: str) -> str:
         return self.nodes[name].output_placements
