@@ -155,15 +155,19 @@ class _Pricer:
     def seed(self, problem: Problem, initial: dict[str, list[int]] | None) -> None:
         classes = self.q.classes
         if initial is not None:
-            known = {d.name for d in problem.decisions}
-            unknown = sorted(set(initial) - known)
+            known = problem.decision_index()
+            unknown = sorted(set(initial) - known.keys())
             if unknown:
                 raise KeyError(f"initial options for unknown decisions {unknown}")
             for q, cls in enumerate(classes):
                 for name, omap in cls.members:
-                    ids = np.asarray(initial.get(name, ()), dtype=np.int64)
+                    ids = np.asarray(initial.get(name, ()), dtype=np.int64).reshape(-1)
                     if not len(ids):
                         continue
+                    n = known[name].num_options
+                    if ids.min() < 0 or ids.max() >= n:
+                        raise ValueError(f"initial options {sorted(ids.tolist())} for {name!r}: "
+                                         f"option ids are 0..{n - 1}")
                     self.add(q, ids if omap is None else np.flatnonzero(np.isin(omap, ids)))
         for q, cls in enumerate(classes):
             if initial is None or not self.kept[q].any():
