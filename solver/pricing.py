@@ -379,8 +379,9 @@ def solve_by_pricing(
 
     ``initial``: per decision, option ids to start from (default: per class
     its cheapest option and its lightest per resource). ``max_options``: the
-    most options kept over all classes (default DEFAULT_MAX_OPTIONS); when
-    the proof would need more, the result is "feasible" with a gap.
+    most options over all classes in the restricted LP (exact and relaxed)
+    and in the final exact subsets (default DEFAULT_MAX_OPTIONS); when the
+    proof would need more, the result is "feasible" with a gap.
     ``time_limit`` (seconds) bounds the pricing rounds and the ILP solves.
 
     Raises :class:`InfeasibleError` when no choice satisfies the problem
