@@ -204,8 +204,7 @@ class _Pricer:
         for _ in range(passes):
             before = added
             for e in self.q.edges:
-                S = self.subsets()
-                sp, sc = S[e.p], S[e.c]
+                sp, sc = np.flatnonzero(self.kept[e.p]), np.flatnonzero(self.kept[e.c])
                 rows = e.rows(sp)  # |S_p| x all column options
                 lonely = ~np.isfinite(rows[:, sc]).any(axis=1)
                 for k in np.flatnonzero(lonely):
