@@ -155,15 +155,19 @@ class _Pricer:
     def seed(self, problem: Problem, initial: dict[str, list[int]] | None) -> None:
         classes = self.q.classes
         if initial is not None:
-            known = {d.name for d in problem.decisions}
-            unknown = sorted(set(initial) - known)
+            known = problem.decision_index()
+            unknown = sorted(set(initial) - known.keys())
             if unknown:
                 raise KeyError(f"initial options for unknown decisions {unknown}")
             for q, cls in enumerate(classes):
                 for name, omap in cls.members:
-                    ids = np.asarray(initial.get(name, ()), dtype=np.int64)
+                    ids = np.asarray(initial.get(name, ()), dtype=np.int64).reshape(-1)
                     if not len(ids):
                         continue
+                    n = known[name].num_options
+                    if ids.min() < 0 or ids.max() >= n:
+                        raise ValueError(f"initial options {sorted(ids.tolist())} for {name!r}: "
+                                         f"option ids are 0..{n - 1}")
                     self.add(q, ids if omap is None else np.flatnonzero(np.isin(omap, ids)))
         for q, cls in enumerate(classes):
             if initial is None or not self.kept[q].any():
@@ -200,8 +204,7 @@ class _Pricer:
         for _ in range(passes):
             before = added
             for e in self.q.edges:
-                S = self.subsets()
-                sp, sc = S[e.p], S[e.c]
+                sp, sc = np.flatnonzero(self.kept[e.p]), np.flatnonzero(self.kept[e.c])
                 rows = e.rows(sp)  # |S_p| x all column options
                 lonely = ~np.isfinite(rows[:, sc]).any(axis=1)
                 for k in np.flatnonzero(lonely):
@@ -375,8 +378,9 @@ def solve_by_pricing(
 
     ``initial``: per decision, option ids to start from (default: per class
     its cheapest option and its lightest per resource). ``max_options``: the
-    most options kept over all classes (default DEFAULT_MAX_OPTIONS); when
-    the proof would need more, the result is "feasible" with a gap.
+    most options over all classes in the restricted LP (exact and relaxed)
+    and in the final exact subsets (default DEFAULT_MAX_OPTIONS); when the
+    proof would need more, the result is "feasible" with a gap.
     ``time_limit`` (seconds) bounds the pricing rounds and the ILP solves.
 
     Raises :class:`InfeasibleError` when no choice satisfies the problem

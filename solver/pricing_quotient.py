@@ -143,15 +143,32 @@ class Term:
     transposed: bool
     count: int = 1
 
+    def __post_init__(self):
+        # identity maps (the common case) need no re-indexing copy
+        n_rows, n_cols = self.cache.shape
+        if self.transposed:
+            n_rows, n_cols = n_cols, n_rows
+        self._r = None if _is_identity(self.rmap, n_rows) else self.rmap
+        self._c = None if _is_identity(self.cmap, n_cols) else self.cmap
+
     def cols(self, J: np.ndarray) -> np.ndarray:
         if self.transposed:
-            return self.cache.rows(self.cmap[J])[:, self.rmap].T
-        return self.cache.cols(self.cmap[J])[self.rmap]
+            out = self.cache.rows(self.cmap[J])
+            return (out if self._r is None else out[:, self._r]).T
+        out = self.cache.cols(self.cmap[J])
+        return out if self._r is None else out[self._r]
 
     def rows(self, I: np.ndarray) -> np.ndarray:
         if self.transposed:
-            return self.cache.cols(self.rmap[I])[self.cmap].T
-        return self.cache.rows(self.rmap[I])[:, self.cmap]
+            out = self.cache.cols(self.rmap[I])
+            return (out if self._c is None else out[self._c]).T
+        out = self.cache.rows(self.rmap[I])
+        return out if self._c is None else out[:, self._c]
+
+
+def _is_identity(ids: np.ndarray, n: int) -> bool:
+    """``ids`` is 0..n-1 (re-indexing by it would only copy)."""
+    return len(ids) == n and bool((ids == np.arange(n)).all())
 
 
 @dataclass
@@ -167,7 +184,10 @@ class QuotientEdge:
     _rows: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
 
     def cols(self, J: np.ndarray) -> np.ndarray:
-        """(all row-class options) x ``J``, summed over the terms; cached."""
+        """(all row-class options) x ``J``, summed over the terms; cached
+        here unless one term alone (its matrix's cache holds it then)."""
+        if len(self.terms) == 1 and self.terms[0].count == 1:
+            return self.terms[0].cols(J)
         missing = np.array(sorted({int(j) for j in J} - self._cols.keys()), dtype=np.int64)
         if len(missing):
             total = sum(t.count * t.cols(missing) if t.count != 1 else t.cols(missing) for t in self.terms)
@@ -179,7 +199,10 @@ class QuotientEdge:
         return np.stack([self._cols[int(j)] for j in J], axis=1)
 
     def rows(self, I: np.ndarray) -> np.ndarray:
-        """``I`` x (all column-class options), summed over the terms; cached."""
+        """``I`` x (all column-class options), summed over the terms; cached
+        here unless one term alone."""
+        if len(self.terms) == 1 and self.terms[0].count == 1:
+            return self.terms[0].rows(I)
         missing = np.array(sorted({int(i) for i in I} - self._rows.keys()), dtype=np.int64)
         if len(missing):
             total = sum(t.count * t.rows(missing) if t.count != 1 else t.rows(missing) for t in self.terms)

@@ -311,3 +311,14 @@ def test_time_limit_still_answers_with_a_valid_bound():
     assert sol.bound is None or sol.bound <= want + 1e-9
     if sol.status == "optimal":
         assert sol.objective == pytest.approx(want, rel=1e-9)
+
+
+def test_no_edges_and_bad_initial():
+    p = Problem([Decision("a", ["x", "y"], [2.0, 1.0]), Decision("b", ["x"], [0.5])],
+                resources=[ResourceConstraint("mem", {"a": [1.0, 3.0]}, high=2.0)])
+    res = check(p, {})
+    assert res.solution.choice == {"a": 0, "b": 0}
+    with pytest.raises(ValueError, match="0..1"):
+        solve_by_pricing(p, {"a": [2]})
+    with pytest.raises(KeyError, match="nope"):
+        solve_by_pricing(p, {"nope": [0]})
