@@ -27,7 +27,7 @@ import solver
 
 from . import cost_model, infeasibility, rules, validation  # noqa: F401 - rules register on import
 from . import memory_budget as memory_budget_mod
-from . import option_pricing
+from . import coarse_seed, option_pricing
 from .memory import ADAMW, OptimizerSpec
 from .plan import NodePlan, Plan
 from .provenance import PlanMismatch, check_applicable, provenance  # noqa: F401 - PlanMismatch re-exported
@@ -429,9 +429,16 @@ class AutoParallel:
         over the kept options (what the plan, its report and the dumps
         read) and map the choice into it."""
         results = []
+        with self._stages.stage("coarse mesh plan (pricing seed)", "coarse_seed"), unset_fake_temporarily():
+            lifted = coarse_seed.lifted_plan(
+                self.traced, built.strategies, self.mesh, self._constraints, device=self.device,
+                overlap=self.overlap, repeats=self.repeats, backend=self.backend, time_limit=self.time_limit,
+            )
 
         def price(p: solver.Problem) -> solver.Solution:
-            results.append(option_pricing.solve_lazy(p, built.strategies, backend=self.backend, time_limit=self.time_limit))
+            results.append(
+                option_pricing.solve_lazy(p, built.strategies, plan=lifted, backend=self.backend, time_limit=self.time_limit)
+            )
             return results[-1].solution
 
         with self._stages.stage(f"option pricing ({len(built.problem.decisions)} decisions)", "solve"):

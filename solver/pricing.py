@@ -539,7 +539,9 @@ def solve_by_pricing(
         edge_cost=edge,
         status="optimal" if optimal else "feasible",
         optimal=optimal,
-        gap=0.0 if optimal else (objective - bound) / max(1.0, abs(objective)) if math.isfinite(bound) else None,
+        # relative to the objective (plans cost fractions of a second:
+        # a max(1, |objective|) denominator would report an absolute gap)
+        gap=0.0 if optimal else (objective - bound) / abs(objective) if math.isfinite(bound) and objective else None,
         backend=f"pricing+{sol.backend}",
         bound=bound if math.isfinite(bound) else None,
         timings=dict(sec),

@@ -1,0 +1,140 @@
+"""Seed option pricing with the optimal plan of a coarser mesh (issue 13).
+
+Option pricing (:mod:`autoparallel.option_pricing`) starts from a few
+options per node and grows them by LP duals; on a 4-D mesh its first
+restricted problems hold poor plans (LLaMA-3 70B on 4x4x8x8: the greedy
+seed's plan costs ~3x what a data x context x tensor parallel layout
+does). A plan on the mesh with two adjacent dims merged into one (4x4x8x8
+-> 16x8x8) is a plan on the full mesh too: a placement on the merged dim
+is the same placement on both (``Shard(d)`` over 16 ranks in row-major
+order is ``Shard(d), Shard(d)`` over 4 x 4; ``Replicate`` and ``Partial``
+alike). That coarser problem is dense and solved exactly; its optimum,
+lifted, joins the seed, so the priced plan is never worse than the best
+plan that uses the two dims alike.
+
+Which dims merge: adjacent ones on the same kind of link (both inside a
+node or both across nodes: a plan is likelier to use them alike), the
+smallest such pair; any adjacent pair when none is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import torch.fx
+from torch.distributed.device_mesh import DeviceMesh
+
+import solver
+
+from . import cost_model
+from .placements import placements_of
+from .problem_builder import Constraints, build_problem
+from .strategies import NodeStrategy, StrategyEnumerator
+
+logger = logging.getLogger(__name__)
+
+# Seconds for the coarse problem's ILP when the caller limits ILP time: it
+# is a full dense 3-D problem (LLaMA-3 70B on 16x8x8, one layer: 673K
+# columns, no incumbent within 10 s).
+COARSE_TIME_LIMIT = 60.0
+
+
+def merged_dims(mesh: DeviceMesh, gpus_per_node: int) -> int | None:
+    """``i``: merge mesh dims ``i`` and ``i + 1`` (None on a 1-D or 2-D mesh,
+    which option pricing is not needed for... nor worth a coarser plan)."""
+    if mesh.ndim < 3:
+        return None
+    topo = cost_model.mesh_dim_topology(mesh, gpus_per_node)
+    shape = tuple(mesh.shape)
+    pairs = range(mesh.ndim - 1)
+    alike = [i for i in pairs if topo[i].intra_node == topo[i + 1].intra_node]
+    return min(alike or pairs, key=lambda i: (shape[i] * shape[i + 1], i))
+
+
+def _merge(placements: tuple, i: int):
+    """Placements on the full mesh as the coarse mesh's, or None when dims
+    ``i`` and ``i + 1`` differ (no coarse placement says the same)."""
+    if placements[i] != placements[i + 1]:
+        return None
+    return placements[: i + 1] + placements[i + 2 :]
+
+
+def _lift(placements, i: int):
+    """A coarse placements tuple (or a tuple of them) on the full mesh."""
+    if placements is None:
+        return None
+    if placements and isinstance(placements[0], tuple):
+        return tuple(_lift(p, i) for p in placements)
+    return placements[: i + 1] + (placements[i],) + placements[i + 1 :]
+
+
+def lifted_plan(
+    traced,
+    strategies: dict[torch.fx.Node, NodeStrategy],
+    mesh: DeviceMesh,
+    constraints: Constraints,
+    *,
+    device: cost_model.DeviceSpec,
+    overlap: cost_model.CommOverlapPolicy,
+    repeats,
+    backend: str | None = None,
+    time_limit: float | None = None,
+) -> dict[str, int]:
+    """Per node, the option (index into ``strategies``) the coarse mesh's
+    optimal plan lifts to; empty when there is no coarser mesh to plan on or
+    its problem is itself too big. Nodes whose lifted option the full
+    mesh's list lacks are left out."""
+    i = merged_dims(mesh, device.gpus_per_node)
+    if i is None:
+        return {}
+    t0 = time.perf_counter()
+    shape = list(mesh.shape)
+    coarse_shape = shape[:i] + [shape[i] * shape[i + 1]] + shape[i + 2 :]
+    names = mesh.mesh_dim_names
+    coarse_names = None if names is None else names[:i] + (f"{names[i]}*{names[i + 1]}",) + names[i + 2 :]
+    # planning only: no process groups (a real job's planning runs on every rank)
+    coarse = DeviceMesh(
+        mesh.device_type, mesh.mesh.reshape(coarse_shape), mesh_dim_names=coarse_names, _init_backend=False
+    )
+    pins = {}
+    for name, (cname, placements) in constraints.pins.items():
+        merged = _merge(tuple(placements), i)
+        if merged is not None:
+            pins[name] = (cname, merged)
+    coarse_constraints = dataclasses.replace(constraints, pins=pins, option_pricing=False)
+    coarse_strategies = StrategyEnumerator(coarse).enumerate(traced.gm, set(traced.param_nodes.values()))
+    try:
+        built = build_problem(
+            traced, coarse_strategies, coarse, coarse_constraints, device=device, overlap=overlap, repeats=repeats
+        )
+        limit = None if time_limit is None else max(time_limit, COARSE_TIME_LIMIT)
+        sol = solver.solve(built.problem, backend=backend, time_limit=limit)
+    except (solver.InfeasibleError, solver.SolverError, ValueError, RuntimeError) as exc:
+        logger.info("coarse mesh %s: no plan to seed pricing with (%s)", tuple(coarse_shape), exc)
+        return {}
+    by_name = {n.name: n for n in strategies}
+    index: dict[int, dict] = {}
+    lifted: dict[str, int] = {}
+    for node, strat in built.strategies.items():
+        full = strategies.get(by_name.get(node.name))
+        if full is None:
+            continue
+        opts = full.options
+        table = index.get(id(opts))
+        if table is None:
+            table = index[id(opts)] = {
+                (placements_of(o.output_specs), tuple(placements_of(s) for s in o.input_specs)): k
+                for k, o in reversed(list(enumerate(opts)))
+            }
+        o = strat.options[sol.choice[node.name]]
+        key = (_lift(placements_of(o.output_specs), i), tuple(_lift(placements_of(s), i) for s in o.input_specs))
+        k = table.get(key)
+        if k is not None:
+            lifted[node.name] = k
+    logger.info(
+        "coarse mesh %s (dims %d and %d merged): plan %.6g (%s) lifted to %d of %d nodes in %.1fs",
+        tuple(coarse_shape), i, i + 1, sol.objective, sol.status, len(lifted), len(strategies), time.perf_counter() - t0,
+    )
+    return lifted
