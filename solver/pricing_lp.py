@@ -25,12 +25,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import logging
+
 import numpy as np
 
 from .pricing_quotient import Quotient, QuotientEdge
 
 # HiGHS' dual feasibility tolerance (scaled objective: costs about 1).
 DUAL_TOL = 1e-10
+
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -218,12 +223,20 @@ class RestrictedLP:
         h, M = self.h, self._highspy.HighsModelStatus
         h.setOptionValue("time_limit", self._highspy.kHighsInf if time_limit is None
                          else max(float(time_limit), 1e-3))
-        h.run()
+        run_status = h.run()
         st = h.getModelStatus()
+        if st == M.kNotset:
+            # HiGHS gave up on the warm start (seen after many added
+            # columns on LLaMA-3 70B 4x4x8x8, run status error): once more
+            # from scratch before reporting the stop
+            logger.info("restricted LP: HiGHS returned %s without a model status; re-solving cold", run_status)
+            h.clearSolver()
+            run_status = h.run()
+            st = h.getModelStatus()
         if st in (M.kInfeasible, M.kUnboundedOrInfeasible):
             return None
         if st != M.kOptimal:
-            raise TimeoutError(f"restricted LP stopped: {h.modelStatusToString(st)}")
+            raise TimeoutError(f"restricted LP stopped: {h.modelStatusToString(st)} ({run_status})")
         sol = h.getSolution()
         s = self.scale
         y = np.asarray(sol.row_dual) / s
