@@ -450,6 +450,7 @@ class AutoParallel:
         narrowed = option_pricing.narrow_strategies(built.strategies, result.kept)
         full = built.strategies
         dense = self.build_problem(narrowed)
+        dense.priced_size, dense.size_unpruned, dense.pruning = built.size, built.size_unpruned, built.pruning
         choice = option_pricing.map_choice(full, narrowed, result.solution.choice)
         solution = option_pricing.narrowed_solution(result, dense.problem, choice)
         solution.timings.update({f"pricing.{k}": v for k, v in dataclasses.asdict(result.stats).get("seconds", {}).items()})

@@ -116,6 +116,9 @@ class BuiltProblem:
     # edges hold lazy matrices (autoparallel.edge_matrices): solve with
     # autoparallel.option_pricing, not solver.solve
     lazy: bool = False
+    # a dense rebuild over the options pricing kept: the lazy problem's size
+    # (``size_unpruned`` and ``pruning`` are the lazy problem's too)
+    priced_size: ProblemSize | None = None
 
 
 # tests patch the class under its old name

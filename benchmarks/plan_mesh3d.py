@@ -109,7 +109,8 @@ def _plan(name: str, layers: int | None, seq: int, batch: int, max_gib: float, t
             step_ms=(plan.compute_cost + plan.comm_cost) * 1e3,
             comm_ms=plan.comm_cost * 1e3,
             pairs_before=built.size_unpruned.pairs,
-            pairs=built.size.pairs,
+            pairs=(built.priced_size or built.size).pairs,
+            kept=sum(len(st.options) for st in built.strategies.values()) if built.priced_size else None,
             presolved=s.presolve.pairs_after if s.presolve else None,
             options_before=built.pruning.options_before if built.pruning else None,
             options_after=built.pruning.options_after if built.pruning else None,
@@ -184,7 +185,7 @@ def _row(r: dict) -> str:
 
 
 def _table(rows: list[dict]) -> str:
-    stages = ["tracing", "options", "problem_build", "solver.presolve", "solver.build", "solver.solve"]
+    stages = ["tracing", "options", "problem_build", "coarse_seed", "solve", "solver.presolve", "solver.build", "solver.solve"]
     cols = [r["name"] for r in rows]
     lines = [f"{'':24s}" + "".join(f"{c:>16s}" for c in cols)]
 
@@ -204,6 +205,7 @@ def _table(rows: list[dict]) -> str:
     line("pairs unpruned", lambda r: f"{r['pairs_before']:,}")
     line("pairs pruned (built)", lambda r: f"{r['pairs']:,}")
     line("pairs after presolve", lambda r: f"{r['presolved']:,}")
+    line("options kept (pricing)", lambda r: None if r["kept"] is None else f"{r['kept']:,}")
     for st in stages:
         line(f"{st} s", lambda r, st=st: f"{r['timings'][st]:.2f}")
     line("total s", lambda r: f"{r['total_s']:.1f}")
