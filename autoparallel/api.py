@@ -429,15 +429,15 @@ class AutoParallel:
         over the kept options (what the plan, its report and the dumps
         read) and map the choice into it."""
         results = []
-        with self._stages.stage("coarse mesh plan (pricing seed)", "coarse_seed"), unset_fake_temporarily():
-            lifted = coarse_seed.lifted_plan(
+        with self._stages.stage("coarse mesh plans (pricing seeds)", "coarse_seed"), unset_fake_temporarily():
+            lifted = coarse_seed.lifted_plans(
                 self.traced, built.strategies, self.mesh, self._constraints, device=self.device,
                 overlap=self.overlap, repeats=self.repeats, backend=self.backend, time_limit=self.time_limit,
             )
 
         def price(p: solver.Problem) -> solver.Solution:
             results.append(
-                option_pricing.solve_lazy(p, built.strategies, plan=lifted, backend=self.backend, time_limit=self.time_limit)
+                option_pricing.solve_lazy(p, built.strategies, plans=lifted, backend=self.backend, time_limit=self.time_limit)
             )
             return results[-1].solution
 

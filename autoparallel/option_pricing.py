@@ -47,7 +47,7 @@ MAX_KEPT_OPTIONS: int | None = None
 
 
 def seed_options(
-    problem: solver.Problem, strategies: dict[torch.fx.Node, NodeStrategy], plan: dict[str, int] | None = None
+    problem: solver.Problem, strategies: dict[torch.fx.Node, NodeStrategy], plans: list[dict[str, int]] = ()
 ) -> dict[str, list[int]]:
     """A small starting subset of options per decision (within its pins),
     closed over structural edges (a gradient takes its parameter's layout,
@@ -79,9 +79,10 @@ def seed_options(
             finite = [i for i, c in enumerate(costs[name]) if math.isfinite(c) and (ok is None or i in ok)]
             if finite:
                 seeds[name].add(min(finite, key=lambda i: (weights[i], costs[name][i], i)))
-    for name, option in {**greedy_plan(problem, allowed), **(plan or {})}.items():
-        if allowed.get(name) is None or option in allowed[name]:
-            seeds[name].add(option)
+    for plan in [greedy_plan(problem, allowed), *plans]:
+        for name, option in plan.items():
+            if allowed.get(name) is None or option in allowed[name]:
+                seeds[name].add(option)
     _close_over_structural_edges(problem, seeds, allowed)
     return {name: sorted(ids) for name, ids in seeds.items()}
 
@@ -172,12 +173,12 @@ def release_caches() -> None:
     clear_edge_cost_caches()
 
 
-def solve_lazy(problem: solver.Problem, strategies, *, plan=None, backend=None, time_limit=None) -> PricingResult:
+def solve_lazy(problem: solver.Problem, strategies, *, plans=(), backend=None, time_limit=None) -> PricingResult:
     """Solve a problem with lazy edge matrices by option pricing, seeded
-    with ``plan`` (option per decision) among others."""
+    with ``plans`` (option per decision) among others."""
     limit = None if time_limit is None else max(time_limit, PRICING_TIME_LIMIT)
     extra = {} if MAX_KEPT_OPTIONS is None else {"max_options": MAX_KEPT_OPTIONS}
-    result = solve_by_pricing(problem, seed_options(problem, strategies, plan), backend=backend, time_limit=limit, **extra)
+    result = solve_by_pricing(problem, seed_options(problem, strategies, plans), backend=backend, time_limit=limit, **extra)
     result = dataclasses.replace(result, solution=_with_compute_bound(result.solution, compute_bound(problem)))
     kept = sum(len(v) for v in result.kept.values())
     logger.info(

@@ -127,3 +127,44 @@ def test_pricing_cut_short_reports_its_bound(fake_world, monkeypatch):
     assert s.status == "feasible" and not s.optimal
     assert s.bound is not None and s.bound <= best * (1 + 1e-9) <= s.objective * (1 + 1e-9)
     assert s.gap == pytest.approx((s.objective - s.bound) / s.objective)
+
+
+def test_coarse_mesh_plans_lift_to_the_full_mesh(fake_world):
+    """Each adjacent pair of mesh dims merged gives a dense plan; lifted,
+    every node takes an option placing its tensors alike on the pair, but
+    for parameters whose coarse layout is a strided (tp-outer) shard of the
+    merged dim, which has no such counterpart; a complete lifted plan that
+    keeps every constraint costs no less than the full mesh's optimum."""
+    from autoparallel import coarse_seed
+    from autoparallel.placements import placements_of
+    from solver import evaluate, violations
+
+    fake_world(8)
+    mesh = init_device_mesh("cpu", (2, 2, 2))
+    with torch.device("meta"):
+        model = FFN(16, 64, bias=True)
+    with AutoParallel(model, mesh, torch.empty(8, 16, 16, device="meta"), time_limit=None) as autop:
+        autop.add_input_constraints([(Shard(0), Shard(0), Replicate())])
+        best = autop.optimize_placement().solution.objective
+        built = autop.built
+        plans = coarse_seed.lifted_plans(
+            autop.traced, built.strategies, mesh, autop._constraints,
+            device=autop.device, overlap=autop.overlap, repeats=autop.repeats,
+        )
+    assert len(plans) == 2
+    feasible = 0
+    names = {n.name for n in built.strategies}
+    for i, plan in enumerate(plans):
+        # a node is left out only when its lifted option is not in its list
+        # (a tp-outer parameter's strided shard on the merged dim)
+        weights = {n.name for n in autop.traced.param_nodes.values()}
+        weights |= {n.name for n in autop.traced.grad_nodes.values() if n is not None}
+        assert set(plan) <= names and names - set(plan) <= weights
+        for node, strat in built.strategies.items():
+            if node.name not in plan:
+                continue
+            out = placements_of(strat.options[plan[node.name]].output_specs)
+            for p in out if isinstance(out[0], tuple) else (out,):
+                assert p[i] == p[i + 1], (node.name, i, p)
+        if set(plan) == names and not violations(built.problem, plan):
+            assert sum(evaluate(built.problem, plan)) >= best * (1 - 1e-9)
