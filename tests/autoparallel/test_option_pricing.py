@@ -151,7 +151,8 @@ def test_coarse_mesh_plans_lift_to_the_full_mesh(fake_world):
             autop.traced, built.strategies, mesh, autop._constraints,
             device=autop.device, overlap=autop.overlap, repeats=autop.repeats,
         )
-    assert len(plans) == 2
+    # dims 1 and 2 are skipped: the input pin (S(0), S(0), R) places them differently
+    assert len(plans) == 1
     feasible = 0
     names = {n.name for n in built.strategies}
     for i, plan in enumerate(plans):
