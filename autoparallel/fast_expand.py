@@ -20,23 +20,34 @@ where DTensor's rule modules bound it, for the duration of a ``with``.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import sys
 
+import numpy as np
+
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSpec, OpStrategy
+from torch.distributed.tensor._op_schema import OpSpec, OpStrategy, StrategyType
 from torch.distributed.tensor.placement_types import Partial, _StridedShard
 
 _ORIGINAL = None
 
 
-def _mixed_partial(spec: DTensorSpec) -> bool:
-    kinds = {(type(p), p.reduce_op) for p in spec.placements if isinstance(p, Partial)}
-    if len(kinds) > 1:
-        reduce_ops = {ro for _, ro in kinds}
-        types = {t for t, _ in kinds}
-        return not (len(types) == 1 and reduce_ops == {"sum", "avg"})
-    return False
+def _mixed_partial(placements: tuple) -> bool:
+    """DTensor's test for a combination mixing Partial kinds (other than
+    sum with avg), memoised per placements (isinstance on placements is
+    slow: they are opaque types)."""
+    mixed = _MIXED.get(placements)
+    if mixed is None:
+        kinds = {(type(p), p.reduce_op) for p in placements if isinstance(p, Partial)}
+        mixed = False
+        if len(kinds) > 1:
+            reduce_ops = {ro for _, ro in kinds}
+            types = {t for t, _ in kinds}
+            mixed = not (len(types) == 1 and reduce_ops == {"sum", "avg"})
+        _MIXED[placements] = mixed
+    return mixed
+
+
+_MIXED: dict[tuple, bool] = {}
 
 
 def expand_to_full_mesh_op_strategy(
@@ -78,105 +89,178 @@ def expand_to_full_mesh_op_strategy(
             is_valid_strategy_cb=is_valid_strategy_cb,
             different_mesh_args=different_mesh_args,
         )
-    n_positions = len(single_mesh_dim_strategies[0]) if single_mesh_dim_strategies else 0
-    # Per position: the tensor meta DTensor gives its spec (outputs from
-    # output_tensor_meta, counting non-None outputs; inputs in order of the
-    # non-None input positions), whether it is an input, and which input.
-    memo: dict[tuple, tuple] = {}
+    rows = single_mesh_dim_strategies
+    n_rows = len(rows)
+    n_positions = len(rows[0]) if rows else 0
+    ndim = mesh.ndim
+    # Combinations in itertools.product order: the first mesh dim's row
+    # varies slowest.
+    combo_rows = np.indices((n_rows,) * ndim).reshape(ndim, -1) if n_rows else np.zeros((ndim, 0), dtype=np.int64)
+    n_combos = combo_rows.shape[1]
+    counts_of = [_counts(r, input_index) for r in rows]
+    # DTensor tells a None position by the first mesh dim's row, and counts
+    # outputs / inputs before a position on that row too.
+    first_inputs = np.array([counts_of[r][-1][1] for r in range(n_rows)], dtype=np.int64)
 
-    def counts(strategy) -> list[tuple[int, int]]:
-        """Per position: non-None outputs / inputs before it (DTensor looks
-        at the first mesh dim's entry to tell a None position)."""
-        out_count = in_count = 0
-        result = []
-        for q, p in enumerate(strategy):
-            result.append((out_count, in_count))
-            if p is not None:
-                if q < input_index:
-                    out_count += 1
-                else:
-                    in_count += 1
-        return result
-
-    counts_of = [counts(s) for s in single_mesh_dim_strategies]
-
-    def spec_at(position: int, placements: tuple, out_count: int, in_count: int) -> tuple:
-        """(spec, mixed partial?, shardable?) for ``placements`` at ``position``."""
-        key = (position, placements, out_count, in_count)
-        hit = memo.get(key)
-        if hit is None:
-            meta, input_strategy = None, None
-            if position < input_index:
-                if output_tensor_meta is not None:
-                    if isinstance(output_tensor_meta, TensorMeta):
-                        meta = output_tensor_meta
-                    elif isinstance(output_tensor_meta, (tuple, list)) and out_count < len(output_tensor_meta):
-                        meta = output_tensor_meta[out_count]
-            elif in_count < len(input_args_strategy):
-                input_strategy = input_args_strategy[in_count]
-                meta = input_strategy.tensor_meta
-            spec = _shared_spec(mesh, placements, meta)
-            shardable = True
-            if input_strategy is not None:
-                shardable = _shardable(input_strategy.shape, spec, allow_unbacked_sharding) or (
-                    allow_uneven_sharding and input_strategy.strategies[0].output_spec.placements == placements
-                )
-            hit = memo[key] = (spec, _mixed_partial(spec), shardable)
-        return hit
-
-    all_strategies = []
-    # (position, ids of the placement objects, counts) -> spec_at's answer:
-    # ints hash much faster than Placements (equal placements under other
-    # objects still meet in spec_at's memo)
-    by_ids: dict[tuple, tuple] = {}
-    indexed = list(enumerate(single_mesh_dim_strategies))
-    for icomb in itertools.product(indexed, repeat=mesh.ndim):
-        comb = [c for _, c in icomb]
-        first_counts = counts_of[icomb[0][0]]
-        spec_list = []
-        skip = False
-        for position in range(n_positions):
-            if comb[0][position] is None:
-                spec_list.append(None)
-                continue
-            key = (position, first_counts[position], *[id(c[position]) for c in comb])
-            hit = by_ids.get(key)
-            if hit is None:
-                placements = tuple(c[position] for c in comb)
-                hit = by_ids[key] = spec_at(position, placements, *first_counts[position])
-            spec, mixed, shardable = hit
-            if mixed:
-                skip = True
-                break
-            spec_list.append((spec, shardable))
-        if skip:
-            continue
-        inputs = [s for s in spec_list[input_index:] if s is not None]
-        if len(inputs) != len(input_args_strategy):
-            raise AssertionError(
-                f"input_specs({len(inputs)}) != strategies({len(input_args_strategy)}: "
-                f"{len(op_schema.args_strategy)} args + {len(op_schema.kwargs_strategy)} kwargs)"
-            )
-        if not all(ok for _, ok in inputs):
-            continue
-        input_specs = [s for s, _ in inputs]
-        outs = [None if s is None else s[0] for s in spec_list[:input_index]]
-        if input_index > 1:
-            output_specs = tuple(outs)
-        elif outs[0] is not None:
-            output_specs = outs[0]
-        else:
-            raise RuntimeError("output spec is None")
-        if is_valid_strategy_cb is not None and not is_valid_strategy_cb(input_specs, output_specs):
-            continue
-        redistribute_cost = [
-            ops_utils.generate_redistribute_costs(strategy, spec)
-            for strategy, spec in zip(input_args_strategy, input_specs)
-        ]
-        all_strategies.append(
-            OpSpec(output_specs=output_specs, input_specs=input_specs, redistribute_cost=redistribute_cost)
+    entries: list[list[tuple]] = []  # per position: (spec, mixed partial?, shardable?) per entry
+    table = np.empty((n_combos, n_positions), dtype=np.int64)  # entry per combination, -1: None
+    for position in range(n_positions):
+        # Placements at this position numbered by value (equal placements,
+        # one number); the first mesh dim's row also brings its counts and
+        # whether the position is None there.
+        numbers: dict = {}
+        placement_no = np.array([numbers.setdefault(r[position], len(numbers)) for r in rows], dtype=np.int64)
+        firsts: dict = {}
+        first_no = np.array(
+            [firsts.setdefault((rows[r][position] is None, counts_of[r][position], rows[r][position]), len(firsts))
+             for r in range(n_rows)],
+            dtype=np.int64,
         )
-    return OpStrategy(all_strategies)
+        base = len(numbers)
+        code = first_no[combo_rows[0]]
+        for d in range(1, ndim):
+            code = code * base + placement_no[combo_rows[d]]
+        distinct, inverse = np.unique(code, return_inverse=True)
+        first_keys = list(firsts)
+        placements_by_no = list(numbers)
+        found = []
+        for c in distinct.tolist():
+            digits = []
+            for _ in range(ndim - 1):
+                c, digit = divmod(c, base)
+                digits.append(placements_by_no[digit])
+            is_none, (out_count, in_count), first = first_keys[c]
+            if is_none:
+                found.append(None)
+                continue
+            placements = (first, *reversed(digits))
+            found.append(
+                _entry(mesh, position, placements, out_count, in_count, input_index, output_tensor_meta,
+                       input_args_strategy, allow_unbacked_sharding, allow_uneven_sharding)
+            )
+        none = np.array([e is None for e in found], dtype=bool)
+        entry_of = np.where(none, -1, np.arange(len(found)))
+        table[:, position] = entry_of[inverse.reshape(-1)]
+        entries.append(found)
+
+    keep = np.ones(n_combos, dtype=bool)
+    for position, found in enumerate(entries):
+        mixed = np.array([e is not None and e[1] for e in found] + [False], dtype=bool)
+        keep &= ~mixed[table[:, position]]  # -1 reads the appended False
+    wrong = keep & (first_inputs[combo_rows[0]] != len(input_args_strategy))
+    if wrong.any():
+        got = int(first_inputs[combo_rows[0][int(np.argmax(wrong))]])
+        raise AssertionError(
+            f"input_specs({got}) != strategies({len(input_args_strategy)}: "
+            f"{len(op_schema.args_strategy)} args + {len(op_schema.kwargs_strategy)} kwargs)"
+        )
+    for position in range(input_index, n_positions):
+        shardable = np.array([e is None or e[2] for e in entries[position]] + [True], dtype=bool)
+        keep &= shardable[table[:, position]]
+    table = table[keep]
+    if input_index == 1 and n_positions and (table[:, 0] < 0).any():
+        raise RuntimeError("output spec is None")
+    strategy = ExpandedStrategy(
+        [[None if e is None else e[0] for e in found] for found in entries],
+        table,
+        input_index,
+        input_args_strategy,
+        ops_utils.generate_redistribute_costs,
+    )
+    if is_valid_strategy_cb is not None:
+        ok = [is_valid_strategy_cb(ins, outs) for outs, ins in strategy.specs()]
+        strategy.table = table[np.array(ok, dtype=bool)] if ok else table
+    return strategy
+
+
+class ExpandedStrategy(OpStrategy):
+    """DTensor's expansion as a table, its OpSpecs built on first use.
+
+    ``table[i, p]`` is combination ``i``'s entry at position ``p`` (outputs
+    first, then inputs, as in DTensor's single-mesh-dim strategies): an index
+    into ``specs_at[p]``, or -1 where the position holds no tensor. Rows are
+    the kept combinations in DTensor's order. :mod:`.strategies` reads the
+    table; anything else reading ``strategies`` gets the OpSpecs DTensor's
+    own function would build (redistribution costs from the cost function
+    in force at expansion).
+    """
+
+    def __init__(self, specs_at, table, input_index, input_args_strategy, redistribute_costs):
+        StrategyType.__init__(self)
+        self.specs_at = specs_at
+        self.table = table
+        self.input_index = input_index
+        self._input_args_strategy = input_args_strategy
+        self._redistribute_costs = redistribute_costs
+        self._op_specs = None
+
+    def specs(self):
+        """(output specs, input specs) per kept combination."""
+        n_out = self.input_index
+        for row in self.table.tolist():
+            specs = [None if e < 0 else self.specs_at[p][e] for p, e in enumerate(row)]
+            outs = tuple(specs[:n_out]) if n_out > 1 else specs[0]
+            yield outs, [s for s in specs[n_out:] if s is not None]
+
+    @property
+    def strategies(self) -> list[OpSpec]:
+        if self._op_specs is None:
+            self._op_specs = [
+                OpSpec(
+                    output_specs=outs,
+                    input_specs=ins,
+                    redistribute_cost=[
+                        self._redistribute_costs(strategy, spec)
+                        for strategy, spec in zip(self._input_args_strategy, ins)
+                    ],
+                )
+                for outs, ins in self.specs()
+            ]
+        return self._op_specs
+
+    @strategies.setter
+    def strategies(self, value) -> None:
+        raise AttributeError("an ExpandedStrategy's OpSpecs follow from its table")
+
+
+def _counts(row, input_index: int) -> list[tuple[int, int]]:
+    """Per position of ``row`` (and one past the end): non-None outputs and
+    inputs before it."""
+    out_count = in_count = 0
+    result = []
+    for q, p in enumerate(row):
+        result.append((out_count, in_count))
+        if p is not None:
+            if q < input_index:
+                out_count += 1
+            else:
+                in_count += 1
+    result.append((out_count, in_count))
+    return result
+
+
+def _entry(mesh, position, placements, out_count, in_count, input_index, output_tensor_meta,
+           input_args_strategy, allow_unbacked_sharding, allow_uneven_sharding) -> tuple:
+    """(spec, mixed partial?, shardable?) of ``placements`` at ``position``,
+    with the tensor meta DTensor gives it (outputs from
+    ``output_tensor_meta`` counting non-None outputs, inputs in order)."""
+    meta, input_strategy = None, None
+    if position < input_index:
+        if output_tensor_meta is not None:
+            if isinstance(output_tensor_meta, TensorMeta):
+                meta = output_tensor_meta
+            elif isinstance(output_tensor_meta, (tuple, list)) and out_count < len(output_tensor_meta):
+                meta = output_tensor_meta[out_count]
+    elif in_count < len(input_args_strategy):
+        input_strategy = input_args_strategy[in_count]
+        meta = input_strategy.tensor_meta
+    spec = _shared_spec(mesh, placements, meta)
+    shardable = True
+    if input_strategy is not None:
+        shardable = _shardable(input_strategy.shape, spec, allow_unbacked_sharding) or (
+            allow_uneven_sharding and input_strategy.strategies[0].output_spec.placements == placements
+        )
+    return spec, _mixed_partial(placements), shardable
 
 
 # Specs and shardability shared across calls while fast_expansion() is
@@ -190,7 +274,32 @@ def _shared_spec(mesh, placements: tuple, meta) -> DTensorSpec:
     key = (id(mesh), placements, meta)
     spec = _SPECS.get(key)
     if spec is None:
-        spec = _SPECS[key] = DTensorSpec(mesh, placements, tensor_meta=meta)
+        spec = _SPECS[key] = new_spec(mesh, placements, meta)
+    return spec
+
+
+# (id(mesh), placements) -> a spec of them without tensor meta (holding the mesh)
+_TEMPLATES: dict[tuple, DTensorSpec] = {}
+
+
+def new_spec(mesh, placements: tuple, meta) -> DTensorSpec:
+    """A new ``DTensorSpec(mesh, placements, tensor_meta=meta)``, ~10x
+    cheaper for placements seen before: what ``__post_init__`` derives
+    (shard order, strided flag) depends on the placements only, so the
+    fields are copied from a spec of the same placements and ``tensor_meta``
+    set, as the constructor would (tests/autoparallel/test_options_fast_path.py
+    checks the fields are equal to the constructor's)."""
+    key = (id(mesh), placements)
+    template = _TEMPLATES.get(key)
+    if template is None:
+        template = _TEMPLATES[key] = DTensorSpec(mesh, placements)
+    if meta is not None and type(meta) is not TensorMeta:
+        return DTensorSpec(mesh, placements, tensor_meta=meta)
+    spec = object.__new__(DTensorSpec)
+    fields = spec.__dict__
+    fields.update(template.__dict__)
+    fields["tensor_meta"] = meta
+    fields["_hash"] = None
     return spec
 
 
@@ -223,3 +332,4 @@ def fast_expansion():
             module.expand_to_full_mesh_op_strategy = original
         _SPECS.clear()
         _SHARDABLE.clear()
+        _TEMPLATES.clear()
