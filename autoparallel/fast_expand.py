@@ -31,25 +31,6 @@ from torch.distributed.tensor.placement_types import Partial, _StridedShard
 _ORIGINAL = None
 
 
-def _mixed_partial(placements: tuple) -> bool:
-    """DTensor's test for a combination mixing Partial kinds (other than
-    sum with avg), memoised per placements (isinstance on placements is
-    slow: they are opaque types)."""
-    mixed = _MIXED.get(placements)
-    if mixed is None:
-        kinds = {(type(p), p.reduce_op) for p in placements if isinstance(p, Partial)}
-        mixed = False
-        if len(kinds) > 1:
-            reduce_ops = {ro for _, ro in kinds}
-            types = {t for t, _ in kinds}
-            mixed = not (len(types) == 1 and reduce_ops == {"sum", "avg"})
-        _MIXED[placements] = mixed
-    return mixed
-
-
-_MIXED: dict[tuple, bool] = {}
-
-
 def expand_to_full_mesh_op_strategy(
     mesh,
     op_schema,
@@ -102,70 +83,78 @@ def expand_to_full_mesh_op_strategy(
     # outputs / inputs before a position on that row too.
     first_inputs = np.array([counts_of[r][-1][1] for r in range(n_rows)], dtype=np.int64)
 
-    entries: list[list[tuple]] = []  # per position: (spec, mixed partial?, shardable?) per entry
+    # per position: per entry, its placements' numbers (None: no tensor
+    # there) and its tensor meta
+    numbers_at: list[list] = []
+    metas_at: list[list] = []
     table = np.empty((n_combos, n_positions), dtype=np.int64)  # entry per combination, -1: None
+    keep = np.ones(n_combos, dtype=bool)
+    shardable_rows = np.ones(n_combos, dtype=bool)
+    n_inputs = len(input_args_strategy)
     for position in range(n_positions):
-        # Placements at this position numbered by value (equal placements,
-        # one number); the first mesh dim's row also brings its counts and
-        # whether the position is None there.
-        numbers: dict = {}
-        placement_no = np.array([numbers.setdefault(r[position], len(numbers)) for r in rows], dtype=np.int64)
+        # Placements numbered by value (see _number); the first mesh dim's
+        # row also brings its counts and whether the position is None there.
+        placement_no = np.array([_number(r[position]) for r in rows], dtype=np.int64)
         firsts: dict = {}
         first_no = np.array(
-            [firsts.setdefault((rows[r][position] is None, counts_of[r][position], rows[r][position]), len(firsts))
+            [firsts.setdefault((rows[r][position] is None, counts_of[r][position], placement_no[r].item()), len(firsts))
              for r in range(n_rows)],
             dtype=np.int64,
         )
-        base = len(numbers)
+        base = len(_PLACEMENTS)
         code = first_no[combo_rows[0]]
         for d in range(1, ndim):
             code = code * base + placement_no[combo_rows[d]]
         distinct, inverse = np.unique(code, return_inverse=True)
+        # digits of the distinct codes: the first mesh dim's key, then one
+        # placement number per further mesh dim
+        digits = []
+        rest = distinct
+        for _ in range(ndim - 1):
+            rest, digit = np.divmod(rest, base)
+            digits.append(digit)
         first_keys = list(firsts)
-        placements_by_no = list(numbers)
-        found = []
-        for c in distinct.tolist():
-            digits = []
-            for _ in range(ndim - 1):
-                c, digit = divmod(c, base)
-                digits.append(placements_by_no[digit])
-            is_none, (out_count, in_count), first = first_keys[c]
+        numbers_list, metas, mixed, shardable = [], [], [], []
+        for first, *others in zip(rest.tolist(), *reversed([d.tolist() for d in digits])):
+            is_none, (out_count, in_count), first_number = first_keys[first]
             if is_none:
-                found.append(None)
+                numbers_list.append(None)
+                metas.append(None)
+                mixed.append(False)
+                shardable.append(True)
                 continue
-            placements = (first, *reversed(digits))
-            found.append(
-                _entry(mesh, position, placements, out_count, in_count, input_index, output_tensor_meta,
-                       input_args_strategy, allow_unbacked_sharding, allow_uneven_sharding)
+            numbers = (first_number, *others)
+            meta, input_strategy = _meta_at(position, out_count, in_count, input_index, output_tensor_meta, input_args_strategy)
+            numbers_list.append(numbers)
+            metas.append(meta)
+            mixed.append(_mixed_partial(numbers))
+            shardable.append(
+                input_strategy is None
+                or _shardable(mesh, input_strategy.shape, numbers, meta, allow_unbacked_sharding)
+                or (allow_uneven_sharding and placements_of_numbers(numbers) == input_strategy.strategies[0].output_spec.placements)
             )
-        none = np.array([e is None for e in found], dtype=bool)
-        entry_of = np.where(none, -1, np.arange(len(found)))
-        table[:, position] = entry_of[inverse.reshape(-1)]
-        entries.append(found)
-
-    keep = np.ones(n_combos, dtype=bool)
-    for position, found in enumerate(entries):
-        mixed = np.array([e is not None and e[1] for e in found] + [False], dtype=bool)
-        keep &= ~mixed[table[:, position]]  # -1 reads the appended False
-    wrong = keep & (first_inputs[combo_rows[0]] != len(input_args_strategy))
+        none = np.array([n is None for n in numbers_list], dtype=bool)
+        column = np.where(none, -1, np.arange(len(numbers_list)))[inverse.reshape(-1)]
+        table[:, position] = column
+        # -1 reads the appended entry: no tensor there, neither mixed nor unshardable
+        keep &= ~np.array(mixed + [False], dtype=bool)[column]
+        if position >= input_index:
+            # applied after the input-count check below, as DTensor orders them
+            shardable_rows &= np.array(shardable + [True], dtype=bool)[column]
+        numbers_at.append(numbers_list)
+        metas_at.append(metas)
+    wrong = keep & (first_inputs[combo_rows[0]] != n_inputs)
     if wrong.any():
         got = int(first_inputs[combo_rows[0][int(np.argmax(wrong))]])
         raise AssertionError(
-            f"input_specs({got}) != strategies({len(input_args_strategy)}: "
+            f"input_specs({got}) != strategies({n_inputs}: "
             f"{len(op_schema.args_strategy)} args + {len(op_schema.kwargs_strategy)} kwargs)"
         )
-    for position in range(input_index, n_positions):
-        shardable = np.array([e is None or e[2] for e in entries[position]] + [True], dtype=bool)
-        keep &= shardable[table[:, position]]
-    table = table[keep]
+    table = table[keep & shardable_rows]
     if input_index == 1 and n_positions and (table[:, 0] < 0).any():
         raise RuntimeError("output spec is None")
     strategy = ExpandedStrategy(
-        [[None if e is None else e[0] for e in found] for found in entries],
-        table,
-        input_index,
-        input_args_strategy,
-        ops_utils.generate_redistribute_costs,
+        mesh, numbers_at, metas_at, table, input_index, input_args_strategy, ops_utils.generate_redistribute_costs
     )
     if is_valid_strategy_cb is not None:
         ok = [is_valid_strategy_cb(ins, outs) for outs, ins in strategy.specs()]
@@ -178,27 +167,39 @@ class ExpandedStrategy(OpStrategy):
 
     ``table[i, p]`` is combination ``i``'s entry at position ``p`` (outputs
     first, then inputs, as in DTensor's single-mesh-dim strategies): an index
-    into ``specs_at[p]``, or -1 where the position holds no tensor. Rows are
-    the kept combinations in DTensor's order. :mod:`.strategies` reads the
-    table; anything else reading ``strategies`` gets the OpSpecs DTensor's
-    own function would build (redistribution costs from the cost function
-    in force at expansion).
+    into ``numbers_at[p]`` (the entry's placements as :func:`_number` numbers
+    them) and ``metas_at[p]`` (the tensor meta DTensor gives its spec), or
+    -1 where the position holds no tensor. Rows are the kept combinations in
+    DTensor's order. :mod:`.strategies` reads the table; anything reading
+    ``strategies`` gets the OpSpecs DTensor's own function would build
+    (redistribution costs from the cost function in force at expansion).
     """
 
-    def __init__(self, specs_at, table, input_index, input_args_strategy, redistribute_costs):
+    def __init__(self, mesh, numbers_at, metas_at, table, input_index, input_args_strategy, redistribute_costs):
         StrategyType.__init__(self)
-        self.specs_at = specs_at
+        self.mesh_ = mesh
+        self.numbers_at = numbers_at
+        self.metas_at = metas_at
         self.table = table
         self.input_index = input_index
         self._input_args_strategy = input_args_strategy
         self._redistribute_costs = redistribute_costs
+        self._specs_at = None
         self._op_specs = None
+
+    def spec_at(self, position: int, entry: int) -> DTensorSpec | None:
+        if self._specs_at is None:
+            self._specs_at = [
+                [None if n is None else _shared_spec(self.mesh_, placements_of_numbers(n), m) for n, m in zip(ns, ms)]
+                for ns, ms in zip(self.numbers_at, self.metas_at)
+            ]
+        return None if entry < 0 else self._specs_at[position][entry]
 
     def specs(self):
         """(output specs, input specs) per kept combination."""
         n_out = self.input_index
         for row in self.table.tolist():
-            specs = [None if e < 0 else self.specs_at[p][e] for p, e in enumerate(row)]
+            specs = [self.spec_at(p, e) for p, e in enumerate(row)]
             outs = tuple(specs[:n_out]) if n_out > 1 else specs[0]
             yield outs, [s for s in specs[n_out:] if s is not None]
 
@@ -239,35 +240,79 @@ def _counts(row, input_index: int) -> list[tuple[int, int]]:
     return result
 
 
-def _entry(mesh, position, placements, out_count, in_count, input_index, output_tensor_meta,
-           input_args_strategy, allow_unbacked_sharding, allow_uneven_sharding) -> tuple:
-    """(spec, mixed partial?, shardable?) of ``placements`` at ``position``,
-    with the tensor meta DTensor gives it (outputs from
-    ``output_tensor_meta`` counting non-None outputs, inputs in order)."""
-    meta, input_strategy = None, None
+def _meta_at(position, out_count, in_count, input_index, output_tensor_meta, input_args_strategy) -> tuple:
+    """(tensor meta, input strategy or None) DTensor gives the spec at
+    ``position``: outputs from ``output_tensor_meta`` counting non-None
+    outputs, inputs in order."""
     if position < input_index:
-        if output_tensor_meta is not None:
-            if isinstance(output_tensor_meta, TensorMeta):
-                meta = output_tensor_meta
-            elif isinstance(output_tensor_meta, (tuple, list)) and out_count < len(output_tensor_meta):
-                meta = output_tensor_meta[out_count]
-    elif in_count < len(input_args_strategy):
-        input_strategy = input_args_strategy[in_count]
-        meta = input_strategy.tensor_meta
-    spec = _shared_spec(mesh, placements, meta)
-    shardable = True
-    if input_strategy is not None:
-        shardable = _shardable(input_strategy.shape, spec, allow_unbacked_sharding) or (
-            allow_uneven_sharding and input_strategy.strategies[0].output_spec.placements == placements
-        )
-    return spec, _mixed_partial(placements), shardable
+        if isinstance(output_tensor_meta, TensorMeta):
+            return output_tensor_meta, None
+        if isinstance(output_tensor_meta, (tuple, list)) and out_count < len(output_tensor_meta):
+            return output_tensor_meta[out_count], None
+        return None, None
+    if in_count < len(input_args_strategy):
+        return input_args_strategy[in_count].tensor_meta, input_args_strategy[in_count]
+    return None, None
 
 
-# Specs and shardability shared across calls while fast_expansion() is
-# entered: the ops of a layer expand over the same few tensor metas, and on
-# a 4-D mesh each call would otherwise build ~10K specs (~35 us each).
+# Placements numbered by value, for the life of the process: memo keys of
+# int tuples hash in C (a placement's __hash__ runs in Python, and tuples of
+# them are hashed per lookup). Equal placements get one number.
+_NUMBERS: dict = {}
+_PLACEMENTS: list = []
+_BY_NUMBERS: dict[tuple, tuple] = {}
+
+
+def _number(placement) -> int:
+    n = _NUMBERS.get(placement)
+    if n is None:
+        n = _NUMBERS[placement] = len(_PLACEMENTS)
+        _PLACEMENTS.append(placement)
+    return n
+
+
+def numbers_of(placements: tuple) -> tuple[int, ...]:
+    return tuple(_number(p) for p in placements)
+
+
+def placements_of_numbers(numbers: tuple[int, ...]) -> tuple:
+    placements = _BY_NUMBERS.get(numbers)
+    if placements is None:
+        placements = _BY_NUMBERS[numbers] = tuple(_PLACEMENTS[n] for n in numbers)
+    return placements
+
+
+# Memos shared across calls while fast_expansion() is entered: the ops of a
+# layer expand over the same few tensor metas and placements.
 _SPECS: dict[tuple, DTensorSpec] = {}
 _SHARDABLE: dict[tuple, bool] = {}
+_MIXED: dict[tuple, bool] = {}
+
+
+def _mixed_partial(numbers: tuple) -> bool:
+    """DTensor's test for a combination mixing Partial kinds (other than
+    sum with avg)."""
+    mixed = _MIXED.get(numbers)
+    if mixed is None:
+        kinds = {(type(p), p.reduce_op) for p in placements_of_numbers(numbers) if isinstance(p, Partial)}
+        mixed = False
+        if len(kinds) > 1:
+            reduce_ops = {ro for _, ro in kinds}
+            types = {t for t, _ in kinds}
+            mixed = not (len(types) == 1 and reduce_ops == {"sum", "avg"})
+        _MIXED[numbers] = mixed
+    return mixed
+
+
+def _shardable(mesh, shape, numbers: tuple, meta, allow_unbacked_sharding) -> bool:
+    from torch.distributed.tensor._ops import utils as ops_utils
+
+    key = (id(mesh), tuple(shape), numbers, allow_unbacked_sharding)
+    ok = _SHARDABLE.get(key)
+    if ok is None:
+        spec = _shared_spec(mesh, placements_of_numbers(numbers), meta)
+        ok = _SHARDABLE[key] = ops_utils.is_tensor_shardable(shape, spec, allow_unbacked_sharding=allow_unbacked_sharding)
+    return ok
 
 
 def _shared_spec(mesh, placements: tuple, meta) -> DTensorSpec:
@@ -303,16 +348,6 @@ def new_spec(mesh, placements: tuple, meta) -> DTensorSpec:
     return spec
 
 
-def _shardable(shape, spec: DTensorSpec, allow_unbacked_sharding) -> bool:
-    from torch.distributed.tensor._ops import utils as ops_utils
-
-    key = (tuple(shape), id(spec), allow_unbacked_sharding)
-    ok = _SHARDABLE.get(key)
-    if ok is None:
-        ok = _SHARDABLE[key] = ops_utils.is_tensor_shardable(shape, spec, allow_unbacked_sharding=allow_unbacked_sharding)
-    return ok
-
-
 @contextlib.contextmanager
 def fast_expansion():
     """Use :func:`expand_to_full_mesh_op_strategy` in DTensor's rule modules."""
@@ -332,4 +367,5 @@ def fast_expansion():
             module.expand_to_full_mesh_op_strategy = original
         _SPECS.clear()
         _SHARDABLE.clear()
+        _MIXED.clear()
         _TEMPLATES.clear()

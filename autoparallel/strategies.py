@@ -44,7 +44,7 @@ from torch.distributed.tensor.placement_types import Replicate
 from torch.utils._pytree import tree_leaves
 
 from .dtensor_query import _build_schema, _dtensor_strategy, _out_meta, _without_dtensor_redistribute_costs
-from .fast_expand import ExpandedStrategy, fast_expansion, new_spec
+from .fast_expand import ExpandedStrategy, fast_expansion, new_spec, placements_of_numbers
 
 # the placement helpers moved to .placements; imported from here by rules and users
 from .placements import (  # noqa: F401
@@ -169,6 +169,7 @@ class SpecPool:
         self.mesh = mesh
         self._specs: dict[tuple, DTensorSpec] = {}
         self._even: dict[tuple, bool] = {}
+        self._numbered: dict[tuple, DTensorSpec | None] = {}
 
     def get(self, placements: tuple, meta: TensorMeta | None) -> DTensorSpec:
         key = (placements, meta)
@@ -184,6 +185,18 @@ class SpecPool:
         if even is None:
             even = self._even[key] = is_evenly_sharded(shape, placements, self.mesh)
         return even
+
+    def get_even(self, numbers: tuple[int, ...], meta: TensorMeta) -> DTensorSpec | None:
+        """The spec of placements given by their numbers (see
+        :func:`~autoparallel.fast_expand.placements_of_numbers`) with
+        ``meta``, or None if they shard ``meta``'s shape unevenly; memoised on
+        the numbers (int tuples hash much faster than placements)."""
+        key = (numbers, meta)
+        hit = self._numbered.get(key, self)
+        if hit is self:
+            placements = placements_of_numbers(numbers)
+            hit = self._numbered[key] = self.get(placements, meta) if self.evenly_sharded(meta.shape, placements) else None
+        return hit
 
 
 def _for_each_output(out, meta):
@@ -298,7 +311,7 @@ def _options_from_op_strategy(
 
 def _options_from_table(node, strategy: ExpandedStrategy, inputs, in_metas, out_meta, pool: SpecPool) -> list[Option] | None:
     """What the loop of :func:`_options_from_op_strategy` makes of an
-    :class:`ExpandedStrategy`, worked out once per distinct spec (and output
+    :class:`ExpandedStrategy`, worked out once per distinct entry (and output
     combination) instead of once per OpSpec: each kept combination becomes a
     row of codes (its output's, then each input's pooled spec; -1 where
     filtered), and the options are the first occurrences of the rows without
@@ -314,46 +327,59 @@ def _options_from_table(node, strategy: ExpandedStrategy, inputs, in_metas, out_
     in_cols = [p for p in range(n_out, table.shape[1]) if not none[p]]
     if len(in_cols) != len(inputs):
         return []  # the loop skips every OpSpec
-    mesh = pool.mesh
     # outputs: one code per distinct output combination (equal out keys, one code)
-    if n_out == 1:
-        out_rows, out_inverse = np.unique(table[:, 0], return_inverse=True)
-        out_rows = out_rows[:, None]
-    else:
-        out_rows, out_inverse = np.unique(table[:, :n_out], axis=0, return_inverse=True)
     out_keys: dict = {}
     out_pooled: list = []
     out_code = []
-    for row in out_rows.tolist():
-        specs = [None if e < 0 else strategy.specs_at[p][e] for p, e in enumerate(row)]
-        out = _for_each_output(specs[0] if n_out == 1 else tuple(specs), out_meta)
-        if not _same_structure(out, out_meta):
-            raise ValueError(
-                f"DTensor's strategy for {node.target} gives output specs {format_specs(out)} "
-                f"for a node with outputs {out_meta}"
-            )
-        if not _out_placements_ok(out, out_meta, mesh):
-            out_code.append(-1)
-            continue
-        pooled = _pooled_out(out, out_meta, pool)
-        key = id(pooled) if isinstance(pooled, DTensorSpec) else placements_of(out)
-        code = out_keys.get(key)
-        if code is None:
-            code = out_keys[key] = len(out_pooled)
-            out_pooled.append(pooled)
-        out_code.append(code)
-    codes = [np.array(out_code, dtype=np.int64)[out_inverse.reshape(-1)]]
+    if n_out == 1 and isinstance(out_meta, TensorMeta):
+        # one spec, with the node's meta: pooled by placement numbers
+        for numbers in strategy.numbers_at[0]:
+            pooled = pool.get_even(numbers, out_meta)
+            if pooled is None:
+                out_code.append(-1)
+                continue
+            code = out_keys.get(id(pooled))
+            if code is None:
+                code = out_keys[id(pooled)] = len(out_pooled)
+                out_pooled.append(pooled)
+            out_code.append(code)
+        codes = [np.array(out_code + [-1], dtype=np.int64)[table[:, 0]]]
+    else:
+        if n_out == 1:
+            out_rows, out_inverse = np.unique(table[:, 0], return_inverse=True)
+            out_rows = out_rows[:, None]
+        else:
+            out_rows, out_inverse = np.unique(table[:, :n_out], axis=0, return_inverse=True)
+        for row in out_rows.tolist():
+            specs = [strategy.spec_at(p, e) for p, e in enumerate(row)]
+            out = _for_each_output(specs[0] if n_out == 1 else tuple(specs), out_meta)
+            if not _same_structure(out, out_meta):
+                raise ValueError(
+                    f"DTensor's strategy for {node.target} gives output specs {format_specs(out)} "
+                    f"for a node with outputs {out_meta}"
+                )
+            if not _out_placements_ok(out, out_meta, pool.mesh):
+                out_code.append(-1)
+                continue
+            pooled = _pooled_out(out, out_meta, pool)
+            key = id(pooled) if isinstance(pooled, DTensorSpec) else placements_of(out)
+            code = out_keys.get(key)
+            if code is None:
+                code = out_keys[key] = len(out_pooled)
+                out_pooled.append(pooled)
+            out_code.append(code)
+        codes = [np.array(out_code, dtype=np.int64)[out_inverse.reshape(-1)]]
     in_pooled: list[list[DTensorSpec]] = []
     for k, p in enumerate(in_cols):
         m = in_metas[k]
         pooled_ids: dict = {}
         pooled_list: list[DTensorSpec] = []
         entry_code = []
-        for spec in strategy.specs_at[p]:
-            if spec is None or not pool.evenly_sharded(m.shape, spec.placements):
+        for numbers in strategy.numbers_at[p]:
+            pooled = None if numbers is None else pool.get_even(numbers, m)
+            if pooled is None:
                 entry_code.append(-1)
                 continue
-            pooled = pool.get(spec.placements, m)
             code = pooled_ids.get(id(pooled))
             if code is None:
                 code = pooled_ids[id(pooled)] = len(pooled_list)
