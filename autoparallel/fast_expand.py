@@ -92,9 +92,9 @@ def expand_to_full_mesh_op_strategy(
     shardable_rows = np.ones(n_combos, dtype=bool)
     n_inputs = len(input_args_strategy)
     for position in range(n_positions):
-        # Placements numbered by value (see _number); the first mesh dim's
+        # Placements numbered by value (see placement_number); the first mesh dim's
         # row also brings its counts and whether the position is None there.
-        placement_no = np.array([_number(r[position]) for r in rows], dtype=np.int64)
+        placement_no = np.array([placement_number(r[position]) for r in rows], dtype=np.int64)
         firsts: dict = {}
         first_no = np.array(
             [firsts.setdefault((rows[r][position] is None, counts_of[r][position], placement_no[r].item()), len(firsts))
@@ -113,26 +113,43 @@ def expand_to_full_mesh_op_strategy(
         for _ in range(ndim - 1):
             rest, digit = np.divmod(rest, base)
             digits.append(digit)
-        first_keys = list(firsts)
+        # per first-dim key: None there, or (its number, tensor meta, and for
+        # an input: the memo key prefix of its shardability and the numbers
+        # of the placements allow_uneven_sharding lets through)
+        first_info = []
+        for is_none, (out_count, in_count), first_number in firsts:
+            if is_none:
+                first_info.append(None)
+                continue
+            meta, input_strategy = _meta_at(position, out_count, in_count, input_index, output_tensor_meta, input_args_strategy)
+            shard_key = uneven = None
+            if input_strategy is not None:
+                shard_key = (id(mesh), tuple(input_strategy.shape), allow_unbacked_sharding)
+                if allow_uneven_sharding:
+                    uneven = tuple(placement_number(p) for p in input_strategy.strategies[0].output_spec.placements)
+            first_info.append((first_number, meta, input_strategy, shard_key, uneven))
         numbers_list, metas, mixed, shardable = [], [], [], []
         for first, *others in zip(rest.tolist(), *reversed([d.tolist() for d in digits])):
-            is_none, (out_count, in_count), first_number = first_keys[first]
-            if is_none:
+            info = first_info[first]
+            if info is None:
                 numbers_list.append(None)
                 metas.append(None)
                 mixed.append(False)
                 shardable.append(True)
                 continue
+            first_number, meta, input_strategy, shard_key, uneven = info
             numbers = (first_number, *others)
-            meta, input_strategy = _meta_at(position, out_count, in_count, input_index, output_tensor_meta, input_args_strategy)
             numbers_list.append(numbers)
             metas.append(meta)
-            mixed.append(_mixed_partial(numbers))
-            shardable.append(
-                input_strategy is None
-                or _shardable(mesh, input_strategy.shape, numbers, meta, allow_unbacked_sharding)
-                or (allow_uneven_sharding and placements_of_numbers(numbers) == input_strategy.strategies[0].output_spec.placements)
-            )
+            m = _MIXED.get(numbers)
+            mixed.append(_mixed_partial(numbers) if m is None else m)
+            if shard_key is None:
+                shardable.append(True)
+            else:
+                ok = _SHARDABLE.get((shard_key, numbers))
+                if ok is None:
+                    ok = _shardable(mesh, input_strategy.shape, numbers, meta, allow_unbacked_sharding)
+                shardable.append(ok or numbers == uneven)
         none = np.array([n is None for n in numbers_list], dtype=bool)
         column = np.where(none, -1, np.arange(len(numbers_list)))[inverse.reshape(-1)]
         table[:, position] = column
@@ -167,7 +184,7 @@ class ExpandedStrategy(OpStrategy):
 
     ``table[i, p]`` is combination ``i``'s entry at position ``p`` (outputs
     first, then inputs, as in DTensor's single-mesh-dim strategies): an index
-    into ``numbers_at[p]`` (the entry's placements as :func:`_number` numbers
+    into ``numbers_at[p]`` (the entry's placements as :func:`placement_number` numbers
     them) and ``metas_at[p]`` (the tensor meta DTensor gives its spec), or
     -1 where the position holds no tensor. Rows are the kept combinations in
     DTensor's order. :mod:`.strategies` reads the table; anything reading
@@ -263,16 +280,12 @@ _PLACEMENTS: list = []
 _BY_NUMBERS: dict[tuple, tuple] = {}
 
 
-def _number(placement) -> int:
+def placement_number(placement) -> int:
     n = _NUMBERS.get(placement)
     if n is None:
         n = _NUMBERS[placement] = len(_PLACEMENTS)
         _PLACEMENTS.append(placement)
     return n
-
-
-def numbers_of(placements: tuple) -> tuple[int, ...]:
-    return tuple(_number(p) for p in placements)
 
 
 def placements_of_numbers(numbers: tuple[int, ...]) -> tuple:
@@ -307,7 +320,7 @@ def _mixed_partial(numbers: tuple) -> bool:
 def _shardable(mesh, shape, numbers: tuple, meta, allow_unbacked_sharding) -> bool:
     from torch.distributed.tensor._ops import utils as ops_utils
 
-    key = (id(mesh), tuple(shape), numbers, allow_unbacked_sharding)
+    key = ((id(mesh), tuple(shape), allow_unbacked_sharding), numbers)
     ok = _SHARDABLE.get(key)
     if ok is None:
         spec = _shared_spec(mesh, placements_of_numbers(numbers), meta)
@@ -369,3 +382,4 @@ def fast_expansion():
         _SHARDABLE.clear()
         _MIXED.clear()
         _TEMPLATES.clear()
+        _BY_NUMBERS.clear()
