@@ -44,7 +44,7 @@ from torch.distributed.tensor.placement_types import Replicate
 from torch.utils._pytree import tree_leaves
 
 from .dtensor_query import _build_schema, _dtensor_strategy, _out_meta, _without_dtensor_redistribute_costs
-from .fast_expand import ExpandedStrategy, fast_expansion, new_spec, placements_of_numbers
+from .fast_expand import ExpandedStrategy, even_key, fast_expansion, new_spec, placements_of_numbers
 
 # the placement helpers moved to .placements; imported from here by rules and users
 from .placements import (  # noqa: F401
@@ -169,6 +169,8 @@ class SpecPool:
         self.mesh = mesh
         self._specs: dict[tuple, DTensorSpec] = {}
         self._even: dict[tuple, bool] = {}
+        # (shape, even_key(placement numbers)) -> evenly sharded
+        self._even_numbered: dict[tuple, bool] = {}
         self._numbered: dict[tuple, DTensorSpec | None] = {}
 
     def get(self, placements: tuple, meta: TensorMeta | None) -> DTensorSpec:
@@ -194,8 +196,12 @@ class SpecPool:
         key = (numbers, meta)
         hit = self._numbered.get(key, self)
         if hit is self:
+            even_key_ = (meta.shape, even_key(numbers))
+            even = self._even_numbered.get(even_key_)
             placements = placements_of_numbers(numbers)
-            hit = self._numbered[key] = self.get(placements, meta) if self.evenly_sharded(meta.shape, placements) else None
+            if even is None:
+                even = self._even_numbered[even_key_] = is_evenly_sharded(meta.shape, placements, self.mesh)
+            hit = self._numbered[key] = self.get(placements, meta) if even else None
         return hit
 
 
