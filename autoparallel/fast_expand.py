@@ -1,20 +1,28 @@
-"""DTensor's ``expand_to_full_mesh_op_strategy`` with specs built once per
-(argument, placements) instead of once per combination (issue 13).
+"""DTensor's ``expand_to_full_mesh_op_strategy`` as a numpy table, and
+cheaper DTensorSpecs while options are enumerated (issue 13).
 
-DTensor writes matmul, attention, embedding, ... rules for one mesh dim and
-expands them over the mesh: every combination of per-dim rules gets new
-DTensorSpecs (~35 us each: shard-order bookkeeping), 8^3 = 512 combinations
-of 3 specs for ``mm`` on a 3-D mesh, 8^4 = 4096 on 4-D. Most of the options
-stage on 3-D meshes went there, yet a combination's specs repeat the same
-few placements per argument. Here each argument's spec for given placements
-is built once (with the same arguments DTensor would pass) and shared; the
-filters run in DTensor's order on the shared specs, so the strategy holds
-the same options, in the same order.
+DTensor writes matmul, pointwise, embedding, ... rules for one mesh dim and
+expands them over the mesh: every combination of per-dim rules becomes an
+OpSpec with new DTensorSpecs (~40 us each: shard-order bookkeeping), 9^4 =
+6561 combinations for ``neg`` on a 4-D mesh. Here the combinations are a
+numpy table (one row per combination, in ``itertools.product`` order): per
+argument position, the distinct placements tuples occurring there are
+numbered once, DTensor's filters (mixed Partial kinds, shardability,
+the input count) run once per distinct tuple, and rows are kept or
+dropped with array operations. :class:`ExpandedStrategy` is the
+OpStrategy it returns: :mod:`.strategies` reads its table directly; whoever
+reads ``strategies`` gets the OpSpecs DTensor's own function would have
+built (same specs, order and costs).
+
+Placements are numbered by value once per process
+(:func:`placement_number`): memo keys are int tuples, which hash in C (a
+placement's ``__hash__`` runs in Python).
 
 Calls this version does not handle the same way (in-place and out= ops,
-multi-mesh arguments, ``_StridedShard`` inputs)
-go to DTensor's own function. :func:`fast_expansion` patches the function
-where DTensor's rule modules bound it, for the duration of a ``with``.
+multi-mesh arguments, ``_StridedShard`` inputs) go to DTensor's own
+function. :func:`fast_expansion` patches the function where DTensor's rule
+modules bound it, and memoises ``DTensorSpec.__post_init__`` on the
+placements, for the duration of a ``with``.
 """
 
 from __future__ import annotations

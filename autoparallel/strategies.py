@@ -334,21 +334,9 @@ def _options_from_table(node, strategy: ExpandedStrategy, inputs, in_metas, out_
     if len(in_cols) != len(inputs):
         return []  # the loop skips every OpSpec
     # outputs: one code per distinct output combination (equal out keys, one code)
-    out_keys: dict = {}
-    out_pooled: list = []
-    out_code = []
     if n_out == 1 and isinstance(out_meta, TensorMeta):
         # one spec, with the node's meta: pooled by placement numbers
-        for numbers in strategy.numbers_at[0]:
-            pooled = pool.get_even(numbers, out_meta)
-            if pooled is None:
-                out_code.append(-1)
-                continue
-            code = out_keys.get(id(pooled))
-            if code is None:
-                code = out_keys[id(pooled)] = len(out_pooled)
-                out_pooled.append(pooled)
-            out_code.append(code)
+        out_code, out_pooled = _numbered_distinct(_by_id(pool.get_even(n, out_meta)) for n in strategy.numbers_at[0])
         codes = [np.array(out_code + [-1], dtype=np.int64)[table[:, 0]]]
     else:
         if n_out == 1:
@@ -356,6 +344,7 @@ def _options_from_table(node, strategy: ExpandedStrategy, inputs, in_metas, out_
             out_rows = out_rows[:, None]
         else:
             out_rows, out_inverse = np.unique(table[:, :n_out], axis=0, return_inverse=True)
+        outs = []
         for row in out_rows.tolist():
             specs = [strategy.spec_at(p, e) for p, e in enumerate(row)]
             out = _for_each_output(specs[0] if n_out == 1 else tuple(specs), out_meta)
@@ -365,32 +354,18 @@ def _options_from_table(node, strategy: ExpandedStrategy, inputs, in_metas, out_
                     f"for a node with outputs {out_meta}"
                 )
             if not _out_placements_ok(out, out_meta, pool.mesh):
-                out_code.append(-1)
+                outs.append(None)
                 continue
             pooled = _pooled_out(out, out_meta, pool)
-            key = id(pooled) if isinstance(pooled, DTensorSpec) else placements_of(out)
-            code = out_keys.get(key)
-            if code is None:
-                code = out_keys[key] = len(out_pooled)
-                out_pooled.append(pooled)
-            out_code.append(code)
+            outs.append((id(pooled) if isinstance(pooled, DTensorSpec) else placements_of(out), pooled))
+        out_code, out_pooled = _numbered_distinct(outs)
         codes = [np.array(out_code, dtype=np.int64)[out_inverse.reshape(-1)]]
     in_pooled: list[list[DTensorSpec]] = []
     for k, p in enumerate(in_cols):
         m = in_metas[k]
-        pooled_ids: dict = {}
-        pooled_list: list[DTensorSpec] = []
-        entry_code = []
-        for numbers in strategy.numbers_at[p]:
-            pooled = None if numbers is None else pool.get_even(numbers, m)
-            if pooled is None:
-                entry_code.append(-1)
-                continue
-            code = pooled_ids.get(id(pooled))
-            if code is None:
-                code = pooled_ids[id(pooled)] = len(pooled_list)
-                pooled_list.append(pooled)
-            entry_code.append(code)
+        entry_code, pooled_list = _numbered_distinct(
+            None if numbers is None else _by_id(pool.get_even(numbers, m)) for numbers in strategy.numbers_at[p]
+        )
         codes.append(np.array(entry_code + [-1], dtype=np.int64)[table[:, p]])
         in_pooled.append(pooled_list)
     rows = np.stack(codes, axis=1)
@@ -400,6 +375,29 @@ def _options_from_table(node, strategy: ExpandedStrategy, inputs, in_metas, out_
     _, first = np.unique(rows, axis=0, return_index=True)
     rows = rows[np.sort(first)].tolist()
     return [Option(out_pooled[r[0]], tuple(in_pooled[k][c] for k, c in enumerate(r[1:]))) for r in rows]
+
+
+def _by_id(spec):
+    return None if spec is None else (id(spec), spec)
+
+
+def _numbered_distinct(items) -> tuple[list[int], list]:
+    """``items``: (key, value) or None each. Per item, the index of the
+    first value with its key among the distinct values (-1 for None), and
+    the distinct values."""
+    index: dict = {}
+    values: list = []
+    codes: list[int] = []
+    for item in items:
+        if item is None:
+            codes.append(-1)
+            continue
+        code = index.get(item[0])
+        if code is None:
+            code = index[item[0]] = len(values)
+            values.append(item[1])
+        codes.append(code)
+    return codes, values
 
 
 def replicate_options(node: torch.fx.Node, inputs: list[torch.fx.Node], mesh: DeviceMesh) -> list[Option]:
