@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import math
 import operator
-import weakref
 from functools import lru_cache
 from typing import Any, NamedTuple, Sequence
 
@@ -376,94 +375,9 @@ def node_compute_time(
 ) -> float:
     """:func:`op_compute_time` for an FX ``call_function`` node: argument
     nodes stand for their ``meta["val"]``; ``input_specs`` follow the node's
-    tensor inputs in argument order.
-
-    Memoised per node on the local shapes (and dtypes) of its tensors, which
-    with the node's arguments determine :func:`op_compute_time`'s answer: the
-    options of a node on a 4-D mesh number thousands, their local shapes a
-    few dozen, and walking the arguments per option cost more than the rest.
-    """
+    tensor inputs in argument order."""
     if node.op != "call_function" or is_free_op(node.target):
         return 0.0
-    plan = _node_plan(node)
-    in_specs = _specs_tuple(input_specs)
-    out_specs = _specs_tuple(output_specs)
-    key = (_leaf_sigs(plan.in_leaves, in_specs), _leaf_sigs(plan.out_leaves, out_specs), device)
-    seconds = plan.seconds.get(key)
-    if seconds is None:
-        seconds = plan.seconds[key] = op_compute_time(
-            node.target, node.args, node.kwargs, node.meta.get("val"), input_specs, output_specs, device
-        )
-    return seconds
-
-
-class _NodePlan(NamedTuple):
-    """A node's tensor leaves in the order :func:`_sig_tree` numbers them,
-    what they were read from (to notice a rewritten node), and its memo."""
-
-    args: Any
-    kwargs: Any
-    val: Any
-    arg_vals: tuple  # (argument node, its meta["val"]) pairs read
-    in_leaves: tuple  # tensors / TensorSigs of (args, kwargs)
-    out_leaves: tuple  # tensors / TensorSigs of the output
-    seconds: dict
-
-
-_NODE_PLANS: "weakref.WeakKeyDictionary[torch.fx.Node, _NodePlan]" = weakref.WeakKeyDictionary()
-
-
-def _node_plan(node: torch.fx.Node) -> _NodePlan:
-    plan = _NODE_PLANS.get(node)
-    val = node.meta.get("val")
-    if (
-        plan is not None
-        and plan.args is node.args
-        and plan.kwargs is node.kwargs
-        and plan.val is val
-        and all(n.meta.get("val") is v for n, v in plan.arg_vals)
-    ):
-        return plan
-    arg_vals: list = []
-    in_leaves: list = []
-    _tensor_leaves(tuple(node.args), in_leaves, arg_vals)
-    _tensor_leaves(dict(node.kwargs or {}), in_leaves, arg_vals)
-    out_leaves: list = []
-    _tensor_leaves(val, out_leaves, [])
-    plan = _NODE_PLANS[node] = _NodePlan(
-        node.args, node.kwargs, val, tuple(arg_vals), tuple(in_leaves), tuple(out_leaves), {}
-    )
-    return plan
-
-
-def _tensor_leaves(x: Any, leaves: list, arg_vals: list) -> None:
-    """The leaves :func:`_sig_tree` gives positions to, in its order (its
-    branches, in its order)."""
-    if isinstance(x, (torch.Tensor, TensorSig)):
-        leaves.append(x)
-        return
-    t = type(x)
-    if t is tuple or t is list:
-        for v in x:
-            _tensor_leaves(v, leaves, arg_vals)
-    elif t is dict:
-        for v in x.values():
-            _tensor_leaves(v, leaves, arg_vals)
-    elif t is torch.fx.Node:
-        val = x.meta.get("val")
-        arg_vals.append((x, val))
-        if isinstance(val, torch.Tensor):
-            _tensor_leaves(val, leaves, arg_vals)
-    elif t in _PLAIN_TYPES or isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return
-    elif isinstance(x, (list, tuple)):
-        for v in x:
-            _tensor_leaves(v, leaves, arg_vals)
-
-
-def _leaf_sigs(leaves: tuple, specs: tuple | None) -> tuple:
-    """What :func:`_sig_tree` puts at each leaf given ``specs``."""
-    n = len(specs) if specs is not None else 0
-    return tuple(
-        x if isinstance(x, TensorSig) else _to_sig(x, specs[k] if k < n else None) for k, x in enumerate(leaves)
+    return op_compute_time(
+        node.target, node.args, node.kwargs, node.meta.get("val"), input_specs, output_specs, device
     )

@@ -78,7 +78,7 @@ def _options_and_costs(mesh, model, example, fast: bool, monkeypatch):
                             _spec_key(o.input_specs),
                             _spec_key(o.output_specs),
                             o.in_op,
-                            _compute_time(node, o, fast)
+                            cost_model.node_compute_time(node, o.input_specs, o.output_specs, cost_model.H100)
                             if node.op == "call_function" and strat.getitem_index is None
                             else 0.0,
                         )
@@ -86,18 +86,6 @@ def _options_and_costs(mesh, model, example, fast: bool, monkeypatch):
                     ]
                 result[node.name] = (strat.source, rows)
     return result, enumerator.stats
-
-
-def _compute_time(node, option, fast: bool) -> float:
-    """The planner's compute cost (memoised per node on local shapes), or
-    the cost model's plain answer for the op."""
-    if fast:
-        return cost_model.node_compute_time(node, option.input_specs, option.output_specs, cost_model.H100)
-    if cost_model.is_free_op(node.target):
-        return 0.0
-    return cost_model.op_compute_time(
-        node.target, node.args, node.kwargs, node.meta.get("val"), option.input_specs, option.output_specs, cost_model.H100
-    )
 
 
 # tiny LLaMA-3 on 2x2x2x2: ~450K options, ~15 s fast and ~60 s plain
