@@ -61,13 +61,16 @@ pointwise edge on 4-D) that make the problem too big in the first place.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch.fx
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
+from .fast_expand import placement_number
 from .strategies import NodeStrategy, Option
 
 logger = logging.getLogger(__name__)
@@ -114,14 +117,15 @@ _R = ("R",)
 
 def _code(p):
     """A placement as a cheap hashable: ("P", reduce op) for any Partial,
-    ("R",) for Replicate, the placement itself otherwise."""
+    ("R",) for Replicate, ("N", its number) otherwise (equal placements,
+    equal numbers; a placement's own hash runs in Python)."""
     if p is None:
         return None
     if p.is_partial():
         return ("P", getattr(p, "reduce_op", None), type(p))
     if p.is_replicate():
         return _R
-    return p
+    return ("N", placement_number(p))
 
 
 @dataclass
@@ -133,8 +137,8 @@ class _ListPre:
     _index: dict | None  # see index()
     # per option: bit (family index * ndim + mesh dim) set where some output
     # / each input holds Partial(F) there (the passes test bits, not codes)
-    out_bits: list[int]
-    in_bits: list[tuple[int, ...]]
+    out_bits: np.ndarray  # (options,)
+    in_bits: np.ndarray  # (options, inputs)
 
     def index(self) -> dict:
         """(outs, ins) -> index in the list; built on first use (only lists
@@ -161,30 +165,46 @@ def _out_codes(out, memo: dict):
     return (out,)
 
 
-def _list_pre(options: list[Option], memo: dict, ndim: int) -> _ListPre:
-    outs = [_out_codes(o.output_specs, memo) for o in options]
-    ins = [tuple(_spec_codes(s, memo) for s in o.input_specs) for o in options]
-    bits: dict[int, int] = {}  # id(codes) -> bits (codes are memoised per spec)
+def _held_bits(codes, ndim: int) -> int:
+    return sum(
+        1 << (f * ndim + d) for f, family in enumerate(FAMILIES) for d in range(ndim) if _held(codes, d, family)
+    )
 
-    def held_bits(codes) -> int:
-        b = bits.get(id(codes))
-        if b is None:
-            b = bits[id(codes)] = sum(
-                1 << (f * ndim + d)
-                for f, family in enumerate(FAMILIES)
-                for d in range(ndim)
-                if _held(codes, d, family)
-            )
+
+def _list_pre(options: list[Option], memo: dict, bits: dict, ndim: int) -> _ListPre:
+    """``memo``: id(spec) -> codes; ``bits``: id(codes) -> held bits; both
+    shared by every list of one prune_partials call (codes are memoised per
+    spec, specs are pooled: lists repeat a few hundred of them). Memo hits
+    are inlined (a call per spec of 332K options cost seconds)."""
+    codes_of = memo.get
+    known = len(memo)
+    # (codes are non-empty tuples: `or` only computes on a miss)
+    outs = [
+        (codes_of(id(o.output_specs)) or _spec_codes(o.output_specs, memo),)
+        if type(o.output_specs) is DTensorSpec
+        else _out_codes(o.output_specs, memo)
+        for o in options
+    ]
+    ins = [tuple([codes_of(id(s)) or _spec_codes(s, memo) for s in o.input_specs]) for o in options]
+    for codes in itertools.islice(memo.values(), known, None):  # new specs' codes
+        bits[id(codes)] = _held_bits(codes, ndim)
+    bits_of = bits.get
+
+    def slot_bits(codes) -> int:
+        b = bits_of(id(codes))
+        if b is None:  # a non-spec output slot
+            b = bits[id(codes)] = _held_bits(codes, ndim)
         return b
 
     out_bits = []
     for slots in outs:
         b = 0
         for codes in slots:
-            b |= held_bits(codes)
+            b |= slot_bits(codes)
         out_bits.append(b)
-    in_bits = [tuple(held_bits(codes) for codes in per_input) for per_input in ins]
-    return _ListPre(outs, ins, None, out_bits, in_bits)
+    n_in = len(ins[0]) if ins else 0
+    in_bits = np.array([[bits_of(id(c)) for c in per_input] for per_input in ins], dtype=np.int64).reshape(len(ins), n_in)
+    return _ListPre(outs, ins, None, np.array(out_bits, dtype=np.int64), in_bits)
 
 
 def _held(code, d: int, family) -> bool:
@@ -208,32 +228,32 @@ def _list_info(
 ) -> _ListInfo:
     """``bit``: the (family, d) bit of :attr:`_ListPre.out_bits`."""
     n_in = len(options[kept[0]].input_specs) if kept else 0
-    kept_set = None
-    mask, takes, outputs, why = [], [False] * n_in, False, None
-    out_bits, in_bits = pre.out_bits, pre.in_bits
-    for i in kept:
-        outs = bool(out_bits[i] & bit)
-        ins = [bool(b & bit) for b in in_bits[i]]
-        held = outs or any(ins)
-        mask.append(held)
-        if not held:
-            continue
-        outputs |= outs
-        for k, t in enumerate(ins):
-            takes[k] |= t
-        if why is None:
-            o = options[i]
-            if outs and not any(ins):
-                why = f"creates it ({o.label})"
-            else:
-                if kept_set is None:
-                    kept_set = set(kept)
-                sub = pre.index().get((_substitute(pre.outs[i], d, family), _substitute(pre.ins[i], d, family)))
-                if sub is None or sub not in kept_set:
-                    why = f"no substitute for {o.label}"
-                elif costs[sub] > costs[i]:
-                    why = f"substitute costlier than {o.label}"
-    return _ListInfo(mask, any(mask), outputs, takes, why)
+    rows = np.asarray(kept, dtype=np.int64)
+    outs = (pre.out_bits[rows] & bit) != 0
+    ins = (pre.in_bits[rows] & bit) != 0
+    ins_any = ins.any(axis=1) if n_in else np.zeros(len(rows), dtype=bool)
+    held = outs | ins_any
+    takes = ins.any(axis=0).tolist() if n_in else []
+    why, kept_set = None, None
+    # why its Partials must stay: the first held option creating one, or
+    # lacking a substitute no costlier
+    for j in np.flatnonzero(held).tolist():
+        i = kept[j]
+        o = options[i]
+        if outs[j] and not ins_any[j]:
+            why = f"creates it ({o.label})"
+            break
+        if kept_set is None:
+            kept_set = set(kept)
+        sub = pre.index().get((_substitute(pre.outs[i], d, family), _substitute(pre.ins[i], d, family)))
+        if sub is None or sub not in kept_set:
+            why = f"no substitute for {o.label}"
+            break
+        if costs[sub] > costs[i]:
+            why = f"substitute costlier than {o.label}"
+            break
+    mask = held.tolist()
+    return _ListInfo(mask, any(mask), bool(outs.any()), takes, why)
 
 
 def prune_partials(
@@ -255,7 +275,8 @@ def prune_partials(
     stats.options_before = sum(len(o) for o in original.values())
     current = {k: list(range(len(o))) for k, o in original.items()}  # kept indices
     memo: dict = {}
-    pre = {k: _list_pre(o, memo, ndim) for k, o in original.items()}
+    bits: dict = {}
+    pre = {k: _list_pre(o, memo, bits, ndim) for k, o in original.items()}
     users: dict[int, list[torch.fx.Node]] = {}
     for node, strat in strategies.items():
         users.setdefault(id(strat.options), []).append(node)

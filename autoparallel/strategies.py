@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
@@ -43,7 +44,7 @@ from torch.distributed.tensor.placement_types import Replicate
 from torch.utils._pytree import tree_leaves
 
 from .dtensor_query import _build_schema, _dtensor_strategy, _out_meta, _without_dtensor_redistribute_costs
-from .fast_expand import fast_expansion
+from .fast_expand import ExpandedStrategy, even_key, fast_expansion, new_spec, placements_of_numbers
 
 # the placement helpers moved to .placements; imported from here by rules and users
 from .placements import (  # noqa: F401
@@ -167,13 +168,41 @@ class SpecPool:
     def __init__(self, mesh: DeviceMesh):
         self.mesh = mesh
         self._specs: dict[tuple, DTensorSpec] = {}
+        self._even: dict[tuple, bool] = {}
+        # (shape, even_key(placement numbers)) -> evenly sharded
+        self._even_numbered: dict[tuple, bool] = {}
+        self._numbered: dict[tuple, DTensorSpec | None] = {}
 
     def get(self, placements: tuple, meta: TensorMeta | None) -> DTensorSpec:
         key = (placements, meta)
         spec = self._specs.get(key)
         if spec is None:
-            spec = self._specs[key] = DTensorSpec(self.mesh, tuple(placements), tensor_meta=meta)
+            spec = self._specs[key] = new_spec(self.mesh, tuple(placements), meta)
         return spec
+
+    def evenly_sharded(self, shape, placements: tuple) -> bool:
+        """:func:`is_evenly_sharded` on this mesh, memoised."""
+        key = (shape, placements)
+        even = self._even.get(key)
+        if even is None:
+            even = self._even[key] = is_evenly_sharded(shape, placements, self.mesh)
+        return even
+
+    def get_even(self, numbers: tuple[int, ...], meta: TensorMeta) -> DTensorSpec | None:
+        """The spec of placements given by their numbers (see
+        :func:`~autoparallel.fast_expand.placements_of_numbers`) with
+        ``meta``, or None if they shard ``meta``'s shape unevenly; memoised on
+        the numbers (int tuples hash much faster than placements)."""
+        key = (numbers, meta)
+        hit = self._numbered.get(key, self)
+        if hit is self:
+            even_key_ = (meta.shape, even_key(numbers))
+            even = self._even_numbered.get(even_key_)
+            placements = placements_of_numbers(numbers)
+            if even is None:
+                even = self._even_numbered[even_key_] = is_evenly_sharded(meta.shape, placements, self.mesh)
+            hit = self._numbered[key] = self.get(placements, meta) if even else None
+        return hit
 
 
 def _for_each_output(out, meta):
@@ -233,6 +262,10 @@ def _options_from_op_strategy(
         # only support the case where all children agree on a common option
         # index, which is how DTensor builds them for list inputs.
         raise NotImplementedError("TupleStrategy")
+    if isinstance(strategy, ExpandedStrategy):
+        options = _options_from_table(node, strategy, inputs, in_metas, out_meta, pool)
+        if options is not None:
+            return options
     options: list[Option] = []
     seen: set = set()
     # DTensor's options share spec objects (fast_expand builds one per
@@ -247,7 +280,7 @@ def _options_from_op_strategy(
         hit = in_memo.get((k, id(spec)))
         if hit is None:
             p, m = spec.placements, in_metas[k]
-            hit = in_memo[(k, id(spec))] = (pool.get(p, m) if is_evenly_sharded(m.shape, p, mesh) else None, spec)
+            hit = in_memo[(k, id(spec))] = (pool.get(p, m) if pool.evenly_sharded(m.shape, p) else None, spec)
         return hit[0]
 
     for op_spec in strategy.strategies:
@@ -280,6 +313,91 @@ def _options_from_op_strategy(
         seen.add(key)
         options.append(Option(pooled_out, in_specs))
     return options
+
+
+def _options_from_table(node, strategy: ExpandedStrategy, inputs, in_metas, out_meta, pool: SpecPool) -> list[Option] | None:
+    """What the loop of :func:`_options_from_op_strategy` makes of an
+    :class:`ExpandedStrategy`, worked out once per distinct entry (and output
+    combination) instead of once per OpSpec: each kept combination becomes a
+    row of codes (its output's, then each input's pooled spec; -1 where
+    filtered), and the options are the first occurrences of the rows without
+    -1, in table order. None when positions are None in some rows only (the
+    loop handles those)."""
+    table = strategy.table
+    if not len(table):
+        return []
+    n_out = strategy.input_index
+    none = table[0] < 0
+    if (table[:, none] >= 0).any() or (table[:, ~none] < 0).any():
+        return None
+    in_cols = [p for p in range(n_out, table.shape[1]) if not none[p]]
+    if len(in_cols) != len(inputs):
+        return []  # the loop skips every OpSpec
+    # outputs: one code per distinct output combination (equal out keys, one code)
+    if n_out == 1 and isinstance(out_meta, TensorMeta):
+        # one spec, with the node's meta: pooled by placement numbers
+        out_code, out_pooled = _numbered_distinct(_by_id(pool.get_even(n, out_meta)) for n in strategy.numbers_at[0])
+        codes = [np.array(out_code + [-1], dtype=np.int64)[table[:, 0]]]
+    else:
+        if n_out == 1:
+            out_rows, out_inverse = np.unique(table[:, 0], return_inverse=True)
+            out_rows = out_rows[:, None]
+        else:
+            out_rows, out_inverse = np.unique(table[:, :n_out], axis=0, return_inverse=True)
+        outs = []
+        for row in out_rows.tolist():
+            specs = [strategy.spec_at(p, e) for p, e in enumerate(row)]
+            out = _for_each_output(specs[0] if n_out == 1 else tuple(specs), out_meta)
+            if not _same_structure(out, out_meta):
+                raise ValueError(
+                    f"DTensor's strategy for {node.target} gives output specs {format_specs(out)} "
+                    f"for a node with outputs {out_meta}"
+                )
+            if not _out_placements_ok(out, out_meta, pool.mesh):
+                outs.append(None)
+                continue
+            pooled = _pooled_out(out, out_meta, pool)
+            outs.append((id(pooled) if isinstance(pooled, DTensorSpec) else placements_of(out), pooled))
+        out_code, out_pooled = _numbered_distinct(outs)
+        codes = [np.array(out_code, dtype=np.int64)[out_inverse.reshape(-1)]]
+    in_pooled: list[list[DTensorSpec]] = []
+    for k, p in enumerate(in_cols):
+        m = in_metas[k]
+        entry_code, pooled_list = _numbered_distinct(
+            None if numbers is None else _by_id(pool.get_even(numbers, m)) for numbers in strategy.numbers_at[p]
+        )
+        codes.append(np.array(entry_code + [-1], dtype=np.int64)[table[:, p]])
+        in_pooled.append(pooled_list)
+    rows = np.stack(codes, axis=1)
+    rows = rows[(rows >= 0).all(axis=1)]
+    if not len(rows):
+        return []
+    _, first = np.unique(rows, axis=0, return_index=True)
+    rows = rows[np.sort(first)].tolist()
+    return [Option(out_pooled[r[0]], tuple(in_pooled[k][c] for k, c in enumerate(r[1:]))) for r in rows]
+
+
+def _by_id(spec):
+    return None if spec is None else (id(spec), spec)
+
+
+def _numbered_distinct(items) -> tuple[list[int], list]:
+    """``items``: (key, value) or None each. Per item, the index of the
+    first value with its key among the distinct values (-1 for None), and
+    the distinct values."""
+    index: dict = {}
+    values: list = []
+    codes: list[int] = []
+    for item in items:
+        if item is None:
+            codes.append(-1)
+            continue
+        code = index.get(item[0])
+        if code is None:
+            code = index[item[0]] = len(values)
+            values.append(item[1])
+        codes.append(code)
+    return codes, values
 
 
 def replicate_options(node: torch.fx.Node, inputs: list[torch.fx.Node], mesh: DeviceMesh) -> list[Option]:

@@ -176,6 +176,18 @@ def _sig_tree(x: Any, specs: Sequence[Any] | None, pos: list[int]) -> Any:
     """Nested args -> hashable tree with tensors as TensorSig (local shapes when
     ``specs`` gives a spec for the k-th tensor leaf). Lists become tuples,
     dicts tuples of (key, value) pairs."""
+    t = type(x)
+    # the common leaves first: argument nodes (holding a tensor) and plain
+    # values; a node or plain value is none of the types tested below them
+    if t is torch.fx.Node:
+        val = x.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return None
+        k = pos[0]
+        pos[0] += 1
+        return _to_sig(val, specs[k] if specs is not None and k < len(specs) else None)
+    if t in _PLAIN_TYPES:
+        return x
     if isinstance(x, torch.Tensor):
         k = pos[0]
         pos[0] += 1
@@ -183,16 +195,10 @@ def _sig_tree(x: Any, specs: Sequence[Any] | None, pos: list[int]) -> Any:
     if isinstance(x, TensorSig):
         pos[0] += 1
         return x
-    t = type(x)
     if t is tuple or t is list:
         return tuple([_sig_tree(v, specs, pos) for v in x])
     if t is dict:
         return tuple([(k, _sig_tree(v, specs, pos)) for k, v in x.items()])
-    if t is torch.fx.Node:
-        val = x.meta.get("val")
-        return _sig_tree(val, specs, pos) if isinstance(val, torch.Tensor) else None
-    if t in _PLAIN_TYPES:
-        return x
     if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return x.node.hint if hasattr(x.node, "hint") else None
     if isinstance(x, (list, tuple)):
