@@ -40,6 +40,13 @@ comparisons at equal load are in the README's issue-13 status):
     70B-4x4x8x8     refused by the size guard after 321.6 s (load 6-10,
                     757 MiB); one layer: after 46.1 s (load 3.5, was
                     108.3 s at load 0.8-2.4), 143,187 options, 113.8M pairs
+
+Session 7 (main; load ~1-2): 8B 16x8 13.4 s, 4x4x8 19.8 s, HSDP 21.0 s,
+70B 16x8 25.9 s, 8x16x8 38.8 s, all optimal; 70B 4x4x8x8 plans by option
+pricing (lazy matrices, coarse-mesh seeds): 139.8 s with --time-limit 10
+(20.4 / 13.3 / 15.7 / coarse seeds 34.0 / pricing 51.2), 1621 MiB,
+feasible at a 36.7% gap (compute-only bound), est. step 4432 ms; 408.0 s
+and the same plan with the default --time-limit 600.
 """
 
 from __future__ import annotations
