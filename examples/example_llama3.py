@@ -250,15 +250,21 @@ def print_report(plan, total: float, dump_dir: str | None, all_kinds: bool = Fal
         print(f"  (stages as recorded when {plan_file} was made; this run traced and applied only)")
     for stage in ("tracing", "options", "repeated_layers", "problem_build"):
         print(f"  {stage:16s} {t.get(stage, 0.0):7.2f} s")
-    for phase in ("presolve", "build", "solve"):
-        print(f"  solver.{phase:9s} {t.get('solver.' + phase, 0.0):7.2f} s")
+    if "coarse_seed" in t:  # a problem too big for dense matrices: option pricing
+        print(f"  {'coarse_seed':16s} {t['coarse_seed']:7.2f} s")
+        print(f"  {'option pricing':16s} {t.get('solve', 0.0):7.2f} s")
+        print(f"  {'problem_rebuild':16s} {t.get('problem_rebuild', 0.0):7.2f} s")
+    else:
+        for phase in ("presolve", "build", "solve"):
+            print(f"  solver.{phase:9s} {t.get('solver.' + phase, 0.0):7.2f} s")
     print(f"  {'total':16s} {total:7.2f} s   (peak RSS "
           f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GB)")
 
     s = plan.solution
     pre = s.presolve
     print("\n== solver ==")
-    print(f"  {s.status} ({s.backend}, gap {s.gap}), {s.num_variables} variables, "
+    gap = "-" if s.gap is None else f"{100 * s.gap:.3g}%"
+    print(f"  {s.status} ({s.backend}, gap {gap}), {s.num_variables} variables, "
           f"{s.num_constraints} constraints")
     if pre is not None:
         print(f"  presolve: {pre.decisions_before} -> {pre.decisions_after} decisions, "
