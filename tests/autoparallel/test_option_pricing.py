@@ -169,3 +169,24 @@ def test_coarse_mesh_plans_lift_to_the_full_mesh(fake_world):
                 assert p[i] == p[i + 1], (node.name, i, p)
         if set(plan) == names and not violations(built.problem, plan):
             assert sum(evaluate(built.problem, plan)) >= best * (1 - 1e-9)
+
+
+# ~2-3 min (pricing on 2x2x2, then a LocalTensorMode step of 8 ranks)
+@pytest.mark.slow
+def test_priced_plan_applies_and_trains_like_one_device(fake_world):
+    """A plan made by option pricing is an ordinary plan: applied on 8
+    LocalTensorMode ranks, loss and gradients equal the single-device model."""
+    from test_apply import LOCAL_TENSOR_PASSES, _train_and_compare  # same directory
+
+    fake_world(8)
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    model, _ = _tiny_llama()
+    example = torch.empty(8, 16, dtype=torch.long, device="meta")
+    with AutoParallel(model, mesh, example, option_pricing=True) as autop:
+        batch = (Shard(0),) * 3
+        autop.add_input_constraints([batch])
+        autop.add_output_constraints([batch])
+        plan = autop.optimize_placement()
+        parallel = autop.apply_placement(plan, pass_options=LOCAL_TENSOR_PASSES)
+    assert plan.solution.backend.startswith("pricing")
+    _train_and_compare("llama", parallel, mesh, steps=1)
