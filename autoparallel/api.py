@@ -448,12 +448,10 @@ class AutoParallel:
                 option_pricing.release_caches()
         result = results[-1]
         narrowed = option_pricing.narrow_strategies(built.strategies, result.kept)
-        full = built.strategies
         dense = self.build_problem(narrowed)
         dense.priced_size, dense.size_unpruned, dense.pruning = built.size, built.size_unpruned, built.pruning
-        choice = option_pricing.map_choice(full, narrowed, result.solution.choice)
+        choice = option_pricing.map_choice(built.strategies, narrowed, result.solution.choice)
         solution = option_pricing.narrowed_solution(result, dense.problem, choice)
-        solution.timings.update({f"pricing.{k}": v for k, v in dataclasses.asdict(result.stats).get("seconds", {}).items()})
         return dense, solution
 
     def _dump(

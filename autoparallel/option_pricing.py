@@ -25,6 +25,7 @@ import torch.fx
 
 import solver
 from solver.pricing import PricingResult, solve_by_pricing
+from solver.pricing_quotient import is_lazy
 
 from .edge_costs import clear_caches as clear_edge_cost_caches
 from .edge_matrices import LazyKeyMatch
@@ -130,7 +131,8 @@ def greedy_plan(problem: solver.Problem, allowed: dict[str, set[int]] | None = N
 
 
 def _block(costs, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
-    if hasattr(costs, "block"):
+    """A block of a lazy or a dense (list of rows) edge matrix."""
+    if is_lazy(costs):
         return costs.block(rows, cols)
     return np.asarray(costs, dtype=np.float64)[np.ix_(rows, cols)]
 

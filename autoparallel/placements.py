@@ -139,8 +139,14 @@ class SpecLabels:
         return hit[0]
 
     def option(self, option) -> str:
-        """An option's ``inputs->output`` label, as ``Option.label``."""
-        out = self(option.output_specs)
-        if not option.input_specs:
-            return out
-        return ",".join(self(s) for s in option.input_specs) + "->" + out
+        """:func:`option_label` with the memo."""
+        return option_label(option, self)
+
+
+def option_label(option, fmt=format_specs) -> str:
+    """An option's ``inputs->output`` placements, e.g. ``S(0)R,RR->S(0)R``
+    (``fmt`` formats one spec or tuple of specs)."""
+    out = fmt(option.output_specs)
+    if not option.input_specs:
+        return out
+    return ",".join(fmt(s) for s in option.input_specs) + "->" + out

@@ -52,6 +52,7 @@ from .placements import (  # noqa: F401
     all_placements,
     format_specs,
     is_evenly_sharded,
+    option_label,
     placements_of,
     tensor_meta_of,
     tp_outer_placements,
@@ -88,10 +89,7 @@ class Option:
     @property
     def label(self) -> str:
         """``inputs->output`` placements, e.g. ``S(0)R,RR->S(0)R``."""
-        out = format_specs(self.output_specs)
-        if not self.input_specs:
-            return out
-        return ",".join(format_specs(s) for s in self.input_specs) + "->" + out
+        return option_label(self)
 
     @property
     def output_spec(self) -> DTensorSpec:
