@@ -162,92 +162,68 @@ class EdgeMatrices:
         self._matrices[key] = (rows, prod, cons)
         return rows
 
+    def _structural(self, key, make, a: list[Option], b: list[Option]):
+        """The matrix ``make()`` (a :class:`LazyKeyMatch`) under ``key``:
+        lazy as it is, dense as its rows (one implementation per kind)."""
+        hit = self._matrices.get(key)
+        if hit is None:
+            matrix = make()
+            if not self.lazy:
+                matrix = matrix.block(np.arange(matrix.shape[0]), np.arange(matrix.shape[1])).tolist()
+            hit = self._matrices[key] = (matrix, a, b)  # a, b: keep their ids theirs
+        return hit[0]
+
     def gradient(self, param: list[Option], grad: list[Option], kind: str):
         """Parameter option x gradient option: 0 where the gradient already
         has the parameter's placements; for a tp-outer parameter, the time
-        to bring the gradient to it (a reduce-scatter of kind ``kind``);
-        inf otherwise."""
-        key = ("gradient", id(param), id(grad), kind)
-        hit = self._matrices.get(key)
-        if hit is None and self.lazy:
-            hit = self._matrices[key] = (self._lazy_gradient(param, grad, kind), param, grad)
-        if hit is None:
-            # costs depend on the gradient's output placements only: priced
-            # per distinct placements (a gradient op has many options per
-            # output layout, and a tp-outer pair goes through DTensor's
-            # planner, ~100 us)
+        to bring the gradient to it (a reduce-scatter of kind ``kind``,
+        priced per distinct gradient placements: a tp-outer pair goes through
+        DTensor's planner, ~100 us); inf otherwise."""
+
+        def make() -> LazyKeyMatch:
             grad_specs, grad_class = _spec_classes([go.output_spec for go in grad])
-            mesh_shape = None
-            rows = []
-            for po in param:
+            keys: dict = {}
+            col_keys = [keys.setdefault(gs.placements, len(keys)) for gs in grad_specs]
+            row_keys, special = [], {}
+            for i, po in enumerate(param):
                 ps = po.output_spec
-                mesh_shape = mesh_shape or tuple(ps.mesh.shape)
-                strided = cost_model.is_tp_outer(ps.placements, mesh_shape)
-                by_class = [
-                    0.0 if gs.placements == ps.placements else self._pair(gs, ps, kind) if strided else math.inf
-                    for gs in grad_specs
-                ]
-                rows.append([by_class[c] for c in grad_class])
-            hit = self._matrices[key] = (rows, param, grad)
-        return hit[0]
+                row_keys.append(keys.setdefault(ps.placements, len(keys)))
+                if cost_model.is_tp_outer(ps.placements, tuple(ps.mesh.shape)):
+                    special[i] = ps
+            classes = np.asarray(grad_class, dtype=np.int64)
 
-    def _lazy_gradient(self, param: list[Option], grad: list[Option], kind: str) -> "LazyKeyMatch":
-        """:meth:`gradient` as a lazy matrix: equal placements cost 0, a
-        tp-outer parameter's row is priced by redistribution (per distinct
-        gradient placements, when first asked for)."""
-        grad_specs, grad_class = _spec_classes([go.output_spec for go in grad])
-        keys: dict = {}
-        col_keys = [keys.setdefault(gs.placements, len(keys)) for gs in grad_specs]
-        row_keys, special = [], {}
-        for i, po in enumerate(param):
-            ps = po.output_spec
-            row_keys.append(keys.setdefault(ps.placements, len(keys)))
-            if cost_model.is_tp_outer(ps.placements, tuple(ps.mesh.shape)):
-                special[i] = ps
-        classes = np.asarray(grad_class, dtype=np.int64)
+            def row_costs(i: int) -> np.ndarray:
+                ps = special[i]
+                by_class = [0.0 if gs.placements == ps.placements else self._pair(gs, ps, kind) for gs in grad_specs]
+                return np.asarray(by_class, dtype=np.float64)[classes]
 
-        def row_costs(i: int) -> np.ndarray:
-            ps = special[i]
-            by_class = [0.0 if gs.placements == ps.placements else self._pair(gs, ps, kind) for gs in grad_specs]
-            return np.asarray(by_class, dtype=np.float64)[classes]
+            return LazyKeyMatch(row_keys, [col_keys[c] for c in grad_class], {i: row_costs for i in special})
 
-        return LazyKeyMatch(row_keys, [col_keys[c] for c in grad_class], {i: row_costs for i in special})
+        return self._structural(("gradient", id(param), id(grad), kind), make, param, grad)
 
     def getitem(self, parent: list[Option], item: list[Option], idx: int):
         """0 where the parent option's ``idx``-th output is the item's option, else inf."""
-        key = ("getitem", id(parent), id(item), idx)
-        hit = self._matrices.get(key)
-        if hit is None and self.lazy:
+
+        def make() -> LazyKeyMatch:
             keys: dict = {}
-            matrix = LazyKeyMatch(
+            return LazyKeyMatch(
                 [keys.setdefault(po.output_specs[idx], len(keys)) for po in parent],
                 [keys.setdefault(co.output_specs, len(keys)) for co in item],
             )
-            hit = self._matrices[key] = (matrix, parent, item)
-        if hit is None:
-            rows = [[0.0 if po.output_specs[idx] == co.output_specs else math.inf for co in item] for po in parent]
-            hit = self._matrices[key] = (rows, parent, item)
-        return hit[0]
+
+        return self._structural(("getitem", id(parent), id(item), idx), make, parent, item)
 
     def equal_placements(self, a: list[Option], b: list[Option]):
         """0 where both options' outputs have the same placements, else inf."""
-        key = ("equal", id(a), id(b))
-        hit = self._matrices.get(key)
-        if hit is None and self.lazy:
+
+        def make() -> LazyKeyMatch:
             keys: dict = {}
-            matrix = LazyKeyMatch(
+            return LazyKeyMatch(
                 [keys.setdefault(placements_of(x.output_specs), len(keys)) for x in a],
                 [keys.setdefault(placements_of(y.output_specs), len(keys)) for y in b],
             )
-            hit = self._matrices[key] = (matrix, a, b)
-        if hit is None:
-            rows = [
-                [0.0 if placements_of(x.output_specs) == placements_of(y.output_specs) else math.inf for y in b]
-                for x in a
-            ]
-            hit = self._matrices[key] = (rows, a, b)
-        return hit[0]
 
+        return self._structural(("equal", id(a), id(b)), make, a, b)
 
 
 def _spec_classes(specs: list) -> tuple[list, list[int]]:
