@@ -55,12 +55,30 @@ class PlacementMatrix:
         return self.size * (diff * self.price).sum(axis=2)
 
 
-def build(n_dec: int, dims: int, placements: int, kinds: int, seed: int, noise: float = 0.1) -> tuple[Problem, list]:
+class ReducingPlacementMatrix(PlacementMatrix):
+    """With whole-row min-plus reductions (solver.pricing prices left-out
+    options against every partner), computed block by block."""
+
+    def min_plus_rows(self, col_values):
+        out = np.empty(self.shape[0])
+        allc = np.arange(self.shape[1])
+        for s in range(0, self.shape[0], 128):
+            rows = np.arange(s, min(s + 128, self.shape[0]))
+            out[rows] = (self.block(rows, allc) - col_values[None, :]).min(axis=1)
+        return out
+
+    def min_plus_cols(self, row_values):  # symmetric costs
+        return self.min_plus_rows(row_values)
+
+
+def build(n_dec: int, dims: int, placements: int, kinds: int, seed: int, noise: float = 0.1,
+          min_plus: bool = True) -> tuple[Problem, list]:
     rng = np.random.default_rng(seed)
     codes = np.array(list(itertools.product(range(placements), repeat=dims)), dtype=np.int8)
     n = len(codes)
     price = rng.uniform(0.5, 2.0, dims)
-    mats = [PlacementMatrix(codes, price, float(rng.uniform(0.5, 3.0))) for _ in range(kinds)]
+    kind = ReducingPlacementMatrix if min_plus else PlacementMatrix
+    mats = [kind(codes, price, float(rng.uniform(0.5, 3.0))) for _ in range(kinds)]
     mesh = np.array([4, 4, 8, 8, 2, 2][:dims] + [2] * max(0, dims - 6))
     # compute time: the work divided by the devices sharing it
     split = np.prod(np.where(codes > 0, mesh, 1), axis=1)
@@ -87,11 +105,14 @@ def main() -> None:
     ap.add_argument("--noise", type=float, default=0.1, help="relative noise on compute costs")
     ap.add_argument("--max-options", type=int, default=None)
     ap.add_argument("--check", action="store_true", help="also solve the dense problem (small sizes)")
+    ap.add_argument("--no-min-plus", action="store_true",
+                    help="matrices read by blocks only (left-out pairs priced at the floor)")
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, format="%(name)s %(message)s")
     t0 = time.perf_counter()
-    problem, mats = build(a.decisions, a.dims, a.placements, a.kinds, a.seed, a.noise)
+    problem, mats = build(a.decisions, a.dims, a.placements, a.kinds, a.seed, a.noise,
+                           min_plus=not a.no_min_plus)
     n = len(problem.decisions[0].options)
     print(f"problem: {a.decisions} decisions x {n} options, {len(problem.edges)} edges, "
           f"{len(mats)} lazy objects, {len(problem.edges) * n * n / 1e6:.1f}M pairs "

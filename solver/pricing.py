@@ -261,9 +261,15 @@ class _Pricer:
     def reduced_costs(self, lp: LPSolution) -> list[np.ndarray]:
         """``r_q(o)`` for every option of every class (inf: not allowed),
         with the restricted duals extended to the options left out of the
-        LP (module docstring): a left-out row option of edge E gets
-        ``min(floor - gamma, min_{j in S_c} C(o,j) - beta_j)``, a column one
-        ``min(gamma, min_{i in S_p} C(i,o) - alpha_i)``."""
+        LP (module docstring): a left-out column option of edge E first gets
+        ``beta_o = min(gamma, min_{i in S_p} C(i,o) - alpha_i)``; a left-out
+        row option then its best partner over every column,
+        ``alpha_o = min_j C(o,j) - beta_j``, and a left-out column option in
+        turn ``beta_o = min_i C(i,o) - alpha_i`` over every row (each step
+        keeps every pair dual feasible and raises no dual). When the matrix
+        cannot reduce whole rows, the row option gets ``min(floor - gamma,
+        min_{j in S_c} C(o,j) - beta_j)``: the floor for pairs of two
+        left-out options."""
         classes = self.q.classes
         L = lp.options
         acc = [c.unary - lp.u[q] for q, c in enumerate(classes)]
@@ -271,10 +277,17 @@ class _Pricer:
             a, b = lp.alpha[k], lp.beta[k]
             exact_p, exact_c = self.kept[e.p][L[e.p]], self.kept[e.c][L[e.c]]
             gamma = _gamma(e.floor, lp, k, a, b, ~exact_p, ~exact_c, lp.x[e.p], lp.x[e.c])
-            ext_a = np.minimum(e.floor - gamma, (e.cols(L[e.c][exact_c]) - b[exact_c]).min(axis=1))
-            ext_a[L[e.p]] = a
             ext_b = np.minimum(gamma, (e.rows(L[e.p][exact_p]) - a[exact_p][:, None]).min(axis=0))
             ext_b[L[e.c]] = b
+            ext_a = e.min_plus(_usable(classes[e.c].allowed, ext_b), along_rows=True)
+            if ext_a is None:  # the matrix reads blocks only: left-out pairs at the floor
+                ext_a = np.minimum(e.floor - gamma, (e.cols(L[e.c][exact_c]) - b[exact_c]).min(axis=1))
+                ext_a[L[e.p]] = a
+            else:
+                ext_a[L[e.p]] = a
+                # the best column duals given those row duals (never lower)
+                ext_b = e.min_plus(_usable(classes[e.p].allowed, ext_a), along_rows=False)
+                ext_b[L[e.c]] = b
             acc[e.p] += ext_a
             acc[e.c] += ext_b
         for r, rho in zip(self.q.resources, lp.rho):
@@ -357,6 +370,12 @@ def _gamma(floor: float, lp: LPSolution, k: int, alpha: np.ndarray, beta: np.nda
     if lo > hi:  # tolerances: HiGHS' own value is feasible
         return float(lp.gamma[k])
     return min(max(gamma, lo), hi)
+
+
+def _usable(allowed: np.ndarray, duals: np.ndarray) -> np.ndarray:
+    """Duals of the options a min-plus reduction may pair with: -inf (left
+    out) where the option is not allowed or has no finite partner (+inf)."""
+    return np.where(allowed & (duals < math.inf), duals, -math.inf)
 
 
 def _argmin_finite(values: np.ndarray) -> int | None:

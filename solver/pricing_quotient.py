@@ -11,8 +11,11 @@ into one :class:`QuotientEdge` (rows: the lower class index).
 
 Edge matrices may be lazy: any object with ``shape``, ``floor`` (a lower
 bound on every entry) and ``block(rows, cols) -> ndarray`` (``inf``: a
-forbidden pair). A dense ``list[list[float]]`` is wrapped by
-:class:`DenseMatrix`. Entries are read through one :class:`BlockCache` per
+forbidden pair), and optionally ``min_plus_rows(col_values)`` /
+``min_plus_cols(row_values)``: per row ``min_j C[i, j] - col_values[j]``
+over ALL columns (per column, over all rows), which lets pricing charge a
+left-out option its true cheapest partner instead of the edge's floor. A
+dense ``list[list[float]]`` is wrapped by :class:`DenseMatrix`. Entries are read through one :class:`BlockCache` per
 matrix object (edges sharing an object share it): whole columns or rows of
 the options that some subset holds, each asked for once, so the work is
 (options) x (subset size) per distinct object, not per round nor per edge.
@@ -60,6 +63,28 @@ class DenseMatrix:
 
     def entries(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
         return self.array[rows, cols]
+
+    def min_plus_rows(self, col_values: np.ndarray) -> np.ndarray:
+        return _min_plus(self.array, col_values)
+
+    def min_plus_cols(self, row_values: np.ndarray) -> np.ndarray:
+        return _min_plus(self.array.T, row_values)
+
+
+# Rows per chunk of a dense min-plus reduction (bounds the temporary).
+MIN_PLUS_CHUNK = 1024
+
+
+def _min_plus(array: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``min_j (array[i, j] - values[j])`` per row i; ``values`` may hold
+    -inf (that column is left out: inf - (-inf) = inf), never +inf."""
+    out = np.empty(array.shape[0])
+    if not array.shape[1]:
+        out.fill(math.inf)
+        return out
+    for s in range(0, array.shape[0], MIN_PLUS_CHUNK):
+        out[s:s + MIN_PLUS_CHUNK] = (array[s:s + MIN_PLUS_CHUNK] - values[None, :]).min(axis=1)
+    return out
 
 
 class BlockCache:
@@ -165,6 +190,26 @@ class Term:
         out = self.cache.rows(self.rmap[I])
         return out if self._c is None else out[:, self._c]
 
+    def min_plus(self, values: np.ndarray, along_rows: bool) -> np.ndarray | None:
+        """``count * C(i, j) - values[j]`` minimised over every column j,
+        per row option i (``along_rows``; else the transpose: per column j,
+        over every row i), over the WHOLE matrix; None when the matrix
+        object has no ``min_plus_rows`` / ``min_plus_cols``.
+
+        ``values`` is over the quotient side's options, -inf for those to
+        leave out. Options mapped to one object id take the largest value
+        (the smallest difference)."""
+        own_rows = along_rows != self.transposed  # the object's rows are the result's side
+        method = getattr(self.cache.matrix, "min_plus_rows" if own_rows else "min_plus_cols", None)
+        if method is None:
+            return None
+        result_map, value_map = (self.rmap, self.cmap) if along_rows else (self.cmap, self.rmap)
+        n_values = self.cache.shape[1] if own_rows else self.cache.shape[0]
+        per_object = np.full(n_values, -math.inf)
+        np.maximum.at(per_object, value_map, np.asarray(values, dtype=float) / self.count)
+        out = np.asarray(method(per_object), dtype=float)
+        return self.count * out[result_map]
+
 
 def _is_identity(ids: np.ndarray, n: int) -> bool:
     """``ids`` is 0..n-1 (re-indexing by it would only copy)."""
@@ -216,6 +261,23 @@ class QuotientEdge:
     def block(self, I: np.ndarray, J: np.ndarray) -> np.ndarray:
         """``I`` x ``J`` (from the cached columns ``J``)."""
         return self.cols(J)[I]
+
+    def min_plus(self, values: np.ndarray, along_rows: bool) -> np.ndarray | None:
+        """A lower bound on ``min_j C_E(i, j) - values[j]`` per row option i
+        (``along_rows``; else per column option j, over rows i), over every
+        option of the other end; exact for an edge of one term. Terms of
+        several matrix objects each take a share of ``values`` (by count):
+        the sum of their minima is at most the minimum of their sum. None
+        when some term's matrix cannot reduce whole rows (see
+        :meth:`Term.min_plus`)."""
+        total = sum(t.count for t in self.terms)
+        out = 0.0
+        for t in self.terms:
+            part = t.min_plus(values * (t.count / total), along_rows)
+            if part is None:
+                return None
+            out = out + part
+        return out
 
 
 @dataclass
