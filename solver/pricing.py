@@ -72,6 +72,7 @@ from .diagnose import InfeasibleError
 from .problem import Decision, Edge, Problem, ResourceConstraint, Solution
 from .pricing_lp import LPSolution, RestrictedLP
 from .pricing_quotient import Quotient, build_quotient, evaluate_lazy
+from .tree_bound import eliminate
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ ROUND_CAP_MIN = 256
 PRICE_TOL = 1e-9
 # Relative gap under which the restricted ILP's objective is the optimum.
 OPT_RTOL = 1e-9
+# Spanning forests whose min-marginals filter reduced-cost fixing.
+TREES = 3
 
 
 @dataclass
@@ -107,6 +110,8 @@ class PricingStats:
     lower_bound: float = -math.inf
     restricted_objectives: list[float] = field(default_factory=list)
     fixed_in: int = 0  # options added by reduced-cost fixing
+    tree_bound: float = -math.inf  # best spanning-forest bound (solver.tree_bound)
+    eliminated: int = 0  # options dropped by tree min-marginals before pricing
     entries_read: int = 0  # matrix entries materialised (pairs)
     converged: bool = False  # the LP reached the full LP's optimum
     seconds: dict[str, float] = field(default_factory=dict)
@@ -279,14 +284,17 @@ class _Pricer:
             gamma = _gamma(e.floor, lp, k, a, b, ~exact_p, ~exact_c, lp.x[e.p], lp.x[e.c])
             ext_b = np.minimum(gamma, (e.rows(L[e.p][exact_p]) - a[exact_p][:, None]).min(axis=0))
             ext_b[L[e.c]] = b
-            ext_a = e.min_plus(_usable(classes[e.c].allowed, ext_b), along_rows=True)
-            if ext_a is None:  # the matrix reads blocks only: left-out pairs at the floor
-                ext_a = np.minimum(e.floor - gamma, (e.cols(L[e.c][exact_c]) - b[exact_c]).min(axis=1))
-                ext_a[L[e.p]] = a
-            else:
-                ext_a[L[e.p]] = a
+            # left-out pairs at the floor
+            ext_a = np.minimum(e.floor - gamma, (e.cols(L[e.c][exact_c]) - b[exact_c]).min(axis=1))
+            whole = e.min_plus(_usable(classes[e.c].allowed, ext_b), along_rows=True)
+            if whole is not None:
+                # every partner read (a lower bound on it for edges of several
+                # matrices): each of the two is dual feasible, so their max is
+                ext_a = np.maximum(ext_a, whole)
+            ext_a[L[e.p]] = a
+            if whole is not None:
                 # the best column duals given those row duals (never lower)
-                ext_b = e.min_plus(_usable(classes[e.p].allowed, ext_a), along_rows=False)
+                ext_b = np.maximum(ext_b, e.min_plus(_usable(classes[e.p].allowed, ext_a), along_rows=False))
                 ext_b[L[e.c]] = b
             acc[e.p] += ext_a
             acc[e.c] += ext_b
@@ -350,6 +358,41 @@ class _Pricer:
         return sol
 
 
+def _prefilter(pr: _Pricer, backend, time_limit, stats: PricingStats) -> int:
+    """Before pricing: the seed's restricted ILP gives a plan; options whose
+    spanning-tree min-marginals exceed its cost are in no better plan and
+    leave the problem (:func:`solver.tree_bound.eliminate`). Returns how
+    many; 0 when the matrices cannot reduce whole rows."""
+    t0 = time.perf_counter()
+    try:
+        if not all(t.cache.matrix_reduces for e in pr.q.edges for t in e.terms):
+            return 0
+        sol = pr.solve_ilp(backend, time_limit)
+        if sol is None:
+            return 0
+        stats.restricted_objectives.append(sol.objective)
+        el = eliminate(pr.q, sol.objective, trees=TREES)
+        if el is None:
+            return 0
+        stats.tree_bound = el.bound
+        plan = [sol.choice[q] for q in range(len(pr.q.classes))] if el.plan is None else el.plan
+        dropped = 0
+        for q, (cls, k) in enumerate(zip(pr.q.classes, el.keep)):
+            k[plan[q]] = True  # the best plan's options stay, whatever the rounding
+            dropped += int((cls.allowed & ~k).sum())
+            cls.allowed &= k
+            cls.unary[~cls.allowed] = math.inf
+            pr.kept[q] &= cls.allowed
+            pr.add(q, [plan[q]])  # the restricted problems hold the best plan
+        pr.repair_arcs()
+        logger.info("tree elimination before pricing: plan %.9g (%s), forest bound %.9g, %d of %d options dropped",
+                    el.upper, "seed ILP" if el.plan is None else "a forest's", el.bound, dropped,
+                    stats.options_total)
+        return dropped
+    finally:
+        stats.seconds["trees"] += time.perf_counter() - t0
+
+
 def _gamma(floor: float, lp: LPSolution, k: int, alpha: np.ndarray, beta: np.ndarray,
            relaxed_p: np.ndarray, relaxed_c: np.ndarray, x_p: np.ndarray, x_c: np.ndarray) -> float:
     """Edge ``k``'s split of its floor between the caps of left-out options
@@ -410,7 +453,7 @@ def solve_by_pricing(
     cap = DEFAULT_MAX_OPTIONS if max_options is None else max_options
     stats = PricingStats()
     sec = stats.seconds
-    for phase in ("setup", "lp", "pricing", "ilp", "evaluate"):
+    for phase in ("setup", "lp", "pricing", "ilp", "trees", "evaluate"):
         sec[phase] = 0.0
 
     def left() -> float | None:
@@ -422,6 +465,7 @@ def solve_by_pricing(
     stats.classes = len(quotient.classes)
     stats.options_total = int(sum(c.allowed.sum() for c in quotient.classes))
     sec["setup"] = time.perf_counter() - t_start
+    stats.eliminated = _prefilter(pr, backend, left(), stats)
 
     growth = 0
     reduced = None
@@ -504,17 +548,28 @@ def solve_by_pricing(
 
     z = sol.objective
     tol = OPT_RTOL * max(1.0, abs(z))
-    bound = lb
-    if sol.status == "optimal" and z - lb <= tol:
+    bound = max(lb, stats.tree_bound)
+    if sol.status == "optimal" and z - bound <= tol:
         bound = z
     elif reduced is not None and sol.status == "optimal":
         # Reduced-cost fixing with the last round's duals (any round's are
-        # valid): a cheaper choice uses only options with r' = r + v_q <= z - LB.
+        # valid): a cheaper choice uses only options with r' = r + v_q <= z - LB;
+        # and, where the matrices reduce whole rows, only options whose
+        # spanning-tree min-marginal is at most z (solver.tree_bound).
+        t0 = time.perf_counter()
+        trees = eliminate(quotient, z, trees=TREES)
+        sec["trees"] += time.perf_counter() - t0
+        if trees is not None:
+            # (a forest plan cheaper than z keeps its options: the ILP below finds it)
+            tree_keep = trees.keep
+            stats.tree_bound = max(stats.tree_bound, trees.bound)
+            bound = max(bound, stats.tree_bound)
         gap = z - stats.bound_per_round[-1]
         fix = []
         for q, r in enumerate(reduced):
             rp = r - min(0.0, float(r.min()))
-            fix.append(np.flatnonzero((rp <= gap + tol) & ~pr.kept[q]))
+            mask = (rp <= gap + tol) & ~pr.kept[q]
+            fix.append(np.flatnonzero(mask if trees is None else mask & tree_keep[q]))
         n_fix = sum(len(f) for f in fix)
         logger.info("reduced-cost fixing: gap %.6g, %d options within it (%d kept)", gap, n_fix, pr.num_kept())
         if pr.num_kept() + n_fix <= cap:

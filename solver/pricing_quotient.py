@@ -97,6 +97,8 @@ class BlockCache:
         self._cols: dict[int, np.ndarray] = {}  # column id -> all rows
         self._rows: dict[int, np.ndarray] = {}  # row id -> all columns
         self.entries_read = 0
+        # whole-row min-plus reductions available (pricing and tree bounds use them)
+        self.matrix_reduces = hasattr(matrix, "min_plus_rows") and hasattr(matrix, "min_plus_cols")
 
     def _block(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
         out = np.asarray(self.matrix.block(rows, cols), dtype=float)
