@@ -72,7 +72,7 @@ from .diagnose import InfeasibleError
 from .problem import Decision, Edge, Problem, ResourceConstraint, Solution
 from .pricing_lp import LPSolution, RestrictedLP
 from .pricing_quotient import Quotient, build_quotient, evaluate_lazy
-from .tree_bound import eliminate
+from .tree_bound import Reparam, eliminate
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +139,7 @@ class _Pricer:
         self.relaxed = [np.zeros(c.num_options, dtype=bool) for c in quotient.classes]
         self.scale: float | None = None
         self.lp: RestrictedLP | None = None
+        self.reparam: Reparam | None = None  # the last reduced costs and extended duals
 
     # -- subsets ----------------------------------------------------------
     def subsets(self) -> list[np.ndarray]:
@@ -278,6 +279,7 @@ class _Pricer:
         classes = self.q.classes
         L = lp.options
         acc = [c.unary - lp.u[q] for q, c in enumerate(classes)]
+        alphas, betas = [], []
         for k, e in enumerate(self.q.edges):
             a, b = lp.alpha[k], lp.beta[k]
             exact_p, exact_c = self.kept[e.p][L[e.p]], self.kept[e.c][L[e.c]]
@@ -298,12 +300,15 @@ class _Pricer:
                 ext_b[L[e.c]] = b
             acc[e.p] += ext_a
             acc[e.c] += ext_b
+            alphas.append(ext_a)
+            betas.append(ext_b)
         for r, rho in zip(self.q.resources, lp.rho):
             if rho:
                 for q, w in r.weights.items():
                     acc[q] -= rho * w
         for q, c in enumerate(classes):
             acc[q][~c.allowed] = math.inf
+        self.reparam = Reparam(lp.objective, acc, alphas, betas)
         return acc
 
     def select(self, reduced: list[np.ndarray], tol: float) -> list[tuple[float, int, int]]:
@@ -557,13 +562,19 @@ def solve_by_pricing(
         # and, where the matrices reduce whole rows, only options whose
         # spanning-tree min-marginal is at most z (solver.tree_bound).
         t0 = time.perf_counter()
+        # forests of the raw costs, then of the costs rewritten by the last
+        # duals (bound at least the LP's); an option must pass both
         trees = eliminate(quotient, z, trees=TREES)
-        sec["trees"] += time.perf_counter() - t0
         if trees is not None:
+            dual_trees = eliminate(quotient, min(z, trees.upper), trees=TREES, reparam=pr.reparam)
             # (a forest plan cheaper than z keeps its options: the ILP below finds it)
-            tree_keep = trees.keep
-            stats.tree_bound = max(stats.tree_bound, trees.bound)
+            tree_keep = [a & b for a, b in zip(trees.keep, dual_trees.keep)]
+            stats.tree_bound = max(stats.tree_bound, trees.bound, dual_trees.bound)
             bound = max(bound, stats.tree_bound)
+            for plan in (trees.plan, dual_trees.plan):
+                for q, o in enumerate(plan or ()):
+                    tree_keep[q][o] = True
+        sec["trees"] += time.perf_counter() - t0
         gap = z - stats.bound_per_round[-1]
         fix = []
         for q, r in enumerate(reduced):

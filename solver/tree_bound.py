@@ -60,17 +60,37 @@ class TreeMarginals:
     choice: list[int]  # per class, an optimal choice of the relaxation (-1: none finite)
 
 
-def edge_weights(quotient: Quotient) -> list[float]:
+@dataclass
+class Reparam:
+    """LP duals that rewrite the problem without changing any choice's cost
+    by more than ``constant`` allows: unary costs become reduced costs
+    ``unary[q]`` and edge ``k``'s entries ``C(i, j) - alpha[k][i] -
+    beta[k][j]`` (never negative for dual-feasible duals), and every
+    feasible choice costs at least ``constant`` plus its rewritten cost
+    (:meth:`solver.pricing._Pricer.reduced_costs`). A forest over the
+    rewritten costs bounds at least as high as the LP bound."""
+
+    constant: float
+    unary: list[np.ndarray]
+    alpha: list[np.ndarray]
+    beta: list[np.ndarray]
+
+
+def edge_weights(quotient: Quotient, reparam: Reparam | None = None) -> list[float]:
     """Per quotient edge, the mean finite cost over a few sampled rows (the
     row class's cheapest options by unary cost) against every column, with
     forbidden entries counted at the dearest finite cost seen anywhere."""
     means, inf_share = [], []
     top = 0.0
-    for e in quotient.edges:
+    for k, e in enumerate(quotient.edges):
         cls = quotient.classes[e.p]
         opts = np.flatnonzero(cls.allowed)
         rows = opts[np.argsort(cls.unary[opts], kind="stable")[:SAMPLE_ROWS]]
-        block = e.rows(rows)[:, quotient.classes[e.c].allowed]
+        block = e.rows(rows)
+        if reparam is not None:
+            with np.errstate(invalid="ignore"):  # inf - inf: a forbidden pair, left out below
+                block = block - reparam.alpha[k][rows][:, None] - reparam.beta[k][None, :]
+        block = block[:, quotient.classes[e.c].allowed]
         finite = np.isfinite(block)
         means.append(float(block[finite].mean()) if finite.any() else 0.0)
         inf_share.append(1.0 - float(finite.mean()) if block.size else 0.0)
@@ -79,18 +99,21 @@ def edge_weights(quotient: Quotient) -> list[float]:
     return [m + s * top for m, s in zip(means, inf_share)]
 
 
-def tree_marginals(quotient: Quotient, weights: list[float] | None = None) -> TreeMarginals | None:
+def tree_marginals(quotient: Quotient, weights: list[float] | None = None,
+                   reparam: Reparam | None = None) -> TreeMarginals | None:
     """Min-marginals of every option over a maximum-weight spanning forest
-    of the classes; None when some forest edge's matrix cannot reduce whole
-    rows (no ``min_plus``)."""
+    of the classes (of the costs rewritten by ``reparam``, plus its
+    constant); None when some forest edge's matrix cannot reduce whole rows
+    (no ``min_plus``)."""
     classes = quotient.classes
-    weights = edge_weights(quotient) if weights is None else weights
+    weights = edge_weights(quotient, reparam) if weights is None else weights
     graph = nx.Graph()
     graph.add_nodes_from(range(len(classes)))
     for k, e in enumerate(quotient.edges):
         graph.add_edge(e.p, e.c, weight=weights[k], edge=k)
     forest = nx.maximum_spanning_tree(graph, weight="weight")
-    h = [np.where(c.allowed, c.unary, math.inf) for c in classes]
+    unary = [c.unary for c in classes] if reparam is None else reparam.unary
+    h = [np.where(c.allowed, u, math.inf) for c, u in zip(classes, unary)]
     up: dict[tuple[int, int], np.ndarray] = {}  # (child, parent) -> message over the parent's options
     order: list[tuple[int, int | None, int | None]] = []  # (class, parent, edge), parents first
     roots = []
@@ -103,7 +126,7 @@ def tree_marginals(quotient: Quotient, weights: list[float] | None = None) -> Tr
     for child, parent, k in reversed(order):  # leaves first
         if parent is None:
             continue
-        msg = _pass(quotient, k, child, h[child])
+        msg = _pass(quotient, k, child, h[child], reparam)
         if msg is None:
             return None
         up[child, parent] = msg
@@ -114,11 +137,11 @@ def tree_marginals(quotient: Quotient, weights: list[float] | None = None) -> Tr
             continue
         own = up[child, parent]
         rest = np.where(np.isfinite(own), belief[parent] - np.where(np.isfinite(own), own, 0.0), math.inf)
-        down = _pass(quotient, k, parent, rest)
+        down = _pass(quotient, k, parent, rest, reparam)
         belief[child] = h[child] + down
     per_root = {root: float(belief[root].min()) for root in roots}
     comp_of = {q: min(comp) for comp in nx.connected_components(forest) for q in comp}
-    bound = math.fsum(per_root.values())
+    bound = math.fsum(per_root.values()) + (0.0 if reparam is None else reparam.constant)
     marginals = [belief[q] + (bound - per_root[comp_of[q]]) for q in range(len(classes))]
     # an optimal choice of the forest: roots at their best, each child at its
     # best given its parent's choice (ties: lowest id)
@@ -131,8 +154,16 @@ def tree_marginals(quotient: Quotient, weights: list[float] | None = None) -> Tr
         else:
             e = quotient.edges[k]
             one = np.array([choice[parent]])
-            pair = e.rows(one)[0] if e.p == parent else e.cols(one)[:, 0]
-            costs = h[child] + pair
+            with np.errstate(invalid="ignore"):  # inf - inf: a forbidden pair (not finite below)
+                if e.p == parent:
+                    pair = e.rows(one)[0]
+                    if reparam is not None:
+                        pair = pair - reparam.alpha[k][choice[parent]] - reparam.beta[k]
+                else:
+                    pair = e.cols(one)[:, 0]
+                    if reparam is not None:
+                        pair = pair - reparam.alpha[k] - reparam.beta[k][choice[parent]]
+            costs = np.where(np.isfinite(pair), h[child] + np.where(np.isfinite(pair), pair, 0.0), math.inf)
         best = int(np.argmin(costs))
         choice[child] = best if math.isfinite(costs[best]) else -1
     return TreeMarginals(bound, marginals, sorted(d["edge"] for _, _, d in forest.edges(data=True)), choice)
@@ -154,13 +185,24 @@ def choice_cost(quotient: Quotient, choice: list[int]) -> float:
     return math.fsum(total)
 
 
-def _pass(quotient: Quotient, k: int, sender: int, costs: np.ndarray) -> np.ndarray | None:
+def _pass(quotient: Quotient, k: int, sender: int, costs: np.ndarray, reparam: Reparam | None) -> np.ndarray | None:
     """Per option of edge ``k``'s other end, ``min_o C + costs[o]`` over the
-    sender's options (``inf`` costs left out)."""
+    sender's options (``inf`` costs left out), of the rewritten ``C`` with
+    ``reparam``: ``min_o C(o, x) - (shift_o - costs[o])``, less the
+    receiver's shift."""
     e = quotient.edges[k]
-    values = np.where(np.isfinite(costs), -costs, -math.inf)
-    # the sender's options are the rows: reduce over rows, per column
-    return e.min_plus(values, along_rows=e.p != sender)
+    from_rows = e.p == sender
+    if reparam is None:
+        values = np.where(np.isfinite(costs), -costs, -math.inf)
+        return e.min_plus(values, along_rows=not from_rows)
+    send, receive = (reparam.alpha[k], reparam.beta[k]) if from_rows else (reparam.beta[k], reparam.alpha[k])
+    ok = np.isfinite(costs) & np.isfinite(send)
+    values = np.where(ok, np.where(ok, send, 0.0) - np.where(ok, costs, 0.0), -math.inf)
+    msg = e.min_plus(values, along_rows=not from_rows)
+    if msg is None:
+        return None
+    ok = np.isfinite(receive) & np.isfinite(msg)
+    return np.where(ok, np.where(ok, msg, 0.0) - np.where(ok, receive, 0.0), math.inf)
 
 
 @dataclass
@@ -175,17 +217,17 @@ class Elimination:
     plan: list[int] | None  # a forest's choice costing ``upper`` (None: the caller's plan is best)
 
 
-def eliminate(quotient: Quotient, upper: float, trees: int = 2) -> Elimination | None:
+def eliminate(quotient: Quotient, upper: float, trees: int = 2, reparam: Reparam | None = None) -> Elimination | None:
     """Per class, the options whose min-marginal on every one of ``trees``
     spanning forests is at most the best known plan's cost: every choice
     costing at most that uses only those. Each forest's own optimal choice
     is priced on the whole problem and becomes the known plan when cheaper
     than ``upper``. None when the matrices cannot reduce whole rows."""
-    weights = edge_weights(quotient)
+    weights = edge_weights(quotient, reparam)
     keep = [c.allowed.copy() for c in quotient.classes]
     best, plan = -math.inf, None
     for t in range(trees):
-        tm = tree_marginals(quotient, weights)
+        tm = tree_marginals(quotient, weights, reparam)
         if tm is None:
             return None
         best = max(best, tm.bound)

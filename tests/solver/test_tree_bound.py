@@ -107,3 +107,41 @@ def test_forest_plan_cost_matches_brute_force():
         assert math.isclose(choice_cost(q, tm.choice), want, rel_tol=1e-12)
         # the forest's optimum is its bound: its edges at the choice sum to it
         assert tm.bound <= want + 1e-9
+
+
+def test_forest_over_dual_rewritten_costs_bounds_between_lp_bound_and_optimum():
+    """Rewritten by a restricted LP's extended duals, a forest bounds at
+    least as high as the LP bound (lp + sum of negative reduced costs) and
+    never above the optimum; options of optimal plans survive elimination."""
+    import sys, os
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_pricing import layered_problem, reducing_copy
+    from solver import solve
+    from solver.pricing import _Pricer
+
+    higher = 0
+    for seed in range(8):
+        p = reducing_copy(layered_problem(seed, inf_rate=0.1, pins=False))
+        q = build_quotient(p)
+        pr = _Pricer(q)
+        pr.seed(p, None)
+        lp = pr.solve_lp(None)
+        if lp is None:
+            continue
+        r = pr.reduced_costs(lp)
+        lp_bound = lp.objective + sum(min(0.0, float(x.min())) for x in r)
+        dense = Problem(p.decisions, [Edge(e.producer, e.consumer, e.arg_index, e.costs.array.tolist())
+                                      for e in p.edges], p.pins, p.links, p.resources, p.name)
+        ref = solve(dense)
+        tm = tree_marginals(q, reparam=pr.reparam)
+        tol = 1e-7 * max(1.0, abs(ref.objective))
+        assert lp_bound - tol <= tm.bound <= ref.objective + tol
+        higher += tm.bound > lp_bound + tol
+        el = eliminate(q, ref.objective, trees=2, reparam=pr.reparam)
+        for name, o in ref.choice.items():
+            qi = next(i for i, c in enumerate(q.classes) if any(m == name for m, _ in c.members))
+            cls = q.classes[qi]
+            omap = dict(cls.members)[name]
+            root = o if omap is None else int(np.flatnonzero(omap == o)[0])
+            assert el.keep[qi][root], (seed, name)
+    assert higher
