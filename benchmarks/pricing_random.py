@@ -121,7 +121,8 @@ def main() -> None:
     s, st = res.solution, res.stats
     print(f"status {s.status}, objective {s.objective:.9g}, bound {s.bound:.9g}")
     print(f"rounds {st.rounds}; kept per round {st.kept_per_round}; priced in {st.priced_per_round}")
-    print(f"kept {st.kept_per_round[-1] + st.fixed_in} of {st.options_total} options "
+    print(f"kept {sum(len(v) for v in res.kept.values())} decisions x options of {st.options_total} "
+          f"({st.eliminated} dropped by tree elimination) "
           f"({st.fixed_in} by reduced-cost fixing); restricted ILP objectives {st.restricted_objectives}")
     print(f"entries read {st.entries_read} ({st.entries_read / (len(mats) * n * n):.2%} of the "
           f"distinct matrices)")

@@ -160,10 +160,11 @@ def test_resource_binds_and_is_met():
 
 
 def test_one_option_seed_prices_options_in():
-    p = dense_copy(layered_problem(5, pins=False, resource=False, inf_rate=0.0))
+    # lazy matrices without min-plus reductions: no tree elimination, all rounds
+    p = layered_problem(5, pins=False, resource=False, inf_rate=0.0)
     # seed with each decision's most expensive option: pricing must move away
     worst = {d.name: [int(np.argmax(d.costs))] for d in p.decisions}
-    res = check(p, worst)
+    res = check(p, worst, dense=dense_copy(p))
     assert res.stats.rounds > 1 and sum(res.stats.priced_per_round) > 0
     # options entered relaxed, then exact when the LP leaned on them
     assert max(res.stats.relaxed_per_round) > 0 and sum(res.stats.promoted_per_round) > 0
@@ -383,7 +384,7 @@ def test_whole_row_pricing_tightens_the_bound_and_stays_exact():
     """With min-plus reductions the same restricted LP gives a bound at
     least the one priced at the edge floor, tree elimination drops options
     before pricing, and the optimum is still the dense one."""
-    tighter = eliminated = 0
+    tighter = eliminated = direct = 0
     for seed in range(10):
         base = layered_problem(seed, inf_rate=0.1, pins=False)
         dense = Problem(base.decisions, [Edge(e.producer, e.consumer, e.arg_index, e.costs.array.tolist())
@@ -395,6 +396,7 @@ def test_whole_row_pricing_tightens_the_bound_and_stays_exact():
             continue
         assert floor_res.stats.eliminated == 0  # no min-plus: no tree elimination
         eliminated += exact_res.stats.eliminated
+        direct += exact_res.stats.rounds == 0  # few options left: one ILP over all of them (check(): optimal)
         first_floor, first_exact = first_round_bound(base), first_round_bound(reducing)
         if first_floor is None:
             continue
@@ -402,3 +404,4 @@ def test_whole_row_pricing_tightens_the_bound_and_stays_exact():
         tighter += first_exact > first_floor + 1e-9
     assert tighter  # the floor is not always the cheapest partner
     assert eliminated  # tree min-marginals dropped options before pricing
+    assert direct
