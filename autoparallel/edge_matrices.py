@@ -19,13 +19,8 @@ import math
 import numpy as np
 
 from . import cost_model
-from .edge_costs import redistribution_matrix
+from .class_costs import class_cost_grid
 from .strategies import Option, placements_of
-
-
-def _partial_mask(spec) -> int:
-    return sum(1 << i for i, p in enumerate(spec.placements) if p.is_partial())
-
 
 
 class EdgeMatrices:
@@ -51,7 +46,6 @@ class EdgeMatrices:
         self._placement_ids: dict = {}  # distinct placements -> small int
         self._matrices: dict = {}
         self._classes: dict = {}
-        self._pair_cache: dict = {}  # for edge_costs.redistribution_matrix
 
     def _pair(self, src, dst, kind) -> float:
         t = cost_model.redistribute_time(src, dst, self.device)
@@ -97,36 +91,16 @@ class EdgeMatrices:
         return class_rows, row_class, col_class
 
     def drop_pair_cache(self) -> None:
-        self._pair_cache = {}
+        """Drop the class grids dense matrices were read from (kept per class
+        key while building: edges of one tensor shape share them); lazy
+        matrices keep theirs in their own :class:`_ClassGrid`."""
+        self._classes = {}
 
-    def _class_matrix(self, src_specs, dst_specs, kind, keep_partial) -> list[list[float]]:
-        """:meth:`_pair` for every (source, target) spec, with the raw times
-        from :func:`edge_costs.redistribution_matrix` (equal to
-        ``redistribute_time``, ~10x faster on 3-D meshes)."""
-        raw = redistribution_matrix(src_specs, dst_specs, self.device, self._pair_cache)
-        tiebreak = cost_model.TRANSITION_TIEBREAK
-        discount = (lambda t: cost_model.apply_discount(t, kind, self.overlap)) if kind is not None else None
-        # Partial mesh dims of each source / non-partial ones of each target:
-        # a pair reduces a Partial where they meet.
-        src_partial = [_partial_mask(s) for s in src_specs]
-        dst_whole = [~_partial_mask(d) for d in dst_specs]
-        rows = []
-        for s, sp, raw_row in zip(src_specs, src_partial, raw):
-            row = []
-            for d, dw, t in zip(dst_specs, dst_whole, raw_row):
-                if keep_partial and sp & dw:
-                    row.append(math.inf)
-                    continue
-                # as _pair
-                if t != 0.0 and math.isfinite(t):
-                    if discount is not None:
-                        t = discount(t)
-                    t += tiebreak
-                elif t == 0.0 and s.placements != d.placements:
-                    t = tiebreak
-                row.append(t)
-            rows.append(row)
-        return rows
+    def _class_matrix(self, src_specs, dst_specs, kind, keep_partial) -> np.ndarray:
+        """:meth:`_pair` for every (source, target) spec (``inf`` where
+        ``keep_partial`` forbids reducing a Partial), computed whole with
+        numpy (:func:`class_costs.class_cost_grid`, bit-identical)."""
+        return class_cost_grid(src_specs, dst_specs, self.device, self.overlap, kind, keep_partial)
 
     def redistribution(
         self, prod: list[Option], cons: list[Option], arg: int, kind: str | None, keep_partial: bool = False
@@ -143,7 +117,9 @@ class EdgeMatrices:
             grid = self._grids.get(class_key)
             if grid is None:
                 grid = self._grids[class_key] = _ClassGrid(
-                    lambda s, d: self._class_matrix(s, d, kind, keep_partial), src_specs, dst_specs
+                    lambda: self._class_matrix(src_specs, dst_specs, kind, keep_partial),
+                    len(src_specs),
+                    len(dst_specs),
                 )
             matrix = LazyClassMatrix(grid, row_class, col_class)
             self._matrices[key] = (matrix, prod, cons)
@@ -152,11 +128,11 @@ class EdgeMatrices:
         # Options with the same output placements get the same row object.
         rows_by_class: dict[int, list[float]] = {}
         rows = []
+        columns = np.asarray(col_class, dtype=np.int64)
         for r in row_class:
             row = rows_by_class.get(r)
             if row is None:
-                costs = class_rows[r]
-                row = rows_by_class[r] = [costs[c] for c in col_class]
+                row = rows_by_class[r] = class_rows[r, columns].tolist()
             rows.append(row)
         # keep prod/cons alive so their ids stay unique while cached
         self._matrices[key] = (rows, prod, cons)
@@ -244,30 +220,24 @@ def _spec_classes(specs: list) -> tuple[list, list[int]]:
 
 class _ClassGrid:
     """Costs between the distinct source and target specs of one tensor,
-    computed on demand by whole columns (every source, some targets) or whole
-    rows, and kept: pricing asks each option in play against all others."""
+    computed whole on first use (numpy, ~0.1 us an entry: pricing asks each
+    option in play against all others, and exact pricing every option
+    against every partner) and kept."""
 
-    def __init__(self, compute, src_specs: list, dst_specs: list):
-        self._compute = compute  # (source specs, target specs) -> rows
-        self._src, self._dst = src_specs, dst_specs
-        self._cols: dict[int, np.ndarray] = {}
-        self._rows: dict[int, np.ndarray] = {}
+    def __init__(self, compute, sources: int, targets: int):
+        self._compute = compute  # () -> (sources, targets) float64 array
+        self.shape = (sources, targets)
+        self._costs: np.ndarray | None = None
+
+    @property
+    def costs(self) -> np.ndarray:
+        if self._costs is None:
+            self._costs = self._compute()
+        return self._costs
 
     def block(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         """Costs of the sources ``src`` x the targets ``dst`` (class ids)."""
-        if len(dst) <= len(src):
-            missing = [int(d) for d in dst if int(d) not in self._cols]
-            if missing:
-                m = np.asarray(self._compute(self._src, [self._dst[d] for d in missing]), dtype=np.float64)
-                for k, d in enumerate(missing):
-                    self._cols[d] = m[:, k].copy()
-            return np.stack([self._cols[int(d)] for d in dst], axis=1)[src]
-        missing = [int(r) for r in src if int(r) not in self._rows]
-        if missing:
-            m = np.asarray(self._compute([self._src[r] for r in missing], self._dst), dtype=np.float64)
-            for k, r in enumerate(missing):
-                self._rows[r] = m[k].copy()
-        return np.stack([self._rows[int(r)] for r in src], axis=0)[:, dst]
+        return self.costs[np.ix_(src, dst)]
 
 
 class LazyClassMatrix:
