@@ -9,7 +9,25 @@ options in play against every option of the other end. They implement the
 solver's lazy-matrix interface: ``shape``, ``floor`` (a lower bound on every
 entry: costs are times, >= 0) and ``block(rows, cols)`` (a float64 array,
 ``inf`` for a forbidden pair). Entries equal the dense matrices' exactly
-(tests/autoparallel/test_lazy_matrices.py).
+(tests/autoparallel/test_class_costs.py).
+
+Both kinds also reduce over the whole matrix (optional in the solver's lazy
+interface: a matrix without them is read block by block), exactly, over
+every row and column option:
+
+* ``min_plus_rows(col_values)``: shape (rows,), ``out[i] = min_j (C[i, j] -
+  col_values[j])``;
+* ``min_plus_cols(row_values)``: shape (cols,), ``out[j] = min_i (C[i, j] -
+  row_values[i])``;
+
+entries ``C = inf`` are skipped, so a row (column) of forbidden pairs gives
+``inf``; values are finite. :class:`LazyClassMatrix` reduces per class:
+the largest value of each column (row) class, a min over the class grid,
+mapped back to options; :class:`LazyKeyMatch` per key, its rows with their
+own cost function over their full rows.
+
+Class grids are computed whole, with numpy (:mod:`autoparallel.class_costs`,
+~0.1-0.5 us an entry against ~10 us pair by pair on a 4-D mesh).
 """
 
 from __future__ import annotations
@@ -240,6 +258,35 @@ class _ClassGrid:
         return self.costs[np.ix_(src, dst)]
 
 
+# Grid rows per chunk of a min-plus reduction: bounds its temporaries.
+_MIN_PLUS_CHUNK = 1 << 18
+
+
+def _min_plus(costs: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``min_j (costs[i, j] - values[j])`` per row, ``inf`` entries skipped
+    (``inf`` for a row of them, or without columns), a chunk of rows at a time."""
+    out = np.full(costs.shape[0], math.inf)
+    if costs.shape[1] == 0:
+        return out
+    rows = max(1, _MIN_PLUS_CHUNK // costs.shape[1])
+    for r0 in range(0, costs.shape[0], rows):
+        chunk = costs[r0 : r0 + rows]
+        with np.errstate(invalid="ignore"):  # inf - inf: skipped below
+            diff = chunk - values
+        diff[np.isinf(chunk)] = math.inf
+        out[r0 : r0 + rows] = diff.min(axis=1)
+    return out
+
+
+def _max_per_class(values, classes: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """The largest of ``values`` per class (of ``count``), and which classes have any."""
+    best = np.full(count, -math.inf)
+    np.maximum.at(best, classes, np.asarray(values, dtype=np.float64))
+    present = np.zeros(count, dtype=bool)
+    present[classes] = True
+    return best, present
+
+
 class LazyClassMatrix:
     """A redistribution matrix over options, by the classes (distinct
     placements) of its rows and columns in a shared :class:`_ClassGrid`."""
@@ -251,6 +298,24 @@ class LazyClassMatrix:
         self._row_class = np.asarray(row_class, dtype=np.int64)
         self._col_class = np.asarray(col_class, dtype=np.int64)
         self.shape = (len(row_class), len(col_class))
+
+    def min_plus_rows(self, col_values) -> np.ndarray:
+        """Per row option i: ``min_j (C[i, j] - col_values[j])`` over all
+        columns, ``inf`` entries skipped. Options of one column class share
+        their costs, so only the largest value of each class counts."""
+        best, present = _max_per_class(col_values, self._col_class, self._grid.shape[1])
+        costs = self._grid.costs
+        if not present.all():  # classes of the grid no option of ours has
+            costs, best = costs[:, present], best[present]
+        return _min_plus(costs, best)[self._row_class]
+
+    def min_plus_cols(self, row_values) -> np.ndarray:
+        """Per column option j: ``min_i (C[i, j] - row_values[i])`` over all rows."""
+        best, present = _max_per_class(row_values, self._row_class, self._grid.shape[0])
+        costs = self._grid.costs
+        if not present.all():
+            costs, best = costs[present], best[present]
+        return _min_plus(costs.T, best)[self._col_class]
 
     def block(self, rows, cols) -> np.ndarray:
         rc = self._row_class[np.asarray(rows, dtype=np.int64)]
@@ -273,16 +338,42 @@ class LazyKeyMatch:
         self._row_costs = row_costs or {}
         self._rows: dict[int, np.ndarray] = {}
         self.shape = (len(row_keys), len(col_keys))
+        self._keys = int(max(self._row_keys.max(initial=-1), self._col_keys.max(initial=-1))) + 1
+
+    def _row(self, r: int) -> np.ndarray:
+        """The full row of a row with its own cost function, kept."""
+        row = self._rows.get(r)
+        if row is None:
+            row = self._rows[r] = self._row_costs[r](r)
+        return row
 
     def block(self, rows, cols) -> np.ndarray:
         rows = np.asarray(rows, dtype=np.int64)
         cols = np.asarray(cols, dtype=np.int64)
         out = np.where(self._row_keys[rows][:, None] == self._col_keys[cols][None, :], 0.0, math.inf)
         for k, r in enumerate(rows.tolist()):
-            f = self._row_costs.get(r)
-            if f is not None:
-                row = self._rows.get(r)
-                if row is None:
-                    row = self._rows[r] = f(r)
-                out[k] = row[cols]
+            if r in self._row_costs:
+                out[k] = self._row(r)[cols]
+        return out
+
+    def min_plus_rows(self, col_values) -> np.ndarray:
+        """Per row i: ``min_j (C[i, j] - col_values[j])`` over all columns,
+        ``inf`` entries skipped: minus the largest value among the columns
+        with the row's key (``inf`` if none), or over its own row."""
+        values = np.asarray(col_values, dtype=np.float64)
+        best, present = _max_per_class(values, self._col_keys, self._keys)
+        out = np.where(present[self._row_keys], 0.0 - best[self._row_keys], math.inf)
+        for r in self._row_costs:
+            out[r] = _min_plus(self._row(r)[None, :], values)[0]
+        return out
+
+    def min_plus_cols(self, row_values) -> np.ndarray:
+        """Per column j: ``min_i (C[i, j] - row_values[i])`` over all rows."""
+        values = np.asarray(row_values, dtype=np.float64)
+        keyed = np.ones(self.shape[0], dtype=bool)
+        keyed[list(self._row_costs)] = False
+        best, present = _max_per_class(values[keyed], self._row_keys[keyed], self._keys)
+        out = np.where(present[self._col_keys], 0.0 - best[self._col_keys], math.inf)
+        for r in self._row_costs:
+            out = np.minimum(out, _min_plus(self._row(r)[:, None], values[r : r + 1]))
         return out

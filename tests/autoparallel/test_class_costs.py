@@ -172,3 +172,99 @@ def test_class_grid_equals_pairs(kind, overlap, keep_partial, mesh_shape):
         grid = class_costs.class_cost_grid(src, dst, device, overlap, kind, keep_partial)
         assert np.array_equal(grid, _reference(src, dst, device, overlap, kind, keep_partial))
         assert (grid == cost_model.TRANSITION_TIEBREAK).any() == (1 in mesh_shape)
+
+
+def _brute_rows(matrix, col_values):
+    full = matrix.block(np.arange(matrix.shape[0]), np.arange(matrix.shape[1]))
+    return np.where(np.isinf(full), math.inf, full - col_values[None, :]).min(axis=1, initial=math.inf)
+
+
+def _brute_cols(matrix, row_values):
+    full = matrix.block(np.arange(matrix.shape[0]), np.arange(matrix.shape[1]))
+    return np.where(np.isinf(full), math.inf, full - row_values[:, None]).min(axis=0, initial=math.inf)
+
+
+def _assert_same(ours, brute):
+    assert ours.shape == brute.shape
+    assert np.array_equal(np.isinf(ours), np.isinf(brute))
+    finite = np.isfinite(brute)
+    assert np.allclose(ours[finite], brute[finite], rtol=1e-12, atol=0)
+
+
+def _random_costs(rng, shape, inf_share):
+    costs = rng.uniform(0, 5, size=shape)
+    costs[rng.random(shape) < inf_share] = math.inf
+    return costs
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_class_matrix_min_plus_equals_brute_force(seed):
+    """Over option indices: classes repeat options, some grid classes have
+    no option (a grid is shared by matrices), whole rows of the grid inf."""
+    rng = np.random.default_rng(seed)
+    n_src, n_dst = rng.integers(1, 9), rng.integers(1, 9)
+    costs = _random_costs(rng, (n_src, n_dst), 0.3)
+    costs[0] = math.inf
+    calls = []
+    grid = _ClassGrid(lambda: calls.append(1) or costs, n_src, n_dst)
+    rows, cols = rng.integers(3, 40), rng.integers(3, 40)
+    row_class = rng.integers(0, n_src, size=rows)
+    row_class[0] = 0
+    col_class = rng.integers(0, max(1, n_dst - 1), size=cols)  # maybe not the last class
+    matrix = LazyClassMatrix(grid, row_class.tolist(), col_class.tolist())
+    col_values, row_values = rng.normal(0, 3, size=cols), rng.normal(0, 3, size=rows)
+    ours = matrix.min_plus_rows(col_values)
+    _assert_same(ours, _brute_rows(matrix, col_values))
+    assert np.isinf(ours[0]) and np.isfinite(ours).any()
+    _assert_same(matrix.min_plus_cols(row_values), _brute_cols(matrix, row_values))
+    assert len(calls) == 1  # the grid is computed once, whole
+
+
+def test_class_matrix_min_plus_in_chunks(monkeypatch):
+    from autoparallel import edge_matrices
+
+    monkeypatch.setattr(edge_matrices, "_MIN_PLUS_CHUNK", 5)
+    rng = np.random.default_rng(11)
+    costs = _random_costs(rng, (13, 7), 0.2)
+    row_class, col_class = rng.integers(0, 13, 30).tolist(), rng.integers(0, 7, 25).tolist()
+    matrix = LazyClassMatrix(_ClassGrid(lambda: costs, 13, 7), row_class, col_class)
+    col_values, row_values = rng.normal(size=25), rng.normal(size=30)
+    _assert_same(matrix.min_plus_rows(col_values), _brute_rows(matrix, col_values))
+    _assert_same(matrix.min_plus_cols(row_values), _brute_cols(matrix, row_values))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_key_match_min_plus_equals_brute_force(seed):
+    """Keys only rows have (inf rows), keys only columns have (inf
+    columns), rows with their own costs (inf entries among them)."""
+    rng = np.random.default_rng(100 + seed)
+    rows, cols = int(rng.integers(3, 30)), int(rng.integers(3, 30))
+    row_keys = rng.integers(0, 6, size=rows).tolist()
+    col_keys = rng.integers(1, 8, size=cols).tolist()  # key 0: rows only; 6, 7: columns only
+    row_keys[0] = 0
+    own = {int(r): _random_costs(rng, (cols,), 0.3) for r in 1 + rng.choice(rows - 1, size=2, replace=False)}
+    matrix = LazyKeyMatch(row_keys, col_keys, {r: (lambda i, c=c: c) for r, c in own.items()})
+    col_values, row_values = rng.normal(0, 3, size=cols), rng.normal(0, 3, size=rows)
+    ours = matrix.min_plus_rows(col_values)
+    _assert_same(ours, _brute_rows(matrix, col_values))
+    assert np.isinf(ours[0]) and np.isfinite(ours).any()
+    _assert_same(matrix.min_plus_cols(row_values), _brute_cols(matrix, row_values))
+
+
+def test_min_plus_on_a_real_grid():
+    """A redistribution matrix of EdgeMatrices (lazy), options repeating
+    placements: the reductions equal brute force over its block."""
+    from autoparallel.strategies import Option
+
+    mesh = _mesh((2, 2, 2))
+    meta = _meta((8, 6, 4))
+    rng = random.Random(3)
+    specs = _specs(mesh, meta, 40, rng, odd=False)
+    options = [Option(specs[i % len(specs)], (specs[(i * 7) % len(specs)],)) for i in range(90)]
+    matrices = EdgeMatrices(cost_model.H100, CommOverlapPolicy(), lazy=True)
+    matrix = matrices.redistribution(options, options[:60], 0, None, keep_partial=True)
+    assert isinstance(matrix, LazyClassMatrix)
+    values = np.random.default_rng(0)
+    col_values, row_values = values.normal(0, 1e-4, size=60), values.normal(0, 1e-4, size=90)
+    _assert_same(matrix.min_plus_rows(col_values), _brute_rows(matrix, col_values))
+    _assert_same(matrix.min_plus_cols(row_values), _brute_cols(matrix, row_values))
