@@ -61,7 +61,8 @@ def _fast_id(spec: DTensorSpec) -> int | None:
         return None
     i = _INTERN.get(spec.placements)
     if i is None:
-        # exact types: Partial subclasses (masked, norm) reduce differently
+        # exact types: Partial subclasses (masked, norm) compare differently
+        # (Partial() == _MaskPartial() but not the other way round)
         if any(type(p) not in _PLAIN for p in spec.placements):
             return None
         i = _INTERN[spec.placements] = len(_INTERN)
@@ -143,6 +144,27 @@ def _divisors_id(mesh_shape, codes) -> int:
     return i
 
 
+def step_time(t: comm.MeshDimTopology, kinds: tuple[str, ...], cur_bytes: int, new_bytes: int, device: DeviceSpec) -> float:
+    """Seconds of one plan step on a mesh dim of topology ``t``: the body of
+    ``comm._costed_steps`` for one step (same operations, same order)."""
+    time = 0.0
+    if t.group_size > 1:
+        for kind in kinds:
+            if kind == "forbidden":
+                time = math.inf
+            elif kind == "local_copy":
+                time += comm._local_copy_time(new_bytes, device)
+            else:
+                time += comm.collective_time(kind, cur_bytes, t.group_size, t.intra_node, device, t.ranks_per_node)
+    return time
+
+
+def step_times(mesh, device: DeviceSpec) -> dict[tuple, float]:
+    """The cache of :func:`step_time` per (mesh dim, kinds, bytes before,
+    bytes after), shared by every matrix on ``mesh`` and ``device``."""
+    return _STEPS.setdefault((mesh, device), {})
+
+
 def redistribution_matrix(
     src_specs: Sequence[DTensorSpec],
     dst_specs: Sequence[DTensorSpec],
@@ -167,7 +189,7 @@ def redistribution_matrix(
     shape = tuple(meta.shape)
     itemsize = meta.dtype.itemsize
     topo = comm._mesh_dim_topology(mesh, device.gpus_per_node)
-    steps = _STEPS.setdefault((mesh, device), {})
+    steps = step_times(mesh, device)
     pairs = (pair_cache if pair_cache is not None else {}).setdefault((shape, itemsize, mesh, device), {})
     nbytes: dict[int, int] = {}
 
@@ -192,20 +214,7 @@ def redistribution_matrix(
             skey = (mesh_dim, kinds, cur_bytes, new_bytes)
             time = steps.get(skey)
             if time is None:
-                # the body of comm._costed_steps for one step
-                t = topo[mesh_dim]
-                time = 0.0
-                if t.group_size > 1:
-                    for kind in kinds:
-                        if kind == "forbidden":
-                            time = math.inf
-                        elif kind == "local_copy":
-                            time += comm._local_copy_time(new_bytes, device)
-                        else:
-                            time += comm.collective_time(
-                                kind, cur_bytes, t.group_size, t.intra_node, device, t.ranks_per_node
-                            )
-                steps[skey] = time
+                time = steps[skey] = step_time(topo[mesh_dim], kinds, cur_bytes, new_bytes, device)
             total += time
             cur_bytes = new_bytes
         return total

@@ -9,7 +9,25 @@ options in play against every option of the other end. They implement the
 solver's lazy-matrix interface: ``shape``, ``floor`` (a lower bound on every
 entry: costs are times, >= 0) and ``block(rows, cols)`` (a float64 array,
 ``inf`` for a forbidden pair). Entries equal the dense matrices' exactly
-(tests/autoparallel/test_lazy_matrices.py).
+(tests/autoparallel/test_class_costs.py).
+
+Both kinds also reduce over the whole matrix (optional in the solver's lazy
+interface: a matrix without them is read block by block), exactly, over
+every row and column option:
+
+* ``min_plus_rows(col_values)``: shape (rows,), ``out[i] = min_j (C[i, j] -
+  col_values[j])``;
+* ``min_plus_cols(row_values)``: shape (cols,), ``out[j] = min_i (C[i, j] -
+  row_values[i])``;
+
+entries ``C = inf`` are skipped, so a row (column) of forbidden pairs gives
+``inf``; values are finite. :class:`LazyClassMatrix` reduces per class:
+the largest value of each column (row) class, a min over the class grid,
+mapped back to options; :class:`LazyKeyMatch` per key, its rows with their
+own cost function over their full rows.
+
+Class grids are computed whole, with numpy (:mod:`autoparallel.class_costs`,
+~0.1-0.5 us an entry against ~10 us pair by pair on a 4-D mesh).
 """
 
 from __future__ import annotations
@@ -19,13 +37,8 @@ import math
 import numpy as np
 
 from . import cost_model
-from .edge_costs import redistribution_matrix
+from .class_costs import class_cost_grid
 from .strategies import Option, placements_of
-
-
-def _partial_mask(spec) -> int:
-    return sum(1 << i for i, p in enumerate(spec.placements) if p.is_partial())
-
 
 
 class EdgeMatrices:
@@ -51,7 +64,6 @@ class EdgeMatrices:
         self._placement_ids: dict = {}  # distinct placements -> small int
         self._matrices: dict = {}
         self._classes: dict = {}
-        self._pair_cache: dict = {}  # for edge_costs.redistribution_matrix
 
     def _pair(self, src, dst, kind) -> float:
         t = cost_model.redistribute_time(src, dst, self.device)
@@ -97,36 +109,16 @@ class EdgeMatrices:
         return class_rows, row_class, col_class
 
     def drop_pair_cache(self) -> None:
-        self._pair_cache = {}
+        """Drop the class grids dense matrices were read from (kept per class
+        key while building: edges of one tensor shape share them); lazy
+        matrices keep theirs in their own :class:`_ClassGrid`."""
+        self._classes = {}
 
-    def _class_matrix(self, src_specs, dst_specs, kind, keep_partial) -> list[list[float]]:
-        """:meth:`_pair` for every (source, target) spec, with the raw times
-        from :func:`edge_costs.redistribution_matrix` (equal to
-        ``redistribute_time``, ~10x faster on 3-D meshes)."""
-        raw = redistribution_matrix(src_specs, dst_specs, self.device, self._pair_cache)
-        tiebreak = cost_model.TRANSITION_TIEBREAK
-        discount = (lambda t: cost_model.apply_discount(t, kind, self.overlap)) if kind is not None else None
-        # Partial mesh dims of each source / non-partial ones of each target:
-        # a pair reduces a Partial where they meet.
-        src_partial = [_partial_mask(s) for s in src_specs]
-        dst_whole = [~_partial_mask(d) for d in dst_specs]
-        rows = []
-        for s, sp, raw_row in zip(src_specs, src_partial, raw):
-            row = []
-            for d, dw, t in zip(dst_specs, dst_whole, raw_row):
-                if keep_partial and sp & dw:
-                    row.append(math.inf)
-                    continue
-                # as _pair
-                if t != 0.0 and math.isfinite(t):
-                    if discount is not None:
-                        t = discount(t)
-                    t += tiebreak
-                elif t == 0.0 and s.placements != d.placements:
-                    t = tiebreak
-                row.append(t)
-            rows.append(row)
-        return rows
+    def _class_matrix(self, src_specs, dst_specs, kind, keep_partial) -> np.ndarray:
+        """:meth:`_pair` for every (source, target) spec (``inf`` where
+        ``keep_partial`` forbids reducing a Partial), computed whole with
+        numpy (:func:`class_costs.class_cost_grid`, bit-identical)."""
+        return class_cost_grid(src_specs, dst_specs, self.device, self.overlap, kind, keep_partial)
 
     def redistribution(
         self, prod: list[Option], cons: list[Option], arg: int, kind: str | None, keep_partial: bool = False
@@ -143,7 +135,9 @@ class EdgeMatrices:
             grid = self._grids.get(class_key)
             if grid is None:
                 grid = self._grids[class_key] = _ClassGrid(
-                    lambda s, d: self._class_matrix(s, d, kind, keep_partial), src_specs, dst_specs
+                    lambda: self._class_matrix(src_specs, dst_specs, kind, keep_partial),
+                    len(src_specs),
+                    len(dst_specs),
                 )
             matrix = LazyClassMatrix(grid, row_class, col_class)
             self._matrices[key] = (matrix, prod, cons)
@@ -152,11 +146,11 @@ class EdgeMatrices:
         # Options with the same output placements get the same row object.
         rows_by_class: dict[int, list[float]] = {}
         rows = []
+        columns = np.asarray(col_class, dtype=np.int64)
         for r in row_class:
             row = rows_by_class.get(r)
             if row is None:
-                costs = class_rows[r]
-                row = rows_by_class[r] = [costs[c] for c in col_class]
+                row = rows_by_class[r] = class_rows[r, columns].tolist()
             rows.append(row)
         # keep prod/cons alive so their ids stay unique while cached
         self._matrices[key] = (rows, prod, cons)
@@ -244,30 +238,53 @@ def _spec_classes(specs: list) -> tuple[list, list[int]]:
 
 class _ClassGrid:
     """Costs between the distinct source and target specs of one tensor,
-    computed on demand by whole columns (every source, some targets) or whole
-    rows, and kept: pricing asks each option in play against all others."""
+    computed whole on first use (numpy, ~0.1 us an entry: pricing asks each
+    option in play against all others, and exact pricing every option
+    against every partner) and kept."""
 
-    def __init__(self, compute, src_specs: list, dst_specs: list):
-        self._compute = compute  # (source specs, target specs) -> rows
-        self._src, self._dst = src_specs, dst_specs
-        self._cols: dict[int, np.ndarray] = {}
-        self._rows: dict[int, np.ndarray] = {}
+    def __init__(self, compute, sources: int, targets: int):
+        self._compute = compute  # () -> (sources, targets) float64 array
+        self.shape = (sources, targets)
+        self._costs: np.ndarray | None = None
+
+    @property
+    def costs(self) -> np.ndarray:
+        if self._costs is None:
+            self._costs = self._compute()
+        return self._costs
 
     def block(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         """Costs of the sources ``src`` x the targets ``dst`` (class ids)."""
-        if len(dst) <= len(src):
-            missing = [int(d) for d in dst if int(d) not in self._cols]
-            if missing:
-                m = np.asarray(self._compute(self._src, [self._dst[d] for d in missing]), dtype=np.float64)
-                for k, d in enumerate(missing):
-                    self._cols[d] = m[:, k].copy()
-            return np.stack([self._cols[int(d)] for d in dst], axis=1)[src]
-        missing = [int(r) for r in src if int(r) not in self._rows]
-        if missing:
-            m = np.asarray(self._compute([self._src[r] for r in missing], self._dst), dtype=np.float64)
-            for k, r in enumerate(missing):
-                self._rows[r] = m[k].copy()
-        return np.stack([self._rows[int(r)] for r in src], axis=0)[:, dst]
+        return self.costs[np.ix_(src, dst)]
+
+
+# Grid rows per chunk of a min-plus reduction: bounds its temporaries.
+_MIN_PLUS_CHUNK = 1 << 18
+
+
+def _min_plus(costs: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``min_j (costs[i, j] - values[j])`` per row, ``inf`` entries skipped
+    (``inf`` for a row of them, or without columns), a chunk of rows at a time."""
+    out = np.full(costs.shape[0], math.inf)
+    if costs.shape[1] == 0:
+        return out
+    rows = max(1, _MIN_PLUS_CHUNK // costs.shape[1])
+    for r0 in range(0, costs.shape[0], rows):
+        chunk = costs[r0 : r0 + rows]
+        with np.errstate(invalid="ignore"):  # inf - inf: skipped below
+            diff = chunk - values
+        diff[np.isinf(chunk)] = math.inf
+        out[r0 : r0 + rows] = diff.min(axis=1)
+    return out
+
+
+def _max_per_class(values, classes: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """The largest of ``values`` per class (of ``count``), and which classes have any."""
+    best = np.full(count, -math.inf)
+    np.maximum.at(best, classes, np.asarray(values, dtype=np.float64))
+    present = np.zeros(count, dtype=bool)
+    present[classes] = True
+    return best, present
 
 
 class LazyClassMatrix:
@@ -281,6 +298,24 @@ class LazyClassMatrix:
         self._row_class = np.asarray(row_class, dtype=np.int64)
         self._col_class = np.asarray(col_class, dtype=np.int64)
         self.shape = (len(row_class), len(col_class))
+
+    def min_plus_rows(self, col_values) -> np.ndarray:
+        """Per row option i: ``min_j (C[i, j] - col_values[j])`` over all
+        columns, ``inf`` entries skipped. Options of one column class share
+        their costs, so only the largest value of each class counts."""
+        best, present = _max_per_class(col_values, self._col_class, self._grid.shape[1])
+        costs = self._grid.costs
+        if not present.all():  # classes of the grid no option of ours has
+            costs, best = costs[:, present], best[present]
+        return _min_plus(costs, best)[self._row_class]
+
+    def min_plus_cols(self, row_values) -> np.ndarray:
+        """Per column option j: ``min_i (C[i, j] - row_values[i])`` over all rows."""
+        best, present = _max_per_class(row_values, self._row_class, self._grid.shape[0])
+        costs = self._grid.costs
+        if not present.all():
+            costs, best = costs[present], best[present]
+        return _min_plus(costs.T, best)[self._col_class]
 
     def block(self, rows, cols) -> np.ndarray:
         rc = self._row_class[np.asarray(rows, dtype=np.int64)]
@@ -303,16 +338,42 @@ class LazyKeyMatch:
         self._row_costs = row_costs or {}
         self._rows: dict[int, np.ndarray] = {}
         self.shape = (len(row_keys), len(col_keys))
+        self._keys = int(max(self._row_keys.max(initial=-1), self._col_keys.max(initial=-1))) + 1
+
+    def _row(self, r: int) -> np.ndarray:
+        """The full row of a row with its own cost function, kept."""
+        row = self._rows.get(r)
+        if row is None:
+            row = self._rows[r] = self._row_costs[r](r)
+        return row
 
     def block(self, rows, cols) -> np.ndarray:
         rows = np.asarray(rows, dtype=np.int64)
         cols = np.asarray(cols, dtype=np.int64)
         out = np.where(self._row_keys[rows][:, None] == self._col_keys[cols][None, :], 0.0, math.inf)
         for k, r in enumerate(rows.tolist()):
-            f = self._row_costs.get(r)
-            if f is not None:
-                row = self._rows.get(r)
-                if row is None:
-                    row = self._rows[r] = f(r)
-                out[k] = row[cols]
+            if r in self._row_costs:
+                out[k] = self._row(r)[cols]
+        return out
+
+    def min_plus_rows(self, col_values) -> np.ndarray:
+        """Per row i: ``min_j (C[i, j] - col_values[j])`` over all columns,
+        ``inf`` entries skipped: minus the largest value among the columns
+        with the row's key (``inf`` if none), or over its own row."""
+        values = np.asarray(col_values, dtype=np.float64)
+        best, present = _max_per_class(values, self._col_keys, self._keys)
+        out = np.where(present[self._row_keys], 0.0 - best[self._row_keys], math.inf)
+        for r in self._row_costs:
+            out[r] = _min_plus(self._row(r)[None, :], values)[0]
+        return out
+
+    def min_plus_cols(self, row_values) -> np.ndarray:
+        """Per column j: ``min_i (C[i, j] - row_values[i])`` over all rows."""
+        values = np.asarray(row_values, dtype=np.float64)
+        keyed = np.ones(self.shape[0], dtype=bool)
+        keyed[list(self._row_costs)] = False
+        best, present = _max_per_class(values[keyed], self._row_keys[keyed], self._keys)
+        out = np.where(present[self._col_keys], 0.0 - best[self._col_keys], math.inf)
+        for r in self._row_costs:
+            out = np.minimum(out, _min_plus(self._row(r)[:, None], values[r : r + 1]))
         return out

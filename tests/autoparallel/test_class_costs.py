@@ -1,0 +1,270 @@
+"""Issue 13: whole class grids computed with numpy (autoparallel/class_costs.py)
+are bit-identical to the per-pair costs, and the lazy matrices' min-plus
+reductions equal brute force."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry, TensorMeta
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _MaskPartial, _StridedShard
+
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from torch.distributed.tensor._ops._math_ops import _NormPartial
+
+from autoparallel import class_costs, cost_model
+from autoparallel.cost_model import comm
+from autoparallel.cost_model.overlap import CommOverlapPolicy, HiddenComm
+from autoparallel.edge_matrices import EdgeMatrices, LazyClassMatrix, LazyKeyMatch, _ClassGrid
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _world():
+    """A fake world of 1024 ranks: every mesh here lies in it."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1024)
+    yield
+    dist.destroy_process_group()
+
+
+def _mesh(shape) -> DeviceMesh:
+    # planning only: no process groups per mesh dim
+    return DeviceMesh("cpu", torch.arange(math.prod(shape)).reshape(shape), _init_backend=False)
+
+
+def _meta(shape, dtype=torch.bfloat16):
+    t = torch.empty(shape, dtype=dtype, device="meta")
+    return TensorMeta(t.shape, t.stride(), t.dtype)
+
+
+class _OtherPartial(Partial):
+    """A Partial subclass the fast path does not know: goes pair by pair."""
+
+
+# two embeddings' masked sums (equal only to themselves) and a norm's partial
+_MASKED = [_MaskPartial(offset_shape=torch.Size([64, 8]), offset_dim=0) for _ in range(2)]
+
+
+def _atoms(ndim_tensor):
+    partials = [Partial(), Partial("avg"), Partial("max"), *_MASKED, _NormPartial(2)]
+    return [Replicate(), *partials] + [Shard(d) for d in range(ndim_tensor)]
+
+
+def _specs(mesh, meta, count, rng, odd=True):
+    """``count`` distinct plain placements, and with ``odd`` specs the fast
+    path leaves to the per-pair one: a strided shard, a non-default shard
+    order (2-D meshes), an unknown Partial subclass."""
+    n = mesh.ndim
+    combos = list(itertools.product(_atoms(len(meta.shape)), repeat=n))
+    specs = [DTensorSpec(mesh, tuple(p), tensor_meta=meta) for p in rng.sample(combos, min(count, len(combos)))]
+    if odd:
+        strided = (_StridedShard(0, split_factor=2),) + (Replicate(),) * (n - 1)
+        specs.insert(len(specs) // 2, DTensorSpec(mesh, strided, tensor_meta=meta))
+        specs.insert(1, DTensorSpec(mesh, (_OtherPartial(),) + (Replicate(),) * (n - 1), tensor_meta=meta))
+        if n == 2:
+            # tensor dim 0 sharded on mesh dims 0 and 1, inner one first
+            # (DTensor's graph planner, ~0.1 s a pair on 3-D and 4-D meshes)
+            order = (ShardOrderEntry(tensor_dim=0, mesh_dims=(1, 0)),)
+            placements = (Shard(0), Shard(0)) + (Replicate(),) * (n - 2)
+            specs.append(DTensorSpec(mesh, placements, tensor_meta=meta, shard_order=order))
+    return specs
+
+
+def _reference(src, dst, device, overlap, kind, keep_partial):
+    """The per-pair costs: EdgeMatrices._pair, inf where a kept Partial would be reduced."""
+    pairs = EdgeMatrices(device, overlap)
+    out = np.empty((len(src), len(dst)))
+    for i, s in enumerate(src):
+        for j, d in enumerate(dst):
+            reduces = any(a.is_partial() and not b.is_partial() for a, b in zip(s.placements, d.placements))
+            out[i, j] = math.inf if keep_partial and reduces else pairs._pair(s, d, kind)
+    return out
+
+
+@pytest.mark.parametrize(
+    "mesh_shape,tensor_shapes,count",
+    [
+        ((4,), [(8, 6), (3, 5, 7)], 12),
+        ((2, 4), [(8, 6, 4), (3, 16, 5)], 40),
+        ((2, 2, 2), [(8, 6, 4), (3, 16, 5)], 80),
+        ((2, 1, 2, 2), [(8, 6, 4)], 80),
+        ((2, 2, 2, 2), [(8, 6, 4), (3, 16, 5)], 120),
+        ((4, 4, 8, 8), [(32, 8192, 1024), (5, 129, 7)], 150),
+    ],
+)
+def test_raw_grid_equals_redistribute_time(mesh_shape, tensor_shapes, count):
+    """Every entry, bit for bit (inf included), uneven shards (ceil
+    division) and the specs that go pair by pair."""
+    mesh = _mesh(mesh_shape)
+    rng = random.Random(len(mesh_shape))
+    for shape in tensor_shapes:
+        meta = _meta(shape)
+        src = _specs(mesh, meta, count, rng)
+        dst = _specs(mesh, meta, count, rng)
+        for device in (cost_model.H100, cost_model.A100):
+            grid = class_costs.redistribution_grid(src, dst, device)
+            slow = np.array([[comm.redistribute_time(s, d, device) for d in dst] for s in src])
+            assert np.array_equal(grid, slow)
+            assert np.isinf(grid).any() and (grid == 0).any()
+
+
+def test_raw_grid_in_small_chunks_and_unique_lookup(monkeypatch):
+    """The chunked loop and the np.unique step lookup give the same grid."""
+    mesh = _mesh((2, 2, 2))
+    meta = _meta((3, 16, 5))
+    rng = random.Random(5)
+    src, dst = _specs(mesh, meta, 60, rng), _specs(mesh, meta, 50, rng)
+    slow = np.array([[comm.redistribute_time(s, d, cost_model.H100) for d in dst] for s in src])
+    monkeypatch.setattr(class_costs, "CHUNK_PAIRS", 7)
+    assert np.array_equal(class_costs.redistribution_grid(src, dst, cost_model.H100), slow)
+    monkeypatch.setattr(class_costs, "_LUT_LIMIT", 1)
+    assert np.array_equal(class_costs.redistribution_grid(src, dst, cost_model.H100), slow)
+
+
+def test_mixed_metas_and_no_meta_go_pair_by_pair():
+    mesh = _mesh((2, 2))
+    rng = random.Random(2)
+    a, b = _specs(mesh, _meta((8, 6)), 12, rng, odd=False), _specs(mesh, _meta((4, 6)), 12, rng, odd=False)
+    mixed = a[:6] + b[:6]
+    no_meta = [DTensorSpec(mesh, s.placements) for s in a[:3]]  # targets need no meta
+    for src, dst in [(mixed, a), (a, no_meta + a[3:])]:
+        grid = class_costs.redistribution_grid(src, dst, cost_model.H100)
+        assert np.array_equal(grid, [[comm.redistribute_time(s, d, cost_model.H100) for d in dst] for s in src])
+
+
+_WINDOWED = CommOverlapPolicy(compute_windows=True, regather_in_backward=True)
+
+
+@pytest.mark.parametrize(
+    "kind,overlap",
+    [
+        (None, CommOverlapPolicy()),
+        (cost_model.PARAM_ALL_GATHER, CommOverlapPolicy()),
+        (cost_model.GRAD_REDUCE_SCATTER, CommOverlapPolicy(grad_reduce_scatter_discount=0.6)),
+        (cost_model.PARAM_ALL_GATHER, CommOverlapPolicy(enabled=False)),
+        (HiddenComm(cost_model.PARAM_ALL_GATHER, 2e-5, 1e-5), _WINDOWED),
+        (HiddenComm(cost_model.GRAD_REDUCE_SCATTER, 3e-5), _WINDOWED),
+        (HiddenComm(cost_model.PARAM_ALL_GATHER, 2e-5, 1e-5), CommOverlapPolicy()),
+    ],
+)
+@pytest.mark.parametrize("keep_partial", [False, True])
+@pytest.mark.parametrize("mesh_shape", [(2, 4), (2, 1, 2, 2)])
+def test_class_grid_equals_pairs(kind, overlap, keep_partial, mesh_shape):
+    """Masking, discount and tiebreak as EdgeMatrices._pair, bit for bit;
+    moves over a mesh dim of size 1 are free (tiebreak only)."""
+    mesh = _mesh(mesh_shape)
+    rng = random.Random(7)
+    meta = _meta((8, 1, 5))
+    src, dst = _specs(mesh, meta, 50, rng), _specs(mesh, meta, 50, rng)
+    # a gather over mesh dim 1 (of size 1 in the 4-D mesh)
+    src.append(DTensorSpec(mesh, (Replicate(), Shard(0)) + (Replicate(),) * (len(mesh_shape) - 2), tensor_meta=meta))
+    dst.append(DTensorSpec(mesh, (Replicate(),) * len(mesh_shape), tensor_meta=meta))
+    for device in (cost_model.H100, cost_model.A100):
+        grid = class_costs.class_cost_grid(src, dst, device, overlap, kind, keep_partial)
+        assert np.array_equal(grid, _reference(src, dst, device, overlap, kind, keep_partial))
+        assert (grid == cost_model.TRANSITION_TIEBREAK).any() == (1 in mesh_shape)
+
+
+def _brute_rows(matrix, col_values):
+    full = matrix.block(np.arange(matrix.shape[0]), np.arange(matrix.shape[1]))
+    return np.where(np.isinf(full), math.inf, full - col_values[None, :]).min(axis=1, initial=math.inf)
+
+
+def _brute_cols(matrix, row_values):
+    full = matrix.block(np.arange(matrix.shape[0]), np.arange(matrix.shape[1]))
+    return np.where(np.isinf(full), math.inf, full - row_values[:, None]).min(axis=0, initial=math.inf)
+
+
+def _assert_same(ours, brute):
+    assert ours.shape == brute.shape
+    assert np.array_equal(np.isinf(ours), np.isinf(brute))
+    finite = np.isfinite(brute)
+    assert np.allclose(ours[finite], brute[finite], rtol=1e-12, atol=0)
+
+
+def _random_costs(rng, shape, inf_share):
+    costs = rng.uniform(0, 5, size=shape)
+    costs[rng.random(shape) < inf_share] = math.inf
+    return costs
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_class_matrix_min_plus_equals_brute_force(seed):
+    """Over option indices: classes repeat options, some grid classes have
+    no option (a grid is shared by matrices), whole rows of the grid inf."""
+    rng = np.random.default_rng(seed)
+    n_src, n_dst = rng.integers(1, 9), rng.integers(1, 9)
+    costs = _random_costs(rng, (n_src, n_dst), 0.3)
+    costs[0] = math.inf
+    calls = []
+    grid = _ClassGrid(lambda: calls.append(1) or costs, n_src, n_dst)
+    rows, cols = rng.integers(3, 40), rng.integers(3, 40)
+    row_class = rng.integers(0, n_src, size=rows)
+    row_class[0] = 0
+    col_class = rng.integers(0, max(1, n_dst - 1), size=cols)  # maybe not the last class
+    matrix = LazyClassMatrix(grid, row_class.tolist(), col_class.tolist())
+    col_values, row_values = rng.normal(0, 3, size=cols), rng.normal(0, 3, size=rows)
+    ours = matrix.min_plus_rows(col_values)
+    _assert_same(ours, _brute_rows(matrix, col_values))
+    assert np.isinf(ours[0]) and np.isfinite(ours).any()
+    _assert_same(matrix.min_plus_cols(row_values), _brute_cols(matrix, row_values))
+    assert len(calls) == 1  # the grid is computed once, whole
+
+
+def test_class_matrix_min_plus_in_chunks(monkeypatch):
+    from autoparallel import edge_matrices
+
+    monkeypatch.setattr(edge_matrices, "_MIN_PLUS_CHUNK", 5)
+    rng = np.random.default_rng(11)
+    costs = _random_costs(rng, (13, 7), 0.2)
+    row_class, col_class = rng.integers(0, 13, 30).tolist(), rng.integers(0, 7, 25).tolist()
+    matrix = LazyClassMatrix(_ClassGrid(lambda: costs, 13, 7), row_class, col_class)
+    col_values, row_values = rng.normal(size=25), rng.normal(size=30)
+    _assert_same(matrix.min_plus_rows(col_values), _brute_rows(matrix, col_values))
+    _assert_same(matrix.min_plus_cols(row_values), _brute_cols(matrix, row_values))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_key_match_min_plus_equals_brute_force(seed):
+    """Keys only rows have (inf rows), keys only columns have (inf
+    columns), rows with their own costs (inf entries among them)."""
+    rng = np.random.default_rng(100 + seed)
+    rows, cols = int(rng.integers(3, 30)), int(rng.integers(3, 30))
+    row_keys = rng.integers(0, 6, size=rows).tolist()
+    col_keys = rng.integers(1, 8, size=cols).tolist()  # key 0: rows only; 6, 7: columns only
+    row_keys[0] = 0
+    own = {int(r): _random_costs(rng, (cols,), 0.3) for r in 1 + rng.choice(rows - 1, size=2, replace=False)}
+    matrix = LazyKeyMatch(row_keys, col_keys, {r: (lambda i, c=c: c) for r, c in own.items()})
+    col_values, row_values = rng.normal(0, 3, size=cols), rng.normal(0, 3, size=rows)
+    ours = matrix.min_plus_rows(col_values)
+    _assert_same(ours, _brute_rows(matrix, col_values))
+    assert np.isinf(ours[0]) and np.isfinite(ours).any()
+    _assert_same(matrix.min_plus_cols(row_values), _brute_cols(matrix, row_values))
+
+
+def test_min_plus_on_a_real_grid():
+    """A redistribution matrix of EdgeMatrices (lazy), options repeating
+    placements: the reductions equal brute force over its block."""
+    from autoparallel.strategies import Option
+
+    mesh = _mesh((2, 2, 2))
+    meta = _meta((8, 6, 4))
+    rng = random.Random(3)
+    specs = _specs(mesh, meta, 40, rng, odd=False)
+    options = [Option(specs[i % len(specs)], (specs[(i * 7) % len(specs)],)) for i in range(90)]
+    matrices = EdgeMatrices(cost_model.H100, CommOverlapPolicy(), lazy=True)
+    matrix = matrices.redistribution(options, options[:60], 0, None, keep_partial=True)
+    assert isinstance(matrix, LazyClassMatrix)
+    values = np.random.default_rng(0)
+    col_values, row_values = values.normal(0, 1e-4, size=60), values.normal(0, 1e-4, size=90)
+    _assert_same(matrix.min_plus_rows(col_values), _brute_rows(matrix, col_values))
+    _assert_same(matrix.min_plus_cols(row_values), _brute_cols(matrix, row_values))
