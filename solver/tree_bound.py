@@ -43,6 +43,10 @@ logger = logging.getLogger(__name__)
 
 # Row options per edge sampled to weigh it (the cheapest by unary cost).
 SAMPLE_ROWS = 8
+# Elimination passes (forests recomputed over the options left) and the
+# share of options a pass must drop for another to run.
+MAX_PASSES = 4
+PASS_MIN_SHARE = 0.01
 # Relative slack on the elimination test: marginals and plan costs are
 # sums taken in different orders.
 ELIMINATION_RTOL = 1e-7
@@ -100,12 +104,14 @@ def edge_weights(quotient: Quotient, reparam: Reparam | None = None) -> list[flo
 
 
 def tree_marginals(quotient: Quotient, weights: list[float] | None = None,
-                   reparam: Reparam | None = None) -> TreeMarginals | None:
+                   reparam: Reparam | None = None, allowed: list[np.ndarray] | None = None) -> TreeMarginals | None:
     """Min-marginals of every option over a maximum-weight spanning forest
     of the classes (of the costs rewritten by ``reparam``, plus its
     constant); None when some forest edge's matrix cannot reduce whole rows
-    (no ``min_plus``)."""
+    (no ``min_plus``). ``allowed``: per class, the options still in play
+    (default: the classes' own)."""
     classes = quotient.classes
+    allowed = [c.allowed for c in classes] if allowed is None else allowed
     weights = edge_weights(quotient, reparam) if weights is None else weights
     graph = nx.Graph()
     graph.add_nodes_from(range(len(classes)))
@@ -113,7 +119,7 @@ def tree_marginals(quotient: Quotient, weights: list[float] | None = None,
         graph.add_edge(e.p, e.c, weight=weights[k], edge=k)
     forest = nx.maximum_spanning_tree(graph, weight="weight")
     unary = [c.unary for c in classes] if reparam is None else reparam.unary
-    h = [np.where(c.allowed, u, math.inf) for c, u in zip(classes, unary)]
+    h = [np.where(ok, u, math.inf) for ok, u in zip(allowed, unary)]
     up: dict[tuple[int, int], np.ndarray] = {}  # (child, parent) -> message over the parent's options
     order: list[tuple[int, int | None, int | None]] = []  # (class, parent, edge), parents first
     roots = []
@@ -217,32 +223,42 @@ class Elimination:
     plan: list[int] | None  # a forest's choice costing ``upper`` (None: the caller's plan is best)
 
 
-def eliminate(quotient: Quotient, upper: float, trees: int = 2, reparam: Reparam | None = None) -> Elimination | None:
+def eliminate(quotient: Quotient, upper: float, trees: int = 2, reparam: Reparam | None = None,
+              max_passes: int = MAX_PASSES) -> Elimination | None:
     """Per class, the options whose min-marginal on every one of ``trees``
     spanning forests is at most the best known plan's cost: every choice
     costing at most that uses only those. Each forest's own optimal choice
     is priced on the whole problem and becomes the known plan when cheaper
-    than ``upper``. None when the matrices cannot reduce whole rows."""
+    than ``upper``. Dropped options no longer partner anyone, which raises
+    the others' marginals: passes repeat while one drops more than
+    ``PASS_MIN_SHARE`` of the options left (at most ``max_passes``). None
+    when the matrices cannot reduce whole rows."""
     weights = edge_weights(quotient, reparam)
     keep = [c.allowed.copy() for c in quotient.classes]
+    total = sum(int(c.allowed.sum()) for c in quotient.classes)
     best, plan = -math.inf, None
-    for t in range(trees):
-        tm = tree_marginals(quotient, weights, reparam)
-        if tm is None:
-            return None
-        best = max(best, tm.bound)
-        cost = choice_cost(quotient, tm.choice)
-        if cost < upper:
-            upper, plan = cost, tm.choice
-        slack = ELIMINATION_RTOL * max(1.0, abs(upper))
-        for q, m in enumerate(tm.marginals):
-            keep[q] &= m <= upper + slack
-        # the next forest prefers edges this one left out
-        for k in tm.tree_edges:
-            weights[k] *= 0.25
-        logger.info("tree %d: bound %.9g, its plan %.9g, best plan %.9g, %d options left of %d", t + 1, tm.bound,
-                    cost, upper, sum(int(k.sum()) for k in keep), sum(int(c.allowed.sum()) for c in quotient.classes))
-    if plan is not None:
-        for q, o in enumerate(plan):
-            keep[q][o] = True  # its own options, whatever the rounding
+    for n_pass in range(max_passes):
+        before = sum(int(k.sum()) for k in keep)
+        for t in range(trees):
+            tm = tree_marginals(quotient, weights, reparam, allowed=keep)
+            if tm is None:
+                return None
+            best = max(best, tm.bound)
+            cost = choice_cost(quotient, tm.choice)
+            if cost < upper:
+                upper, plan = cost, tm.choice
+            slack = ELIMINATION_RTOL * max(1.0, abs(upper))
+            for q, m in enumerate(tm.marginals):
+                keep[q] &= m <= upper + slack
+            if plan is not None:
+                for q, o in enumerate(plan):
+                    keep[q][o] = True  # its own options, whatever the rounding
+            # the next forest prefers edges this one left out
+            for k in tm.tree_edges:
+                weights[k] *= 0.25
+            logger.info("pass %d, tree %d: bound %.9g, its plan %.9g, best plan %.9g, %d options left of %d",
+                        n_pass + 1, t + 1, tm.bound, cost, upper, sum(int(k.sum()) for k in keep), total)
+        left = sum(int(k.sum()) for k in keep)
+        if before - left <= PASS_MIN_SHARE * before:
+            break
     return Elimination(keep, best, upper, plan)
