@@ -28,6 +28,11 @@ def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _current_rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=2)
@@ -81,7 +86,7 @@ def main(argv=None) -> None:
         grids = grids[: a.max_grids]
     entries = sum(g.shape[0] * g.shape[1] for g in grids)
     print(f"{len(grids)} class grids, {entries / 1e6:.1f}M entries, largest {grids[0].shape[0]}x{grids[0].shape[1]}")
-    rss0 = _rss_mib()
+    rss0 = _current_rss_mib()
     t0 = time.perf_counter()
     total = 0.0
     for g in grids:
@@ -89,7 +94,7 @@ def main(argv=None) -> None:
         total += float(np.nansum(np.where(np.isfinite(block), block, 0.0)))
     dt = time.perf_counter() - t0
     print(f"all grids: {dt:.2f} s ({dt / entries * 1e9:.0f} ns/entry), checksum {total:.9e}")
-    print(f"peak RSS {_rss_mib():.0f} MiB (before the grids: {rss0:.0f} MiB)")
+    print(f"RSS {_current_rss_mib():.0f} MiB after the grids, {rss0:.0f} MiB before; peak {_rss_mib():.0f} MiB")
     print(f"load: {os.getloadavg()}")
 
 
