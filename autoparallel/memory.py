@@ -185,6 +185,11 @@ def _budget_breakdown(plan, entry: dict, optimizer: OptimizerSpec | None, hbm: f
 
     model = StepMemoryModel.from_json(entry["model"])
     est = model.estimate(plan.nodes, plan.mesh_shape)
+    if any(b < 0 for term in model.terms.values() for b in term.values()):
+        notes = notes + [
+            "estimated by a memory model that charged values recomputed for the backward below zero "
+            "(plans made before that was fixed): plan again for a corrected estimate"
+        ]
     slack = sum(model.estimate(plan.nodes, plan.mesh_shape, row=True).values()) - sum(est.values())
     if slack > 1e-9 * sum(est.values()):
         notes = notes + [

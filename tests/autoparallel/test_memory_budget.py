@@ -163,6 +163,21 @@ def test_estimate_matches_a_run(fake_world, ac, budget):
     assert est.total == pytest.approx(sum(got.values()), rel=0.15)
 
 
+def test_budget_between_estimate_and_row_keeps_the_plan(fake_world):
+    """Selective AC, the cheapest plan (activations replicated): the row
+    bounds the values recomputed for the backward by their producers at
+    their most sharded, 7.2 MB per rank, the estimate is 2.4 MB (a run
+    holds 2.5 MB). A 3 MB budget is met by the estimate: the unbudgeted
+    plan is kept, not solved again under the row."""
+    fake_world(N)
+    free, _, _ = _plan_llama("selective", apply=False)
+    plan, _, problem = _plan_llama("selective", apply=False, budget=3.0e6)
+    est = memory.breakdown(plan)
+    assert est.total <= 3.0e6 < used_bytes(problem, plan.solution.choice)
+    assert plan.solution.objective == pytest.approx(free.solution.objective)
+    assert any(line.startswith("the budget's ILP row counts") for line in est.lines())
+
+
 def test_report_names_the_budget(fake_world):
     fake_world(N)
     plan, _, _ = _plan_llama(None, apply=False)
