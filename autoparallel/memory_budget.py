@@ -31,8 +31,8 @@ without and with selective AC, replicated or data-parallel activations:
 parameters, gradients and AdamW state exact, saved activations within 6%;
 LLaMA-3 8B on 16 x 8 (selective AC, tp-gathered feed-forward inputs): 7.54
 GB estimated (the row's per-option bound: 11.31 GB), 8.50 GB saved by the
-partitioned forward when this was written, 4.20 GB now (the apply stage
-has changed since; the estimate has not been recalibrated). Not counted: the
+partitioned forward when this was written, 4.20 GB on the tree of
+session 8 (not yet investigated; the estimate is not recalibrated). Not counted: the
 backward's transient buffers (activation gradients, re-gathered weights),
 which the default margin is for.
 
