@@ -508,14 +508,24 @@ def _labels(strategies, node, cache: dict, k: int | None = None) -> list[str]:
     return labels
 
 
-@dataclass
+@dataclass(eq=False)
 class BudgetRow(solver.ResourceConstraint):
     """The budget's resource row, and ``exact``: the plan's estimate at a
     solution's choice (decision name -> option index), which the row bounds
     from above (:func:`_redistributed_inputs`); :func:`solve_within_budget`
     checks an unbudgeted plan with it."""
 
-    exact: Callable[[dict[str, int]], float] | None = field(default=None, compare=False, repr=False)
+    exact: Callable[[dict[str, int]], float] | None = field(default=None, repr=False)
+
+    def __eq__(self, other):
+        # the constraint is its name, weights and bounds; ``exact`` derives
+        # from them (a problem dump decodes to a plain ResourceConstraint)
+        if not isinstance(other, solver.ResourceConstraint):
+            return NotImplemented
+        fields = ("name", "terms", "low", "high")
+        return all(getattr(self, f) == getattr(other, f) for f in fields)
+
+    __hash__ = None
 
 
 def budget_constraint(
