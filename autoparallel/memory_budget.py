@@ -43,7 +43,7 @@ both call its per-term methods; the report is the row's value at the plan,
 less the row's slack on those two-decision terms.
 
 :func:`solve_within_budget` solves without the budget first: a plan whose
-row already fits is the optimum of the budgeted problem too (its
+estimate already fits is the optimum of the budgeted problem too (its
 relaxation), so the default budget changes neither plans that fit nor their
 planning time; only a plan that does not fit is solved again with the row.
 """
