@@ -185,6 +185,17 @@ def _budget_breakdown(plan, entry: dict, optimizer: OptimizerSpec | None, hbm: f
 
     model = StepMemoryModel.from_json(entry["model"])
     est = model.estimate(plan.nodes, plan.mesh_shape)
+    if any(b < 0 for term in model.terms.values() for b in term.values()):
+        notes = notes + [
+            "estimated by a memory model that charged values recomputed for the backward below zero "
+            "(plans made before that was fixed): plan again for a corrected estimate"
+        ]
+    slack = sum(model.estimate(plan.nodes, plan.mesh_shape, row=True).values()) - sum(est.values())
+    if slack > 1e-9 * sum(est.values()):
+        notes = notes + [
+            f"the budget's ILP row counts {_size(slack)} more: a value recomputed for the backward but read "
+            "in another layout, weighed one option at a time, is bounded from above"
+        ]
     name = model.optimizer
     if optimizer is not None and model.optimizer_bytes_per_element:
         per_elem = optimizer.state_bytes_per_element + optimizer.master_bytes_per_element

@@ -19,32 +19,40 @@ which shards with one decision of the ILP:
 Each term is ``bytes / shard_factor(option)``: linear in the one-hot option
 variables, so ``sum over terms <= budget`` is one resource row of the ILP
 (:func:`budget_constraint`). Repeated layers linked to one decision keep one
-term per layer: presolve sums the weights of linked decisions.
+term per layer: presolve sums the weights of linked decisions. One kind of
+term depends on two decisions: a value the backward recomputes but reads
+through a collective (its redistributed copy is kept, beyond what
+recomputing it would keep, and never less than nothing); the row, one
+weight per option, bounds it from above (:func:`_redistributed_inputs`).
 
 Checked against runs (tests/autoparallel/test_memory_budget.py,
 benchmarks/memory_budget.py): tiny LLaMA-3 on 2 x 2 LocalTensorMode ranks,
 without and with selective AC, replicated or data-parallel activations:
 parameters, gradients and AdamW state exact, saved activations within 6%;
 LLaMA-3 8B on 16 x 8 (selective AC, tp-gathered feed-forward inputs): 7.54
-GB estimated, 8.50 GB saved by the partitioned forward. Not counted: the
+GB estimated (the row's per-option bound: 11.31 GB), 8.50 GB saved by the
+partitioned forward when this was written, 4.20 GB on the tree of
+session 8 (not yet investigated; the estimate is not recalibrated). Not counted: the
 backward's transient buffers (activation gradients, re-gathered weights),
 which the default margin is for.
 
 :class:`StepMemoryModel` is the one place the estimate is computed: the ILP's
 weights (:meth:`StepMemoryModel.weights`) and the plan's report
 (:meth:`StepMemoryModel.estimate`, used by :func:`autoparallel.memory.breakdown`)
-both call :meth:`StepMemoryModel.per_rank`.
+both call its per-term methods; the report is the row's value at the plan,
+less the row's slack on those two-decision terms.
 
-:func:`solve_within_budget` solves without the budget first: a plan that
-already fits is the optimum of the budgeted problem too (its relaxation), so
-the default budget changes neither plans that fit nor their planning time;
-only a plan that does not fit is solved again with the row.
+:func:`solve_within_budget` solves without the budget first: a plan whose
+estimate already fits is the optimum of the budgeted problem too (its
+relaxation), so the default budget changes neither plans that fit nor their
+planning time; only a plan that does not fit is solved again with the row.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -160,9 +168,23 @@ class StepMemoryModel:
     the ``k``-th input of a decision (key ``name:in:k``), sharded as the
     chosen option needs that input (see :func:`step_memory_model`).
 
+    A reader-input term of a value the backward recomputes holds the
+    redistributed copy beyond the producer's own bytes, which depends on
+    the producer's placement too: the plan's estimate
+    (:meth:`estimate`) evaluates it at both, the ILP's per-option weights
+    (:meth:`per_rank`, the resource row) bound it from above by the
+    producer at its most sharded (see :func:`_redistributed_inputs`).
+
     >>> m = StepMemoryModel({"w": {"parameters": 400.0, "optimizer": 800.0}})
     >>> m.per_rank("w", "S(0)R", [4, 2])
     {'parameters': 100.0, 'optimizer': 200.0}
+    >>> m = StepMemoryModel({"mm:in:0": {"activations": 800.0}}, recomputed_inputs={"mm:in:0": ["add", 8]})
+    >>> m.per_rank("mm:in:0", "RS(0)", [4, 2])  # the row: 800 / 2 - 800 / 8
+    {'activations': 300.0}
+    >>> m.held("mm:in:0", "RS(0)", "S(0)R", [4, 2])  # the plan: 800 / 2 - 800 / 4
+    {'activations': 200.0}
+    >>> m.held("mm:in:0", "S(0)S(0)", "S(0)R", [4, 2])  # a local slice
+    {'activations': 0.0}
     """
 
     terms: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -170,12 +192,30 @@ class StepMemoryModel:
     optimizer_bytes_per_element: int = 8
     # how the saved activations were chosen, for the report
     activations_rule: str = ""
+    # reader-input terms of values the backward recomputes (key -> [the
+    # producer's name, its largest shard factor over its options]): the
+    # redistributed copy is charged only beyond the producer at that
+    # factor, never below zero (see :func:`_redistributed_inputs`)
+    recomputed_inputs: dict[str, list] = field(default_factory=dict)
 
-    def per_rank(self, name: str, placements: str, mesh_shape: list[int]) -> dict[str, float]:
-        """Bytes per rank of decision ``name`` laid out as ``placements``
+    def per_rank(self, key: str, placements: str, mesh_shape: list[int]) -> dict[str, float]:
+        """Bytes per rank of term ``key`` laid out as ``placements``
         (``format_specs`` notation): the ILP's weight and the report's term."""
-        factor = shard_factor(placements, mesh_shape)
-        return {cat: b / factor for cat, b in self.terms[name].items()}
+        most = self.recomputed_inputs[key][1] if key in self.recomputed_inputs else None
+        return self._per_rank(key, shard_factor(placements, mesh_shape), most)
+
+    def held(self, key: str, placements: str, producer_placements: str, mesh_shape: list[int]) -> dict[str, float]:
+        """:meth:`per_rank`, a recomputed value's reader-input term at its
+        producer's placements (``producer_placements``) as well."""
+        most = shard_factor(producer_placements, mesh_shape) if key in self.recomputed_inputs else None
+        return self._per_rank(key, shard_factor(placements, mesh_shape), most)
+
+    def _per_rank(self, key: str, factor: int, producer_factor: int | None) -> dict[str, float]:
+        out = {cat: b / factor for cat, b in self.terms[key].items()}
+        if producer_factor is not None:
+            b = self.terms[key]["activations"]
+            out["activations"] = max(0.0, b / factor - b / producer_factor)
+        return out
 
     def weights(self, key: str, labels: list[str], mesh_shape: list[int]) -> list[float]:
         return [sum(self.per_rank(key, p, mesh_shape).values()) for p in labels]
@@ -186,15 +226,21 @@ class StepMemoryModel:
         name, _, k = key.partition(":in:")
         return name, int(k) if k else None
 
-    def estimate(self, plan_nodes: dict, mesh_shape: list[int]) -> dict[str, float]:
+    def estimate(self, plan_nodes: dict, mesh_shape: list[int], *, row: bool = False) -> dict[str, float]:
         """Per-rank bytes by category for a plan's chosen placements
-        (``plan.nodes``: name -> NodePlan)."""
+        (``plan.nodes``: name -> NodePlan); ``row``: the budget row's value
+        there, which bounds it (recomputed values at their per-option bound)."""
         out = dict.fromkeys(CATEGORIES, 0.0)
         for key in self.terms:
             name, k = self.site(key)
             n = plan_nodes[name]
             placements = n.output_placements if k is None else n.input_placements[k]
-            for cat, b in self.per_rank(key, placements, mesh_shape).items():
+            if row or key not in self.recomputed_inputs:
+                parts = self.per_rank(key, placements, mesh_shape)
+            else:
+                producer = plan_nodes[self.recomputed_inputs[key][0]].output_placements
+                parts = self.held(key, placements, producer, mesh_shape)
+            for cat, b in parts.items():
                 out[cat] += b
         return out
 
@@ -203,7 +249,13 @@ class StepMemoryModel:
 
     @classmethod
     def from_json(cls, d: dict) -> "StepMemoryModel":
-        return cls(**{**d, "terms": {k: dict(v) for k, v in d["terms"].items()}})
+        return cls(
+            **{
+                **d,
+                "terms": {k: dict(v) for k, v in d["terms"].items()},
+                "recomputed_inputs": {k: list(v) for k, v in d.get("recomputed_inputs", {}).items()},
+            }
+        )
 
 
 def saved_activation_nodes(
@@ -338,16 +390,23 @@ def step_memory_model(
             continue
         terms.setdefault(node.name, {})["activations"] = float(_nbytes(node))
         counted.add(node)
-    _redistributed_inputs(traced.gm, strategies, chain, remade, counted, terms)
+    recomputed_inputs = _redistributed_inputs(traced.gm, strategies, chain, remade, counted, terms)
     if skipped:
         logger.warning("memory model: %d saved values without a single-output decision not counted", skipped)
     return StepMemoryModel(
-        terms, optimizer.name, per_elem_opt, "forward values the backward reads, less AC-recomputed ones"
+        terms,
+        optimizer.name,
+        per_elem_opt,
+        "forward values the backward reads, less AC-recomputed ones",
+        recomputed_inputs,
     )
 
 
-def _redistributed_inputs(gm, strategies: dict, chain: set, remade: set, counted: set, terms: dict) -> None:
-    """Lay saved values out as the backward reads them.
+def _redistributed_inputs(
+    gm, strategies: dict, chain: set, remade: set, counted: set, terms: dict
+) -> dict[str, list]:
+    """Lay saved values out as the backward reads them; returns the
+    :attr:`StepMemoryModel.recomputed_inputs` of the terms it adds.
 
     The backward reads the inputs of the forward's matmuls (the partitioner's
     compute-intensive ops: for their weight gradients) and of the ops it
@@ -356,15 +415,37 @@ def _redistributed_inputs(gm, strategies: dict, chain: set, remade: set, counted
     partitioner never recomputes collectives: the backward keeps the
     redistributed tensor (LLaMA-3 8B on 16 x 8: the residual stream
     all-gathered over tp for each layer's feed-forward, half the saved
-    bytes). Per activation, at its first such reader in graph order:
+    bytes). A local slice (the reader takes it more sharded, each rank a
+    part of what it has) is recomputed like a view. Per activation, at its
+    first such reader in graph order:
 
     * when it is kept anyway (saved), its term moves to the reader's input,
       sharded as the reader's option needs it: its own layout when no
       collective is needed;
-    * when it is recomputed itself, the reader's input is kept less the
-      value it is made from, ``bytes / shard(input) - bytes / shard(output)``:
-      zero when the layouts agree, the gathered size less its shard when
-      an all-gather made it.
+    * when it is recomputed itself, the reader's redistributed copy is kept
+      and what recomputing it would have kept is not (its inputs, about its
+      own size: tiny LLaMA-3 on 2 x 2 LocalTensorMode ranks keeps the same
+      bytes when the residual is produced sequence-sharded and read
+      batch-sharded, an all-to-all, as without the collective; the
+      all-gather costs its gathered size less the shard). Per rank that is
+      ``max(0, bytes / shard(input) - bytes / shard(output))``: zero when
+      the layouts agree or the reader slices, the gathered size less its
+      shard for an all-gather. (The term was ``+bytes / shard(input)``
+      on the reader and ``-bytes / shard(output)`` on the producer, below
+      zero for a slice: -7.3 GB of activations on a 70B plan.) The plan's
+      estimate (:meth:`StepMemoryModel.estimate`) evaluates it at both
+      placements. The ILP's resource rows weigh one option at a time, so
+      the row charges ``max(0, bytes / shard(input) - bytes / F)`` on the
+      reader's input alone, ``F`` the producer's largest shard factor over
+      its options: never below the pair's value (``shard(output) <= F``),
+      equal to it when the producer is as sharded as it can be, above it by
+      ``bytes / max(shard(input), shard(output)) - bytes / F`` otherwise.
+      No per-option split can be exact: both diagonals (the same layout on
+      both sides, replicated or sharded) hold nothing more, the all-gather
+      between them does. This one is tight where a budget binds (sharded
+      activations) and loose for replicated ones (tiny LLaMA-3 with
+      selective AC, cheapest plan: the row 6.67 MB of activations, the
+      estimate 1.89 MB, 2.00 MB saved by a run).
     """
     from torch._functorch.partitioners import get_default_op_list
 
@@ -372,6 +453,7 @@ def _redistributed_inputs(gm, strategies: dict, chain: set, remade: set, counted
     views = _VIEW_OPS | set(ops.view_ops)
     fwd = forward_nodes(gm)
     seen: set[torch.fx.Node] = set()
+    recomputed_inputs: dict[str, list] = {}
     for c in gm.graph.nodes:
         if c not in fwd or c.op != "call_function" or not (c in remade or ops.is_compute_intensive(c)):
             continue
@@ -385,17 +467,27 @@ def _redistributed_inputs(gm, strategies: dict, chain: set, remade: set, counted
             if p in seen or p in chain or p.op != "call_function" or p not in strategies:
                 continue
             seen.add(p)
-            b = float(_nbytes(p))
             key = f"{c.name}:in:{k}"
             if p in counted:
                 own = terms[p.name]
                 del own["activations"]
                 if not own:
                     del terms[p.name]
-                terms.setdefault(key, {})["activations"] = terms.get(key, {}).get("activations", 0.0) + b
             elif _single_output(strategies[p]) or strategies[p].getitem_index is not None:
-                terms.setdefault(key, {})["activations"] = terms.get(key, {}).get("activations", 0.0) + b
-                terms.setdefault(p.name, {})["activations"] = terms.get(p.name, {}).get("activations", 0.0) - b
+                recomputed_inputs[key] = [p.name, _most_sharded(strategies[p])]
+            else:
+                continue
+            # one value per reader input: the term is new
+            terms[key] = {"activations": float(_nbytes(p))}
+    return recomputed_inputs
+
+
+def _most_sharded(strat) -> int:
+    """The largest number of ways any option of ``strat`` splits its output."""
+    return max(
+        math.prod(o.output_specs.mesh.size(d) for d, pl in enumerate(o.output_specs.placements) if pl.is_shard())
+        for o in strat.options
+    )
 
 
 def _single_output(strat) -> bool:
@@ -416,9 +508,29 @@ def _labels(strategies, node, cache: dict, k: int | None = None) -> list[str]:
     return labels
 
 
+@dataclass(eq=False)
+class BudgetRow(solver.ResourceConstraint):
+    """The budget's resource row, and ``exact``: the plan's estimate at a
+    solution's choice (decision name -> option index), which the row bounds
+    from above (:func:`_redistributed_inputs`); :func:`solve_within_budget`
+    checks an unbudgeted plan with it."""
+
+    exact: Callable[[dict[str, int]], float] | None = field(default=None, repr=False)
+
+    def __eq__(self, other):
+        # the constraint is its name, weights and bounds; ``exact`` derives
+        # from them (a problem dump decodes to a plain ResourceConstraint)
+        if not isinstance(other, solver.ResourceConstraint):
+            return NotImplemented
+        fields = ("name", "terms", "low", "high")
+        return all(getattr(self, f) == getattr(other, f) for f in fields)
+
+    __hash__ = None
+
+
 def budget_constraint(
     model: StepMemoryModel, strategies: dict[torch.fx.Node, Any], mesh_shape: list[int], budget: float
-) -> solver.ResourceConstraint:
+) -> BudgetRow:
     """``sum over decisions of weights[chosen option] <= budget``."""
     by_name = {n.name: n for n in strategies}
     labels: dict[tuple, list[str]] = {}
@@ -427,15 +539,29 @@ def budget_constraint(
     for key, cats in model.terms.items():
         name, k = model.site(key)
         node = by_name[name]
-        ckey = (id(strategies[node].options), k, tuple(sorted(cats.items())))
+        most = model.recomputed_inputs[key][1] if key in model.recomputed_inputs else None
+        ckey = (id(strategies[node].options), k, tuple(sorted(cats.items())), most)
         w = cache.get(ckey)
         if w is None:
             w = cache[ckey] = model.weights(key, _labels(strategies, node, labels, k), mesh_shape)
         if name in terms:  # several terms on one decision: one weight per option
             w = [a + b for a, b in zip(terms[name], w)]
         terms[name] = w
+
+    def exact(choice: dict[str, int]) -> float:
+        total = sum(w[choice[name]] for name, w in terms.items())
+        for key, (producer, _) in model.recomputed_inputs.items():
+            if producer not in choice:  # not a decision of this problem: the bound stands
+                continue
+            reader, k = model.site(key)
+            i = _labels(strategies, by_name[reader], labels, k)[choice[reader]]
+            o = _labels(strategies, by_name[producer], labels)[choice[producer]]
+            held, bound = model.held(key, i, o, mesh_shape), model.per_rank(key, i, mesh_shape)
+            total += held["activations"] - bound["activations"]
+        return total
+
     # bytes are exact in float up to 2**53; the slack absorbs summation order
-    return solver.ResourceConstraint(BUDGET_NAME, terms, high=budget * (1 + 1e-9))
+    return BudgetRow(BUDGET_NAME, terms, high=budget * (1 + 1e-9), exact=exact)
 
 
 def smallest(
@@ -453,15 +579,14 @@ def smallest(
         node = by_name[name]
         pin = pins.get(name)
         allowed = None if pin is None else "".join(_fmt(p) for p in pin[1])
-        # a negative term is smallest where least sharded
-        sign = 1 if sum(cats.values()) >= 0 else -1
-        ckey = (id(strategies[node].options), k, allowed, sign)
+        # every term is non-negative and shrinks as its layout shards more
+        ckey = (id(strategies[node].options), k, allowed)
         lab = best.get(ckey)
         if lab is None:
             mine = _labels(strategies, node, labels, k)
             outs = _labels(strategies, node, labels)
             cands = {m for m, o in zip(mine, outs) if allowed is None or o == allowed} or set(mine)
-            lab = best[ckey] = max(cands, key=lambda x: sign * shard_factor(x, mesh_shape))
+            lab = best[ckey] = max(cands, key=lambda x: shard_factor(x, mesh_shape))
         for cat, b in model.per_rank(key, lab, mesh_shape).items():
             out[cat] += b
     return out
@@ -530,7 +655,9 @@ def solve_within_budget(problem: solver.Problem, solve: Callable[[solver.Problem
 
     Without the row the problem is a relaxation: when its optimum fits the
     budget, that optimum is optimal with the row too (and a time-limited
-    solve's bound is a bound of both). Returns ``(solution, binding)``.
+    solve's bound is a bound of both). It fits when the model's estimate
+    (:attr:`BudgetRow.exact`) does, which the row bounds from above.
+    Returns ``(solution, binding)``.
     """
     budget = next((r for r in problem.resources if r.name == BUDGET_NAME), None)
     if budget is None:
@@ -538,8 +665,13 @@ def solve_within_budget(problem: solver.Problem, solve: Callable[[solver.Problem
     relaxed = dataclasses.replace(problem, resources=[r for r in problem.resources if r is not budget])
     sol = solve(relaxed)
     used = sum(w[sol.choice[name]] for name, w in budget.terms.items())
-    if used <= budget.high:
-        logger.info("memory budget: not binding (%.4g of %.4g bytes per rank)", used, budget.high)
+    # the row bounds the estimate from above: a plan whose estimate fits is
+    # the optimum of the problem under the estimate too
+    exact = budget.exact(sol.choice) if isinstance(budget, BudgetRow) and budget.exact else used
+    if exact <= budget.high:
+        logger.info(
+            "memory budget: not binding (%.4g of %.4g bytes per rank; the row's bound %.4g)", exact, budget.high, used
+        )
         return sol, False
     logger.info(
         "memory budget: the unconstrained plan needs %.4g bytes per rank, over %.4g: solving with the budget",
