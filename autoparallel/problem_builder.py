@@ -408,9 +408,16 @@ def build_problem(
 
     links = []
     if repeats is not None:
+        # per (reference list, repeat list), by identity: layers 2..N share
+        # their lists, so each distinct pair is mapped once, not per layer
+        # (the solver only reads the mappings)
+        mappings: dict[tuple[int, int], list[int | None]] = {}
         for node, ref in repeats.reference.items():
             if node in strategies and ref in strategies:
-                mapping = _option_mapping(strategies[ref].options, strategies[node].options)
+                ref_options, options = strategies[ref].options, strategies[node].options
+                mapping = mappings.get((id(ref_options), id(options)))
+                if mapping is None:
+                    mapping = mappings[(id(ref_options), id(options))] = _option_mapping(ref_options, options)
                 name = _layer_name(node) or repeats.layer_name(node)
                 links.append(solver.Link(f"repeated layer {name}", ref.name, node.name, mapping))
 
