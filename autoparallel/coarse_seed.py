@@ -32,6 +32,7 @@ import time
 
 import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 import solver
 
@@ -71,9 +72,57 @@ def _lift(placements, i: int):
     return placements[: i + 1] + (placements[i],) + placements[i + 1 :]
 
 
+class _OptionIndex:
+    """Per full option list (by identity), each option's index by its
+    placements (output, inputs), the first option on ties; built once for
+    every coarse mesh. Placements are keyed as small ints, one per distinct
+    placements tuple, memoised per spec object (specs are pooled: a few
+    thousand serve 300K options; a tuple of placements hashes in Python)."""
+
+    def __init__(self):
+        self._ids: dict[tuple, int] = {}  # placements -> int
+        self._by_spec: dict[int, int] = {}  # id(spec) -> int (the specs outlive this index's use)
+        self._tables: dict[int, dict] = {}  # id(option list) -> {key: option index}
+
+    def _code(self, spec):
+        if isinstance(spec, DTensorSpec):
+            code = self._by_spec.get(id(spec))
+            if code is None:
+                code = self._by_spec[id(spec)] = self._ids.setdefault(spec.placements, len(self._ids))
+            return code
+        if isinstance(spec, (tuple, list)):
+            return tuple(self._code(s) for s in spec)
+        return None
+
+    def _lifted_code(self, placements):
+        """The code of placements as :func:`placements_of` gives them (a
+        tuple of placements, a tuple of those, None); -1 for placements no
+        spec of the full lists has (no option matches)."""
+        if placements is None:
+            return None
+        if placements and isinstance(placements[0], tuple):
+            return tuple(self._lifted_code(p) for p in placements)
+        return self._ids.get(placements, -1)
+
+    def find(self, options: list, output_placements, input_placements) -> int | None:
+        """Index in ``options`` of the option with these placements, or None."""
+        table = self._tables.get(id(options))
+        if table is None:
+            table = self._tables[id(options)] = {
+                (self._code(o.output_specs), tuple(self._code(s) for s in o.input_specs)): k
+                for k, o in reversed(list(enumerate(options)))
+            }
+        key = (self._lifted_code(output_placements), tuple(self._lifted_code(p) for p in input_placements))
+        return table.get(key)
+
+
 def lifted_plans(traced, strategies, mesh: DeviceMesh, constraints: Constraints, **kw) -> list[dict[str, int]]:
     """:func:`lifted_plan` for every adjacent pair of mesh dims."""
-    plans = [lifted_plan(traced, strategies, mesh, constraints, merge=i, **kw) for i in merge_candidates(mesh)]
+    index = _OptionIndex()
+    plans = [
+        lifted_plan(traced, strategies, mesh, constraints, merge=i, option_index=index, **kw)
+        for i in merge_candidates(mesh)
+    ]
     return [p for p in plans if p]
 
 
@@ -89,6 +138,7 @@ def lifted_plan(
     merge: int,
     backend: str | None = None,
     time_limit: float | None = None,
+    option_index: _OptionIndex | None = None,
 ) -> dict[str, int]:
     """Per node, the option (index into ``strategies``) the optimal plan of
     the mesh with dims ``merge`` and ``merge + 1`` merged lifts to; empty
@@ -124,22 +174,16 @@ def lifted_plan(
         logger.info("coarse mesh %s: no plan to seed pricing with (%s)", tuple(coarse_shape), exc)
         return {}
     by_name = {n.name: n for n in strategies}
-    index: dict[int, dict] = {}
+    index = option_index or _OptionIndex()
     lifted: dict[str, int] = {}
     for node, strat in built.strategies.items():
         full = strategies.get(by_name.get(node.name))
         if full is None:
             continue
-        opts = full.options
-        table = index.get(id(opts))
-        if table is None:
-            table = index[id(opts)] = {
-                (placements_of(o.output_specs), tuple(placements_of(s) for s in o.input_specs)): k
-                for k, o in reversed(list(enumerate(opts)))
-            }
         o = strat.options[sol.choice[node.name]]
-        key = (_lift(placements_of(o.output_specs), i), tuple(_lift(placements_of(s), i) for s in o.input_specs))
-        k = table.get(key)
+        k = index.find(
+            full.options, _lift(placements_of(o.output_specs), i), tuple(_lift(placements_of(s), i) for s in o.input_specs)
+        )
         if k is not None:
             lifted[node.name] = k
     logger.info(

@@ -61,7 +61,6 @@ pointwise edge on 4-D) that make the problem too big in the first place.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -128,12 +127,64 @@ def _code(p):
     return ("N", placement_number(p))
 
 
+class _Codes:
+    """Per-slot codes (:func:`_code` per mesh dim of a spec, or an output
+    slot's non-spec value) interned as small ints, for one prune_partials
+    call: option keys become int tuples (nested tuples of placement codes
+    hash in Python, per option and per substitution lookup), and a code's
+    held bits and substitutes are computed once, not per option. Ints start
+    at 1, so a memo miss (None) reads as false."""
+
+    def __init__(self, ndim: int):
+        self.ndim = ndim
+        self._ids: dict = {}  # codes -> int
+        self.values: list = [None]  # int -> codes
+        # int -> bit (family index * ndim + mesh dim) set where the codes hold Partial(F)
+        self.bits: list[int] = [0]
+        # id(spec) -> int: specs are pooled (one object per layout and
+        # shape) and outlive the call, as the option lists holding them do
+        self.by_spec: dict[int, int] = {}
+        self._subs: dict[tuple[int, int], int] = {}  # (int, bit) -> the substitute's int
+
+    def intern(self, codes) -> int:
+        i = self._ids.get(codes)
+        if i is None:
+            i = self._ids[codes] = len(self.values)
+            self.values.append(codes)
+            self.bits.append(_held_bits(codes, self.ndim))
+        return i
+
+    def spec(self, spec: DTensorSpec) -> int:
+        i = self.by_spec.get(id(spec))
+        if i is None:
+            i = self.by_spec[id(spec)] = self.intern(tuple(_code(p) for p in spec.placements))
+        return i
+
+    def slot(self, value) -> int:
+        """An output slot: a spec, or a non-spec value (kept as is)."""
+        return self.spec(value) if isinstance(value, DTensorSpec) else self.intern(value)
+
+    def substitute(self, key: tuple[int, ...], d: int, family, bit: int) -> tuple[int, ...]:
+        """:func:`_substitute` on interned codes."""
+        bits, subs = self.bits, self._subs
+        out = []
+        for c in key:
+            if bits[c] & bit:
+                sub = subs.get((c, bit))
+                if sub is None:
+                    sub = subs[(c, bit)] = self.intern(_substitute((self.values[c],), d, family)[0])
+                c = sub
+            out.append(c)
+        return tuple(out)
+
+
 @dataclass
 class _ListPre:
     """Per option list, computed once for all (family, mesh dim) passes."""
 
-    outs: list[tuple]  # per option: per output slot, codes per mesh dim (or the non-spec value)
-    ins: list[tuple]  # per option: per input, codes per mesh dim
+    codes: _Codes
+    outs: list[tuple[int, ...]]  # per option: per output slot, interned codes
+    ins: list[tuple[int, ...]]  # per option: per input, interned codes
     _index: dict | None  # see index()
     # per option: bit (family index * ndim + mesh dim) set where some output
     # / each input holds Partial(F) there (the passes test bits, not codes)
@@ -141,28 +192,11 @@ class _ListPre:
     in_bits: np.ndarray  # (options, inputs)
 
     def index(self) -> dict:
-        """(outs, ins) -> index in the list; built on first use (only lists
-        holding a Partial look substitutes up)."""
+        """(outs, ins) -> index in the list (the last on ties); built on
+        first use (only lists holding a Partial look substitutes up)."""
         if self._index is None:
             self._index = {key: i for i, key in enumerate(zip(self.outs, self.ins))}
         return self._index
-
-
-def _spec_codes(spec: DTensorSpec, memo: dict) -> tuple:
-    # specs are pooled (one object per layout and shape): memoised by id
-    # for the duration of one prune_partials call, which keeps them alive
-    codes = memo.get(id(spec))
-    if codes is None:
-        codes = memo[id(spec)] = tuple(_code(p) for p in spec.placements)
-    return codes
-
-
-def _out_codes(out, memo: dict):
-    if isinstance(out, DTensorSpec):
-        return (_spec_codes(out, memo),)
-    if isinstance(out, (tuple, list)):
-        return tuple(_spec_codes(s, memo) if isinstance(s, DTensorSpec) else s for s in out)
-    return (out,)
 
 
 def _held_bits(codes, ndim: int) -> int:
@@ -171,40 +205,29 @@ def _held_bits(codes, ndim: int) -> int:
     )
 
 
-def _list_pre(options: list[Option], memo: dict, bits: dict, ndim: int) -> _ListPre:
-    """``memo``: id(spec) -> codes; ``bits``: id(codes) -> held bits; both
-    shared by every list of one prune_partials call (codes are memoised per
-    spec, specs are pooled: lists repeat a few hundred of them). Memo hits
-    are inlined (a call per spec of 332K options cost seconds)."""
-    codes_of = memo.get
-    known = len(memo)
-    # (codes are non-empty tuples: `or` only computes on a miss)
+def _list_pre(options: list[Option], codes: _Codes) -> _ListPre:
+    """``codes``: shared by every list of one prune_partials call (lists
+    repeat a few hundred specs). Memo hits are inlined (a call per spec of
+    332K options cost seconds)."""
+    known, spec = codes.by_spec.get, codes.spec
     outs = [
-        (codes_of(id(o.output_specs)) or _spec_codes(o.output_specs, memo),)
+        (known(id(o.output_specs)) or spec(o.output_specs),)
         if type(o.output_specs) is DTensorSpec
-        else _out_codes(o.output_specs, memo)
+        else tuple(codes.slot(s) for s in o.output_specs)
+        if isinstance(o.output_specs, (tuple, list))
+        else (codes.slot(o.output_specs),)
         for o in options
     ]
-    ins = [tuple([codes_of(id(s)) or _spec_codes(s, memo) for s in o.input_specs]) for o in options]
-    for codes in itertools.islice(memo.values(), known, None):  # new specs' codes
-        bits[id(codes)] = _held_bits(codes, ndim)
-    bits_of = bits.get
-
-    def slot_bits(codes) -> int:
-        b = bits_of(id(codes))
-        if b is None:  # a non-spec output slot
-            b = bits[id(codes)] = _held_bits(codes, ndim)
-        return b
-
-    out_bits = []
-    for slots in outs:
-        b = 0
-        for codes in slots:
-            b |= slot_bits(codes)
-        out_bits.append(b)
+    ins = [tuple([known(id(s)) or spec(s) for s in o.input_specs]) for o in options]
+    bits = np.asarray(codes.bits, dtype=np.int64)
+    widths = {len(slots) for slots in outs}
+    if len(widths) == 1 and 0 not in widths:
+        out_bits = np.bitwise_or.reduce(bits[np.asarray(outs, dtype=np.int64)], axis=1)
+    else:  # outputs of differing arity
+        out_bits = np.asarray([int(np.bitwise_or.reduce(bits[list(slots)])) if slots else 0 for slots in outs], dtype=np.int64)
     n_in = len(ins[0]) if ins else 0
-    in_bits = np.array([[bits_of(id(c)) for c in per_input] for per_input in ins], dtype=np.int64).reshape(len(ins), n_in)
-    return _ListPre(outs, ins, None, np.array(out_bits, dtype=np.int64), in_bits)
+    in_bits = bits[np.asarray(ins, dtype=np.int64).reshape(len(ins), n_in)]
+    return _ListPre(codes, outs, ins, None, out_bits, in_bits)
 
 
 def _held(code, d: int, family) -> bool:
@@ -245,7 +268,7 @@ def _list_info(
             break
         if kept_set is None:
             kept_set = set(kept)
-        sub = pre.index().get((_substitute(pre.outs[i], d, family), _substitute(pre.ins[i], d, family)))
+        sub = pre.index().get((pre.codes.substitute(pre.outs[i], d, family, bit), pre.codes.substitute(pre.ins[i], d, family, bit)))
         if sub is None or sub not in kept_set:
             why = f"no substitute for {o.label}"
             break
@@ -274,9 +297,8 @@ def prune_partials(
     original = {id(s.options): s.options for s in strategies.values()}
     stats.options_before = sum(len(o) for o in original.values())
     current = {k: list(range(len(o))) for k, o in original.items()}  # kept indices
-    memo: dict = {}
-    bits: dict = {}
-    pre = {k: _list_pre(o, memo, bits, ndim) for k, o in original.items()}
+    codes = _Codes(ndim)
+    pre = {k: _list_pre(o, codes) for k, o in original.items()}
     users: dict[int, list[torch.fx.Node]] = {}
     for node, strat in strategies.items():
         users.setdefault(id(strat.options), []).append(node)

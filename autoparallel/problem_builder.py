@@ -33,11 +33,13 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
 import solver
 
 from . import cost_model
+from .cost_model.compute import _spec_sig  # the cost model's view of a spec, for deduplicating
 from .edge_costs import clear_caches as clear_edge_cost_caches
 from .edge_matrices import EdgeMatrices
 from .option_pruning import PruneStats, prune_partials
@@ -305,15 +307,13 @@ def build_problem(
     # (same op, arguments, shapes and input candidates), so their costs are
     # computed once and their decisions share the lists.
     unary: dict[int, list[float]] = {}
+    shapes = _LocalShapeCodes()
     for node, strat in strategies.items():
         if id(strat.options) not in unary:
-            unary[id(strat.options)] = [
-                cost_model.node_compute_time(node, o.input_specs, o.output_specs, device)
-                + _in_op_time(o.in_op, mesh, device)
-                if node.op == "call_function" and strat.getitem_index is None
-                else 0.0
-                for o in strat.options
-            ]
+            if node.op == "call_function" and strat.getitem_index is None:
+                unary[id(strat.options)] = _compute_costs(node, strat.options, shapes, mesh, device)
+            else:
+                unary[id(strat.options)] = [0.0] * len(strat.options)
 
     if overlap.enabled and overlap.compute_windows:
         redist_edges = _with_compute_windows(traced, strategies, unary, redist_edges)
@@ -408,9 +408,16 @@ def build_problem(
 
     links = []
     if repeats is not None:
+        # per (reference list, repeat list), by identity: layers 2..N share
+        # their lists, so each distinct pair is mapped once, not per layer
+        # (the solver only reads the mappings)
+        mappings: dict[tuple[int, int], list[int | None]] = {}
         for node, ref in repeats.reference.items():
             if node in strategies and ref in strategies:
-                mapping = _option_mapping(strategies[ref].options, strategies[node].options)
+                ref_options, options = strategies[ref].options, strategies[node].options
+                mapping = mappings.get((id(ref_options), id(options)))
+                if mapping is None:
+                    mapping = mappings[(id(ref_options), id(options))] = _option_mapping(ref_options, options)
                 name = _layer_name(node) or repeats.layer_name(node)
                 links.append(solver.Link(f"repeated layer {name}", ref.name, node.name, mapping))
 
@@ -471,6 +478,54 @@ def _memory_constraint(traced, strategies, mesh, constraints: Constraints) -> so
         low=None if low is None else low * (1 - 1e-9),
         high=high * (1 + 1e-9),
     )
+
+
+class _LocalShapeCodes:
+    """A small int per distinct local shape and dtype of a spec (what the
+    cost model's compute time reads of it), memoised per spec object (specs
+    are pooled: a few thousand serve all options, and stay alive while the
+    option lists do)."""
+
+    def __init__(self):
+        self._codes: dict = {}  # local shape signature -> int
+        self._by_spec: dict[int, int] = {}  # id(spec) -> int
+        self.known = self._by_spec.get  # id(spec) -> its code, or None before of(spec)
+
+    def of(self, spec) -> int | tuple | None:
+        if isinstance(spec, DTensorSpec):
+            code = self._by_spec.get(id(spec))
+            if code is None:
+                # the cost model reads a spec through its local shape and
+                # dtype (_spec_sig), or without a tensor meta its placements
+                # (the shape then comes from the node, the same per list)
+                sig = _spec_sig(spec) if spec.tensor_meta is not None else ("placements", spec.placements)
+                code = self._by_spec[id(spec)] = self._codes.setdefault(sig, len(self._codes))
+            return code
+        if isinstance(spec, (tuple, list)):
+            return tuple(self.of(s) for s in spec)
+        return None
+
+
+def _compute_costs(node: torch.fx.Node, options: list[Option], shapes: _LocalShapeCodes, mesh, device) -> list[float]:
+    """Per option, the node's compute seconds plus its in-op work. Options
+    whose specs have the same local shapes cost the same: the cost model is
+    asked once per distinct local shapes (a 4-D mesh's ~2K options of a
+    pointwise op have a few dozen)."""
+    by_shapes: dict = {}
+    of, known = shapes.of, shapes.known
+    costs = []
+    for o in options:
+        # memo hits inlined: a call per spec of 332K options costs seconds
+        out = known(id(o.output_specs))
+        ins = tuple([known(id(s)) for s in o.input_specs])
+        if out is None or None in ins:
+            out, ins = of(o.output_specs), tuple([of(s) for s in o.input_specs])
+        key = (out, ins)
+        t = by_shapes.get(key)
+        if t is None:
+            t = by_shapes[key] = cost_model.node_compute_time(node, o.input_specs, o.output_specs, device)
+        costs.append(t + _in_op_time(o.in_op, mesh, device) if o.in_op is not None else t)
+    return costs
 
 
 def _in_op_time(work, mesh, device) -> float:
