@@ -99,13 +99,15 @@ class EdgeMatrices:
         return src_specs, row_class, dst_specs, col_class, class_key
 
     def classes(self, prod: list[Option], cons: list[Option], arg: int, kind: str | None, keep_partial: bool = False):
-        """The redistribution costs between distinct placements: a matrix
+        """The redistribution costs between distinct placements: rows (lists)
         over (distinct producer outputs) x (distinct consumer inputs ``arg``),
         and each producer / consumer option's row / column index in it."""
         src_specs, row_class, dst_specs, col_class, class_key = self._class_specs(prod, cons, arg, kind, keep_partial)
         class_rows = self._classes.get(class_key)
         if class_rows is None:
-            class_rows = self._classes[class_key] = self._class_matrix(src_specs, dst_specs, kind, keep_partial)
+            # as lists: dense rows then share these float objects (one per
+            # class pair, not one per option pair)
+            class_rows = self._classes[class_key] = self._class_matrix(src_specs, dst_specs, kind, keep_partial).tolist()
         return class_rows, row_class, col_class
 
     def drop_pair_cache(self) -> None:
@@ -146,11 +148,11 @@ class EdgeMatrices:
         # Options with the same output placements get the same row object.
         rows_by_class: dict[int, list[float]] = {}
         rows = []
-        columns = np.asarray(col_class, dtype=np.int64)
         for r in row_class:
             row = rows_by_class.get(r)
             if row is None:
-                row = rows_by_class[r] = class_rows[r, columns].tolist()
+                costs = class_rows[r]
+                row = rows_by_class[r] = [costs[c] for c in col_class]
             rows.append(row)
         # keep prod/cons alive so their ids stay unique while cached
         self._matrices[key] = (rows, prod, cons)

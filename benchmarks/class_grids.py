@@ -8,6 +8,12 @@ number of grids and entries, and the peak RSS. Asserts nothing::
 
     PYTHONPATH=. python benchmarks/class_grids.py --layers 2
     PYTHONPATH=. python benchmarks/class_grids.py --layers 2 --max-grids 20
+
+Measured (vecgrid branch, 2-core machine shared, load 3.5-4.5), 2 layers:
+136 grids, 18.0M entries (largest 1218 x 1218), checksum 7.533245286e+05
+both ways. Pair by pair (edge_costs.redistribution_matrix, one call per
+grid): 317.8 s, peak RSS 3027 MiB (its pair cache). Whole grids with numpy (autoparallel/class_costs.py):
+9.8 s, no RSS above the problem build's 664 MiB peak.
 """
 
 from __future__ import annotations
