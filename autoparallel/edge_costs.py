@@ -144,19 +144,7 @@ def _divisors_id(mesh_shape, codes) -> int:
     return i
 
 
-def step_time(t: comm.MeshDimTopology, kinds: tuple[str, ...], cur_bytes: int, new_bytes: int, device: DeviceSpec) -> float:
-    """Seconds of one plan step on a mesh dim of topology ``t``: the body of
-    ``comm._costed_steps`` for one step (same operations, same order)."""
-    time = 0.0
-    if t.group_size > 1:
-        for kind in kinds:
-            if kind == "forbidden":
-                time = math.inf
-            elif kind == "local_copy":
-                time += comm._local_copy_time(new_bytes, device)
-            else:
-                time += comm.collective_time(kind, cur_bytes, t.group_size, t.intra_node, device, t.ranks_per_node)
-    return time
+step_time = comm.step_time  # one step's seconds (shared with the scalar path)
 
 
 def step_times(mesh, device: DeviceSpec) -> dict[tuple, float]:

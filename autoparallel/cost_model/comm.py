@@ -355,18 +355,25 @@ def _costed_steps(src: DTensorSpec, dst: DTensorSpec, device: DeviceSpec):
     cur_bytes = _local_bytes(shape, src_divs, itemsize)
     for mesh_dim, a, b, kinds, divs in plan:
         new_bytes = _local_bytes(shape, divs, itemsize)
-        t = topo[mesh_dim]
-        time = 0.0
-        if t.group_size > 1:
-            for kind in kinds:
-                if kind == "forbidden":
-                    time = math.inf
-                elif kind == "local_copy":
-                    time += _local_copy_time(new_bytes, device)
-                else:
-                    time += collective_time(kind, cur_bytes, t.group_size, t.intra_node, device, t.ranks_per_node)
-        yield mesh_dim, a, b, kinds, cur_bytes, time
+        yield mesh_dim, a, b, kinds, cur_bytes, step_time(topo[mesh_dim], kinds, cur_bytes, new_bytes, device)
         cur_bytes = new_bytes
+
+
+def step_time(t: MeshDimTopology, kinds: tuple[str, ...], cur_bytes: int, new_bytes: int, device: DeviceSpec) -> float:
+    """Seconds of one plan step on a mesh dim of topology ``t`` that turns
+    ``cur_bytes`` of local shard into ``new_bytes`` through ``kinds`` (the
+    one body the scalar, per-matrix and vectorised costs share, so their
+    figures are bit-identical)."""
+    time = 0.0
+    if t.group_size > 1:
+        for kind in kinds:
+            if kind == "forbidden":
+                time = math.inf
+            elif kind == "local_copy":
+                time += _local_copy_time(new_bytes, device)
+            else:
+                time += collective_time(kind, cur_bytes, t.group_size, t.intra_node, device, t.ranks_per_node)
+    return time
 
 
 def redistribute_steps(src: DTensorSpec, dst: DTensorSpec, device: DeviceSpec = H100) -> list[CommStep]:
