@@ -458,13 +458,17 @@ def _memory_constraint(traced, strategies, mesh, constraints: Constraints) -> so
     terms: dict[str, list[float]] = {}
     total = 0.0
     smallest = 0.0
+    # per (option list, shape, itemsize): a repeated layer's parameters share them
+    weights_of: dict[tuple, list[float]] = {}
     for fqn, node in traced.param_nodes.items():
         val = node.meta["val"]
         itemsize = val.element_size()
-        weights = [
-            float(local_numel(val.shape, o.output_spec.placements, mesh) * itemsize)
-            for o in strategies[node].options
-        ]
+        options = strategies[node].options
+        weights = weights_of.get((id(options), tuple(val.shape), itemsize))
+        if weights is None:
+            weights = weights_of[(id(options), tuple(val.shape), itemsize)] = [
+                float(local_numel(val.shape, o.output_spec.placements, mesh) * itemsize) for o in options
+            ]
         terms[node.name] = weights
         total += float(val.numel() * itemsize)
         smallest += min(weights)
