@@ -418,7 +418,9 @@ class AutoParallel:
             raise
         for phase, seconds in solution.timings.items():
             self.timings[f"solver.{phase}"] = seconds
-        plan = self._make_plan(built, solution)
+        with self._stages.stage("plan report", "plan_report"):
+            plan = self._make_plan(built, solution)
+        plan.timings["plan_report"] = self.timings["plan_report"]
         if dump_dir:
             self._dump(dump_dir, built, solution, plan)
         logger.info("%s", plan.summary(legend=False))

@@ -216,10 +216,14 @@ def map_choice(
     full: dict[torch.fx.Node, NodeStrategy], narrowed: dict[torch.fx.Node, NodeStrategy], choice: dict[str, int]
 ) -> dict[str, int]:
     """A choice of option ids in the full lists as ids in the narrowed ones."""
+    position: dict[int, dict[int, int]] = {}  # per narrowed list (shared by layers): id(option) -> index
     out = {}
     for node, strat in full.items():
-        picked = strat.options[choice[node.name]]
-        out[node.name] = next(i for i, o in enumerate(narrowed[node].options) if o is picked)
+        options = narrowed[node].options
+        index = position.get(id(options))
+        if index is None:
+            index = position[id(options)] = {id(o): i for i, o in enumerate(options)}
+        out[node.name] = index[id(strat.options[choice[node.name]])]
     return out
 
 

@@ -198,7 +198,7 @@ def _row(r: dict) -> str:
 
 
 def _table(rows: list[dict]) -> str:
-    stages = ["tracing", "options", "problem_build", "coarse_seed", "solve", "solver.presolve", "solver.build", "solver.solve"]
+    stages = ["tracing", "options", "problem_build", "coarse_seed", "solve", "plan_report", "solver.presolve", "solver.build", "solver.solve"]
     cols = [r["name"] for r in rows]
     lines = [f"{'':24s}" + "".join(f"{c:>16s}" for c in cols)]
 

@@ -257,6 +257,7 @@ def print_report(plan, total: float, dump_dir: str | None, all_kinds: bool = Fal
     else:
         for phase in ("presolve", "build", "solve"):
             print(f"  solver.{phase:9s} {t.get('solver.' + phase, 0.0):7.2f} s")
+    print(f"  {'plan_report':16s} {t.get('plan_report', 0.0):7.2f} s")
     print(f"  {'total':16s} {total:7.2f} s   (peak RSS "
           f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GB)")
 
