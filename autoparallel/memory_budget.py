@@ -440,12 +440,10 @@ def _redistributed_inputs(
       its options: never below the pair's value (``shard(output) <= F``),
       equal to it when the producer is as sharded as it can be, above it by
       ``bytes / max(shard(input), shard(output)) - bytes / F`` otherwise.
-      No per-option split can be exact: both diagonals (the same layout on
-      both sides, replicated or sharded) hold nothing more, the all-gather
-      between them does. This one is tight where a budget binds (sharded
-      activations) and loose for replicated ones (tiny LLaMA-3 with
-      selective AC, cheapest plan: the row 6.67 MB of activations, the
-      estimate 1.89 MB, 2.00 MB saved by a run).
+      No per-option split can be exact (both diagonals hold nothing more,
+      the all-gather between them does); this one is tight where a budget
+      binds (sharded activations), loose for replicated ones (tiny LLaMA-3,
+      selective AC, cheapest plan: row 6.67 MB, estimate 1.89 MB, run 2.00 MB).
     """
     from torch._functorch.partitioners import get_default_op_list
 
@@ -454,6 +452,7 @@ def _redistributed_inputs(
     fwd = forward_nodes(gm)
     seen: set[torch.fx.Node] = set()
     recomputed_inputs: dict[str, list] = {}
+    most_sharded: dict[int, int] = {}  # per option list, for _most_sharded
     for c in gm.graph.nodes:
         if c not in fwd or c.op != "call_function" or not (c in remade or ops.is_compute_intensive(c)):
             continue
@@ -474,7 +473,7 @@ def _redistributed_inputs(
                 if not own:
                     del terms[p.name]
             elif _single_output(strategies[p]) or strategies[p].getitem_index is not None:
-                recomputed_inputs[key] = [p.name, _most_sharded(strategies[p])]
+                recomputed_inputs[key] = [p.name, _most_sharded(strategies[p], most_sharded)]
             else:
                 continue
             # one value per reader input: the term is new
@@ -482,12 +481,20 @@ def _redistributed_inputs(
     return recomputed_inputs
 
 
-def _most_sharded(strat) -> int:
-    """The largest number of ways any option of ``strat`` splits its output."""
-    return max(
-        math.prod(o.output_specs.mesh.size(d) for d, pl in enumerate(o.output_specs.placements) if pl.is_shard())
-        for o in strat.options
-    )
+def _most_sharded(strat, cache: dict[int, int]) -> int:
+    """The largest number of ways any option of ``strat`` splits its output,
+    cached per option list (repeated layers share theirs)."""
+    hit = cache.get(id(strat.options))
+    if hit is None:
+        factors: dict[tuple, int] = {}  # per distinct output placements
+        for o in strat.options:
+            spec = o.output_specs
+            if spec.placements not in factors:
+                factors[spec.placements] = math.prod(
+                    spec.mesh.size(d) for d, pl in enumerate(spec.placements) if pl.is_shard()
+                )
+        hit = cache[id(strat.options)] = max(factors.values())
+    return hit
 
 
 def _single_output(strat) -> bool:
