@@ -48,11 +48,11 @@ pricing (lazy matrices, coarse-mesh seeds): 139.8 s with --time-limit 10
 feasible at a 36.7% gap (compute-only bound), est. step 4432 ms; 408.0 s
 and the same plan with the default --time-limit 600.
 
-Session 8 (main; --time-limit 10, load 2.4 -> 1.0): 8B 16x8 9.9 s, 4x4x8
-15.6 s (1.58x), HSDP 15.1 s (1.53x), 70B 16x8 23.6 s, 8x16x8 30.5 s
-(1.29x), all optimal, <= 916 MiB; 70B 4x4x8x8 129.0 s (19.5 / 11.0 / 4.4 /
-coarse seeds 20.2 / pricing with tree elimination 47.2), 1303 MiB,
-feasible at a 26.4% gap, est. step 4386 ms.
+Session 8 (main; --time-limit 10, load 0.6 -> 1.0): 8B 16x8 9.6 s, 4x4x8
+15.0 s (1.56x), HSDP 14.4 s (1.50x), 70B 16x8 22.9 s, 8x16x8 28.8 s
+(1.26x), all optimal, <= 921 MiB; 70B 4x4x8x8 103.9 s (19.0 / 10.9 / 4.4 /
+coarse seeds 19.8 / pricing with tree elimination 45.7 / plan report
+1.8), 1299 MiB, feasible at a 26.4% gap, est. step 4386 ms.
 """
 
 from __future__ import annotations
