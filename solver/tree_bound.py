@@ -215,7 +215,10 @@ def _pass(quotient: Quotient, k: int, sender: int, costs: np.ndarray, reparam: R
 class Elimination:
     """What :func:`eliminate` found: per class the options that may be in a
     plan costing at most ``upper`` (the given plan's cost, or a forest
-    plan's when cheaper: ``plan``), and the best forest bound."""
+    plan's when cheaper: ``plan``), and the best forest bound. Forests of
+    later passes see only the options left, so ``bound`` holds for plans
+    costing at most ``upper``: the optimum is at least ``min(upper,
+    bound)`` (callers clip the bound by the plan they return)."""
 
     keep: list[np.ndarray]
     bound: float
