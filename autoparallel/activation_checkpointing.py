@@ -361,6 +361,23 @@ def forward_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     return {n for n in nodes if n not in backward and n.op != "output"}
 
 
+def recomputes_op(node: fx.Node, op: Any) -> bool:
+    """Whether an ``op`` node added next to ``node`` (same AC annotation: the
+    apply stage copies it to the collectives it emits for ``node``'s inputs)
+    would be recomputed in the backward by :func:`tag_recompute`: always in
+    a full-AC region, unless the policy saves ``op`` in a selective one,
+    never outside AC. (A counted op's every-n-th rule is not applied: the
+    collectives apply emits are not counted ops.)"""
+    custom = node.meta.get("custom") or {}
+    if custom.get(AC_REGION_KEY) is None:
+        return False
+    if custom.get(AC_MODE_KEY, "full") != "selective":
+        return True
+    data = custom.get(AC_POLICY_KEY)
+    policy = SACPolicy.from_annotation(data) if data else DEFAULT_SAC_POLICY
+    return _op_name(op) not in policy.save_ops
+
+
 def tag_recompute(joint_gm: fx.GraphModule) -> ACTagStats:
     """Set ``meta["recompute"]``/``meta["ac_graph_id"]`` on annotated forward nodes.
 

@@ -14,7 +14,7 @@ which shards with one decision of the ILP:
   Which forward values are saved is the partitioner's choice, made later on
   the parallel graph; :func:`saved_activation_nodes` estimates it from the
   joint graph, the min-cut partitioner's rules and the recompute tags of
-  activation checkpointing; :func:`_redistributed_inputs` the layouts.
+  activation checkpointing; :func:`~autoparallel.saved_activations.redistributed_inputs` the layouts.
 
 Each term is ``bytes / shard_factor(option)``: linear in the one-hot option
 variables, so ``sum over terms <= budget`` is one resource row of the ILP
@@ -23,16 +23,16 @@ term per layer: presolve sums the weights of linked decisions. One kind of
 term depends on two decisions: a value the backward recomputes but reads
 through a collective (its redistributed copy is kept, beyond what
 recomputing it would keep, and never less than nothing); the row, one
-weight per option, bounds it from above (:func:`_redistributed_inputs`).
+weight per option, bounds it from above (:func:`~autoparallel.saved_activations.redistributed_inputs`).
 
 Checked against runs (tests/autoparallel/test_memory_budget.py,
 benchmarks/memory_budget.py): tiny LLaMA-3 on 2 x 2 LocalTensorMode ranks,
 without and with selective AC, replicated or data-parallel activations:
 parameters, gradients and AdamW state exact, saved activations within 6%;
-LLaMA-3 8B on 16 x 8 (selective AC, tp-gathered feed-forward inputs): 7.54
-GB estimated (the row's per-option bound: 11.31 GB), 8.50 GB saved by the
-partitioned forward when this was written, 4.20 GB on the tree of
-session 8 (not yet investigated; the estimate is not recalibrated). Not counted: the
+LLaMA-3 8B on 16 x 8 (selective AC): 3.78 GB estimated, 4.20 GB saved by
+the partitioned forward (-10%; before the AC region's recomputed
+collectives were told apart, :func:`~autoparallel.saved_activations._regathers`, the estimate was 7.54 GB:
+it kept each layer's tp-gathered feed-forward input). Not counted: the
 backward's transient buffers (activation gradients, re-gathered weights),
 which the default margin is for.
 
@@ -52,20 +52,23 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
-import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 import torch.fx
-from torch.utils.checkpoint import CheckpointPolicy
 
 import solver
 
-from .activation_checkpointing import forward_nodes
 from .memory import ADAMW, HBM_BYTES, OptimizerSpec, shard_factor
 from .placements import SpecLabels, format_specs
+from .saved_activations import (  # noqa: F401  (saved_activation_nodes: public here too)
+    nbytes,
+    redistributed_inputs,
+    saved_activation_nodes,
+    saved_and_needed,
+    single_output,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -78,29 +81,6 @@ BUDGET_NAME = "memory budget"
 DEFAULT_HBM_MARGIN = 0.10
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations")
-
-_RECOMPUTED = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
-
-# Views the partitioner's op list may not name: recomputed for free.
-_VIEW_OPS = {
-    torch.ops.aten.t.default,
-    torch.ops.aten.transpose.int,
-    torch.ops.aten.permute.default,
-    torch.ops.aten.view.default,
-    torch.ops.aten._unsafe_view.default,
-    torch.ops.aten.expand.default,
-    torch.ops.aten.alias.default,
-    torch.ops.aten.detach.default,
-    torch.ops.aten.unsqueeze.default,
-    torch.ops.aten.squeeze.dim,
-    torch.ops.aten.squeeze.dims,
-    torch.ops.aten.slice.Tensor,
-    torch.ops.aten.select.int,
-    torch.ops.aten.as_strided.default,
-    torch.ops.aten.view_as_real.default,
-    torch.ops.aten.view_as_complex.default,
-}
-
 
 # -- the budget the user asked for -------------------------------------------------
 
@@ -173,7 +153,7 @@ class StepMemoryModel:
     the producer's placement too: the plan's estimate
     (:meth:`estimate`) evaluates it at both, the ILP's per-option weights
     (:meth:`per_rank`, the resource row) bound it from above by the
-    producer at its most sharded (see :func:`_redistributed_inputs`).
+    producer at its most sharded (see :func:`~autoparallel.saved_activations.redistributed_inputs`).
 
     >>> m = StepMemoryModel({"w": {"parameters": 400.0, "optimizer": 800.0}})
     >>> m.per_rank("w", "S(0)R", [4, 2])
@@ -195,7 +175,7 @@ class StepMemoryModel:
     # reader-input terms of values the backward recomputes (key -> [the
     # producer's name, its largest shard factor over its options]): the
     # redistributed copy is charged only beyond the producer at that
-    # factor, never below zero (see :func:`_redistributed_inputs`)
+    # factor, never below zero (see :func:`~autoparallel.saved_activations.redistributed_inputs`)
     recomputed_inputs: dict[str, list] = field(default_factory=dict)
 
     def per_rank(self, key: str, placements: str, mesh_shape: list[int]) -> dict[str, float]:
@@ -258,106 +238,6 @@ class StepMemoryModel:
         )
 
 
-def saved_activation_nodes(
-    gm: torch.fx.GraphModule, param_chain: set[torch.fx.Node] = frozenset()
-) -> list[torch.fx.Node]:
-    """The saved forward values (see :func:`_saved_and_needed`)."""
-    return _saved_and_needed(gm, param_chain)[0]
-
-
-def _saved_and_needed(
-    gm: torch.fx.GraphModule, param_chain: set[torch.fx.Node] = frozenset()
-) -> tuple[list[torch.fx.Node], set[torch.fx.Node]]:
-    """Forward nodes whose outputs the backward keeps, estimated as PyTorch's
-    min-cut partitioner chooses them.
-
-    A forward value is needed by the backward when a backward node reads it,
-    or reads a value recomputed from it. It is recomputed rather than kept
-    when activation checkpointing tagged it ``PREFER_RECOMPUTE`` or
-    ``MUST_RECOMPUTE``, or, untagged, when the partitioner may recompute it
-    for free: a view, or an op on its recomputable list (pointwise and
-    friends, ``torch._functorch.partitioners.get_default_op_list``) that no
-    backward op must materialise (every backward reader fuses with it) and
-    that is not a reduction (4x smaller than its inputs), the rules of its
-    ``should_ban_recomputation``. What a recomputed value reads is needed in
-    turn. Graph inputs (parameters, the batch) are held anyway and not
-    counted; a multi-output op is counted through its ``getitem`` nodes.
-    Nor are ``param_chain`` nodes (a parameter's casts and views in the
-    forward): the apply stage recomputes a parameter's cast and all-gather
-    for the backward (:mod:`autoparallel.passes.recompute_all_gathers`).
-
-    The partitioner's cut is a min-cut over these candidates, so it may keep
-    a different but equally large set (``a + b`` for ``a`` and ``b``); the
-    estimate is checked against runs in tests/autoparallel/test_memory_budget.py.
-    """
-    from torch._functorch.partitioners import get_default_op_list
-
-    ops = get_default_op_list()
-    fwd = forward_nodes(gm)
-
-    def is_view(n: torch.fx.Node) -> bool:
-        return n.op == "call_function" and (ops.is_view(n) or n.target in _VIEW_OPS)
-
-    def fusible(a: torch.fx.Node, b: torch.fx.Node) -> bool:
-        return b.target is torch.ops.aten.cat.default or (ops.is_fusible(a) and ops.is_fusible(b))
-
-    def materialized_in_backward(n: torch.fx.Node) -> bool:
-        todo, seen = [n], {n}
-        while todo:
-            cur = todo.pop()
-            for u in cur.users:
-                if u not in fwd and u.op != "output" and not fusible(cur, u):
-                    return True
-                if is_view(u) and u not in seen:
-                    seen.add(u)
-                    todo.append(u)
-        return False
-
-    def recomputed(n: torch.fx.Node) -> bool:
-        if n in param_chain:
-            return True
-        tag = n.meta.get("recompute")
-        if tag in _RECOMPUTED:
-            return True
-        if tag == CheckpointPolicy.MUST_SAVE or n.op != "call_function":
-            return False
-        if n.target is operator.getitem:
-            return recomputed(n.args[0])
-        if is_view(n):
-            return True
-        if not ops.is_recomputable(n) or materialized_in_backward(n):
-            return False
-        return 4 * _nbytes(n) >= sum(_nbytes(a) for a in n.args if isinstance(a, torch.fx.Node))
-
-    needed: set[torch.fx.Node] = set()
-    # the graph's output node returns the forward's results (held by the
-    # caller, not saved) beside the gradients: not a backward reader
-    stack = [
-        a for n in gm.graph.nodes if n not in fwd and n.op != "output" for a in n.all_input_nodes if a in fwd
-    ]
-    while stack:
-        n = stack.pop()
-        if n in needed:
-            continue
-        needed.add(n)
-        if recomputed(n):
-            stack.extend(a for a in n.all_input_nodes if a in fwd)
-    saved = [
-        n
-        for n in gm.graph.nodes  # graph order
-        if n in needed
-        and n.op == "call_function"
-        and isinstance(n.meta.get("val"), torch.Tensor)
-        and not recomputed(n)
-    ]
-    return saved, {n for n in needed if n.op == "call_function" and recomputed(n) and not is_view(n)}
-
-
-def _nbytes(n: torch.fx.Node) -> int:
-    val = n.meta.get("val")
-    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
-
-
 def step_memory_model(
     traced, strategies: dict[torch.fx.Node, Any], optimizer: OptimizerSpec = ADAMW
 ) -> StepMemoryModel:
@@ -381,16 +261,16 @@ def step_memory_model(
     from .problem_builder import _forward_param_chain
 
     chain = _forward_param_chain(traced)
-    saved, remade = _saved_and_needed(traced.gm, chain)
+    saved, remade = saved_and_needed(traced.gm, chain)
     counted = set()
     for node in saved:
         strat = strategies.get(node)
-        if strat is None or strat.getitem_index is None and not _single_output(strat):
+        if strat is None or strat.getitem_index is None and not single_output(strat):
             skipped += 1
             continue
-        terms.setdefault(node.name, {})["activations"] = float(_nbytes(node))
+        terms.setdefault(node.name, {})["activations"] = float(nbytes(node))
         counted.add(node)
-    recomputed_inputs = _redistributed_inputs(traced.gm, strategies, chain, remade, counted, terms)
+    recomputed_inputs = redistributed_inputs(traced.gm, strategies, chain, remade, counted, terms)
     if skipped:
         logger.warning("memory model: %d saved values without a single-output decision not counted", skipped)
     return StepMemoryModel(
@@ -400,105 +280,6 @@ def step_memory_model(
         "forward values the backward reads, less AC-recomputed ones",
         recomputed_inputs,
     )
-
-
-def _redistributed_inputs(
-    gm, strategies: dict, chain: set, remade: set, counted: set, terms: dict
-) -> dict[str, list]:
-    """Lay saved values out as the backward reads them; returns the
-    :attr:`StepMemoryModel.recomputed_inputs` of the terms it adds.
-
-    The backward reads the inputs of the forward's matmuls (the partitioner's
-    compute-intensive ops: for their weight gradients) and of the ops it
-    recomputes (``remade``). An input that arrives in another layout than it
-    was produced gets it through a collective the apply stage adds, and the
-    partitioner never recomputes collectives: the backward keeps the
-    redistributed tensor (LLaMA-3 8B on 16 x 8: the residual stream
-    all-gathered over tp for each layer's feed-forward, half the saved
-    bytes). A local slice (the reader takes it more sharded, each rank a
-    part of what it has) is recomputed like a view. Per activation, at its
-    first such reader in graph order:
-
-    * when it is kept anyway (saved), its term moves to the reader's input,
-      sharded as the reader's option needs it: its own layout when no
-      collective is needed;
-    * when it is recomputed itself, the reader's redistributed copy is kept
-      and what recomputing it would have kept is not (its inputs, about its
-      own size: tiny LLaMA-3 on 2 x 2 LocalTensorMode ranks keeps the same
-      bytes when the residual is produced sequence-sharded and read
-      batch-sharded, an all-to-all, as without the collective; the
-      all-gather costs its gathered size less the shard). Per rank that is
-      ``max(0, bytes / shard(input) - bytes / shard(output))``: zero when
-      the layouts agree or the reader slices, the gathered size less its
-      shard for an all-gather. (The term was ``+bytes / shard(input)``
-      on the reader and ``-bytes / shard(output)`` on the producer, below
-      zero for a slice: -7.3 GB of activations on a 70B plan.) The plan's
-      estimate (:meth:`StepMemoryModel.estimate`) evaluates it at both
-      placements. The ILP's resource rows weigh one option at a time, so
-      the row charges ``max(0, bytes / shard(input) - bytes / F)`` on the
-      reader's input alone, ``F`` the producer's largest shard factor over
-      its options: never below the pair's value (``shard(output) <= F``),
-      equal to it when the producer is as sharded as it can be, above it by
-      ``bytes / max(shard(input), shard(output)) - bytes / F`` otherwise.
-      No per-option split can be exact (both diagonals hold nothing more,
-      the all-gather between them does); this one is tight where a budget
-      binds (sharded activations), loose for replicated ones (tiny LLaMA-3,
-      selective AC, cheapest plan: row 6.67 MB, estimate 1.89 MB, run 2.00 MB).
-    """
-    from torch._functorch.partitioners import get_default_op_list
-
-    ops = get_default_op_list()
-    views = _VIEW_OPS | set(ops.view_ops)
-    fwd = forward_nodes(gm)
-    seen: set[torch.fx.Node] = set()
-    recomputed_inputs: dict[str, list] = {}
-    most_sharded: dict[int, int] = {}  # per option list, for _most_sharded
-    for c in gm.graph.nodes:
-        if c not in fwd or c.op != "call_function" or not (c in remade or ops.is_compute_intensive(c)):
-            continue
-        strat = strategies.get(c)
-        if strat is None or strat.getitem_index is not None:
-            continue
-        for k, v in enumerate(strat.inputs):
-            p = v
-            while p.op == "call_function" and p.target in views and isinstance(p.args[0], torch.fx.Node):
-                p = p.args[0]
-            if p in seen or p in chain or p.op != "call_function" or p not in strategies:
-                continue
-            seen.add(p)
-            key = f"{c.name}:in:{k}"
-            if p in counted:
-                own = terms[p.name]
-                del own["activations"]
-                if not own:
-                    del terms[p.name]
-            elif _single_output(strategies[p]) or strategies[p].getitem_index is not None:
-                recomputed_inputs[key] = [p.name, _most_sharded(strategies[p], most_sharded)]
-            else:
-                continue
-            # one value per reader input: the term is new
-            terms[key] = {"activations": float(_nbytes(p))}
-    return recomputed_inputs
-
-
-def _most_sharded(strat, cache: dict[int, int]) -> int:
-    """The largest number of ways any option of ``strat`` splits its output,
-    cached per option list (repeated layers share theirs)."""
-    hit = cache.get(id(strat.options))
-    if hit is None:
-        factors: dict[tuple, int] = {}  # per distinct output placements
-        for o in strat.options:
-            spec = o.output_specs
-            if spec.placements not in factors:
-                factors[spec.placements] = math.prod(
-                    spec.mesh.size(d) for d, pl in enumerate(spec.placements) if pl.is_shard()
-                )
-        hit = cache[id(strat.options)] = max(factors.values())
-    return hit
-
-
-def _single_output(strat) -> bool:
-    return bool(strat.options) and not isinstance(strat.options[0].output_specs, (tuple, list))
 
 
 # -- the constraint ---------------------------------------------------------------------
@@ -519,7 +300,7 @@ def _labels(strategies, node, cache: dict, k: int | None = None) -> list[str]:
 class BudgetRow(solver.ResourceConstraint):
     """The budget's resource row, and ``exact``: the plan's estimate at a
     solution's choice (decision name -> option index), which the row bounds
-    from above (:func:`_redistributed_inputs`); :func:`solve_within_budget`
+    from above (:func:`~autoparallel.saved_activations.redistributed_inputs`); :func:`solve_within_budget`
     checks an unbudgeted plan with it."""
 
     exact: Callable[[dict[str, int]], float] | None = field(default=None, repr=False)

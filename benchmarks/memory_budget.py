@@ -88,7 +88,7 @@ def bench_8b_saved() -> None:
     backward (its outputs after the user's, distinct storages by view base):
     the saved activations of the real step, per rank."""
     import example_llama3 as ex
-    from autoparallel.memory_budget import _VIEW_OPS
+    from autoparallel.saved_activations import VIEW_OPS
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=128)
     try:
@@ -110,7 +110,7 @@ def bench_8b_saved() -> None:
     outs = list(fw.graph.find_nodes(op="output")[0].args[0])[parallel.parallel_state.step.graphs.num_fwd_outputs :]
     bases = {}
     for o in outs:
-        while isinstance(o, torch.fx.Node) and o.op == "call_function" and o.target in _VIEW_OPS:
+        while isinstance(o, torch.fx.Node) and o.op == "call_function" and o.target in VIEW_OPS:
             o = o.args[0]
         v = o.meta.get("val") if isinstance(o, torch.fx.Node) else None
         if o.op != "placeholder" and isinstance(v, torch.Tensor):

@@ -27,6 +27,7 @@ from autoparallel.activation_checkpointing import (
     apply_ac,
     graph_ac_tracing,
     is_graph_ac_tracing,
+    recomputes_op,
     remove_ac,
     tag_recompute,
 )
@@ -192,6 +193,26 @@ def test_selective_tags_follow_the_eager_policy_in_graph_order():
         assert all(u.meta["recompute"] == CheckpointPolicy.MUST_SAVE for u in sdpa.users)  # getitems
         others = [n for n in nodes if n.target not in (aten.mm.default, sdpa.target) and n not in sdpa.users]
         assert others and all(n.meta["recompute"] == CheckpointPolicy.PREFER_RECOMPUTE for n in others)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective", "none"])
+def test_recomputes_op_follows_the_region_policy(mode):
+    """What apply's collectives next to a matmul get from tag_recompute:
+    recomputed in a full region, in a selective one unless the policy saves
+    the op (reduce-scatter, by default), never outside AC."""
+    _, gm = _traced(mode)
+    mms = [n for n in gm.graph.nodes if n.target == aten.mm.default and n.meta.get("partitioner_tag") == "is_forward"]
+    assert mms
+    gather = torch.ops._c10d_functional.all_gather_into_tensor.default
+    scatter = torch.ops._c10d_functional.reduce_scatter_tensor.default
+    for mm in mms:
+        assert recomputes_op(mm, gather) == (mode != "none")
+        assert recomputes_op(mm, scatter) == (mode == "full")
+    custom = SACPolicy(save_ops=frozenset({"aten.mm.default", str(gather)}))
+    if mode == "selective":
+        for mm in mms:
+            mm.meta["custom"]["ac_policy"] = custom.to_annotation()
+            assert not recomputes_op(mm, gather)
 
 
 def test_sac_policy_decider():

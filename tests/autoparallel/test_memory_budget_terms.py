@@ -26,7 +26,6 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from autoparallel import AutoParallel
 from autoparallel.memory import shard_factor
 from autoparallel.memory_budget import (
-    _VIEW_OPS,
     CATEGORIES,
     _labels,
     budget_constraint,
@@ -35,6 +34,7 @@ from autoparallel.memory_budget import (
 )
 from autoparallel.models import LLAMA3_CONFIGS, Transformer
 from autoparallel.problem_builder import _forward_param_chain
+from autoparallel.saved_activations import VIEW_OPS
 
 MESH = [2, 2, 2]
 # LLaMA-3 "debug": batch 8, sequence 64, dim 64, fp32: one residual stream
@@ -70,7 +70,7 @@ def _recomputed_pairs(model, strategies, saved):
         if k is None:
             continue
         p = strategies[by_name[c]].inputs[k]
-        while p.target in _VIEW_OPS:  # the term is the viewed value's
+        while p.target in VIEW_OPS:  # the term is the viewed value's
             p = p.args[0]
         if p not in saved:
             out.append((p, by_name[c], k))
