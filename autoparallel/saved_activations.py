@@ -63,8 +63,10 @@ def saved_and_needed(
     friends, ``torch._functorch.partitioners.get_default_op_list``) that no
     backward op must materialise (every backward reader fuses with it) and
     that is not a reduction (4x smaller than its inputs), the rules of its
-    ``should_ban_recomputation``. What a recomputed value reads is needed in
-    turn. Graph inputs (parameters, the batch) are held anyway and not
+    ``should_ban_recomputation``. A value tagged for recompute that a
+    recomputed node of a later AC region reads is saved (the region
+    boundary, its ``cleanup_recompute_tags``). What a recomputed value reads
+    is needed in turn. Graph inputs (parameters, the batch) are held anyway and not
     counted; a multi-output op is counted through its ``getitem`` nodes.
     Nor are ``param_chain`` nodes (a parameter's casts and views in the
     forward): the apply stage recomputes a parameter's cast and all-gather
@@ -97,12 +99,21 @@ def saved_and_needed(
                     todo.append(u)
         return False
 
+    def region_output(n: torch.fx.Node) -> bool:
+        # the partitioner's cleanup_recompute_tags: a recomputed value read
+        # by a recomputed node of a later AC region (the next block's input)
+        # is saved at the boundary
+        region = n.meta.get("ac_graph_id")
+        return region is not None and any(
+            u.meta.get("recompute") in _RECOMPUTED and u.meta.get("ac_graph_id", region) > region for u in n.users
+        )
+
     def recomputed(n: torch.fx.Node) -> bool:
         if n in param_chain:
             return True
         tag = n.meta.get("recompute")
         if tag in _RECOMPUTED:
-            return True
+            return not region_output(n)
         if tag == CheckpointPolicy.MUST_SAVE or n.op != "call_function":
             return False
         if n.target is operator.getitem:

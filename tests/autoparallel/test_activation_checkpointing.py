@@ -279,6 +279,25 @@ def test_full_partition_saves_only_block_inputs(partitioner):
     assert _count(bw, torch.ops.higher_order.run_with_rng_state) == 2  # sdpa is "random"
 
 
+def test_memory_model_saves_the_block_boundary_like_the_partitioner():
+    """Full AC: the step-memory model's saved set is what min-cut saves
+    (the block boundary, its cleanup_recompute_tags rule, and the values
+    computed outside the blocks)."""
+    from autoparallel.saved_activations import saved_activation_nodes
+
+    jd, gm = _traced("full")
+    tag_recompute(gm)
+    estimated = {n.name for n in saved_activation_nodes(gm)}
+    _, _, saved = _partition(gm, "min_cut", jd.fake_mode)
+    joint = {n.name: n for n in gm.graph.nodes}
+    boundary = {s for s in saved if joint[s].meta.get("ac_graph_id") == 0}
+    assert boundary and boundary <= estimated  # block 0's output
+    # the rest min-cut saves are views of graph inputs (the RoPE table's
+    # slices), held with the inputs anyway and not counted
+    for name in saved ^ estimated:
+        assert name in saved and all(a.op == "placeholder" for a in joint[name].all_input_nodes), name
+
+
 @pytest.mark.parametrize("partitioner", sorted(PARTITIONERS))
 def test_no_ac_recomputes_nothing(partitioner):
     jd, gm = _traced("none")
