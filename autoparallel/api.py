@@ -360,7 +360,7 @@ class AutoParallel:
         narrowed = strategies is not None
         strategies = self.strategies if strategies is None else strategies
         infeasibility.check_memory_budget(
-            self.traced.param_nodes, self.strategies, self.mesh, c.pins, c.memory_low, c.memory_high
+            self.traced, self.strategies, self.mesh, c.pins, c.memory_low, c.memory_high, self.repeats
         )
         step_memory = self._check_step_memory()
         constraints = dataclasses.replace(c, prune_options=False, option_pricing=False) if narrowed else c

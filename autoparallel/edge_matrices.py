@@ -222,6 +222,21 @@ class EdgeMatrices:
         return self._structural(("equal", id(a), id(b)), make, a, b)
 
 
+def gradient_partners(param: list[Option], grad: list[Option]) -> list[bool]:
+    """Per parameter option: whether some gradient option pairs with it at a
+    finite cost in :meth:`EdgeMatrices.gradient` (the gradient already laid
+    out as the parameter, or a tp-outer parameter it is reduce-scattered
+    to). A parameter whose gradient only comes ``Replicate`` or ``Partial``
+    (a norm's weight: its backward reduces over the batch) cannot be
+    sharded except tp-outer, whatever its own options say."""
+    held = {go.output_spec.placements for go in grad}
+    return [
+        po.output_spec.placements in held
+        or cost_model.is_tp_outer(po.output_spec.placements, tuple(po.output_spec.mesh.shape))
+        for po in param
+    ]
+
+
 def _spec_classes(specs: list) -> tuple[list, list[int]]:
     """Distinct specs (by placements) and, per input spec, its class index."""
     index: dict = {}

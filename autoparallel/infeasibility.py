@@ -121,35 +121,46 @@ def _param_bytes(val: torch.Tensor, options: Sequence[Any], mesh: DeviceMesh) ->
 
 
 def check_memory_budget(
-    param_nodes: dict[str, torch.fx.Node],
+    traced: Any,
     strategies: dict[torch.fx.Node, Any],
     mesh: DeviceMesh,
     pins: dict[str, tuple[str, tuple]],
     low: float | None,
     high: float | None,
+    repeats: Any = None,
 ) -> None:
     """The budget ``[low, high]`` (fractions of replicated parameter bytes)
     must meet the range the parameters' options reach, given the pins on
     parameters. ``high=None`` is "every parameter as sharded as the mesh
-    allows", which a pin to a less sharded layout breaks."""
+    allows" (as far as its gradient can follow and its repeated layers
+    agree: :func:`~autoparallel.problem_builder.param_floor`), which a pin
+    to a less sharded layout breaks."""
+    from .problem_builder import param_floor
+
+    weights = {
+        fqn: _param_bytes(node.meta["val"], strategies[node].options, mesh)
+        for fqn, node in traced.param_nodes.items()
+        if node in strategies and isinstance(node.meta.get("val"), torch.Tensor)
+    }
+    floor = param_floor(traced, strategies, weights, repeats)
     total = smallest = largest = unpinned_smallest = 0.0
     pinned: list[tuple[str, str]] = []  # (constraint name, what it pins)
-    for fqn, node in param_nodes.items():
-        strat = strategies.get(node)
-        val = node.meta.get("val")
-        if strat is None or not isinstance(val, torch.Tensor):
+    for fqn, node in traced.param_nodes.items():
+        if fqn not in weights:
             continue
-        weights = _param_bytes(val, strat.options, mesh)
-        unpinned_smallest += min(weights)
+        strat, val, w = strategies[node], node.meta["val"], weights[fqn]
+        reach = floor[fqn]
+        unpinned_smallest += reach
         pin = pins.get(node.name)
         if pin is not None:
-            allowed = [w for w, o in zip(weights, strat.options) if tuple(o.output_spec.placements) == tuple(pin[1])]
-            if allowed and (min(allowed) > min(weights) or max(allowed) < max(weights)):
+            allowed = [x for x, o in zip(w, strat.options) if tuple(o.output_spec.placements) == tuple(pin[1])]
+            if allowed and (min(allowed) > reach or max(allowed) < max(w)):
                 pinned.append((pin[0], f"{fqn} as {describe_placements(pin[1])}"))
-            weights = allowed or weights
+            w = allowed or w
+            reach = min(w)
         total += val.numel() * val.element_size()
-        smallest += min(weights)
-        largest += max(weights)
+        smallest += reach
+        largest += max(w)
     if total == 0:
         return
     lo, hi = smallest / total, largest / total

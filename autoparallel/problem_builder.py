@@ -30,6 +30,7 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
@@ -41,7 +42,7 @@ import solver
 from . import cost_model
 from .cost_model.compute import _spec_sig  # the cost model's view of a spec, for deduplicating
 from .edge_costs import clear_caches as clear_edge_cost_caches
-from .edge_matrices import EdgeMatrices
+from .edge_matrices import EdgeMatrices, gradient_partners
 from .option_pruning import PruneStats, prune_partials
 from .problem_size import (  # noqa: F401  (the size guard, re-exported)
     DEFAULT_MAX_PROBLEM_BYTES,
@@ -404,7 +405,7 @@ def build_problem(
         ]
         pins.append(solver.Pin(cname, name, allowed))
 
-    resources = [_memory_constraint(traced, strategies, mesh, constraints)]
+    resources = [_memory_constraint(traced, strategies, mesh, constraints, repeats)]
 
     links = []
     if repeats is not None:
@@ -454,12 +455,75 @@ def _option_mapping(ref: list[Option], other: list[Option]) -> list[int | None]:
     return [index.get((placements_of(o.output_specs), placements_of(o.input_specs))) for o in ref]
 
 
-def _memory_constraint(traced, strategies, mesh, constraints: Constraints) -> solver.ResourceConstraint:
+def param_floor(traced, strategies, weights: dict[str, list[float]], repeats=None) -> dict[str, float]:
+    """Per parameter (by fqn), its bytes per rank in the least-memory plan
+    of all parameters: what the default budget, "every parameter as
+    sharded as the mesh allows", can reach. ``weights``: per fqn, the
+    bytes of each option.
+
+    Two things bound it beyond the parameter's own options: its gradient
+    must be able to follow (:func:`~autoparallel.edge_matrices.gradient_partners`:
+    a norm's weight, whose gradient only comes Replicate or Partial, is not
+    sharded except tp-outer), and repeated layers take one option for all
+    their copies (a link), so a group of linked parameters has the option
+    that every copy can take with the least bytes in all (GPT-2 on 2x2x2:
+    the last layer's projection bias gradient has no sharded option while
+    the first layer's has).
+    """
+    partners: dict[tuple, list[bool]] = {}
+    ok: dict[str, list[bool]] = {}
+    for fqn, node in traced.param_nodes.items():
+        grad = traced.grad_nodes.get(fqn)
+        if fqn not in weights:
+            continue
+        if grad is None or grad not in strategies:
+            ok[fqn] = [True] * len(weights[fqn])
+            continue
+        key = (id(strategies[node].options), id(strategies[grad].options))
+        if key not in partners:
+            partners[key] = gradient_partners(strategies[node].options, strategies[grad].options)
+        ok[fqn] = partners[key]
+    fqn_of = {node: fqn for fqn, node in traced.param_nodes.items() if fqn in weights}
+    copies: dict[str, list[tuple[str, np.ndarray]]] = {}  # reference fqn -> (copy, option mapping, -1: none)
+    mappings: dict[tuple[int, int], np.ndarray] = {}
+    if repeats is not None:
+        for node, ref in repeats.reference.items():
+            if node in fqn_of and ref in fqn_of and node in strategies and ref in strategies:
+                key = (id(strategies[ref].options), id(strategies[node].options))
+                if key not in mappings:
+                    raw = _option_mapping(strategies[ref].options, strategies[node].options)
+                    mappings[key] = np.asarray([-1 if j is None else j for j in raw], dtype=np.int64)
+                copies.setdefault(fqn_of[ref], []).append((fqn_of[node], mappings[key]))
+    linked = {c for members in copies.values() for c, _ in members}
+    floor: dict[str, float] = {}
+    for fqn in ok:
+        if fqn in linked:
+            continue
+        members = copies.get(fqn, [])
+        fits = np.asarray(ok[fqn], dtype=bool)
+        total = np.asarray(weights[fqn], dtype=np.float64)
+        for c, m in members:
+            # the copy's option for each reference option (a missing one: out)
+            j = np.where(m < 0, 0, m)
+            fits &= (m >= 0) & np.asarray(ok[c], dtype=bool)[j]
+            total = total + np.asarray(weights[c], dtype=np.float64)[j]
+        if not fits.any():  # nothing fits every copy: the solver names the conflict
+            for f in [fqn] + [c for c, _ in members]:
+                floor[f] = min((w for w, k in zip(weights[f], ok[f]) if k), default=min(weights[f]))
+            continue
+        best = int(np.flatnonzero(fits)[np.argmin(total[fits])])
+        floor[fqn] = weights[fqn][best]
+        for c, m in members:
+            floor[c] = weights[c][int(m[best])]
+    return floor
+
+
+def _memory_constraint(traced, strategies, mesh, constraints: Constraints, repeats=None) -> solver.ResourceConstraint:
     terms: dict[str, list[float]] = {}
     total = 0.0
-    smallest = 0.0
     # per (option list, shape, itemsize): a repeated layer's parameters share them
     weights_of: dict[tuple, list[float]] = {}
+    by_fqn: dict[str, list[float]] = {}
     for fqn, node in traced.param_nodes.items():
         val = node.meta["val"]
         itemsize = val.element_size()
@@ -469,9 +533,9 @@ def _memory_constraint(traced, strategies, mesh, constraints: Constraints) -> so
             weights = weights_of[(id(options), tuple(val.shape), itemsize)] = [
                 float(local_numel(val.shape, o.output_spec.placements, mesh) * itemsize) for o in options
             ]
-        terms[node.name] = weights
+        terms[node.name] = by_fqn[fqn] = weights
         total += float(val.numel() * itemsize)
-        smallest += min(weights)
+    smallest = sum(param_floor(traced, strategies, by_fqn, repeats).values())
     high = smallest if constraints.memory_high is None else constraints.memory_high * total
     low = None if constraints.memory_low is None else constraints.memory_low * total
     # Bytes are exact integers; a relative slack keeps float round-off from

@@ -138,6 +138,7 @@ class _Member:
     numel: int
     nbytes: int = 0
     ready: float = -1.0  # all-gathers: position of the latest collective result its input needs
+    waits: tuple[fx.Node, ...] = ()  # all-gathers: the collective results its input needs
 
 
 def _layer_of(fqn: str) -> str:
@@ -256,6 +257,7 @@ def _buckets(gm: fx.GraphModule, ctx: PassContext | None, limit: int, index: dic
         key, member, roots = found
         waits = [r for r in roots if r.op != "placeholder"]
         member.ready = max((index[w] for w in waits), default=-1.0)
+        member.waits = tuple(waits)
         if layers is None:
             if waits:
                 continue
@@ -276,7 +278,12 @@ def _buckets(gm: fx.GraphModule, ctx: PassContext | None, limit: int, index: dic
     found = [b for members in first.values() for b in _split_by_bytes(members, limit, index)]
     if found:
         return found
-    return [b for members in groups.values() for b in _split_by_bytes(members, limit, index)]
+    later = [b for members in groups.values() for b in _split_by_bytes(members, limit, index)]
+    # On a 3-D or 4-D mesh a gather can be the third stage of another's
+    # second: it waits for the round after the one that merges the second
+    # (merging rewrites the results its input chain runs through).
+    merged = {m.wait for b in later for m in b}
+    return [b for b in later if not any(w in merged for m in b for w in m.waits)]
 
 
 # ---------------------------------------------------------------------------
@@ -557,7 +564,8 @@ def _merge(
 # bucketed graph exceeds the original's by more than
 # PassOptions.bucket_peak_growth.
 _ATTEMPTS = 4
-_ROUNDS = 3
+# first stages, then each later stage of a gather over up to 4 mesh dims
+_ROUNDS = 4
 
 
 def _copy_graph(g: fx.Graph) -> fx.Graph:

@@ -1,5 +1,5 @@
-"""Plan a model on a 2x2 ("dp", "tp") mesh, apply it, and check one training
-step on 4 simulated ranks (LocalTensorMode) against the single-device model:
+"""Plan a model on a mesh (default 2x2 ("dp", "tp")), apply it, and check one training
+step on its simulated ranks (LocalTensorMode) against the single-device model:
 the loss, every gradient and every buffer after the step.
 
 Models return a scalar loss (wrap a model and its loss in one module), so
@@ -30,7 +30,6 @@ from autoparallel.cost_model import DeviceSpec
 from autoparallel.passes import PassOptions
 
 MESH_SHAPE = (2, 2)
-WORLD = 4
 # LocalTensorMode simulates sorted process groups only (see test_apply.py).
 LOCAL_TENSOR_PASSES = PassOptions(column_major_all_gather="reorder")
 
@@ -69,9 +68,20 @@ def _is_tensor(x) -> bool:
 
 
 def batch_placement(t: torch.Tensor, mesh) -> tuple:
+    """Batch split over the first mesh dim when it divides, else replicated."""
+    rest = (Replicate(),) * (mesh.ndim - 1)
     if t.dim() and t.shape[0] % mesh.size(0) == 0:
-        return (Shard(0), Replicate())
-    return (Replicate(), Replicate())
+        return (Shard(0),) + rest
+    return (Replicate(),) + rest
+
+
+def _batch_chunk(t: torch.Tensor, mesh, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s chunk of ``t`` under :func:`batch_placement`."""
+    if batch_placement(t, mesh)[0] == Replicate():
+        return t.clone()
+    per = t.shape[0] // mesh.size(0)
+    coord = rank // (mesh.size() // mesh.size(0))  # row-major: dim 0 is outermost
+    return t[coord * per : (coord + 1) * per].clone()
 
 
 def _call(model, inputs):
@@ -87,11 +97,14 @@ def plan_and_apply(
     device=None,
     time_limit: float | None = None,
     rel_gap: float | None = None,
+    mesh_shape: tuple[int, ...] = MESH_SHAPE,
+    mesh_dim_names: tuple[str, ...] = ("dp", "tp"),
 ):
-    """Plan ``build()`` (on meta) for the 2x2 mesh with ``inputs`` (a tuple of
-    positional args or a dict of kwargs, real tensors: their meta copies are
-    traced) and apply the plan. Returns (parallel module, plan, mesh)."""
-    mesh = init_device_mesh("cpu", MESH_SHAPE, mesh_dim_names=("dp", "tp"))
+    """Plan ``build()`` (on meta) for the mesh (default 2x2) with ``inputs``
+    (a tuple of positional args or a dict of kwargs, real tensors: their
+    meta copies are traced) and apply the plan. Returns (parallel module,
+    plan, mesh)."""
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=mesh_dim_names)
     with torch.device("meta"):
         model = build()
     meta_inputs = tree_map(lambda t: t.to("meta") if _is_tensor(t) else t, inputs)
@@ -107,17 +120,13 @@ def plan_and_apply(
 
 
 def local_inputs(lm: LocalTensorMode, inputs, mesh):
-    """Each simulated rank's shard of ``inputs`` (batch chunk on its dp coordinate)."""
-    n_dp = mesh.size(0)
-    n_tp = mesh.size(1)
+    """Each simulated rank's shard of ``inputs`` (batch chunk on its
+    coordinate on the first mesh dim)."""
 
     def shard(t):
         if not _is_tensor(t):
             return t
-        if batch_placement(t, mesh)[0] == Replicate():
-            return lm.rank_map(lambda r: t.clone())
-        per = t.shape[0] // n_dp
-        return lm.rank_map(lambda r: t[(r // n_tp) * per : (r // n_tp + 1) * per].clone())
+        return lm.rank_map(lambda r: _batch_chunk(t, mesh, r))
 
     return tree_map(shard, inputs)
 
@@ -189,35 +198,29 @@ def _compare(losses, grads, buffers, reference, rel: float) -> dict:
 
 
 def check_step(parallel, mesh, build, inputs, *, rel: float = 1e-4) -> dict:
-    """One step of ``parallel`` on 4 simulated ranks equals the single-device
-    step of ``build()``: loss, every gradient, every buffer. Returns the
-    largest relative error per gradient that is not ~0 (for reports)."""
+    """One step of ``parallel`` on the mesh's simulated ranks equals the
+    single-device step of ``build()``: loss, every gradient, every buffer.
+    Returns the largest relative error per gradient that is not ~0 (for
+    reports)."""
     reference = reference_step(build, inputs)
-    with LocalTensorMode(WORLD) as lm:
+    world = mesh.size()
+    with LocalTensorMode(world) as lm:
         parallel.to_empty(device="cpu")
         _load(parallel, reference[0])
         loss = _call(parallel, local_inputs(lm, inputs, mesh))
         loss.backward()
-        losses = [loss._local_tensors[r] for r in range(WORLD)] if isinstance(loss, LocalTensor) else [loss] * WORLD
+        losses = [loss._local_tensors[r] for r in range(world)] if isinstance(loss, LocalTensor) else [loss] * world
         grads = {n: _full(p.grad, f"gradient of {n}") for n, p in parallel.named_parameters() if p.grad is not None}
         buffers = {n: _full(b, f"buffer {n}") for n, b in parallel.named_buffers()}
     return _compare(losses, grads, buffers, reference, rel)
 
 
 def check_step_on_rank(parallel, mesh, build, inputs, rank: int, *, rel: float = 1e-4) -> dict:
-    """:func:`check_step` for one real process (gloo) of the 2x2 mesh."""
+    """:func:`check_step` for one real process (gloo) of the mesh."""
     reference = reference_step(build, inputs)
     parallel.to_empty(device="cpu")
     _load(parallel, reference[0])
-    n_tp = mesh.size(1)
-
-    def shard(t):
-        if not _is_tensor(t) or batch_placement(t, mesh)[0] == Replicate():
-            return t
-        per = t.shape[0] // mesh.size(0)
-        return t[(rank // n_tp) * per : (rank // n_tp + 1) * per].clone()
-
-    loss = _call(parallel, tree_map(shard, inputs))
+    loss = _call(parallel, tree_map(lambda t: _batch_chunk(t, mesh, rank) if _is_tensor(t) else t, inputs))
     loss.backward()
     grads = {n: p.grad.full_tensor() for n, p in parallel.named_parameters() if p.grad is not None}
     buffers = {n: b.full_tensor() if isinstance(b, DTensor) else b for n, b in parallel.named_buffers()}
