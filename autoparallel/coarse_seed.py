@@ -49,6 +49,11 @@ logger = logging.getLogger(__name__)
 # columns, no incumbent within 10 s).
 COARSE_TIME_LIMIT = 60.0
 
+# Coarse ILPs solved at once (each in a worker thread; HiGHS's solve runs
+# without the GIL). Two: the planning machine has at least two cores, and
+# at most two coarse problems are in memory at a time anyway.
+SOLVER_THREADS = 2
+
 
 def merge_candidates(mesh: DeviceMesh) -> list[int]:
     """``i`` for each adjacent pair of mesh dims ``(i, i + 1)`` to merge
@@ -121,21 +126,22 @@ def lifted_plans(traced, strategies, mesh: DeviceMesh, constraints: Constraints,
     """:func:`lifted_plan` for every adjacent pair of mesh dims.
 
     Each coarse problem is built in this thread and solved in a worker
-    thread: HiGHS releases the GIL, so the next coarse mesh's options and
-    build (Python) run while the previous one's ILP solves (LLaMA-3 70B on
-    4x4x8x8: ~12 s of 16x8x8 solve beside ~5 s of 4x4x64 options and build).
-    The plans are the same as one after the other."""
+    thread (:data:`SOLVER_THREADS`): HiGHS releases the GIL, so the next
+    coarse mesh's options and build (Python) run while the previous one's
+    ILP solves, and the ILPs of two coarse meshes solve side by side
+    (LLaMA-3 70B on 4x4x8x8: the 16x8x8 ILP, ~8 s, beside the 4x4x64
+    options, build and ILP). The plans are the same as one after the other."""
     index = _OptionIndex()
     backend, time_limit = kw.pop("backend", None), kw.pop("time_limit", None)
     plans, pending = [], None
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="coarse-seed") as worker:
+    with ThreadPoolExecutor(max_workers=SOLVER_THREADS, thread_name_prefix="coarse-seed") as worker:
         for i in merge_candidates(mesh):
             coarse = _coarse_problem(traced, mesh, constraints, merge=i, **kw)
             if coarse is None:
                 continue
             future = worker.submit(_solve, coarse, backend, time_limit)
             # lift the previous plan now, so that at most two coarse
-            # problems are in memory (one solving, one being built)
+            # problems are in memory (the previous one's, this one's)
             if pending is not None:
                 plans.append(_lifted(pending[0], pending[1].result(), strategies, index))
             pending = (coarse, future)
