@@ -171,6 +171,31 @@ def test_coarse_mesh_plans_lift_to_the_full_mesh(fake_world):
             assert sum(evaluate(built.problem, plan)) >= best * (1 - 1e-9)
 
 
+def test_coarse_plans_solved_side_by_side_equal_one_after_the_other(fake_world, monkeypatch):
+    """lifted_plans builds each coarse problem while the previous ones solve
+    in worker threads; its plans are lifted_plan's for each pair of dims in
+    turn, with one worker or two."""
+    from autoparallel import coarse_seed
+
+    fake_world(8)
+    mesh = init_device_mesh("cpu", (2, 2, 2))
+    model, _ = _tiny_llama()
+    with AutoParallel(model, mesh, torch.empty(8, 16, dtype=torch.long, device="meta"), time_limit=None) as autop:
+        autop.add_input_constraints([(Shard(0),) * 3])  # no pair of dims placed differently
+        built = autop.build_problem()
+        kw = dict(device=autop.device, overlap=autop.overlap, repeats=autop.repeats)
+        one_by_one = [
+            coarse_seed.lifted_plan(autop.traced, built.strategies, mesh, autop._constraints, merge=i, **kw)
+            for i in coarse_seed.merge_candidates(mesh)
+        ]
+        side_by_side = {}
+        for workers in (1, 2):
+            monkeypatch.setattr(coarse_seed, "SOLVER_THREADS", workers)
+            side_by_side[workers] = coarse_seed.lifted_plans(autop.traced, built.strategies, mesh, autop._constraints, **kw)
+    assert len(one_by_one) == 2 and all(one_by_one)
+    assert side_by_side[1] == side_by_side[2] == one_by_one
+
+
 # ~2-3 min (pricing on 2x2x2, then a LocalTensorMode step of 8 ranks)
 @pytest.mark.slow
 def test_priced_plan_applies_and_trains_like_one_device(fake_world):
