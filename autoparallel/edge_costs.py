@@ -28,7 +28,7 @@ from typing import Sequence
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from .cost_model import comm
+from .cost_model import comm, redistribute_plan
 from .cost_model.devices import DeviceSpec
 
 _INTERN: dict[tuple, int] = {}
@@ -205,6 +205,10 @@ def redistribution_matrix(
                 time = steps[skey] = step_time(topo[mesh_dim], kinds, cur_bytes, new_bytes, device)
             total += time
             cur_bytes = new_bytes
+        # the min-cost plan where it covers the pair and is cheaper (as comm._costed_steps)
+        cheaper = redistribute_plan.min_cost_total(s, d, device)
+        if cheaper is not None and cheaper[0] < total:
+            return cheaper[0]
         return total
 
     rows = []

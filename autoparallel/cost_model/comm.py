@@ -341,8 +341,24 @@ def _plan(src: DTensorSpec, dst: DTensorSpec) -> _Plan:
     return plan
 
 
-def _costed_steps(src: DTensorSpec, dst: DTensorSpec, device: DeviceSpec):
-    """Yield (mesh_dim, src placement, dst placement, kinds, bytes before, time)."""
+def _costed_steps(src: DTensorSpec, dst: DTensorSpec, device: DeviceSpec) -> list[tuple]:
+    """(mesh_dim, src placement, dst placement, kinds, bytes before, time)
+    per step: the min-cost plan (:mod:`.redistribute_plan`) where it
+    applies and is strictly cheaper than today's plan (:func:`_plan`),
+    else today's plan."""
+    from . import redistribute_plan
+
+    steps = list(_planned_steps(src, dst, device))
+    if steps:
+        cheaper = redistribute_plan.min_cost_steps(src, dst, device, sum(step[-1] for step in steps))
+        if cheaper is not None:
+            return cheaper
+    return steps
+
+
+def _planned_steps(src: DTensorSpec, dst: DTensorSpec, device: DeviceSpec):
+    """Yield today's plan's (mesh_dim, src placement, dst placement, kinds,
+    bytes before, time)."""
     meta = src.tensor_meta
     if meta is None:
         raise ValueError("redistribute cost needs src.tensor_meta (global shape and dtype)")
