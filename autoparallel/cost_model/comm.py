@@ -346,14 +346,31 @@ def _costed_steps(src: DTensorSpec, dst: DTensorSpec, device: DeviceSpec) -> lis
     per step: the min-cost plan (:mod:`.redistribute_plan`) where it
     applies and is strictly cheaper than today's plan (:func:`_plan`),
     else today's plan."""
-    from . import redistribute_plan
-
     steps = list(_planned_steps(src, dst, device))
     if steps:
-        cheaper = redistribute_plan.min_cost_steps(src, dst, device, sum(step[-1] for step in steps))
+        cheaper = _min_cost_steps(src, dst, device, sum(step[-1] for step in steps))
         if cheaper is not None:
             return cheaper
     return steps
+
+
+def _min_cost_steps(src: DTensorSpec, dst: DTensorSpec, device: DeviceSpec, planned_total: float):
+    from . import redistribute_plan
+
+    return redistribute_plan.min_cost_steps(src, dst, device, planned_total)
+
+
+def min_cost_plan(src: DTensorSpec, dst: DTensorSpec, device: DeviceSpec = H100) -> list[tuple] | None:
+    """The min-cost plan's steps (mesh_dim, src placement, dst placement,
+    kinds, bytes before, time) when the cost model prices it (it applies and
+    is strictly cheaper than today's plan); None when it prices today's
+    plan, DTensor's own (what apply then runs)."""
+    if src.tensor_meta is None or (src.mesh is not dst.mesh and src.mesh != dst.mesh):
+        return None
+    steps = list(_planned_steps(src, dst, device))
+    if not steps:
+        return None
+    return _min_cost_steps(src, dst, device, sum(step[-1] for step in steps))
 
 
 def _planned_steps(src: DTensorSpec, dst: DTensorSpec, device: DeviceSpec):
