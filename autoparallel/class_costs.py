@@ -30,7 +30,11 @@ norms; default shard order, one tensor meta, one mesh):
   distinct values present are computed with the scalar function
   (:func:`autoparallel.edge_costs.step_time`, cached) and looked up;
 * a pair's time is the sum of its slots' times in plan order, an absent step
-  adding 0.0 (x + 0.0 == x), so sums round as the scalar loop's do.
+  adding 0.0 (x + 0.0 == x), so sums round as the scalar loop's do;
+* then the min-cost plan (:func:`redistribute_plan.improve_grid`: shortest
+  paths over layout states from all the grid's sources at once) replaces
+  the greedy time where it covers the pair and is strictly cheaper, as
+  ``comm._costed_steps`` does pair by pair (same distances, bit for bit).
 
 Other pairs (strided shards, tp-outer layouts, non-default shard orders,
 other Partial subclasses, mixed metas) go through the per-pair path

@@ -13,6 +13,9 @@ plan. Here, per matrix:
 * a step's time depends on (mesh dim, kinds, local bytes before and after):
   cached per those values, and local bytes per shard divisors, for the
   tensor's shape;
+* the min-cost plan's time (:func:`redistribute_plan.min_cost_total`, its
+  distances cached per source layout) replaces the greedy one where it
+  applies and is strictly cheaper, as in ``comm._costed_steps``;
 
 The arithmetic is the one of ``comm._costed_steps`` (same operations, same
 order), so entries are bit-identical; pairs outside the fast path (strided

@@ -1,5 +1,7 @@
-"""Communication cost: the steps DTensor runs for a redistribution, each
-costed with a ring model per mesh dim (intra- or inter-node)."""
+"""Communication cost: the steps of a redistribution, each costed with a
+ring model per mesh dim (intra- or inter-node). The steps are the min-cost
+plan (:mod:`.redistribute_plan`) where it applies and beats DTensor's greedy
+plan (:func:`_plan`), else the greedy plan; apply runs the same steps."""
 
 from __future__ import annotations
 
@@ -410,7 +412,7 @@ def step_time(t: MeshDimTopology, kinds: tuple[str, ...], cur_bytes: int, new_by
 
 
 def redistribute_steps(src: DTensorSpec, dst: DTensorSpec, device: DeviceSpec = H100) -> list[CommStep]:
-    """The steps DTensor would run to turn ``src`` into ``dst``, each costed.
+    """The steps that turn ``src`` into ``dst`` (what apply runs), each costed.
 
     Local bytes are tracked step by step (rank 0, the largest shard): an
     all-gather grows them by the group size, a reduce-scatter shrinks them.
