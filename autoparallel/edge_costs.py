@@ -214,6 +214,9 @@ def redistribution_matrix(
             return cheaper[0]
         return total
 
+    # the min-cost distances of every new source at once (pair_time reads them)
+    fresh = [s.placements for s, si in zip(src_specs, src_ids) if si is not None and si not in pairs]
+    redistribute_plan.prefetch(mesh, shape, itemsize, device, fresh)
     rows = []
     for s, si in zip(src_specs, src_ids):
         if si is None:

@@ -111,6 +111,13 @@ class StateGraph:
             return np.zeros((0, len(self.default_states)))
         return np.stack([self.rows[s] for s in sources])
 
+    def distance(self, source: int, target: int) -> float:
+        """Shortest time from ``source`` to the default-order ``target``."""
+        row = self.rows.get(source)
+        if row is None:
+            row = self.distances([source])[0]
+        return row[self.default_pos[target]]
+
     def path(self, source: int, target: int) -> list[tuple[int, int, int, tuple[str, ...], int, int]]:
         """Steps (mesh dim, from code, to code, kinds, state before, state
         after) of the shortest path found from ``source`` to ``target``."""
@@ -374,6 +381,24 @@ def _partition_times(graph: StateGraph, topo, m: int, device: DeviceSpec) -> np.
     return cache
 
 
+def prefetch(mesh: Any, shape: tuple[int, ...], itemsize: int, device: DeviceSpec, sources: Sequence[tuple]) -> None:
+    """Solve the distances of these source placements in one batch (what a
+    matrix or grid is about to ask pair by pair; one solve per source costs
+    ~a Bellman-Ford pass each)."""
+    if len(_mesh_shape(mesh)) < 2:
+        return
+    graph = state_graph(mesh, shape, itemsize, device)
+    states = []
+    for placements in sources:
+        codes = placement_codes(placements, len(shape))
+        if codes is not None:
+            state = graph.default_state(codes)
+            if state >= 0 and state not in graph.rows:
+                states.append(state)
+    if states:
+        graph.distances(states)
+
+
 def min_cost_total(src: DTensorSpec, dst: DTensorSpec, device: DeviceSpec) -> tuple | None:
     """(seconds, graph, source state, target state, partition mesh dims) of
     the min-cost plan, or None where the graph does not apply."""
@@ -391,7 +416,7 @@ def min_cost_total(src: DTensorSpec, dst: DTensorSpec, device: DeviceSpec) -> tu
     s, t = graph.default_state(a), graph.default_state(target)
     if s < 0 or t < 0:
         return None  # uneven source or target
-    total = graph.distances([s])[0, graph.default_pos[t]]
+    total = graph.distance(s, t)
     if partition:
         topo = comm._mesh_dim_topology(src.mesh, device.gpus_per_node)
         for m in partition:

@@ -12,28 +12,13 @@ import random
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autoparallel import class_costs, cost_model, edge_costs
 from autoparallel.cost_model import comm, redistribute_plan
 from autoparallel.cost_model.devices import H100
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _world():
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1024)
-    yield
-    dist.destroy_process_group()
-
-
-def _mesh(shape) -> DeviceMesh:
-    return DeviceMesh("cpu", torch.arange(math.prod(shape)).reshape(shape), _init_backend=False)
+from test_class_costs import _mesh, _world  # noqa: F401 (_world: the fake world of 1024 ranks, autouse)
 
 
 def _spec(mesh, placements, shape, dtype=torch.float32):
@@ -144,3 +129,24 @@ def test_source_batches_do_not_change_distances(monkeypatch):
     monkeypatch.setattr(redistribute_plan, "BATCH", 1)
     alone = graph.distances(sources)
     assert np.array_equal(batched, alone)
+
+
+def test_greedy_plan_is_a_path_of_the_graph():
+    """Why the min-cost plan is never dearer: every step of DTensor's greedy
+    plan is an edge of the state graph (gathers and all-to-alls from the
+    innermost shard only, new shards innermost), ending in default order."""
+    mesh_shape = (2, 2, 2)
+    shape = (16, 16, 16)  # every layout even
+    atoms = [Replicate(), Partial()] + [Shard(d) for d in range(3)]
+    combos = list(itertools.product(atoms, repeat=3))
+    checked = 0
+    for src in combos:
+        for dst in combos:
+            steps = comm._greedy_steps(mesh_shape, src, dst)
+            if any(comm._step_kinds(a, b) == ("forbidden",) for _, a, b in steps):
+                continue
+            final, order = _legal_path(mesh_shape, src, steps, shape)
+            assert tuple(final) == dst
+            assert all(o == sorted(o) for o in order.values())
+            checked += 1
+    assert checked > 10000
