@@ -275,7 +275,7 @@ def _enumerate(mesh_shape: tuple[int, ...], shape: tuple[int, ...]) -> _Structur
     # relaxation order: shrinking steps first, inner mesh dims first (fewer
     # Gauss-Seidel sweeps: ~6 instead of ~8 on LLaMA-3's 4-D tensors)
     edges.sort(key=lambda e: (_SWEEP_ORDER[e[3][0]], -e[0], e[1], e[2]))
-    return _Structure(codes_list, ranks_list, np.array(splits, dtype=np.int64).reshape(-1, ndim), default_of, edges)
+    return _Structure(codes_list, ranks_list, np.array(splits, dtype=np.int64).reshape(len(splits), ndim), default_of, edges)
 
 
 def _build(mesh: Any, shape: tuple[int, ...], itemsize: int, device: DeviceSpec) -> StateGraph:

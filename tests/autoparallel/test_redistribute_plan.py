@@ -150,3 +150,13 @@ def test_greedy_plan_is_a_path_of_the_graph():
             assert all(o == sorted(o) for o in order.values())
             checked += 1
     assert checked > 10000
+
+
+def test_scalar_tensor():
+    """A 0-d tensor (a loss) has Replicate and Partial states only."""
+    mesh = _mesh((2, 2, 2))
+    src, dst = _spec(mesh, [Partial()] * 3, ()), _spec(mesh, [Replicate()] * 3, ())
+    assert cost_model.redistribute_time(src, dst) <= _greedy_time(src, dst)
+    assert class_costs.redistribution_grid([src], [dst, src], H100).tolist() == [
+        [cost_model.redistribute_time(src, dst), 0.0]
+    ]
