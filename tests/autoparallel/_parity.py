@@ -87,10 +87,12 @@ def plan_and_apply(
     device=None,
     time_limit: float | None = None,
     rel_gap: float | None = None,
+    pins: dict | None = None,
 ):
     """Plan ``build()`` (on meta) for the 2x2 mesh with ``inputs`` (a tuple of
     positional args or a dict of kwargs, real tensors: their meta copies are
-    traced) and apply the plan. Returns (parallel module, plan, mesh)."""
+    traced) and apply the plan. ``pins``: joint-graph node name -> output
+    placements. Returns (parallel module, plan, mesh)."""
     mesh = init_device_mesh("cpu", MESH_SHAPE, mesh_dim_names=("dp", "tp"))
     with torch.device("meta"):
         model = build()
@@ -101,6 +103,9 @@ def plan_and_apply(
     with AutoParallel(model, mesh, meta_inputs, time_limit=time_limit, rel_gap=rel_gap, **kwargs) as autop:
         leaves = [t for t in tree_flatten(inputs)[0] if _is_tensor(t)]
         autop.add_input_constraints([batch_placement(t, mesh) for t in leaves])
+        for node in autop.traced.gm.graph.nodes:
+            if pins and node.name in pins:
+                autop.add_node_constraint(node, pins[node.name])
         plan = autop.optimize_placement()
         parallel = autop.apply_placement(plan, pass_options=LOCAL_TENSOR_PASSES)
     return parallel, plan, mesh
