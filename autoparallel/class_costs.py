@@ -30,7 +30,11 @@ norms; default shard order, one tensor meta, one mesh):
   distinct values present are computed with the scalar function
   (:func:`autoparallel.edge_costs.step_time`, cached) and looked up;
 * a pair's time is the sum of its slots' times in plan order, an absent step
-  adding 0.0 (x + 0.0 == x), so sums round as the scalar loop's do.
+  adding 0.0 (x + 0.0 == x), so sums round as the scalar loop's do;
+* then the min-cost plan (:func:`redistribute_plan.improve_grid`: shortest
+  paths over layout states from all the grid's sources at once) replaces
+  the greedy time where it covers the pair and is strictly cheaper, as
+  ``comm._costed_steps`` does pair by pair (same distances, bit for bit).
 
 Other pairs (strided shards, tp-outer layouts, non-default shard orders,
 other Partial subclasses, mixed metas) go through the per-pair path
@@ -49,7 +53,7 @@ from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _MaskPartial
 
 from . import cost_model
-from .cost_model import comm
+from .cost_model import comm, redistribute_plan
 from .cost_model.devices import DeviceSpec
 from .cost_model.overlap import CommOverlapPolicy, HiddenComm
 from .edge_costs import redistribution_matrix, step_time, step_times
@@ -294,7 +298,11 @@ def _raw_grid(src_specs: Sequence, dst_specs: Sequence, device: DeviceSpec) -> t
         vocab = _Vocabulary(src + dst)
         S, D = vocab.layouts(src), vocab.layouts(dst)
         block = np.ix_(planned_src, planned_dst)
-        out[block] = raw = _plain_grid(mesh, device, metas.pop(), vocab, S, D)
+        meta = metas.pop()
+        raw = _plain_grid(mesh, device, meta, vocab, S, D)
+        # the min-cost plan where it covers the pair and is cheaper
+        redistribute_plan.improve_grid(mesh, device, tuple(meta.shape), meta.dtype.itemsize, src, dst, raw)
+        out[block] = raw
         free[block] = (raw == 0.0) & _differs(vocab, S, D)
     # the other pairs one by one (edge_costs' fast path where it applies)
     other_src = sorted(set(range(len(src_specs))) - set(planned_src))

@@ -11,7 +11,9 @@ order is ``Shard(d), Shard(d)`` over 4 x 4; ``Replicate`` and ``Partial``
 alike). That coarser problem is dense and solved exactly; its optimum,
 lifted, joins the seed, so the priced plan is never worse (in the full
 mesh's costs, which charge a collective over both dims as two steps, where
-the coarse mesh charges one) than the lifted plan. A parameter whose coarse
+the coarse mesh charges one; with min-cost redistribution plans the two
+steps cost about what the one does, see below) than the lifted plan. A
+parameter whose coarse
 layout is a strided (tp-outer) shard of the merged dim has no lifted
 counterpart and is left to the other seeds.
 
@@ -21,7 +23,16 @@ their pieces). Which pair gives the best plan is not predictable from the
 mesh: on LLaMA-3 70B 4x4x8x8 (dp_replicate, dp_shard, cp, tp), one layer,
 the 16x8x8 plan (dp dims merged) seeds pricing to a 0.210 s plan (0.367 s
 from the greedy seed alone), while the 4x4x64 plan, 0.123 s on its own mesh,
-costs 0.535 s lifted (its 64-rank collectives become two steps).
+cost 0.535 s lifted (figures of session 8). Not because its 64-rank
+collectives become two steps (an all-gather or all-to-all over 8 x 8 ranks
+as two steps moves about the bytes of one), but because redistributions
+were then costed (and applied) with DTensor's greedy plan, which on >= 3-D
+meshes first un-shards the inner mesh dims, so the later steps move 8-64x
+bigger buffers (LLaMA-3 70B's activation ``S(2) S(2) S(2) S(2) -> S(0) S(0)
+S(1) S(1)``: 11.8 ms greedily, 0.74 ms as six all-to-alls at the local
+size). Costs and apply now follow the min-cost plan
+(:mod:`autoparallel.cost_model.redistribute_plan`), never dearer than the
+greedy one.
 """
 
 from __future__ import annotations

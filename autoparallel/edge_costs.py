@@ -13,6 +13,9 @@ plan. Here, per matrix:
 * a step's time depends on (mesh dim, kinds, local bytes before and after):
   cached per those values, and local bytes per shard divisors, for the
   tensor's shape;
+* the min-cost plan's time (:func:`redistribute_plan.min_cost_total`, its
+  distances cached per source layout) replaces the greedy one where it
+  applies and is strictly cheaper, as in ``comm._costed_steps``;
 
 The arithmetic is the one of ``comm._costed_steps`` (same operations, same
 order), so entries are bit-identical; pairs outside the fast path (strided
@@ -28,7 +31,7 @@ from typing import Sequence
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from .cost_model import comm
+from .cost_model import comm, redistribute_plan
 from .cost_model.devices import DeviceSpec
 
 _INTERN: dict[tuple, int] = {}
@@ -205,8 +208,15 @@ def redistribution_matrix(
                 time = steps[skey] = step_time(topo[mesh_dim], kinds, cur_bytes, new_bytes, device)
             total += time
             cur_bytes = new_bytes
+        # the min-cost plan where it covers the pair and is cheaper (as comm._costed_steps)
+        cheaper = redistribute_plan.min_cost_total(s, d, device)
+        if cheaper is not None and cheaper[0] < total:
+            return cheaper[0]
         return total
 
+    # the min-cost distances of every new source at once (pair_time reads them)
+    fresh = [s.placements for s, si in zip(src_specs, src_ids) if si is not None and si not in pairs]
+    redistribute_plan.prefetch(mesh, shape, itemsize, device, fresh)
     rows = []
     for s, si in zip(src_specs, src_ids):
         if si is None:

@@ -103,7 +103,7 @@ def _apply_folded(autop: "AutoParallel", ctx: "passes.PassContext", disabled, pa
         logger.info("layers not folded: %s", e)
         return None
     try:
-        short = build_local_joint(fold.traced, fold.strategies, choice, autop.mesh)
+        short = build_local_joint(fold.traced, fold.strategies, choice, autop.mesh, device=autop.device)
         stamp(short.gm, fold, short.param_fqns)
         tags = layer_tags(short.gm.graph)
         check_shift(short.gm.graph, tags, "local joint graph")
@@ -158,7 +158,7 @@ def apply_placement(
     if folded is not None:
         local, graphs, joint_stats = folded
     else:
-        local = build_local_joint(traced, strategies, choice, autop.mesh)
+        local = build_local_joint(traced, strategies, choice, autop.mesh, device=autop.device)
         ctx.local = local
         joint_stats = passes.run_stage("joint", ctx, disabled, local.gm)
         graphs = split_joint(local, partitioner)

@@ -40,6 +40,7 @@ from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make
 from torch.utils._pytree import tree_map
 
 from .. import activation_checkpointing
+from ..cost_model.devices import H100, DeviceSpec
 from ..dtensor_query import _propagator
 from ..strategies import NodeStrategy, format_specs
 from ..tracing import TracedStep, module_path
@@ -200,11 +201,12 @@ def _viewable_args(op, args: tuple, kwargs: dict) -> tuple:
 class _Interpreter:
     """Runs the joint graph's nodes on local (fake) shards under make_fx."""
 
-    def __init__(self, traced: TracedStep, strategies, choice, mesh: DeviceMesh):
+    def __init__(self, traced: TracedStep, strategies, choice, mesh: DeviceMesh, device: DeviceSpec = H100):
         self.traced = traced
         self.strategies = strategies
         self.choice = choice
         self.mesh = mesh
+        self.device = device  # the planning device: redistributions run the plan costed for it
         self.spec: dict[torch.fx.Node, object] = {}
         self.env: dict[torch.fx.Node, object] = {}
         self.coords: torch.Tensor | None = None
@@ -231,7 +233,9 @@ class _Interpreter:
         src_masks = self.masks.get(producer) if producer is not None else None
         dst_masks = self.masks.setdefault(consumer, {}) if consumer is not None else None
         try:
-            out = redistribute(x, src, dst, self.coords, src_masks=src_masks, dst_masks=dst_masks)
+            out = redistribute(
+                x, src, dst, self.coords, src_masks=src_masks, dst_masks=dst_masks, device=self.device
+            )
         except NotImplementedError as e:
             raise ApplyError(f"{what}: cannot redistribute {format_specs(src)} -> {format_specs(dst)}: {e}") from e
         if graph is not None:
@@ -453,13 +457,15 @@ def build_local_joint(
     mesh: DeviceMesh,
     *,
     copy_repeated: bool = True,
+    device: DeviceSpec = H100,
 ) -> LocalJoint:
     """Trace the rank-local joint graph of ``traced`` under the plan ``choice``
     (node name -> option index into ``strategies[node].options``).
 
     ``copy_repeated``: trace each structurally identical node once and copy
     its local nodes for the others (same graph, much faster on repeated
-    layers); False traces every node."""
+    layers); False traces every node. ``device``: the one the plan was
+    costed for (redistributions run the plan costed for it)."""
     t0 = time.perf_counter()
 
     def spec_of(node):
@@ -490,7 +496,7 @@ def build_local_joint(
         shape = local_shape(spec)
         return torch.empty_strided(shape, _contiguous_stride(shape), dtype=spec.tensor_meta.dtype, device=mesh.device_type)
 
-    interp = _Interpreter(traced, strategies, choice, mesh)
+    interp = _Interpreter(traced, strategies, choice, mesh, device)
     interp.use_templates = copy_repeated
 
     def joint(primals, tangents):

@@ -9,8 +9,12 @@ graph is the same on every rank of a real job except for process-group names.
 
 Collectives are PyTorch's functional collectives (all-gather, reduce-scatter,
 all-reduce, all-to-all, each followed by its wait) on the mesh dim's group,
-emitted by the placements' own methods. The order of steps over mesh dims is
-DTensor's own transform plan (``_gen_transform_infos``).
+emitted by the placements' own methods. The steps are exactly the plan the
+cost model priced (:func:`autoparallel.cost_model.comm.min_cost_plan`): the
+min-cost plan where it applies and is cheaper, its intermediate layouts in
+non-default shard orders included (each step acts on its mesh dim's
+innermost chunk, which the plan guarantees), else DTensor's own transform
+plan (``_gen_transform_infos``), which the cost model reimplements.
 
 >>> # x: local shard of a [8, 4] tensor laid out S(0) on a 1-D mesh of 2
 >>> # y = redistribute(x, spec_s0, spec_replicate, coords)   # all-gather
@@ -26,6 +30,9 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _MaskPartial
+
+from ..cost_model.comm import min_cost_plan
+from ..cost_model.devices import H100, DeviceSpec
 
 __all__ = ["mask_indices", "redistribute", "same_placements", "shard_of_replicated", "UnsupportedRedistribution"]
 
@@ -151,17 +158,31 @@ def _step(x: torch.Tensor, cur: Placement, dst: Placement, spec: DTensorSpec, me
 
 
 def redistribute(x: torch.Tensor, src: DTensorSpec, dst: DTensorSpec, coords: torch.Tensor, *,
-                 src_masks: dict | None = None, dst_masks: dict | None = None) -> torch.Tensor:
+                 src_masks: dict | None = None, dst_masks: dict | None = None,
+                 device: DeviceSpec = H100) -> torch.Tensor:
     """The local shard of ``x`` (laid out as ``src``) laid out as ``dst``.
 
     Row-sharded embeddings (``_MaskPartial``): partitioning the indices writes
     the mask per mesh dim into ``dst_masks``; reducing the embedding's output
-    reads it from ``src_masks``.
+    reads it from ``src_masks``. ``device``: the one the plan was costed for
+    (the min-cost plan depends on it).
     """
     if same_placements(src.placements, dst.placements):
         return x
     if src.tensor_meta is None:
         src = DTensorSpec(src.mesh, src.placements, tensor_meta=dst.tensor_meta)
+    steps = min_cost_plan(src, dst, device)
+    if steps is not None:
+        for mesh_dim, cur, target, *_ in steps:
+            if src.mesh.size(mesh_dim) == 1:
+                continue
+            # even shards only (the plan's states are), so the gathered
+            # shape is the logical one: no padding
+            logical = list(x.shape)
+            if cur.is_shard():
+                logical[cast(Shard, cur).dim] *= src.mesh.size(mesh_dim)
+            x = _wait(_step(x, cur, target, src, mesh_dim, logical, coords, src_masks, dst_masks))
+        return x
     for info in _gen_transform_infos_non_cached(src, dst):
         cur, target = info.src_dst_placements
         if same_placement(cur, target) or src.mesh.size(info.mesh_dim) == 1:

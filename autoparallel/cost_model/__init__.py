@@ -89,9 +89,10 @@ __all__ = [
 
 def clear_caches() -> None:
     """Drop all memoised costs (e.g. after building a new mesh)."""
-    from . import comm, compute
+    from . import comm, compute, redistribute_plan
 
     comm._REDISTRIBUTE_CACHE.clear()
+    redistribute_plan.clear_caches()
     comm._PLAN_CACHE.clear()
     comm._mesh_dim_topology.cache_clear()
     compute._mesh_shape.cache_clear()

@@ -1,5 +1,7 @@
-"""Communication cost: the steps DTensor runs for a redistribution, each
-costed with a ring model per mesh dim (intra- or inter-node)."""
+"""Communication cost: the steps of a redistribution, each costed with a
+ring model per mesh dim (intra- or inter-node). The steps are the min-cost
+plan (:mod:`.redistribute_plan`) where it applies and beats DTensor's greedy
+plan (:func:`_plan`), else the greedy plan; apply runs the same steps."""
 
 from __future__ import annotations
 
@@ -341,8 +343,41 @@ def _plan(src: DTensorSpec, dst: DTensorSpec) -> _Plan:
     return plan
 
 
-def _costed_steps(src: DTensorSpec, dst: DTensorSpec, device: DeviceSpec):
-    """Yield (mesh_dim, src placement, dst placement, kinds, bytes before, time)."""
+def _costed_steps(src: DTensorSpec, dst: DTensorSpec, device: DeviceSpec) -> list[tuple]:
+    """(mesh_dim, src placement, dst placement, kinds, bytes before, time)
+    per step: the min-cost plan (:mod:`.redistribute_plan`) where it
+    applies and is strictly cheaper than today's plan (:func:`_plan`),
+    else today's plan."""
+    steps = list(_planned_steps(src, dst, device))
+    if steps:
+        cheaper = _min_cost_steps(src, dst, device, sum(step[-1] for step in steps))
+        if cheaper is not None:
+            return cheaper
+    return steps
+
+
+def _min_cost_steps(src: DTensorSpec, dst: DTensorSpec, device: DeviceSpec, planned_total: float):
+    from . import redistribute_plan
+
+    return redistribute_plan.min_cost_steps(src, dst, device, planned_total)
+
+
+def min_cost_plan(src: DTensorSpec, dst: DTensorSpec, device: DeviceSpec = H100) -> list[tuple] | None:
+    """The min-cost plan's steps (mesh_dim, src placement, dst placement,
+    kinds, bytes before, time) when the cost model prices it (it applies and
+    is strictly cheaper than today's plan); None when it prices today's
+    plan, DTensor's own (what apply then runs)."""
+    if src.tensor_meta is None or (src.mesh is not dst.mesh and src.mesh != dst.mesh):
+        return None
+    steps = list(_planned_steps(src, dst, device))
+    if not steps:
+        return None
+    return _min_cost_steps(src, dst, device, sum(step[-1] for step in steps))
+
+
+def _planned_steps(src: DTensorSpec, dst: DTensorSpec, device: DeviceSpec):
+    """Yield today's plan's (mesh_dim, src placement, dst placement, kinds,
+    bytes before, time)."""
     meta = src.tensor_meta
     if meta is None:
         raise ValueError("redistribute cost needs src.tensor_meta (global shape and dtype)")
@@ -377,7 +412,7 @@ def step_time(t: MeshDimTopology, kinds: tuple[str, ...], cur_bytes: int, new_by
 
 
 def redistribute_steps(src: DTensorSpec, dst: DTensorSpec, device: DeviceSpec = H100) -> list[CommStep]:
-    """The steps DTensor would run to turn ``src`` into ``dst``, each costed.
+    """The steps that turn ``src`` into ``dst`` (what apply runs), each costed.
 
     Local bytes are tracked step by step (rank 0, the largest shard): an
     all-gather grows them by the group size, a reduce-scatter shrinks them.

@@ -99,11 +99,12 @@ def plan_and_apply(
     rel_gap: float | None = None,
     mesh_shape: tuple[int, ...] = MESH_SHAPE,
     mesh_dim_names: tuple[str, ...] = ("dp", "tp"),
+    pins: dict | None = None,
 ):
     """Plan ``build()`` (on meta) for the mesh (default 2x2) with ``inputs``
     (a tuple of positional args or a dict of kwargs, real tensors: their
-    meta copies are traced) and apply the plan. Returns (parallel module,
-    plan, mesh)."""
+    meta copies are traced) and apply the plan. ``pins``: joint-graph node
+    name -> output placements. Returns (parallel module, plan, mesh)."""
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=mesh_dim_names)
     with torch.device("meta"):
         model = build()
@@ -114,6 +115,9 @@ def plan_and_apply(
     with AutoParallel(model, mesh, meta_inputs, time_limit=time_limit, rel_gap=rel_gap, **kwargs) as autop:
         leaves = [t for t in tree_flatten(inputs)[0] if _is_tensor(t)]
         autop.add_input_constraints([batch_placement(t, mesh) for t in leaves])
+        for node in autop.traced.gm.graph.nodes:
+            if pins and node.name in pins:
+                autop.add_node_constraint(node, pins[node.name])
         plan = autop.optimize_placement()
         parallel = autop.apply_placement(plan, pass_options=LOCAL_TENSOR_PASSES)
     return parallel, plan, mesh

@@ -307,24 +307,37 @@ def test_replicate_to_shard_is_cheap_local_copy(mesh):
 
 
 def test_2d_redistribution_is_sum_of_steps(mesh):
+    from autoparallel.cost_model import comm
+    from autoparallel.cost_model.devices import H100
+
     src, dst = spec(mesh, (Shard(0), Shard(0))), spec(mesh, (Replicate(), Replicate()))
-    steps = redistribute_steps(src, dst)
-    assert [(s.mesh_dim, s.kind) for s in steps] == [(1, "all_gather"), (0, "all_gather")]
-    assert redistribute_time(src, dst) == pytest.approx(sum(s.time for s in steps))
     full = 4096 * 4096 * 2
-    # tp all-gather of a 1/128 shard, then dp all-gather of a 1/16 shard.
+    # DTensor's greedy plan: tp all-gather of a 1/128 shard, then dp
+    # all-gather of a 1/16 shard (the all-gather grew the local tensor).
+    greedy = list(comm._planned_steps(src, dst, H100))
+    assert [(s[0], s[3]) for s in greedy] == [(1, ("all_gather",)), (0, ("all_gather",))]
+    assert greedy[1][4] == full // 16
     expect = collective_time("all_gather", full / 128, 8, True) + collective_time(
         "all_gather", full / 16, 16, False, ranks_per_node=1
     )
-    assert redistribute_time(src, dst) == pytest.approx(expect)
-    assert steps[1].bytes_per_rank == full // 16  # the all-gather grew the local tensor
+    assert sum(s[-1] for s in greedy) == pytest.approx(expect)
+    # The min-cost plan (issue 13) moves the tp shard to dim 1 first, so the
+    # slow inter-node dp all-gather moves the 1/128 shard, not the 1/16 one.
+    steps = redistribute_steps(src, dst)
+    assert [(s.mesh_dim, s.kind) for s in steps] == [(1, "all_to_all"), (0, "all_gather"), (1, "all_gather")]
+    assert [s.bytes_per_rank for s in steps] == [full // 128, full // 128, full // 8]
+    assert redistribute_time(src, dst) == sum(s.time for s in steps) < expect
 
 
 def test_reduce_scatter_shrinks_bytes(mesh):
     src, dst = spec(mesh, (Partial(), Partial())), spec(mesh, (Shard(0), Shard(1)))
     steps = redistribute_steps(src, dst)
     assert [s.kind for s in steps] == ["reduce_scatter", "reduce_scatter"]
-    assert steps[1].bytes_per_rank == steps[0].bytes_per_rank // 16
+    # min-cost plan (issue 13): the fast intra-node tp reduce-scatter first,
+    # so the slow inter-node dp one reduces an 8x smaller buffer (DTensor's
+    # greedy plan goes dp first)
+    assert [s.mesh_dim for s in steps] == [1, 0]
+    assert steps[1].bytes_per_rank == steps[0].bytes_per_rank // 8
 
 
 def test_monotonic_in_size(mesh):
