@@ -80,7 +80,8 @@ from .diagnose import InfeasibleError
 from .problem import Decision, Edge, Problem, ResourceConstraint, Solution
 from .pricing_lp import LPSolution, RestrictedLP
 from .pricing_quotient import Quotient, build_quotient, evaluate_lazy
-from .tree_bound import Reparam, eliminate
+from .dual_bound import DualAscent, resource_filter
+from .tree_bound import Reparam, choice_cost, eliminate
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,11 @@ TREES = 3
 # Pairs between the options left after tree elimination up to which the
 # restricted ILP simply takes all of them (no pricing rounds).
 DIRECT_PAIRS = 3_000_000
+# Share of the time limit the dual ascent before pricing may take (0: no
+# ascent; it is skipped too under a second), and its sweeps between two
+# decoded plans.
+ASCENT_SHARE = 0.4
+ASCENT_SWEEPS = 10
 
 
 @dataclass
@@ -123,6 +129,8 @@ class PricingStats:
     fixed_in: int = 0  # options added by reduced-cost fixing
     tree_bound: float = -math.inf  # best spanning-forest bound (solver.tree_bound)
     eliminated: int = 0  # options dropped by tree min-marginals before pricing
+    ascent_bound: float = -math.inf  # the dual ascent's (solver.dual_bound)
+    ascent_sweeps: int = 0
     entries_read: int = 0  # matrix entries materialised (pairs)
     converged: bool = False  # the LP reached the full LP's optimum
     seconds: dict[str, float] = field(default_factory=dict)
@@ -375,10 +383,14 @@ class _Pricer:
 
 
 def _prefilter(pr: _Pricer, backend, time_limit, stats: PricingStats) -> int:
-    """Before pricing: the seed's restricted ILP gives a plan; options whose
-    spanning-tree min-marginals exceed its cost are in no better plan and
-    leave the problem (:func:`solver.tree_bound.eliminate`). Returns how
-    many; 0 when the matrices cannot reduce whole rows."""
+    """Before pricing: the seed's restricted ILP gives a plan; options no
+    choice meeting the resource rows can take leave
+    (:func:`solver.dual_bound.resource_filter`), then those whose
+    spanning-tree min-marginals exceed the plan's cost, first of the raw
+    costs, then of the costs rewritten by the dual ascent
+    (:mod:`solver.dual_bound`, given a share of the time left): they are in
+    no better plan (:func:`solver.tree_bound.eliminate`). Returns how many
+    left; 0 when the matrices cannot reduce whole rows."""
     t0 = time.perf_counter()
     try:
         if not all(t.cache.matrix_reduces for e in pr.q.edges for t in e.terms):
@@ -387,26 +399,54 @@ def _prefilter(pr: _Pricer, backend, time_limit, stats: PricingStats) -> int:
         if sol is None:
             return 0
         stats.restricted_objectives.append(sol.objective)
+        classes = pr.q.classes
+        before = sum(int(c.allowed.sum()) for c in classes)
+        resource_filter(pr.q, [c.allowed for c in classes])
         el = eliminate(pr.q, sol.objective, trees=TREES)
         if el is None:
             return 0
+        plan = [sol.choice[q] for q in range(len(classes))] if el.plan is None else el.plan
+        _narrow(pr, el.keep, plan)
         stats.tree_bound = el.bound
-        plan = [sol.choice[q] for q in range(len(pr.q.classes))] if el.plan is None else el.plan
-        dropped = 0
-        for q, (cls, k) in enumerate(zip(pr.q.classes, el.keep)):
-            k[plan[q]] = True  # the best plan's options stay, whatever the rounding
-            dropped += int((cls.allowed & ~k).sum())
-            cls.allowed &= k
-            cls.unary[~cls.allowed] = math.inf
-            pr.kept[q] &= cls.allowed
-            pr.add(q, [plan[q]])  # the restricted problems hold the best plan
+        upper = el.upper
+        if ASCENT_SHARE > 0 and (time_limit is None or time_limit * ASCENT_SHARE >= 1.0):
+            ascent = DualAscent(pr.q)
+            deadline = None if time_limit is None else t0 + time_limit * ASCENT_SHARE
+            while True:
+                bound = ascent.run(ASCENT_SWEEPS, upper=upper, keep=plan, deadline=deadline)
+                found = ascent.decode()
+                cost = choice_cost(pr.q, found)
+                if cost < upper:
+                    upper, plan = cost, found
+                if (bound >= upper - OPT_RTOL * max(1.0, abs(upper)) or ascent.stalled
+                        or (deadline is not None and time.perf_counter() > deadline)):
+                    break
+            stats.ascent_bound = bound
+            stats.ascent_sweeps = ascent.stats.sweeps
+            dual_el = eliminate(pr.q, upper, trees=TREES, reparam=ascent.reparam())
+            if dual_el.plan is not None:
+                upper, plan = dual_el.upper, dual_el.plan
+            _narrow(pr, [k & live for k, live in zip(dual_el.keep, ascent.live)], plan)
+            stats.tree_bound = max(stats.tree_bound, bound, dual_el.bound)
         pr.repair_arcs()
-        logger.info("tree elimination before pricing: plan %.9g (%s), forest bound %.9g, %d of %d options dropped",
-                    el.upper, "seed ILP" if el.plan is None else "a forest's", el.bound, dropped,
-                    stats.options_total)
+        dropped = before - sum(int(c.allowed.sum()) for c in classes)
+        logger.info("elimination before pricing: plan %.9g, forest bound %.9g, dual ascent bound %.9g "
+                    "(%d sweeps), %d of %d options dropped", upper, el.bound,
+                    stats.ascent_bound, stats.ascent_sweeps, dropped, stats.options_total)
         return dropped
     finally:
         stats.seconds["trees"] += time.perf_counter() - t0
+
+
+def _narrow(pr: _Pricer, keep: list[np.ndarray], plan: list[int]) -> None:
+    """Allow only ``keep`` (and ``plan``'s options, whatever the rounding);
+    the restricted problems hold ``plan``."""
+    for q, (cls, k) in enumerate(zip(pr.q.classes, keep)):
+        cls.allowed &= k
+        cls.allowed[plan[q]] = True
+        cls.unary[~cls.allowed] = math.inf
+        pr.kept[q] &= cls.allowed
+        pr.add(q, [plan[q]])
 
 
 def _gamma(floor: float, lp: LPSolution, k: int, alpha: np.ndarray, beta: np.ndarray,
