@@ -80,8 +80,8 @@ from .diagnose import InfeasibleError
 from .problem import Decision, Edge, Problem, ResourceConstraint, Solution
 from .pricing_lp import LPSolution, RestrictedLP
 from .pricing_quotient import Quotient, build_quotient, evaluate_lazy
-from .dual_bound import DualAscent, resource_filter
-from .tree_bound import Reparam, choice_cost, eliminate
+from .pricing_proof import TREES, final_ascent, pairs_among, prefilter
+from .tree_bound import Reparam, eliminate
 
 logger = logging.getLogger(__name__)
 
@@ -98,16 +98,12 @@ ROUND_CAP_MIN = 256
 PRICE_TOL = 1e-9
 # Relative gap under which the restricted ILP's objective is the optimum.
 OPT_RTOL = 1e-9
-# Spanning forests whose min-marginals filter reduced-cost fixing.
-TREES = 3
 # Pairs between the options left after tree elimination up to which the
 # restricted ILP simply takes all of them (no pricing rounds).
 DIRECT_PAIRS = 3_000_000
-# Share of the time limit the dual ascent before pricing may take (0: no
-# ascent; it is skipped too under a second), and its sweeps between two
-# decoded plans.
-ASCENT_SHARE = 0.4
-ASCENT_SWEEPS = 10
+# Share of the time limit after which the LP rounds stop, leaving the rest
+# to the dual ascent's second run (solver.pricing_proof).
+ROUNDS_SHARE = 0.75
 
 
 @dataclass
@@ -382,73 +378,6 @@ class _Pricer:
         return sol
 
 
-def _prefilter(pr: _Pricer, backend, time_limit, stats: PricingStats) -> int:
-    """Before pricing: the seed's restricted ILP gives a plan; options no
-    choice meeting the resource rows can take leave
-    (:func:`solver.dual_bound.resource_filter`), then those whose
-    spanning-tree min-marginals exceed the plan's cost, first of the raw
-    costs, then of the costs rewritten by the dual ascent
-    (:mod:`solver.dual_bound`, given a share of the time left): they are in
-    no better plan (:func:`solver.tree_bound.eliminate`). Returns how many
-    left; 0 when the matrices cannot reduce whole rows."""
-    t0 = time.perf_counter()
-    try:
-        if not all(t.cache.matrix_reduces for e in pr.q.edges for t in e.terms):
-            return 0
-        sol = pr.solve_ilp(backend, time_limit)
-        if sol is None:
-            return 0
-        stats.restricted_objectives.append(sol.objective)
-        classes = pr.q.classes
-        before = sum(int(c.allowed.sum()) for c in classes)
-        resource_filter(pr.q, [c.allowed for c in classes])
-        el = eliminate(pr.q, sol.objective, trees=TREES)
-        if el is None:
-            return 0
-        plan = [sol.choice[q] for q in range(len(classes))] if el.plan is None else el.plan
-        _narrow(pr, el.keep, plan)
-        stats.tree_bound = el.bound
-        upper = el.upper
-        if ASCENT_SHARE > 0 and (time_limit is None or time_limit * ASCENT_SHARE >= 1.0):
-            ascent = DualAscent(pr.q)
-            deadline = None if time_limit is None else t0 + time_limit * ASCENT_SHARE
-            while True:
-                bound = ascent.run(ASCENT_SWEEPS, upper=upper, keep=plan, deadline=deadline)
-                found = ascent.decode()
-                cost = choice_cost(pr.q, found)
-                if cost < upper:
-                    upper, plan = cost, found
-                if (bound >= upper - OPT_RTOL * max(1.0, abs(upper)) or ascent.stalled
-                        or (deadline is not None and time.perf_counter() > deadline)):
-                    break
-            stats.ascent_bound = bound
-            stats.ascent_sweeps = ascent.stats.sweeps
-            dual_el = eliminate(pr.q, upper, trees=TREES, reparam=ascent.reparam())
-            if dual_el.plan is not None:
-                upper, plan = dual_el.upper, dual_el.plan
-            _narrow(pr, [k & live for k, live in zip(dual_el.keep, ascent.live)], plan)
-            stats.tree_bound = max(stats.tree_bound, bound, dual_el.bound)
-        pr.repair_arcs()
-        dropped = before - sum(int(c.allowed.sum()) for c in classes)
-        logger.info("elimination before pricing: plan %.9g, forest bound %.9g, dual ascent bound %.9g "
-                    "(%d sweeps), %d of %d options dropped", upper, el.bound,
-                    stats.ascent_bound, stats.ascent_sweeps, dropped, stats.options_total)
-        return dropped
-    finally:
-        stats.seconds["trees"] += time.perf_counter() - t0
-
-
-def _narrow(pr: _Pricer, keep: list[np.ndarray], plan: list[int]) -> None:
-    """Allow only ``keep`` (and ``plan``'s options, whatever the rounding);
-    the restricted problems hold ``plan``."""
-    for q, (cls, k) in enumerate(zip(pr.q.classes, keep)):
-        cls.allowed &= k
-        cls.allowed[plan[q]] = True
-        cls.unary[~cls.allowed] = math.inf
-        pr.kept[q] &= cls.allowed
-        pr.add(q, [plan[q]])
-
-
 def _gamma(floor: float, lp: LPSolution, k: int, alpha: np.ndarray, beta: np.ndarray,
            relaxed_p: np.ndarray, relaxed_c: np.ndarray, x_p: np.ndarray, x_c: np.ndarray) -> float:
     """Edge ``k``'s split of its floor between the caps of left-out options
@@ -521,10 +450,11 @@ def solve_by_pricing(
     stats.classes = len(quotient.classes)
     stats.options_total = int(sum(c.allowed.sum() for c in quotient.classes))
     sec["setup"] = time.perf_counter() - t_start
-    stats.eliminated = _prefilter(pr, backend, left(), stats)
+    stats.eliminated, ascent, _ = prefilter(pr, backend, left(), stats)
     survivors = sum(int(c.allowed.sum()) for c in quotient.classes)
-    pairs = sum(int(quotient.classes[e.p].allowed.sum()) * int(quotient.classes[e.c].allowed.sum())
-                for e in quotient.edges)
+    pairs = pairs_among(quotient, [c.allowed for c in quotient.classes])
+    # the LP rounds leave the rest of the time to the ascent's second run
+    rounds_end = None if deadline is None or ascent is None else t_start + time_limit * ROUNDS_SHARE
     # Few enough options left: the ILP over all of them is the proof.
     exhaustive = bool(stats.eliminated) and survivors <= cap and pairs <= DIRECT_PAIRS
     if exhaustive:
@@ -539,7 +469,7 @@ def solve_by_pricing(
     while not exhaustive:
         t0 = time.perf_counter()
         try:
-            lp = pr.solve_lp(left())
+            lp = pr.solve_lp(left() if rounds_end is None else max(rounds_end - time.perf_counter(), 1e-3))
         except TimeoutError as exc:
             logger.info("pricing stopped: %s", exc)
             sec["lp"] += time.perf_counter() - t0
@@ -581,7 +511,7 @@ def solve_by_pricing(
             stats.converged = True  # an LP optimum using exact pairs only, no left-out option cheaper
             break
         if (pr.num_kept() + pr.num_relaxed() + len(picks) > cap
-                or (deadline is not None and time.perf_counter() > deadline)):
+                or (deadline is not None and time.perf_counter() > (rounds_end or deadline))):
             break
         for _, q, o in picks:
             pr.relax(q, o)
@@ -617,33 +547,49 @@ def solve_by_pricing(
     bound = max(lb, stats.tree_bound)
     if sol.status == "optimal" and (exhaustive or z - bound <= tol):
         bound = z
-    elif reduced is not None and sol.status == "optimal":
+    elif sol.status == "optimal" and (reduced is not None or ascent is not None):
         # Reduced-cost fixing with the last round's duals (any round's are
         # valid): a cheaper choice uses only options with r' = r + v_q <= z - LB;
         # and, where the matrices reduce whole rows, only options whose
-        # spanning-tree min-marginal is at most z (solver.tree_bound).
+        # spanning-tree min-marginal is at most z (solver.tree_bound), the
+        # forests over the costs the dual ascent rewrote (solver.pricing_proof)
         t0 = time.perf_counter()
-        # forests of the raw costs, then of the costs rewritten by the last
-        # duals (bound at least the LP's); an option must pass both
-        trees = eliminate(quotient, z, trees=TREES)
-        if trees is not None:
-            dual_trees = eliminate(quotient, min(z, trees.upper), trees=TREES, reparam=pr.reparam)
-            # (a forest plan cheaper than z keeps its options: the ILP below finds it)
-            tree_keep = [a & b for a, b in zip(trees.keep, dual_trees.keep)]
-            stats.tree_bound = max(stats.tree_bound, trees.bound, dual_trees.bound)
-            bound = max(bound, stats.tree_bound)
-            for plan in (trees.plan, dual_trees.plan):
-                for q, o in enumerate(plan or ()):
-                    tree_keep[q][o] = True
+        tree_keep = None
+        if ascent is not None:
+            plan = [sol.choice[q] for q in range(len(quotient.classes))]
+            tree_keep, upper, plan, _ = final_ascent(pr, ascent, z, plan, backend, deadline, stats)
+            if upper < z:  # a decoded plan is cheaper: the restricted ILP finds it
+                for q, o in enumerate(plan):
+                    pr.add(q, [o])
+                better = run_ilp()
+                if better is not None and better.objective < sol.objective:
+                    sol = better
+        else:
+            # forests of the raw costs, then of the costs rewritten by the last
+            # duals (bound at least the LP's); an option must pass both
+            trees = eliminate(quotient, z, trees=TREES)
+            if trees is not None:
+                dual_trees = eliminate(quotient, min(z, trees.upper), trees=TREES, reparam=pr.reparam)
+                # (a forest plan cheaper than z keeps its options: the ILP below finds it)
+                tree_keep = [a & b for a, b in zip(trees.keep, dual_trees.keep)]
+                stats.tree_bound = max(stats.tree_bound, trees.bound, dual_trees.bound)
+                for plan in (trees.plan, dual_trees.plan):
+                    for q, o in enumerate(plan or ()):
+                        tree_keep[q][o] = True
+        bound = max(bound, stats.tree_bound)
         sec["trees"] += time.perf_counter() - t0
-        gap = z - stats.bound_per_round[-1]
         fix = []
-        for q, r in enumerate(reduced):
-            rp = r - min(0.0, float(r.min()))
-            mask = (rp <= gap + tol) & ~pr.kept[q]
-            fix.append(np.flatnonzero(mask if trees is None else mask & tree_keep[q]))
+        for q, c in enumerate(quotient.classes):
+            mask = c.allowed & ~pr.kept[q]
+            if reduced is not None:
+                r = reduced[q]
+                mask &= r - min(0.0, float(r.min())) <= z - stats.bound_per_round[-1] + tol
+            fix.append(np.flatnonzero(mask if tree_keep is None else mask & tree_keep[q]))
+        if sol.objective - bound <= tol:
+            fix = []  # the bound meets the plan
         n_fix = sum(len(f) for f in fix)
-        logger.info("reduced-cost fixing: gap %.6g, %d options within it (%d kept)", gap, n_fix, pr.num_kept())
+        logger.info("reduced-cost fixing: gap %.6g, %d options within it (%d kept)", sol.objective - bound,
+                    n_fix, pr.num_kept())
         if pr.num_kept() + n_fix <= cap:
             for q, f in enumerate(fix):
                 pr.add(q, f)
