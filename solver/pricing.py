@@ -104,6 +104,9 @@ DIRECT_PAIRS = 3_000_000
 # Share of the time limit after which the LP rounds stop, leaving the rest
 # to the dual ascent's second run (solver.pricing_proof).
 ROUNDS_SHARE = 0.75
+# Share of the time limit the ascent's second run leaves to its forests and
+# the last restricted ILP.
+FINAL_RESERVE = 0.1
 
 
 @dataclass
@@ -557,7 +560,9 @@ def solve_by_pricing(
         tree_keep = None
         if ascent is not None:
             plan = [sol.choice[q] for q in range(len(quotient.classes))]
-            tree_keep, upper, plan, _ = final_ascent(pr, ascent, z, plan, backend, deadline, stats)
+            tree_keep, upper, plan, _ = final_ascent(
+                pr, ascent, z, plan, backend,
+                None if deadline is None else deadline - FINAL_RESERVE * time_limit, stats)
             if upper < z:  # a decoded plan is cheaper: the restricted ILP finds it
                 for q, o in enumerate(plan):
                     pr.add(q, [o])
