@@ -66,8 +66,8 @@ Example::
     >>> r = solve_by_pricing(p, {"a": [0], "b": [0]})
     >>> r.solution.choice, r.solution.objective, r.solution.status
     ({'a': 1, 'b': 1}, 1.0, 'optimal')
-    >>> r.kept
-    {'a': [0, 1], 'b': [0, 1]}
+    >>> r.kept  # option 0 left with the forests: in no plan as cheap
+    {'a': [1], 'b': [1]}
 """
 
 from __future__ import annotations
