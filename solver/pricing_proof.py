@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .dual_bound import DualAscent, resource_filter
-from .tree_bound import choice_cost, eliminate
+from .tree_bound import MAX_PASSES, choice_cost, eliminate
 
 if TYPE_CHECKING:
     from .pricing import PricingStats, _Pricer
@@ -46,8 +46,8 @@ TREES = 3
 ASCENT_SHARE = 0.4
 ASCENT_SWEEPS = 10
 # Options per class, of least belief, that join the restricted ILP after
-# each ASCENT_SWEEPS sweeps (a plan near the dual's: its decoding alone
-# rounds poorly on 4-D meshes).
+# an ascent (a plan near the dual's: its decoding alone rounds poorly on
+# 4-D meshes).
 ILP_PER_CLASS = 3
 # Relative gap under which a bound proves a plan optimal (solver.pricing.OPT_RTOL).
 OPT_RTOL = 1e-9
@@ -71,7 +71,11 @@ def prefilter(pr: _Pricer, backend, time_limit: float | None,
         classes = pr.q.classes
         before = sum(int(c.allowed.sum()) for c in classes)
         resource_filter(pr.q, [c.allowed for c in classes])
-        el = eliminate(pr.q, sol.objective, trees=TREES)
+        ascend = ASCENT_SHARE > 0 and (time_limit is None or time_limit * ASCENT_SHARE >= 1.0)
+        deadline = None if time_limit is None else t0 + time_limit * ASCENT_SHARE
+        # one pass of raw forests when the ascent follows (its forests drop the rest)
+        el = eliminate(pr.q, sol.objective, trees=TREES, max_passes=1 if ascend else MAX_PASSES,
+                       deadline=deadline)
         if el is None:
             return 0, None, math.inf
         plan = [sol.choice[q] for q in range(len(classes))] if el.plan is None else el.plan
@@ -79,9 +83,8 @@ def prefilter(pr: _Pricer, backend, time_limit: float | None,
         stats.tree_bound = el.bound
         upper = el.upper
         ascent = None
-        if ASCENT_SHARE > 0 and (time_limit is None or time_limit * ASCENT_SHARE >= 1.0):
+        if ascend:
             ascent = DualAscent(pr.q)
-            deadline = None if time_limit is None else t0 + time_limit * ASCENT_SHARE
             keep, upper, plan, bound = _ascend(pr, ascent, upper, plan, backend, deadline, stats)
             narrow(pr, keep, plan)
         pr.repair_arcs()
@@ -106,10 +109,10 @@ def final_ascent(pr: _Pricer, ascent: DualAscent, upper: float, plan: list[int],
 
 def _ascend(pr: _Pricer, ascent: DualAscent, upper: float, plan: list[int], backend, deadline: float | None,
             stats: PricingStats) -> tuple[list[np.ndarray], float, list[int], float]:
-    """Sweeps until the bound meets the best plan, stalls or ``deadline``;
-    every ASCENT_SWEEPS, plans: the messages' decoding, and the restricted
-    ILP with each class's ILP_PER_CLASS live options of least belief
-    added. Then forests over the rewritten costs. Returns (keep per class,
+    """Sweeps until the bound meets the best plan, stalls or ``deadline``,
+    decoding a plan every ASCENT_SWEEPS; then the restricted ILP with each
+    class's ILP_PER_CLASS live options of least belief added, and forests
+    over the rewritten costs. Returns (keep per class,
     best cost, its plan, bound)."""
     while True:
         bound = ascent.run(ASCENT_SWEEPS, upper=upper, keep=plan, deadline=deadline)
@@ -117,6 +120,10 @@ def _ascend(pr: _Pricer, ascent: DualAscent, upper: float, plan: list[int], back
         cost = choice_cost(pr.q, found)
         if cost < upper:
             upper, plan = cost, found
+        if (bound >= upper - OPT_RTOL * max(1.0, abs(upper)) or ascent.stalled
+                or (deadline is not None and time.perf_counter() > deadline)):
+            break
+    if bound < upper - OPT_RTOL * max(1.0, abs(upper)):
         for q, (b, live) in enumerate(zip(ascent.belief, ascent.live)):
             opts = np.flatnonzero(live & ~pr.kept[q])
             pr.add(q, opts[np.argsort(b[opts], kind="stable")[:ILP_PER_CLASS]])
@@ -125,9 +132,6 @@ def _ascend(pr: _Pricer, ascent: DualAscent, upper: float, plan: list[int], back
         sol = pr.solve_ilp(backend, left)
         if sol is not None and sol.objective < upper:
             upper, plan = sol.objective, [sol.choice[q] for q in range(len(pr.q.classes))]
-        if (bound >= upper - OPT_RTOL * max(1.0, abs(upper)) or ascent.stalled
-                or (deadline is not None and time.perf_counter() > deadline)):
-            break
     stats.ascent_bound = max(stats.ascent_bound, bound)
     stats.ascent_sweeps = ascent.stats.sweeps
     el = eliminate(pr.q, upper, trees=TREES, reparam=ascent.reparam(), deadline=deadline)
