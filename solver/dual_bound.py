@@ -247,7 +247,8 @@ class DualAscent:
             deadline: float | None = None) -> float:
         """Up to ``sweeps`` sweeps (forward, then backward, alternately),
         pruning against ``upper`` after each; stops early when the bound
-        reaches ``upper``, stalls, or at ``deadline`` (perf_counter).
+        reaches ``upper``, stalls, or at ``deadline`` (perf_counter: no
+        sweep starts past it).
         Returns the bound."""
         t0 = time.perf_counter()
         self.stalled = False
@@ -255,6 +256,8 @@ class DualAscent:
         forward = list(range(n))
         last = self.bound()
         for s in range(sweeps):
+            if deadline is not None and time.perf_counter() > deadline:
+                break
             self.sweep(forward if self.stats.sweeps % 2 == 0 else forward[::-1])
             if upper is not None:
                 self.prune(upper, keep)
@@ -271,8 +274,6 @@ class DualAscent:
                 self.stalled = True
                 break
             last = d
-            if deadline is not None and time.perf_counter() > deadline:
-                break
         self.stats.seconds += time.perf_counter() - t0
         return self.bound()
 

@@ -599,7 +599,11 @@ def solve_by_pricing(
         n_fix = sum(len(f) for f in fix)
         logger.info("reduced-cost fixing: gap %.6g, %d options within it (%d kept)", sol.objective - bound,
                     n_fix, pr.num_kept())
-        if pr.num_kept() + n_fix <= cap:
+        with_fix = [k.copy() for k in pr.kept]
+        for k, f in zip(with_fix, fix):
+            k[f] = True
+        fix_pairs = pairs_among(quotient, with_fix)  # the dense restricted ILP holds them all
+        if pr.num_kept() + n_fix <= cap and fix_pairs <= DIRECT_PAIRS:
             for q, f in enumerate(fix):
                 pr.add(q, f)
             stats.fixed_in = n_fix
@@ -613,8 +617,8 @@ def solve_by_pricing(
             if proven:
                 bound = sol.objective
         else:
-            logger.info("reduced-cost fixing needs %d options over max_options=%d: not proven optimal",
-                        pr.num_kept() + n_fix, cap)
+            logger.info("reduced-cost fixing needs %d options (max_options=%d) and %d pairs (at most %d): "
+                        "not proven optimal", pr.num_kept() + n_fix, cap, fix_pairs, DIRECT_PAIRS)
     t0 = time.perf_counter()
     choice = quotient.expand(sol.choice)
     unary, edge = evaluate_lazy(problem, quotient, choice)

@@ -49,6 +49,9 @@ ASCENT_SWEEPS = 10
 # an ascent (a plan near the dual's: its decoding alone rounds poorly on
 # 4-D meshes).
 ILP_PER_CLASS = 3
+# What a pass of TREES forests costs, in sweeps of the ascent (a forest
+# reduces each of its edges twice, a sweep every edge twice).
+FOREST_SWEEPS = 3
 # Relative gap under which a bound proves a plan optimal (solver.pricing.OPT_RTOL).
 OPT_RTOL = 1e-9
 
@@ -73,8 +76,8 @@ def prefilter(pr: _Pricer, backend, time_limit: float | None,
         resource_filter(pr.q, [c.allowed for c in classes])
         ascend = ASCENT_SHARE > 0 and (time_limit is None or time_limit * ASCENT_SHARE >= 1.0)
         deadline = None if time_limit is None else t0 + time_limit * ASCENT_SHARE
-        # one pass of raw forests when the ascent follows (its forests drop the rest)
-        el = eliminate(pr.q, sol.objective, trees=TREES, max_passes=1 if ascend else MAX_PASSES,
+        # one raw forest when the ascent follows (its forests drop the rest)
+        el = eliminate(pr.q, sol.objective, trees=1 if ascend else TREES, max_passes=1 if ascend else MAX_PASSES,
                        deadline=deadline)
         if el is None:
             return 0, None, math.inf
@@ -113,15 +116,19 @@ def _ascend(pr: _Pricer, ascent: DualAscent, upper: float, plan: list[int], back
     decoding a plan every ASCENT_SWEEPS; then the restricted ILP with each
     class's ILP_PER_CLASS live options of least belief added, and forests
     over the rewritten costs. Returns (keep per class,
-    best cost, its plan, bound)."""
+    best cost, its plan, bound). The sweeps stop early enough for the
+    forests (FOREST_SWEEPS sweeps' time) to end by ``deadline``."""
     while True:
-        bound = ascent.run(ASCENT_SWEEPS, upper=upper, keep=plan, deadline=deadline)
+        sweeps_end = deadline
+        if deadline is not None and ascent.stats.sweeps:
+            sweeps_end = deadline - FOREST_SWEEPS * ascent.stats.seconds / ascent.stats.sweeps
+        bound = ascent.run(ASCENT_SWEEPS, upper=upper, keep=plan, deadline=sweeps_end)
         found = ascent.decode()
         cost = choice_cost(pr.q, found)
         if cost < upper:
             upper, plan = cost, found
         if (bound >= upper - OPT_RTOL * max(1.0, abs(upper)) or ascent.stalled
-                or (deadline is not None and time.perf_counter() > deadline)):
+                or (sweeps_end is not None and time.perf_counter() > sweeps_end)):
             break
     if bound < upper - OPT_RTOL * max(1.0, abs(upper)):
         for q, (b, live) in enumerate(zip(ascent.belief, ascent.live)):
