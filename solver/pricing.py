@@ -597,12 +597,12 @@ def solve_by_pricing(
         if sol.objective - bound <= tol:
             fix = []  # the bound meets the plan
         n_fix = sum(len(f) for f in fix)
-        logger.info("reduced-cost fixing: gap %.6g, %d options within it (%d kept)", sol.objective - bound,
-                    n_fix, pr.num_kept())
         with_fix = [k.copy() for k in pr.kept]
         for k, f in zip(with_fix, fix):
             k[f] = True
         fix_pairs = pairs_among(quotient, with_fix)  # the dense restricted ILP holds them all
+        logger.info("reduced-cost fixing: gap %.6g, %d options within it (%d kept, %d pairs with them)",
+                    sol.objective - bound, n_fix, pr.num_kept(), fix_pairs)
         if pr.num_kept() + n_fix <= cap and fix_pairs <= DIRECT_PAIRS:
             for q, f in enumerate(fix):
                 pr.add(q, f)
