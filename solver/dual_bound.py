@@ -220,17 +220,26 @@ class DualAscent:
             over = live & (b - b[live].min() > slack)
             if keep is not None:
                 over[keep[i]] = False
-            n = int(over.sum())
-            if n:
-                died += n
-                live &= ~over
-                self.belief[i] = np.where(live, b, math.inf)
-                for k in self.incident[i]:
-                    if self.factors[k].p == i:
-                        self.lam_p[k] = np.where(live, self.lam_p[k], 0.0)
-                    else:
-                        self.lam_c[k] = np.where(live, self.lam_c[k], 0.0)
+            died += self._kill(i, over)
         return died
+
+    def restrict(self, allowed: list[np.ndarray]) -> int:
+        """Kill the options outside ``allowed`` (found in no plan of
+        interest by other means: forests). Returns how many died."""
+        return sum(self._kill(i, live & ~a) for i, (live, a) in enumerate(zip(self.live, allowed)))
+
+    def _kill(self, i: int, over: np.ndarray) -> int:
+        n = int(over.sum())
+        if n:
+            live = self.live[i]
+            live &= ~over
+            self.belief[i] = np.where(live, self.belief[i], math.inf)
+            for k in self.incident[i]:
+                if self.factors[k].p == i:
+                    self.lam_p[k] = np.where(live, self.lam_p[k], 0.0)
+                else:
+                    self.lam_c[k] = np.where(live, self.lam_c[k], 0.0)
+        return n
 
     def sweep(self, order: list[int], weighted: bool = True) -> None:
         rank = np.empty(len(order), dtype=np.int64)

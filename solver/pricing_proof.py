@@ -118,6 +118,7 @@ def _ascend(pr: _Pricer, ascent: DualAscent, upper: float, plan: list[int], back
     over the rewritten costs. Returns (keep per class,
     best cost, its plan, bound). The sweeps stop early enough for the
     forests (FOREST_SWEEPS sweeps' time) to end by ``deadline``."""
+    ascent.restrict([c.allowed for c in pr.q.classes])  # what forests dropped since
     while True:
         sweeps_end = deadline
         if deadline is not None and ascent.stats.sweeps:

@@ -17,7 +17,7 @@ from solver.pricing import _Pricer
 from solver.pricing_quotient import build_quotient
 from solver.tree_bound import choice_cost, eliminate
 
-from test_tree_bound import brute_marginals, random_problem
+from test_tree_bound import brute_marginals, random_problem, tree_and_cyclic_problems
 
 pytest.importorskip("highspy")
 
@@ -33,9 +33,7 @@ def full_lp(problem: Problem) -> float:
 
 def test_bound_below_the_lp_and_the_optimum_exact_on_trees():
     exact = 0
-    for seed in range(30):
-        extra = 0 if seed % 3 == 0 else 3
-        p = random_problem(seed, n=6, k=3, extra_edges=extra, link=seed % 4 == 1)
+    for seed, p, tree in tree_and_cyclic_problems(n=6, k=3, extra_edges=3):
         truth = brute_marginals(p)
         if not truth:
             continue
@@ -47,7 +45,7 @@ def test_bound_below_the_lp_and_the_optimum_exact_on_trees():
         tol = 1e-7 * max(1.0, abs(opt))
         assert all(b <= a + 1e-12 * max(1.0, abs(a)) for b, a in zip(d.stats.bounds, d.stats.bounds[1:]))
         assert bound <= lp + tol <= opt + 2 * tol, (seed, bound, lp, opt)
-        if extra == 0:  # trees: the LP is exact and the ascent reaches it
+        if tree:  # trees: the LP is exact and the ascent reaches it
             assert bound == pytest.approx(opt, rel=1e-6, abs=1e-9), seed
             assert choice_cost(q, d.decode()) == pytest.approx(opt, rel=1e-9)
             exact += 1
