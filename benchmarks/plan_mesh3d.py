@@ -53,6 +53,11 @@ Session 8 (main; --time-limit 10, load 0.6 -> 1.0): 8B 16x8 9.6 s, 4x4x8
 (1.26x), all optimal, <= 921 MiB; 70B 4x4x8x8 103.9 s (19.0 / 10.9 / 4.4 /
 coarse seeds 19.8 / pricing with tree elimination 45.7 / plan report
 1.8), 1299 MiB, feasible at a 26.4% gap, est. step 4386 ms.
+
+Session 9 (proof branch, dual ascent; --time-limit 10, load 6.3 -> 6.2):
+70B 4x4x8x8 204.1 s (45.7 / 23.4 / 9.9 / coarse seeds 45.1 / solve 69.0),
+1313 MiB, proven optimal, est. step 3851 ms; one layer (load 5.9 -> 6.6)
+153.9 s, feasible at a 2.78% gap, 204.1 ms.
 """
 
 from __future__ import annotations

@@ -8,11 +8,15 @@ option can improve the plan ("price and branch" with reduced-cost fixing).
 
 First, when every matrix reduces whole rows (``min_plus_rows``), the
 seed's restricted ILP gives a plan and spanning-forest min-marginals
-(:mod:`solver.tree_bound`) drop every option that is in no cheaper plan;
-when the options left have few enough pairs (``DIRECT_PAIRS``) the ILP
-over all of them is the answer, proven optimal, with no LP rounds (random
-placement problem of 200 decisions x 1024 options: 96% dropped, optimal
-in 78 s where the rounds alone stopped at a 7% gap).
+(:mod:`solver.tree_bound`) and the dual ascent (:mod:`solver.dual_bound`,
+which reaches about the LP's optimum over every option) drop every option
+that is in no cheaper plan (:mod:`solver.pricing_proof`); when the options
+left have few enough pairs (``DIRECT_PAIRS``) the ILP over all of them is
+the answer, proven optimal, with no LP rounds (random placement problem of
+200 decisions x 1024 options: 96% dropped, optimal in 78 s where the
+rounds alone stopped at a 7% gap). After the rounds the ascent goes on
+against the restricted ILP's plan and its forests filter reduced-cost
+fixing (step 4): LLaMA-3 70B on 4x4x8x8, 80 layers, proven optimal.
 
 How (on the quotient by links, :mod:`solver.pricing_quotient`): per class
 ``q`` a set ``S_q`` of *exact* options (all their pairs read: whole rows and
@@ -62,8 +66,8 @@ Example::
     >>> r = solve_by_pricing(p, {"a": [0], "b": [0]})
     >>> r.solution.choice, r.solution.objective, r.solution.status
     ({'a': 1, 'b': 1}, 1.0, 'optimal')
-    >>> r.kept
-    {'a': [0, 1], 'b': [0, 1]}
+    >>> r.kept  # option 0 left with the forests: in no plan as cheap
+    {'a': [1], 'b': [1]}
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ from .diagnose import InfeasibleError
 from .problem import Decision, Edge, Problem, ResourceConstraint, Solution
 from .pricing_lp import LPSolution, RestrictedLP
 from .pricing_quotient import Quotient, build_quotient, evaluate_lazy
+from .pricing_proof import TREES, final_ascent, pairs_among, prefilter
 from .tree_bound import Reparam, eliminate
 
 logger = logging.getLogger(__name__)
@@ -97,11 +102,15 @@ ROUND_CAP_MIN = 256
 PRICE_TOL = 1e-9
 # Relative gap under which the restricted ILP's objective is the optimum.
 OPT_RTOL = 1e-9
-# Spanning forests whose min-marginals filter reduced-cost fixing.
-TREES = 3
 # Pairs between the options left after tree elimination up to which the
 # restricted ILP simply takes all of them (no pricing rounds).
 DIRECT_PAIRS = 3_000_000
+# Share of the time limit after which the LP rounds stop, leaving the rest
+# to the dual ascent's second run (solver.pricing_proof).
+ROUNDS_SHARE = 0.75
+# Share of the time limit the ascent's second run leaves to its forests and
+# the last restricted ILP.
+FINAL_RESERVE = 0.1
 
 
 @dataclass
@@ -123,6 +132,8 @@ class PricingStats:
     fixed_in: int = 0  # options added by reduced-cost fixing
     tree_bound: float = -math.inf  # best spanning-forest bound (solver.tree_bound)
     eliminated: int = 0  # options dropped by tree min-marginals before pricing
+    ascent_bound: float = -math.inf  # the dual ascent's (solver.dual_bound)
+    ascent_sweeps: int = 0
     entries_read: int = 0  # matrix entries materialised (pairs)
     converged: bool = False  # the LP reached the full LP's optimum
     seconds: dict[str, float] = field(default_factory=dict)
@@ -374,41 +385,6 @@ class _Pricer:
         return sol
 
 
-def _prefilter(pr: _Pricer, backend, time_limit, stats: PricingStats) -> int:
-    """Before pricing: the seed's restricted ILP gives a plan; options whose
-    spanning-tree min-marginals exceed its cost are in no better plan and
-    leave the problem (:func:`solver.tree_bound.eliminate`). Returns how
-    many; 0 when the matrices cannot reduce whole rows."""
-    t0 = time.perf_counter()
-    try:
-        if not all(t.cache.matrix_reduces for e in pr.q.edges for t in e.terms):
-            return 0
-        sol = pr.solve_ilp(backend, time_limit)
-        if sol is None:
-            return 0
-        stats.restricted_objectives.append(sol.objective)
-        el = eliminate(pr.q, sol.objective, trees=TREES)
-        if el is None:
-            return 0
-        stats.tree_bound = el.bound
-        plan = [sol.choice[q] for q in range(len(pr.q.classes))] if el.plan is None else el.plan
-        dropped = 0
-        for q, (cls, k) in enumerate(zip(pr.q.classes, el.keep)):
-            k[plan[q]] = True  # the best plan's options stay, whatever the rounding
-            dropped += int((cls.allowed & ~k).sum())
-            cls.allowed &= k
-            cls.unary[~cls.allowed] = math.inf
-            pr.kept[q] &= cls.allowed
-            pr.add(q, [plan[q]])  # the restricted problems hold the best plan
-        pr.repair_arcs()
-        logger.info("tree elimination before pricing: plan %.9g (%s), forest bound %.9g, %d of %d options dropped",
-                    el.upper, "seed ILP" if el.plan is None else "a forest's", el.bound, dropped,
-                    stats.options_total)
-        return dropped
-    finally:
-        stats.seconds["trees"] += time.perf_counter() - t0
-
-
 def _gamma(floor: float, lp: LPSolution, k: int, alpha: np.ndarray, beta: np.ndarray,
            relaxed_p: np.ndarray, relaxed_c: np.ndarray, x_p: np.ndarray, x_c: np.ndarray) -> float:
     """Edge ``k``'s split of its floor between the caps of left-out options
@@ -481,10 +457,11 @@ def solve_by_pricing(
     stats.classes = len(quotient.classes)
     stats.options_total = int(sum(c.allowed.sum() for c in quotient.classes))
     sec["setup"] = time.perf_counter() - t_start
-    stats.eliminated = _prefilter(pr, backend, left(), stats)
+    stats.eliminated, ascent, _ = prefilter(pr, backend, left(), stats)
     survivors = sum(int(c.allowed.sum()) for c in quotient.classes)
-    pairs = sum(int(quotient.classes[e.p].allowed.sum()) * int(quotient.classes[e.c].allowed.sum())
-                for e in quotient.edges)
+    pairs = pairs_among(quotient, [c.allowed for c in quotient.classes])
+    # the LP rounds leave the rest of the time to the ascent's second run
+    rounds_end = None if deadline is None or ascent is None else t_start + time_limit * ROUNDS_SHARE
     # Few enough options left: the ILP over all of them is the proof.
     exhaustive = bool(stats.eliminated) and survivors <= cap and pairs <= DIRECT_PAIRS
     if exhaustive:
@@ -499,7 +476,7 @@ def solve_by_pricing(
     while not exhaustive:
         t0 = time.perf_counter()
         try:
-            lp = pr.solve_lp(left())
+            lp = pr.solve_lp(left() if rounds_end is None else max(rounds_end - time.perf_counter(), 1e-3))
         except TimeoutError as exc:
             logger.info("pricing stopped: %s", exc)
             sec["lp"] += time.perf_counter() - t0
@@ -541,7 +518,7 @@ def solve_by_pricing(
             stats.converged = True  # an LP optimum using exact pairs only, no left-out option cheaper
             break
         if (pr.num_kept() + pr.num_relaxed() + len(picks) > cap
-                or (deadline is not None and time.perf_counter() > deadline)):
+                or (deadline is not None and time.perf_counter() > (rounds_end or deadline))):
             break
         for _, q, o in picks:
             pr.relax(q, o)
@@ -577,34 +554,56 @@ def solve_by_pricing(
     bound = max(lb, stats.tree_bound)
     if sol.status == "optimal" and (exhaustive or z - bound <= tol):
         bound = z
-    elif reduced is not None and sol.status == "optimal":
+    elif sol.status == "optimal" and (reduced is not None or ascent is not None):
         # Reduced-cost fixing with the last round's duals (any round's are
         # valid): a cheaper choice uses only options with r' = r + v_q <= z - LB;
         # and, where the matrices reduce whole rows, only options whose
-        # spanning-tree min-marginal is at most z (solver.tree_bound).
+        # spanning-tree min-marginal is at most z (solver.tree_bound), the
+        # forests over the costs the dual ascent rewrote (solver.pricing_proof)
         t0 = time.perf_counter()
-        # forests of the raw costs, then of the costs rewritten by the last
-        # duals (bound at least the LP's); an option must pass both
-        trees = eliminate(quotient, z, trees=TREES)
-        if trees is not None:
-            dual_trees = eliminate(quotient, min(z, trees.upper), trees=TREES, reparam=pr.reparam)
-            # (a forest plan cheaper than z keeps its options: the ILP below finds it)
-            tree_keep = [a & b for a, b in zip(trees.keep, dual_trees.keep)]
-            stats.tree_bound = max(stats.tree_bound, trees.bound, dual_trees.bound)
-            bound = max(bound, stats.tree_bound)
-            for plan in (trees.plan, dual_trees.plan):
-                for q, o in enumerate(plan or ()):
-                    tree_keep[q][o] = True
+        tree_keep = None
+        if ascent is not None:
+            plan = [sol.choice[q] for q in range(len(quotient.classes))]
+            tree_keep, upper, plan, _ = final_ascent(
+                pr, ascent, z, plan, backend,
+                None if deadline is None else deadline - FINAL_RESERVE * time_limit, stats)
+            if upper < z:  # a decoded plan is cheaper: the restricted ILP finds it
+                for q, o in enumerate(plan):
+                    pr.add(q, [o])
+                better = run_ilp()
+                if better is not None and better.objective < sol.objective:
+                    sol = better
+        else:
+            # forests of the raw costs, then of the costs rewritten by the last
+            # duals (bound at least the LP's); an option must pass both
+            trees = eliminate(quotient, z, trees=TREES)
+            if trees is not None:
+                dual_trees = eliminate(quotient, min(z, trees.upper), trees=TREES, reparam=pr.reparam)
+                # (a forest plan cheaper than z keeps its options: the ILP below finds it)
+                tree_keep = [a & b for a, b in zip(trees.keep, dual_trees.keep)]
+                stats.tree_bound = max(stats.tree_bound, trees.bound, dual_trees.bound)
+                for plan in (trees.plan, dual_trees.plan):
+                    for q, o in enumerate(plan or ()):
+                        tree_keep[q][o] = True
+        bound = max(bound, stats.tree_bound)
         sec["trees"] += time.perf_counter() - t0
-        gap = z - stats.bound_per_round[-1]
         fix = []
-        for q, r in enumerate(reduced):
-            rp = r - min(0.0, float(r.min()))
-            mask = (rp <= gap + tol) & ~pr.kept[q]
-            fix.append(np.flatnonzero(mask if trees is None else mask & tree_keep[q]))
+        for q, c in enumerate(quotient.classes):
+            mask = c.allowed & ~pr.kept[q]
+            if reduced is not None:
+                r = reduced[q]
+                mask &= r - min(0.0, float(r.min())) <= z - stats.bound_per_round[-1] + tol
+            fix.append(np.flatnonzero(mask if tree_keep is None else mask & tree_keep[q]))
+        if sol.objective - bound <= tol:
+            fix = []  # the bound meets the plan
         n_fix = sum(len(f) for f in fix)
-        logger.info("reduced-cost fixing: gap %.6g, %d options within it (%d kept)", gap, n_fix, pr.num_kept())
-        if pr.num_kept() + n_fix <= cap:
+        with_fix = [k.copy() for k in pr.kept]
+        for k, f in zip(with_fix, fix):
+            k[f] = True
+        fix_pairs = pairs_among(quotient, with_fix)  # the dense restricted ILP holds them all
+        logger.info("reduced-cost fixing: gap %.6g, %d options within it (%d kept, %d pairs with them)",
+                    sol.objective - bound, n_fix, pr.num_kept(), fix_pairs)
+        if pr.num_kept() + n_fix <= cap and fix_pairs <= DIRECT_PAIRS:
             for q, f in enumerate(fix):
                 pr.add(q, f)
             stats.fixed_in = n_fix
@@ -618,8 +617,8 @@ def solve_by_pricing(
             if proven:
                 bound = sol.objective
         else:
-            logger.info("reduced-cost fixing needs %d options over max_options=%d: not proven optimal",
-                        pr.num_kept() + n_fix, cap)
+            logger.info("reduced-cost fixing needs %d options (max_options=%d) and %d pairs (at most %d): "
+                        "not proven optimal", pr.num_kept() + n_fix, cap, fix_pairs, DIRECT_PAIRS)
     t0 = time.perf_counter()
     choice = quotient.expand(sol.choice)
     unary, edge = evaluate_lazy(problem, quotient, choice)

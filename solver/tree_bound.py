@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 import networkx as nx
@@ -227,7 +228,7 @@ class Elimination:
 
 
 def eliminate(quotient: Quotient, upper: float, trees: int = 2, reparam: Reparam | None = None,
-              max_passes: int = MAX_PASSES) -> Elimination | None:
+              max_passes: int = MAX_PASSES, deadline: float | None = None) -> Elimination | None:
     """Per class, the options whose min-marginal on every one of ``trees``
     spanning forests is at most the best known plan's cost: every choice
     costing at most that uses only those. Each forest's own optimal choice
@@ -235,7 +236,8 @@ def eliminate(quotient: Quotient, upper: float, trees: int = 2, reparam: Reparam
     than ``upper``. Dropped options no longer partner anyone, which raises
     the others' marginals: passes repeat while one drops more than
     ``PASS_MIN_SHARE`` of the options left (at most ``max_passes``). None
-    when the matrices cannot reduce whole rows."""
+    when the matrices cannot reduce whole rows. Past ``deadline``
+    (``time.perf_counter``) no further pass starts."""
     weights = edge_weights(quotient, reparam)
     keep = [c.allowed.copy() for c in quotient.classes]
     total = sum(int(c.allowed.sum()) for c in quotient.classes)
@@ -262,6 +264,6 @@ def eliminate(quotient: Quotient, upper: float, trees: int = 2, reparam: Reparam
             logger.info("pass %d, tree %d: bound %.9g, its plan %.9g, best plan %.9g, %d options left of %d",
                         n_pass + 1, t + 1, tm.bound, cost, upper, sum(int(k.sum()) for k in keep), total)
         left = sum(int(k.sum()) for k in keep)
-        if before - left <= PASS_MIN_SHARE * before:
+        if before - left <= PASS_MIN_SHARE * before or (deadline is not None and time.perf_counter() > deadline):
             break
     return Elimination(keep, best, upper, plan)

@@ -1,0 +1,169 @@
+"""Elimination around the pricing rounds of :mod:`solver.pricing` (issue 13).
+
+Before the rounds (:func:`prefilter`): the seed's restricted ILP gives a
+plan of cost ``upper``; options no choice meeting the resource rows can
+take leave (:func:`solver.dual_bound.resource_filter`), then those whose
+spanning-forest min-marginals exceed ``upper`` (:func:`solver.tree_bound.eliminate`),
+then the dual ascent (:mod:`solver.dual_bound`) raises the bound over every
+option, kills options against ``upper``, decodes plans (a cheaper one
+becomes the known plan), and forests over its rewritten costs drop more.
+
+After the rounds (:func:`final_ascent`): the restricted ILP's plan is
+usually cheaper than the prefilter's, so the same ascent goes on against
+it (its messages stay valid: any messages bound every choice) and its
+forests give, per class, the options a cheaper plan may still use, which
+the reduced-cost fixing of :func:`solver.pricing.solve_by_pricing`
+intersects with its own. When few enough are left, the ILP over all of
+them is the proof.
+
+Every test drops only options in no plan costing at most the known plan's
+cost, so the bounds found hold for those plans: the optimum is at least
+``min(upper, bound)``, and the known plan is kept whatever the rounding.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .dual_bound import DualAscent, resource_filter
+from .tree_bound import MAX_PASSES, choice_cost, eliminate
+
+if TYPE_CHECKING:
+    from .pricing import PricingStats, _Pricer
+
+logger = logging.getLogger(__name__)
+
+# Spanning forests per elimination pass (solver.tree_bound.eliminate).
+TREES = 3
+# Share of the time limit the dual ascent before pricing may take (0: no
+# ascent; it is skipped too when that share is under a second), and its
+# sweeps between two decoded plans.
+ASCENT_SHARE = 0.4
+ASCENT_SWEEPS = 10
+# Options per class, of least belief, that join the restricted ILP after
+# an ascent (a plan near the dual's: its decoding alone rounds poorly on
+# 4-D meshes).
+ILP_PER_CLASS = 3
+# What a pass of TREES forests costs, in sweeps of the ascent (a forest
+# reduces each of its edges twice, a sweep every edge twice).
+FOREST_SWEEPS = 3
+# Relative gap under which a bound proves a plan optimal (solver.pricing.OPT_RTOL).
+OPT_RTOL = 1e-9
+
+
+def prefilter(pr: _Pricer, backend, time_limit: float | None,
+              stats: PricingStats) -> tuple[int, DualAscent | None, float]:
+    """Narrow the pricer's classes to the options a plan no dearer than the
+    seed's restricted ILP may use (module docstring). Returns how many
+    options left, the dual ascent (None when it did not run) and the known
+    plan's cost (inf without one); (0, None, inf) when some matrix cannot
+    reduce whole rows or the seed has no plan."""
+    t0 = time.perf_counter()
+    try:
+        if not all(t.cache.matrix_reduces for e in pr.q.edges for t in e.terms):
+            return 0, None, math.inf
+        sol = pr.solve_ilp(backend, time_limit)
+        if sol is None:
+            return 0, None, math.inf
+        stats.restricted_objectives.append(sol.objective)
+        classes = pr.q.classes
+        before = sum(int(c.allowed.sum()) for c in classes)
+        resource_filter(pr.q, [c.allowed for c in classes])
+        ascend = ASCENT_SHARE > 0 and (time_limit is None or time_limit * ASCENT_SHARE >= 1.0)
+        deadline = None if time_limit is None else t0 + time_limit * ASCENT_SHARE
+        # one raw forest when the ascent follows (its forests drop the rest)
+        el = eliminate(pr.q, sol.objective, trees=1 if ascend else TREES, max_passes=1 if ascend else MAX_PASSES,
+                       deadline=deadline)
+        if el is None:
+            return 0, None, math.inf
+        plan = [sol.choice[q] for q in range(len(classes))] if el.plan is None else el.plan
+        narrow(pr, el.keep, plan)
+        stats.tree_bound = el.bound
+        upper = el.upper
+        ascent = None
+        if ascend:
+            ascent = DualAscent(pr.q)
+            keep, upper, plan, bound = _ascend(pr, ascent, upper, plan, backend, deadline, stats)
+            narrow(pr, keep, plan)
+        pr.repair_arcs()
+        dropped = before - sum(int(c.allowed.sum()) for c in classes)
+        logger.info("elimination before pricing: plan %.9g, forest bound %.9g, dual ascent bound %.9g "
+                    "(%d sweeps), %d of %d options dropped", upper, el.bound,
+                    stats.ascent_bound, stats.ascent_sweeps, dropped, stats.options_total)
+        return dropped, ascent, upper
+    finally:
+        stats.seconds["trees"] += time.perf_counter() - t0
+
+
+def final_ascent(pr: _Pricer, ascent: DualAscent, upper: float, plan: list[int], backend,
+                 deadline: float | None, stats: PricingStats) -> tuple[list[np.ndarray], float, list[int], float]:
+    """The ascent of :func:`prefilter` continued against a plan of cost
+    ``upper`` (class choices ``plan``) until ``deadline``: per class the
+    options a plan costing at most ``upper`` may use, the best plan's cost
+    and choices (``upper``/``plan`` or a decoded one) and the bound (for
+    plans costing at most that)."""
+    return _ascend(pr, ascent, upper, plan, backend, deadline, stats)
+
+
+def _ascend(pr: _Pricer, ascent: DualAscent, upper: float, plan: list[int], backend, deadline: float | None,
+            stats: PricingStats) -> tuple[list[np.ndarray], float, list[int], float]:
+    """Sweeps until the bound meets the best plan, stalls or ``deadline``,
+    decoding a plan every ASCENT_SWEEPS; then the restricted ILP with each
+    class's ILP_PER_CLASS live options of least belief added, and forests
+    over the rewritten costs. Returns (keep per class,
+    best cost, its plan, bound). The sweeps stop early enough for the
+    forests (FOREST_SWEEPS sweeps' time) to end by ``deadline``."""
+    ascent.restrict([c.allowed for c in pr.q.classes])  # what forests dropped since
+    while True:
+        sweeps_end = deadline
+        if deadline is not None and ascent.stats.sweeps:
+            sweeps_end = deadline - FOREST_SWEEPS * ascent.stats.seconds / ascent.stats.sweeps
+        bound = ascent.run(ASCENT_SWEEPS, upper=upper, keep=plan, deadline=sweeps_end)
+        found = ascent.decode()
+        cost = choice_cost(pr.q, found)
+        if cost < upper:
+            upper, plan = cost, found
+        if (bound >= upper - OPT_RTOL * max(1.0, abs(upper)) or ascent.stalled
+                or (sweeps_end is not None and time.perf_counter() > sweeps_end)):
+            break
+    if bound < upper - OPT_RTOL * max(1.0, abs(upper)):
+        for q, (b, live) in enumerate(zip(ascent.belief, ascent.live)):
+            opts = np.flatnonzero(live & ~pr.kept[q])
+            pr.add(q, opts[np.argsort(b[opts], kind="stable")[:ILP_PER_CLASS]])
+        pr.repair_arcs()
+        left = None if deadline is None else max(deadline - time.perf_counter(), 1.0)
+        sol = pr.solve_ilp(backend, left)
+        if sol is not None and sol.objective < upper:
+            upper, plan = sol.objective, [sol.choice[q] for q in range(len(pr.q.classes))]
+    stats.ascent_bound = max(stats.ascent_bound, bound)
+    stats.ascent_sweeps = ascent.stats.sweeps
+    el = eliminate(pr.q, upper, trees=TREES, reparam=ascent.reparam(), deadline=deadline)
+    if el.plan is not None:
+        upper, plan = el.upper, el.plan
+    stats.tree_bound = max(stats.tree_bound, bound, el.bound)
+    keep = [k & live for k, live in zip(el.keep, ascent.live)]
+    for q, o in enumerate(plan):
+        keep[q][o] = True
+    return keep, upper, plan, max(bound, el.bound)
+
+
+def narrow(pr: _Pricer, keep: list[np.ndarray], plan: list[int]) -> None:
+    """Allow only ``keep`` (and ``plan``'s options, whatever the rounding);
+    the restricted problems hold ``plan``."""
+    for q, (cls, k) in enumerate(zip(pr.q.classes, keep)):
+        cls.allowed &= k
+        cls.allowed[plan[q]] = True
+        cls.unary[~cls.allowed] = math.inf
+        pr.kept[q] &= cls.allowed
+        pr.add(q, [plan[q]])
+
+
+def pairs_among(quotient, allowed: list[np.ndarray]) -> int:
+    """Option pairs over the quotient's edges between the ``allowed`` options."""
+    counts = [int(a.sum()) for a in allowed]
+    return sum(counts[e.p] * counts[e.c] for e in quotient.edges)
