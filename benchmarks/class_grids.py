@@ -14,6 +14,12 @@ Measured (vecgrid branch, 2-core machine shared, load 3.5-4.5), 2 layers:
 both ways. Pair by pair (edge_costs.redistribution_matrix, one call per
 grid): 317.8 s, peak RSS 3027 MiB (its pair cache). Whole grids with numpy (autoparallel/class_costs.py):
 9.8 s, no RSS above the problem build's 664 MiB peak.
+
+Session 9 (min-cost redistribution plans, autoparallel/cost_model/redistribute_plan.py;
+load ~0.7): 9.09 s where the greedy-plan grids took 4.34 s at that load
+(Bellman-Ford over layout states ~4 s, grid updates and 34 state graphs
+the rest); checksum 7.498e+04 (the greedy plan's, 7.533e+05, was ~10x
+dearer on these 4-D pairs).
 """
 
 from __future__ import annotations
