@@ -588,6 +588,8 @@ def _bucket_graph(g: fx.Graph, ctx: PassContext | None, limit: int, costs) -> Bu
         index = {n: i for i, n in enumerate(g.nodes)}
         found = _buckets(holder, ctx, limit, index)
         for members in found:
+            if _stale(members):
+                continue  # found again next round, from the rewritten graph
             saved = sum(costs.time(m.ag) for m in members)
             new = _merge(holder, members, index, vals_cache, stats)
             stats.comm_time_saved_s += saved - costs.time(new)
@@ -601,6 +603,8 @@ def _bucket_graph(g: fx.Graph, ctx: PassContext | None, limit: int, costs) -> Bu
         index = {n: i for i, n in enumerate(g.nodes)}
         found = _reduction_buckets(holder, ctx, limit, index)
         for members in found:
+            if _stale(members):
+                continue  # found again next round, from the rewritten graph
             kind = kinds[members[0].ag.target]
             saved = sum(costs.time(m.ag) for m in members)
             new = _merge_reduction(holder, members, index, stats)
@@ -609,6 +613,14 @@ def _bucket_graph(g: fx.Graph, ctx: PassContext | None, limit: int, costs) -> Bu
         if not found:
             break
     return stats
+
+
+def _stale(members: list[_Member]) -> bool:
+    """A member reads a node an earlier merge of the same round erased: on
+    3-D and 4-D meshes a collective's input can be the result of another
+    stage merged just before (a reduce-scatter of a reduce-scatter's
+    result), which the members, found before any merge, still name."""
+    return any(getattr(n, "_erased", False) for m in members for n in (m.ag, m.wait, m.x, *m.chain))
 
 
 def _count(stats: BucketStats, kind: str, n: int) -> None:
