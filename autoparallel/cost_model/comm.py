@@ -54,7 +54,17 @@ def mesh_dim_topology(mesh: Any, gpus_per_node: int = 8) -> tuple[MeshDimTopolog
 
 @lru_cache(maxsize=None)
 def _mesh_dim_topology(mesh: Any, gpus_per_node: int) -> tuple[MeshDimTopology, ...]:
-    ranks = mesh.mesh
+    # apply costs redistributions while it traces under fake and proxy
+    # modes (a saved plan applied without planning first reaches here there):
+    # the rank layout is real data, read outside them
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with unset_fake_temporarily(), disable_proxy_modes_tracing():
+        return _topology_of(mesh.mesh, gpus_per_node)
+
+
+def _topology_of(ranks, gpus_per_node: int) -> tuple[MeshDimTopology, ...]:
     result = []
     for d in range(ranks.ndim):
         n = ranks.shape[d]

@@ -419,3 +419,20 @@ def test_cached_redistribute_benchmark(mesh):
     dt = time.perf_counter() - t0
     print(f"\n10k cached redistribute_time calls: {dt * 1e3:.1f} ms ({dt * 1e2:.2f} us/call)")
     assert [redistribute_time(s, d) for s, d in pairs] == expected
+
+
+def test_mesh_topology_read_under_fake_mode(mesh):
+    """Apply costs redistributions while tracing under a fake mode that
+    converts real tensors: the first read of a mesh's topology there (a
+    saved plan applied without planning first) must see the real rank
+    layout (it raised DataDependentOutputException)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autoparallel.cost_model import comm
+
+    expected = comm.mesh_dim_topology(mesh, 8)
+    comm._mesh_dim_topology.cache_clear()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        got = comm.mesh_dim_topology(mesh, 8)
+    assert got == expected
+    assert [(t.group_size, t.intra_node) for t in got] == [(16, False), (8, True)]
