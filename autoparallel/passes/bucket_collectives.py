@@ -138,7 +138,6 @@ class _Member:
     numel: int
     nbytes: int = 0
     ready: float = -1.0  # all-gathers: position of the latest collective result its input needs
-    waits: tuple[fx.Node, ...] = ()  # all-gathers: the collective results its input needs
 
 
 def _layer_of(fqn: str) -> str:
@@ -257,7 +256,6 @@ def _buckets(gm: fx.GraphModule, ctx: PassContext | None, limit: int, index: dic
         key, member, roots = found
         waits = [r for r in roots if r.op != "placeholder"]
         member.ready = max((index[w] for w in waits), default=-1.0)
-        member.waits = tuple(waits)
         if layers is None:
             if waits:
                 continue
@@ -278,12 +276,7 @@ def _buckets(gm: fx.GraphModule, ctx: PassContext | None, limit: int, index: dic
     found = [b for members in first.values() for b in _split_by_bytes(members, limit, index)]
     if found:
         return found
-    later = [b for members in groups.values() for b in _split_by_bytes(members, limit, index)]
-    # On a 3-D or 4-D mesh a gather can be the third stage of another's
-    # second: it waits for the round after the one that merges the second
-    # (merging rewrites the results its input chain runs through).
-    merged = {m.wait for b in later for m in b}
-    return [b for b in later if not any(w in merged for m in b for w in m.waits)]
+    return [b for members in groups.values() for b in _split_by_bytes(members, limit, index)]
 
 
 # ---------------------------------------------------------------------------
@@ -618,8 +611,9 @@ def _bucket_graph(g: fx.Graph, ctx: PassContext | None, limit: int, costs) -> Bu
 def _stale(members: list[_Member]) -> bool:
     """A member reads a node an earlier merge of the same round erased: on
     3-D and 4-D meshes a collective's input can be the result of another
-    stage merged just before (a reduce-scatter of a reduce-scatter's
-    result), which the members, found before any merge, still name."""
+    stage merged just before (a third-stage gather of a second stage's
+    result, a reduce-scatter of a reduce-scatter's), which the members,
+    found before any merge, still name."""
     return any(getattr(n, "_erased", False) for m in members for n in (m.ag, m.wait, m.x, *m.chain))
 
 
