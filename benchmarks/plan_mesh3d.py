@@ -85,13 +85,17 @@ CONFIGS = {
 }
 
 
-def _plan(name: str, layers: int | None, seq: int, batch: int, max_gib: float, time_limit: float | None, queue) -> None:
+def _plan(
+    name: str, layers: int | None, seq: int, batch: int, max_gib: float, time_limit: float | None, bf16: bool, queue
+) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (int(max_gib * 2**30),) * 2)
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.placement_types import Replicate, Shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from autoparallel import AutoParallel
     from autoparallel.models.llama3 import LLAMA3_CONFIGS, Transformer, apply_ac
@@ -116,6 +120,8 @@ def _plan(name: str, layers: int | None, seq: int, batch: int, max_gib: float, t
         with AutoParallel(
             model, mesh, lambda: torch.randint(0, config.vocab_size, (batch, seq), device="meta"),
             max_problem_bytes=max_gib * 2**30 / 2, time_limit=time_limit,
+            # the example's default (--mp bf16): bf16 compute, fp32 gradient reduction
+            mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None,
         ) as autop:
             autop.add_input_constraints([data])
             autop.add_output_constraints([data])
@@ -171,14 +177,17 @@ def main(argv=None) -> None:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration")
     p.add_argument("--time-limit", type=float, default=600.0,
                    help="solver time limit in seconds (0: none); past it the plan reports its gap")
+    p.add_argument("--mp", choices=["fp32", "bf16"], default="fp32",
+                   help="fp32 everywhere (default, the figures below) or the example's bf16 compute with "
+                        "fp32 gradient reduction")
     a = p.parse_args(argv)
     names = a.only or ["8B-16x8", "8B-4x4x8", "8B-hsdp-2x8x8", "70B-16x8", "70B-8x16x8", "70B-4x4x8x8"]
     ctx = mp.get_context("spawn")
-    print(f"load average at the start: {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)", flush=True)
+    print(f"load average at the start: {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs); precision {a.mp}", flush=True)
     rows = []
     for name in names:
         q = ctx.Queue()
-        proc = ctx.Process(target=_plan, args=(name, a.layers, a.seq, a.batch, a.max_gib, a.time_limit or None, q))
+        proc = ctx.Process(target=_plan, args=(name, a.layers, a.seq, a.batch, a.max_gib, a.time_limit or None, a.mp == "bf16", q))
         proc.start()
         proc.join(a.timeout)
         if proc.is_alive():
