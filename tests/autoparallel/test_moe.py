@@ -5,6 +5,7 @@ reference, its sharding rule's options, and plan + apply of the tiny MoE on a
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -84,10 +85,12 @@ def _plan(mesh, args, pin=None, routed_out=None):
         autop.add_input_constraints([batch])
         autop.add_output_constraints([batch])
         if pin is not None:
-            pinned = [n for fqn, n in autop.traced.param_nodes.items() if fqn.endswith(("moe.w1", "moe.w2", "moe.w3"))]
+            # one layout for the three expert weights, or one per name ("w1": ...)
+            pins = pin if isinstance(pin, dict) else dict.fromkeys(("w1", "w2", "w3"), pin)
+            pinned = [(n, pins[fqn[-2:]]) for fqn, n in autop.traced.param_nodes.items() if fqn.endswith(("moe.w1", "moe.w2", "moe.w3"))]
             assert len(pinned) == 3 * (args.n_layers - args.n_dense_layers)
-            for n in pinned:
-                autop.add_node_constraint(n, pin)
+            for n, placements in pinned:
+                autop.add_node_constraint(n, placements)
         if routed_out is not None:
             routed = [n for n in autop.strategies if n.target is torch.ops.autoparallel.moe_experts.default]
             assert routed
@@ -193,6 +196,27 @@ def test_moe_plan_apply_2x2_fsdp_x_ep(fake_world):
     mesh = init_device_mesh("cpu", (2, 2))
     parallel, plan = _plan(mesh, SMALL, pin=(Shard(2), Shard(0)))
     assert set(_expert_param_placements(parallel).values()) == {(Shard(2), Shard(0))}
+    _compare_one_step(parallel, mesh, SMALL)
+
+
+@pytest.mark.slow
+def test_moe_plan_apply_3d_dp_ep_tp(fake_world, monkeypatch):
+    """A dp x ep x tp mesh (2x2x2, 8 ranks) with the layout people write by
+    hand: expert weights FSDP over dp (the model dim), expert parallel over
+    ep, tensor parallel over tp (the hidden dim). The routed op runs expert
+    parallel over ep and hidden-split over tp, and the step matches
+    single-device. (~3 min: the tiny 3-D problem's LP is large, issue 13.)"""
+    fake_world(8)
+    monkeypatch.setattr(sys.modules[__name__], "BATCH", 8)  # one sequence per rank
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "ep", "tp"))
+    w13 = (Shard(1), Shard(0), Shard(2))  # (E, D, H)
+    pins = {"w1": w13, "w3": w13, "w2": (Shard(2), Shard(0), Shard(1))}  # w2: (E, H, D)
+    parallel, plan = _plan(mesh, SMALL, pin=pins)
+    assert set(_expert_param_placements(parallel).values()) == set(pins.values())
+    fwd = [n for n in _routed_ops(plan) if n.phase == "forward"]
+    # experts split over ep, their hidden dim over tp; output partial over both
+    assert fwd and all([p[-8:] for p in n.input_placements[3:6]] == ["S(0)S(2)", "S(0)S(2)", "S(0)S(1)"] for n in fwd), fwd
+    assert all(n.output_placements.endswith("PP") for n in fwd), fwd
     _compare_one_step(parallel, mesh, SMALL)
 
 
