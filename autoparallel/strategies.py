@@ -43,7 +43,7 @@ from torch.distributed.tensor._op_schema import (
 from torch.distributed.tensor.placement_types import Replicate
 from torch.utils._pytree import tree_leaves
 
-from .dtensor_query import _build_schema, _dtensor_strategy, _out_meta, _without_dtensor_redistribute_costs
+from .dtensor_query import _build_schema, _propagator, _dtensor_strategy, _out_meta, _without_dtensor_redistribute_costs
 from .fast_expand import ExpandedStrategy, even_key, fast_expansion, new_spec, placements_of_numbers
 
 # the placement helpers moved to .placements; imported from here by rules and users
@@ -252,7 +252,6 @@ def _options_from_op_strategy(
     inputs: list[torch.fx.Node],
     pool: SpecPool,
 ) -> list[Option]:
-    mesh = pool.mesh
     out_meta = _out_meta(node)
     in_metas = [tensor_meta_of(n.meta["val"]) for n in inputs]
     if isinstance(strategy, TupleStrategy):
@@ -264,53 +263,72 @@ def _options_from_op_strategy(
         options = _options_from_table(node, strategy, inputs, in_metas, out_meta, pool)
         if options is not None:
             return options
+    convert = OpSpecConverter(node, inputs, pool, in_metas, out_meta)
     options: list[Option] = []
     seen: set = set()
-    # DTensor's options share spec objects (fast_expand builds one per
-    # placements), so the filters and the pool run once per (position, spec
-    # object); the memos keep those objects alive, so ids stay unique. A
-    # pooled spec stands for its placements (one object per placements and
-    # meta): options deduplicate on the ids of their pooled specs.
-    in_memo: dict[tuple[int, int], tuple] = {}
-    out_memo: dict[int, tuple] = {}
+    for op_spec in strategy.strategies:
+        hit = convert.option(op_spec)
+        if hit is None or hit[0] in seen:
+            continue
+        seen.add(hit[0])
+        options.append(Option(hit[1], hit[2]))
+    return options
 
-    def pooled_input(k: int, spec):
-        hit = in_memo.get((k, id(spec)))
+
+class OpSpecConverter:
+    """DTensor's OpSpecs of one node as :class:`Option`: pooled specs with
+    the node's tensor metas, uneven layouts (and _StridedShard) filtered.
+
+    DTensor's options share spec objects (fast_expand builds one per
+    placements), so the filters and the pool run once per (position, spec
+    object); the memos keep those objects alive, so ids stay unique. A
+    pooled spec stands for its placements (one object per placements and
+    meta): options deduplicate on the ids of their pooled specs.
+    """
+
+    def __init__(self, node: torch.fx.Node, inputs: list[torch.fx.Node], pool: SpecPool, in_metas=None, out_meta=None):
+        self.node, self.inputs, self.pool = node, inputs, pool
+        self.out_meta = _out_meta(node) if out_meta is None else out_meta
+        self.in_metas = [tensor_meta_of(n.meta["val"]) for n in inputs] if in_metas is None else in_metas
+        self._in_memo: dict[tuple[int, int], tuple] = {}
+        self._out_memo: dict[int, tuple] = {}
+
+    def _pooled_input(self, k: int, spec):
+        hit = self._in_memo.get((k, id(spec)))
         if hit is None:
-            p, m = spec.placements, in_metas[k]
-            hit = in_memo[(k, id(spec))] = (pool.get(p, m) if pool.evenly_sharded(m.shape, p) else None, spec)
+            p, m, pool = spec.placements, self.in_metas[k], self.pool
+            hit = self._in_memo[(k, id(spec))] = (pool.get(p, m) if pool.evenly_sharded(m.shape, p) else None, spec)
         return hit[0]
 
-    for op_spec in strategy.strategies:
+    def option(self, op_spec: OpSpec) -> tuple[tuple, Specs, tuple[DTensorSpec, ...]] | None:
+        """(dedup key, output spec(s), input specs) of the option of
+        ``op_spec``; None where it is filtered."""
         raw_out = op_spec.output_specs
-        out_hit = out_memo.get(id(raw_out))
+        out_hit = self._out_memo.get(id(raw_out))
         if out_hit is None:
+            out_meta = self.out_meta
             out = _for_each_output(raw_out, out_meta)
             if not _same_structure(out, out_meta):
                 raise ValueError(
-                    f"DTensor's strategy for {node.target} gives output specs {format_specs(out)} "
+                    f"DTensor's strategy for {self.node.target} gives output specs {format_specs(out)} "
                     f"for a node with outputs {out_meta}"
                 )
-            pooled = _pooled_out(out, out_meta, pool) if _out_placements_ok(out, out_meta, mesh) else None
+            pooled = _pooled_out(out, out_meta, self.pool) if _out_placements_ok(out, out_meta, self.pool.mesh) else None
             # multi-output: a new tuple per strategy, keyed by its placements
             out_key = id(pooled) if isinstance(pooled, DTensorSpec) else placements_of(out)
-            out_hit = out_memo[id(raw_out)] = (pooled, out_key, raw_out)
+            out_hit = self._out_memo[id(raw_out)] = (pooled, out_key, raw_out)
         pooled_out, out_key = out_hit[0], out_hit[1]
+        n_inputs = len(self.in_metas)
         if op_spec.input_specs is None:
-            in_specs = tuple(pooled_input(k, op_spec.output_spec) for k in range(len(in_metas)))
+            in_specs = tuple(self._pooled_input(k, op_spec.output_spec) for k in range(n_inputs))
         else:
-            if len(op_spec.input_specs) != len(inputs):
-                continue
-            in_specs = tuple(pooled_input(k, s) for k, s in enumerate(op_spec.input_specs))
+            if len(op_spec.input_specs) != len(self.inputs):
+                return None
+            in_specs = tuple(self._pooled_input(k, s) for k, s in enumerate(op_spec.input_specs))
         # filtered: not evenly sharded (or a _StridedShard)
         if pooled_out is None or any(s is None for s in in_specs):
-            continue
-        key = (out_key, *map(id, in_specs))
-        if key in seen:
-            continue
-        seen.add(key)
-        options.append(Option(pooled_out, in_specs))
-    return options
+            return None
+        return (out_key, *map(id, in_specs)), pooled_out, in_specs
 
 
 def _options_from_table(node, strategy: ExpandedStrategy, inputs, in_metas, out_meta, pool: SpecPool) -> list[Option] | None:
@@ -456,10 +474,18 @@ class StrategyEnumerator:
     those, not from node identity).
     """
 
-    def __init__(self, mesh: DeviceMesh):
+    def __init__(self, mesh: DeviceMesh, *, share: bool = True):
+        """``share``: key single-mesh-dim ops on their inputs' metas (not
+        their candidate sets) and convert each candidate of a view-like op
+        once (:mod:`.candidate_memo`); False computes every distinct
+        candidate set from scratch (the reference the tests compare with)."""
+        from .candidate_memo import PerCandidateOptions
+
         self.mesh = mesh
+        self.share = share
         self._cache: dict[Any, tuple[list[Option], str]] = {}
         self._pool = SpecPool(mesh)
+        self._per_candidate = PerCandidateOptions(self._pool) if share else None
         self._interned: dict[Any, int] = {}
         # id(option list) -> (distinct output specs, their interned id, the
         # list): what a node offers its consumers, computed once per list.
@@ -545,12 +571,19 @@ class StrategyEnumerator:
                 hit = self._cache[key] = ([Option(s, ()) for s in specs], "getitem")
             return NodeStrategy(node, [parent], hit[0], "getitem", getitem_index=idx)
         candidates = [produced[n][0] for n in inputs]
+        if self.share and _candidate_free(node.target):
+            # DTensor sees one representative spec per input (its meta): the
+            # options depend on the inputs' metas, not their candidate sets
+            # (which differ between layers fed by different producers).
+            inputs_key = ("metas", tuple(_val_key(n.meta["val"]) for n in inputs), tuple(map(inputs.index, inputs)))
+        else:
+            inputs_key = tuple(produced[n][1] for n in inputs)
         key = (
             node.target,
             _arg_key(node.args),
             _arg_key(node.kwargs),
             _val_key(node.meta.get("val")),
-            tuple(produced[n][1] for n in inputs),
+            inputs_key,
         )
         hit = self._cache.get(key)
         if hit is not None:
@@ -578,7 +611,10 @@ class StrategyEnumerator:
             # Factories (zeros, full, arange, ...) may produce any layout.
             return placeholder_options(node.meta["val"], self.mesh), "factory"
         failures: list[Exception] = []
-        options = _dtensor_options(node, inputs, candidates, self._pool, failures)
+        if self._per_candidate is not None and self._per_candidate.handles(node, inputs):
+            options = self._per_candidate.options(node, inputs, candidates, failures)
+        else:
+            options = _dtensor_options(node, inputs, candidates, self._pool, failures)
         if options:
             return options, "dtensor"
         self._fallback_why.setdefault(
@@ -587,16 +623,22 @@ class StrategyEnumerator:
         return replicate_options(node, inputs, self.mesh), "fallback"
 
 
-def _propagate(node, inputs, candidates, pool: SpecPool) -> list[Option]:
-    """Options from DTensor for the given candidate specs per input; raises
-    whatever DTensor's strategy function raises."""
+def dtensor_strategy_for(node, inputs, candidates, mesh: DeviceMesh):
+    """DTensor's strategy for ``node`` given the candidate specs per input
+    (None: no rule); raises whatever DTensor's strategy function raises."""
     cand_strategies: dict[torch.fx.Node, OpStrategy] = {}
     for n, c in zip(inputs, candidates):
         # A node used twice (mul(x, x)) has one strategy: the first wins.
         cand_strategies.setdefault(n, OpStrategy([OpSpec(s) for s in c]))
     schema = _build_schema(node, cand_strategies)
     with _without_dtensor_redistribute_costs():
-        strategy = _dtensor_strategy(node, schema, pool.mesh)
+        return _dtensor_strategy(node, schema, mesh)
+
+
+def _propagate(node, inputs, candidates, pool: SpecPool) -> list[Option]:
+    """Options from DTensor for the given candidate specs per input; raises
+    whatever DTensor's strategy function raises."""
+    strategy = dtensor_strategy_for(node, inputs, candidates, pool.mesh)
     if strategy is None:
         return []
     return _options_from_op_strategy(node, strategy, inputs, pool)
@@ -646,6 +688,14 @@ def _dtensor_options(node, inputs, candidates, pool: SpecPool, failures: list | 
                 seen.add(key)
                 options.append(o)
     return options
+
+
+def _candidate_free(op) -> bool:
+    """Whether ``op``'s options do not depend on its inputs' candidate
+    specs: DTensor's single-mesh-dim strategies expand over the mesh
+    whatever the inputs hold (:func:`_dtensor_strategy` hands them one
+    representative spec per input); a registered rule sees the candidates."""
+    return op not in RULES and op in _propagator().op_single_dim_strategy_funcs
 
 
 def _module_path(node: torch.fx.Node) -> str:
