@@ -17,9 +17,11 @@ retry gives).
 from __future__ import annotations
 
 import torch.fx
-from torch.distributed.tensor._op_schema import OpStrategy
+from torch.distributed.tensor._dtensor_spec import TensorMeta
+from torch.distributed.tensor._op_schema import OpSpec, OpStrategy
 
-from .dtensor_query import _propagator
+from .dtensor_query import _build_schema, _out_meta, _propagator
+from .placements import tensor_meta_of
 from .strategies import RULES, OpSpecConverter, Option, SpecPool, _arg_key, _val_key, dtensor_strategy_for
 
 # DTensor strategy functions (module, qualified name) that map each input
@@ -46,19 +48,30 @@ class PerCandidateOptions:
 
     def handles(self, node: torch.fx.Node, inputs: list[torch.fx.Node]) -> bool:
         """One tensor input and a DTensor rule of :data:`MAP_STRATEGIES`."""
-        if len(inputs) != 1:
-            return False
-        op = node.target
-        hit = self._handles.get(op)
-        if hit is None:
+        return len(inputs) == 1 and self._kind(node.target) is not None
+
+    def _kind(self, op):
+        """None (not handled), "map" (DTensor's rule run on the new
+        candidates), or ("view", dim_map, strict_view): the parts of
+        DTensor's reshape_strategy, whose per-candidate step
+        (``propagate_shape_and_sharding``) is called directly, without the
+        two DTensorSpecs and the OpSpec it builds per candidate."""
+        hit = self._handles.get(op, self)
+        if hit is self:
             prop = _propagator()
             fn = prop.op_strategy_funcs.get(op)
-            hit = self._handles[op] = (
+            hit = None
+            if (
                 op not in RULES
                 and op not in prop.op_single_dim_strategy_funcs
                 and fn is not None
                 and (fn.__module__, fn.__qualname__) in MAP_STRATEGIES
-            )
+            ):
+                hit = "map"
+                cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+                if fn.__qualname__.endswith("reshape_strategy") and set(cells) == {"dim_map", "strict_view"}:
+                    hit = ("view", cells["dim_map"], cells["strict_view"])
+            self._handles[op] = hit
         return hit
 
     def options(self, node: torch.fx.Node, inputs: list[torch.fx.Node], candidates: list, failures: list) -> list[Option]:
@@ -70,7 +83,11 @@ class PerCandidateOptions:
         memo = self._memo
         missing = [c for c in candidates[0] if (op_key, id(c)) not in memo]
         if missing:
-            self._convert(node, inputs, op_key, missing)
+            kind = self._kind(node.target)
+            if kind != "map" and isinstance(_out_meta(node), TensorMeta):
+                self._convert_views(node, inputs, op_key, missing, *kind[1:])
+            else:
+                self._convert(node, inputs, op_key, missing)
         options: list[Option] = []
         seen: set = set()
         for c in candidates[0]:
@@ -108,3 +125,32 @@ class PerCandidateOptions:
                     if parts is not None:
                         converted = (parts[0], Option(parts[1], parts[2]))
                 self._memo[(op_key, id(c))] = (converted, exc, c)
+
+    def _convert_views(self, node, inputs, op_key, missing: list, dim_map, strict_view: bool) -> None:
+        """What :meth:`_convert` makes of DTensor's reshape_strategy, from
+        its per-candidate step: the input's target and the output's
+        placements, pooled with the node's metas where even."""
+        from torch.distributed.tensor._ops._view_ops import propagate_shape_and_sharding
+
+        pool, memo = self.pool, self._memo
+        in_meta, out_meta = tensor_meta_of(inputs[0].meta["val"]), _out_meta(node)
+        try:
+            schema = _build_schema(node, {inputs[0]: OpStrategy([OpSpec(missing[0])])})
+            rules = dim_map(*schema.args_schema, **schema.kwargs_schema)
+        except Exception as e:  # noqa: BLE001 - DTensor's rule raises for every candidate then
+            for c in missing:
+                memo[(op_key, id(c))] = (None, e, c)
+            return
+        shape, mesh_shape = tuple(in_meta.shape), tuple(pool.mesh.shape)
+        for c in missing:
+            try:
+                in_target, out = propagate_shape_and_sharding(c.placements, shape, rules, mesh_shape, strict_view)
+            except Exception as e:  # noqa: BLE001 - this candidate has no option
+                memo[(op_key, id(c))] = (None, e, c)
+                continue
+            in_target, out = tuple(in_target), tuple(out)
+            converted = None
+            if pool.evenly_sharded(out_meta.shape, out) and pool.evenly_sharded(in_meta.shape, in_target):
+                out_spec, in_spec = pool.get(out, out_meta), pool.get(in_target, in_meta)
+                converted = ((id(out_spec), id(in_spec)), Option(out_spec, (in_spec,)))
+            memo[(op_key, id(c))] = (converted, None, c)
