@@ -169,7 +169,8 @@ class SpecPool:
         self._even: dict[tuple, bool] = {}
         # (shape, even_key(placement numbers)) -> evenly sharded
         self._even_numbered: dict[tuple, bool] = {}
-        self._numbered: dict[tuple, DTensorSpec | None] = {}
+        # meta -> numbers -> spec (None: uneven)
+        self._numbered: dict[TensorMeta, dict[tuple, DTensorSpec | None]] = {}
 
     def get(self, placements: tuple, meta: TensorMeta | None) -> DTensorSpec:
         key = (placements, meta)
@@ -191,16 +192,29 @@ class SpecPool:
         :func:`~autoparallel.fast_expand.placements_of_numbers`) with
         ``meta``, or None if they shard ``meta``'s shape unevenly; memoised on
         the numbers (int tuples hash much faster than placements)."""
-        key = (numbers, meta)
-        hit = self._numbered.get(key, self)
-        if hit is self:
-            even_key_ = (meta.shape, even_key(numbers))
-            even = self._even_numbered.get(even_key_)
-            placements = placements_of_numbers(numbers)
-            if even is None:
-                even = self._even_numbered[even_key_] = is_evenly_sharded(meta.shape, placements, self.mesh)
-            hit = self._numbered[key] = self.get(placements, meta) if even else None
-        return hit
+        return self.even_specs([numbers], meta)[0]
+
+    def even_specs(self, numbers_list, meta: TensorMeta) -> list[DTensorSpec | None]:
+        """:meth:`get_even` of each numbers in ``numbers_list`` (None stays
+        None), the meta hashed once for all."""
+        memo = self._numbered.get(meta)
+        if memo is None:
+            memo = self._numbered[meta] = {}
+        out = []
+        for numbers in numbers_list:
+            if numbers is None:
+                out.append(None)
+                continue
+            hit = memo.get(numbers, self)
+            if hit is self:
+                even_key_ = (meta.shape, even_key(numbers))
+                even = self._even_numbered.get(even_key_)
+                placements = placements_of_numbers(numbers)
+                if even is None:
+                    even = self._even_numbered[even_key_] = is_evenly_sharded(meta.shape, placements, self.mesh)
+                hit = memo[numbers] = self.get(placements, meta) if even else None
+            out.append(hit)
+        return out
 
 
 def _for_each_output(out, meta):
@@ -352,7 +366,7 @@ def _options_from_table(node, strategy: ExpandedStrategy, inputs, in_metas, out_
     # outputs: one code per distinct output combination (equal out keys, one code)
     if n_out == 1 and isinstance(out_meta, TensorMeta):
         # one spec, with the node's meta: pooled by placement numbers
-        out_code, out_pooled = _numbered_distinct(_by_id(pool.get_even(n, out_meta)) for n in strategy.numbers_at[0])
+        out_code, out_pooled = _numbered_distinct(map(_by_id, pool.even_specs(strategy.numbers_at[0], out_meta)))
         codes = [np.array(out_code + [-1], dtype=np.int64)[table[:, 0]]]
     else:
         if n_out == 1:
@@ -380,7 +394,7 @@ def _options_from_table(node, strategy: ExpandedStrategy, inputs, in_metas, out_
     for k, p in enumerate(in_cols):
         m = in_metas[k]
         entry_code, pooled_list = _numbered_distinct(
-            None if numbers is None else _by_id(pool.get_even(numbers, m)) for numbers in strategy.numbers_at[p]
+            map(_by_id, pool.even_specs(strategy.numbers_at[p], m))
         )
         codes.append(np.array(entry_code + [-1], dtype=np.int64)[table[:, p]])
         in_pooled.append(pooled_list)
