@@ -37,9 +37,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSpec, OpStrategy
 from torch.distributed.tensor.placement_types import Replicate
 
-from .dtensor_query import _build_schema, _propagator, _dtensor_strategy, _out_meta, _without_dtensor_redistribute_costs
+from .dtensor_query import _build_schema, _dtensor_strategy, _out_meta, _propagator, _without_dtensor_redistribute_costs
 from .fast_expand import fast_expansion
-
 from .option_conversion import (  # noqa: F401 - SpecPool: imported from here by rules
     OpSpecConverter,
     SpecPool,
