@@ -64,7 +64,9 @@ before (main, load ~1) 70B 4x4x8x8 options 15.62 s + problem build 6.46 s
 (16x8: 0.71 + 2.08); after (load 2.7 at start and end) 5.67 + 4.84 s
 (16x8: 0.45 + 1.60), total 129.1 s, proven optimal, est. step 3677.7 ms as
 before, the same 7.76G pairs (options before pruning now count 181,242:
-fewer distinct lists). Both stages cost about the same at 2 and 80 layers
+fewer distinct lists); again at the branch's last commit (load 2.1 ->
+4.4): 6.64 + 4.12 s (16x8: 0.75 + 1.73), total 167.4 s (coarse seeds 43.8,
+pricing 76.0 under that load), proven optimal, 3677.7 ms. Both stages cost about the same at 2 and 80 layers
 (127 distinct option lists either way): the cost is per distinct list on a
 4-D mesh (thousands of candidates per input), not per layer. What it was:
 Python's cyclic GC walking the millions of options and specs (~40% of the
