@@ -31,7 +31,7 @@ from . import coarse_seed, option_pricing
 from .memory import ADAMW, OptimizerSpec
 from .plan import NodePlan, Plan
 from .provenance import PlanMismatch, check_applicable, provenance  # noqa: F401 - PlanMismatch re-exported
-from .progress import Stages
+from .progress import Stages, gc_paused
 from .problem_builder import DEFAULT_MAX_PROBLEM_BYTES, BuiltProblem, Constraints, build_problem
 from .repeated_layers import RepeatedLayers, find_repeated_layers
 from .strategies import NodeStrategy, StrategyEnumerator, format_specs
@@ -240,7 +240,7 @@ class AutoParallel:
         enumerator = StrategyEnumerator(self.mesh)
         # AOT export leaves its fake mode entered on the stack; planning
         # works on real metadata, outside it.
-        with self._stages.stage("options", "options"), unset_fake_temporarily():
+        with self._stages.stage("options", "options"), unset_fake_temporarily(), gc_paused():
             self.strategies = enumerator.enumerate(self.traced.gm, set(self.traced.param_nodes.values()))
         self.strategy_stats = enumerator.stats
         with self._stages.stage("repeated layers", "repeated_layers"):
@@ -365,7 +365,11 @@ class AutoParallel:
         step_memory = self._check_step_memory()
         constraints = dataclasses.replace(c, prune_options=False, option_pricing=False) if narrowed else c
         stage = "problem rebuild (kept options)" if narrowed else "problem build"
-        with self._stages.stage(stage, "problem_rebuild" if narrowed else "problem_build"), unset_fake_temporarily():
+        with (
+            self._stages.stage(stage, "problem_rebuild" if narrowed else "problem_build"),
+            unset_fake_temporarily(),
+            gc_paused(),
+        ):
             self.built = build_problem(
                 self.traced,
                 strategies,

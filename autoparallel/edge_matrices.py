@@ -240,12 +240,17 @@ def gradient_partners(param: list[Option], grad: list[Option]) -> list[bool]:
 def _spec_classes(specs: list) -> tuple[list, list[int]]:
     """Distinct specs (by placements) and, per input spec, its class index."""
     index: dict = {}
+    # id(spec) -> class: options repeat a few pooled spec objects, and
+    # hashing placements runs Python per placement
+    by_id: dict[int, int] = {}
     distinct: list = []
     classes: list[int] = []
     for spec in specs:
-        cls = index.setdefault(spec.placements, len(index))
-        if cls == len(distinct):
-            distinct.append(spec)
+        cls = by_id.get(id(spec))
+        if cls is None:
+            cls = by_id[id(spec)] = index.setdefault(spec.placements, len(index))
+            if cls == len(distinct):
+                distinct.append(spec)
         classes.append(cls)
     return distinct, classes
 

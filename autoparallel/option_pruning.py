@@ -145,6 +145,8 @@ class _Codes:
         # shape) and outlive the call, as the option lists holding them do
         self.by_spec: dict[int, int] = {}
         self._subs: dict[tuple[int, int], int] = {}  # (int, bit) -> the substitute's int
+        # id(placements tuple) -> (its int, the tuple: kept alive, so the id stays its own)
+        self._by_placements: dict[int, tuple[int, tuple]] = {}
 
     def intern(self, codes) -> int:
         i = self._ids.get(codes)
@@ -157,7 +159,13 @@ class _Codes:
     def spec(self, spec: DTensorSpec) -> int:
         i = self.by_spec.get(id(spec))
         if i is None:
-            i = self.by_spec[id(spec)] = self.intern(tuple(_code(p) for p in spec.placements))
+            # specs of one layout on different shapes share their placements
+            # tuple (fast_expand numbers them): code it once
+            placements = spec.placements
+            hit = self._by_placements.get(id(placements))
+            if hit is None:
+                hit = self._by_placements[id(placements)] = (self.intern(tuple(_code(p) for p in placements)), placements)
+            i = self.by_spec[id(spec)] = hit[0]
         return i
 
     def slot(self, value) -> int:

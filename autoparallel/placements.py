@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,6 +17,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 __all__ = [
+    "InOpWork",
+    "Option",
     "Specs",
     "all_placements",
     "format_placement",
@@ -150,3 +153,40 @@ def option_label(option, fmt=format_specs) -> str:
     if not option.input_specs:
         return out
     return ",".join(fmt(s) for s in option.input_specs) + "->" + out
+
+
+@dataclass(frozen=True)
+class InOpWork:
+    """Communication and extra FLOPs inside one op under one option."""
+
+    flops: float = 0.0
+    dtype: torch.dtype = torch.float32
+    # (collective kind, bytes per rank, mesh dim), as cost_model.collective_time takes them
+    collectives: tuple[tuple[str, float, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to run a node: required input specs and resulting output spec(s).
+
+    ``input_specs[k]`` belongs to the node's k-th tensor input (the order of
+    :func:`tensor_inputs`). ``output_specs`` is a DTensorSpec, or a tuple of
+    them for multi-output ops.
+    """
+
+    output_specs: Specs
+    input_specs: tuple[DTensorSpec, ...]
+    # Work the op does itself beyond its flop formula on local shapes (e.g.
+    # the MoE all-to-all dispatch): priced into its compute cost.
+    in_op: "InOpWork | None" = None
+
+    @property
+    def label(self) -> str:
+        """``inputs->output`` placements, e.g. ``S(0)R,RR->S(0)R``."""
+        return option_label(self)
+
+    @property
+    def output_spec(self) -> DTensorSpec:
+        if not isinstance(self.output_specs, DTensorSpec):
+            raise TypeError("multi-output option has no single output spec")
+        return self.output_specs

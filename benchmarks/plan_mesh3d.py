@@ -58,6 +58,24 @@ Session 9 (proof branch, dual ascent; --time-limit 10, load 6.3 -> 6.2):
 70B 4x4x8x8 204.1 s (45.7 / 23.4 / 9.9 / coarse seeds 45.1 / solve 69.0),
 1313 MiB, proven optimal, est. step 3851 ms; one layer (load 5.9 -> 6.6)
 153.9 s, feasible at a 2.78% gap, 204.1 ms.
+
+Session 10 (stages branch; options and problem build; --time-limit 10):
+before (main, load ~1) 70B 4x4x8x8 options 15.62 s + problem build 6.46 s
+(16x8: 0.71 + 2.08); after (load 2.7 at start and end) 5.67 + 4.84 s
+(16x8: 0.45 + 1.60), total 129.1 s, proven optimal, est. step 3677.7 ms as
+before, the same 7.76G pairs (options before pruning now count 181,242:
+fewer distinct lists); again at the branch's last commit (load 2.1 ->
+4.4): 6.64 + 4.12 s (16x8: 0.75 + 1.73), total 167.4 s (coarse seeds 43.8,
+pricing 76.0 under that load), proven optimal, 3677.7 ms. Both stages cost about the same at 2 and 80 layers
+(127 distinct option lists either way): the cost is per distinct list on a
+4-D mesh (thousands of candidates per input), not per layer. What it was:
+Python's cyclic GC walking the millions of options and specs (~40% of the
+options stage; now paused for both stages), view ops converted candidate
+by candidate through DTensor's reshape_strategy (two specs and an OpSpec
+each; now its per-candidate step, once per (view, candidate):
+autoparallel/candidate_memo.py), and single-mesh-dim ops recomputed per
+input candidate set although their options only depend on the inputs'
+shapes (161 -> 127 lists). On 2 layers at load ~1.2: options 14.0 -> 6.2 s.
 """
 
 from __future__ import annotations

@@ -163,7 +163,10 @@ def _enumerate_both_ways(monkeypatch, model, example, mesh, **reference):
                 if patched:
                     for name, value in reference.items():
                         monkeypatch.setattr(strategies, name, value)
-                st = strategies.StrategyEnumerator(mesh).enumerate(traced.gm, set(traced.param_nodes.values()))
+                # patched: every op through the patched functions (views
+                # too: the shared enumerator converts them per candidate)
+                enumerator = strategies.StrategyEnumerator(mesh, share=not patched)
+                st = enumerator.enumerate(traced.gm, set(traced.param_nodes.values()))
                 labels.append({n.name: [o.label for o in s.options] for n, s in st.items()})
     return labels
 

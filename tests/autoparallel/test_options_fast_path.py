@@ -16,7 +16,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
 from autoparallel import cost_model
-from autoparallel import strategies
+from autoparallel import option_conversion, strategies
 from autoparallel.fast_expand import ExpandedStrategy, new_spec
 
 
@@ -61,8 +61,8 @@ def _options_and_costs(mesh, model, example, fast: bool, monkeypatch):
     with monkeypatch.context() as patch, contextlib.ExitStack() as stack:
         if not fast:
             patch.setattr(strategies, "fast_expansion", contextlib.nullcontext)
-            patch.setattr(strategies, "_options_from_table", lambda *args: None)
-            patch.setattr(strategies, "new_spec", _plain_spec)
+            patch.setattr(option_conversion, "_options_from_table", lambda *args: None)
+            patch.setattr(option_conversion, "new_spec", _plain_spec)
         cost_model.clear_caches()
         traced = trace_training_step(model, (example,), "cpu", stack=stack)
         with unset_fake_temporarily():
