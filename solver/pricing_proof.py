@@ -132,14 +132,7 @@ def _ascend(pr: _Pricer, ascent: DualAscent, upper: float, plan: list[int], back
                 or (sweeps_end is not None and time.perf_counter() > sweeps_end)):
             break
     if bound < upper - OPT_RTOL * max(1.0, abs(upper)):
-        for q, (b, live) in enumerate(zip(ascent.belief, ascent.live)):
-            opts = np.flatnonzero(live & ~pr.kept[q])
-            pr.add(q, opts[np.argsort(b[opts], kind="stable")[:ILP_PER_CLASS]])
-        pr.repair_arcs()
-        left = None if deadline is None else max(deadline - time.perf_counter(), 1.0)
-        sol = pr.solve_ilp(backend, left)
-        if sol is not None and sol.objective < upper:
-            upper, plan = sol.objective, [sol.choice[q] for q in range(len(pr.q.classes))]
+        upper, plan = _ilp_near_duals(pr, ascent, upper, plan, backend, deadline)
     stats.ascent_bound = max(stats.ascent_bound, bound)
     stats.ascent_sweeps = ascent.stats.sweeps
     el = eliminate(pr.q, upper, trees=TREES, reparam=ascent.reparam(), deadline=deadline)
@@ -150,6 +143,27 @@ def _ascend(pr: _Pricer, ascent: DualAscent, upper: float, plan: list[int], back
     for q, o in enumerate(plan):
         keep[q][o] = True
     return keep, upper, plan, max(bound, el.bound)
+
+
+def _ilp_near_duals(pr: _Pricer, ascent: DualAscent, upper: float, plan: list[int], backend,
+                    deadline: float | None) -> tuple[float, list[int]]:
+    """The restricted ILP with each class's ILP_PER_CLASS live options of
+    least belief added: the plan near the dual's (its decoding alone
+    rounds poorly on 4-D meshes) when cheaper than ``upper``/``plan``."""
+    t0 = time.perf_counter()
+    for q, (b, live) in enumerate(zip(ascent.belief, ascent.live)):
+        opts = np.flatnonzero(live & ~pr.kept[q])
+        # the known plan too (a decoded one is not yet kept): the ILP is no dearer
+        pr.add(q, [plan[q], *opts[np.argsort(b[opts], kind="stable")[:ILP_PER_CLASS]]])
+    pr.repair_arcs()
+    left = None if deadline is None else max(deadline - time.perf_counter(), 1.0)
+    sol = pr.solve_ilp(backend, left)
+    logger.info("restricted ILP near the ascent's duals over %d options: %s in %.1fs (plan was %.9g)",
+                pr.num_kept(), "none" if sol is None else f"{sol.objective:.9g} ({sol.status})",
+                time.perf_counter() - t0, upper)
+    if sol is not None and sol.objective < upper:
+        return sol.objective, [sol.choice[q] for q in range(len(pr.q.classes))]
+    return upper, plan
 
 
 def narrow(pr: _Pricer, keep: list[np.ndarray], plan: list[int]) -> None:

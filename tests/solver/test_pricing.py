@@ -408,3 +408,30 @@ def test_whole_row_pricing_tightens_the_bound_and_stays_exact():
     assert tighter  # the floor is not always the cheapest partner
     assert eliminated  # tree min-marginals dropped options before pricing
     assert direct
+
+
+def test_ilp_near_the_ascent_duals_is_no_dearer_than_a_decoded_plan():
+    """The restricted ILP after an ascent holds the known plan, a decoded
+    one included (whose options the subsets need not hold yet): its plan
+    costs at most the known one and is a valid choice."""
+    from solver.dual_bound import DualAscent
+    from solver.tree_bound import choice_cost
+
+    checked = 0
+    for seed in range(12):
+        p = reducing_copy(layered_problem(seed, inf_rate=0.1, resource=False))
+        q = build_quotient(p)
+        pr = _Pricer(q)
+        pr.seed(p, one_option_each(p))
+        ascent = DualAscent(q)
+        ascent.run(3)
+        plan = ascent.decode()
+        cost = choice_cost(q, plan)
+        if not math.isfinite(cost) or all(pr.kept[i][o] for i, o in enumerate(plan)):
+            continue  # no finite decoded plan outside the seed
+        checked += 1
+        upper, best = pricing_proof._ilp_near_duals(pr, ascent, cost, plan, None, None)
+        assert upper <= cost
+        assert choice_cost(q, best) == pytest.approx(upper, rel=1e-9)
+        assert all(pr.kept[i][o] for i, o in enumerate(plan))
+    assert checked
