@@ -16,6 +16,11 @@ the reduced-cost fixing of :func:`solver.pricing.solve_by_pricing`
 intersects with its own. When few enough are left, the ILP over all of
 them is the proof.
 
+When fixing needs too many options (:func:`target_search`): forests
+against a guessed optimum a little above the ascent's bound keep what a
+plan that cheap may use; the ILP over them proves the plan or the guess
+becomes the bound.
+
 Every test drops only options in no plan costing at most the known plan's
 cost, so the bounds found hold for those plans: the optimum is at least
 ``min(upper, bound)``, and the known plan is kept whatever the rounding.
