@@ -146,9 +146,10 @@ def _ascend(pr: _Pricer, ascent: DualAscent, upper: float, plan: list[int], back
         upper, plan = _ilp_near_duals(pr, ascent, upper, plan, backend, deadline)
     stats.ascent_bound = max(stats.ascent_bound, bound)
     stats.ascent_sweeps = ascent.stats.sweeps
-    if bound >= upper - OPT_RTOL * max(1.0, abs(upper)):  # proven: only the plan matters
+    if bound >= upper - OPT_RTOL * max(1.0, abs(upper)):
+        # proven: no forests; the live options kept so far stay
         stats.tree_bound = max(stats.tree_bound, bound)
-        keep = [np.zeros_like(live) for live in ascent.live]
+        keep = [k & live for k, live in zip(pr.kept, ascent.live)]
         for q, o in enumerate(plan):
             keep[q][o] = True
         return keep, upper, plan, bound

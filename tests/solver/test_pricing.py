@@ -466,3 +466,18 @@ def test_target_search_proves_the_optimum_or_a_valid_bound(monkeypatch):
             assert found.objective == pytest.approx(want, rel=1e-9)
         raised += reached > bound
     assert proven and raised
+
+
+def test_ascent_meeting_its_plan_proves_without_rounds():
+    """Where the dual ascent's bound meets its plan, no LP round runs and
+    the plan is the dense optimum (check())."""
+    closed = 0
+    for seed in range(10):
+        base = layered_problem(seed, inf_rate=0.1, pins=False, resource=False)
+        two_each = {d.name: [0, 1] for d in base.decisions}
+        res = check(reducing_copy(base), two_each, dense=dense_copy(base))
+        if res is None or res.stats.rounds or res.stats.ascent_bound < res.solution.objective - 1e-9:
+            continue
+        closed += 1
+        assert res.stats.ascent_sweeps > 0
+    assert closed
