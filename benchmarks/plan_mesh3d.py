@@ -75,8 +75,12 @@ the warm problem (load ~3): 55.7 s wall before (9 rounds, 41 sweeps),
 proven optimal either way. Whole plan (load 2.6 -> 3.1): 70B 16x8 43.7 s;
 70B 4x4x8x8 154.9 s (45.6 / 24.3 / 11.2 / coarse seeds 0 / solve 67.6,
 of which ~12 s the first lazy class-grid reads of seed_options' greedy
-plan), 923 MiB, proven optimal, est. step 3677.7 ms. A sweep is ~0.85 s
-at load 3, 73% of it edge_matrices._min_plus.
+plan), 923 MiB, proven optimal, est. step 3677.7 ms. Again at load 2.1
+(the other stages at about main's idle times): 90.9 s (25.4 / 13.2 / 6.45
+/ coarse seeds 0 / solve 41.0), 930 MiB, proven optimal, 3677.7 ms: coarse
+seeds + solve 55.5 s -> 41.0 s, short of the ~20 s aimed at. A sweep is
+~0.85 s at load 3, 73% of it edge_matrices._min_plus (not this session's
+file); ~43 sweeps are needed.
 """
 
 from __future__ import annotations
