@@ -435,11 +435,13 @@ class AutoParallel:
         over the kept options (what the plan, its report and the dumps
         read) and map the choice into it."""
         results = []
-        with self._stages.stage("coarse mesh plans (pricing seeds)", "coarse_seed"), unset_fake_temporarily():
-            lifted = coarse_seed.lifted_plans(
-                self.traced, built.strategies, self.mesh, self._constraints, device=self.device,
-                overlap=self.overlap, repeats=self.repeats, backend=self.backend, time_limit=self.time_limit,
-            )
+        lifted = []
+        if option_pricing.COARSE_SEEDS:
+            with self._stages.stage("coarse mesh plans (pricing seeds)", "coarse_seed"), unset_fake_temporarily():
+                lifted = coarse_seed.lifted_plans(
+                    self.traced, built.strategies, self.mesh, self._constraints, device=self.device,
+                    overlap=self.overlap, repeats=self.repeats, backend=self.backend, time_limit=self.time_limit,
+                )
 
         def price(p: solver.Problem) -> solver.Solution:
             results.append(

@@ -42,6 +42,12 @@ SEED_CHEAPEST = 4
 # gives the ILP a time limit (AutoParallel's time_limit bounds ILP search;
 # pricing is a longer process); past it the plan reports its gap.
 PRICING_TIME_LIMIT = 60.0
+# Whether the optimal plans of coarser meshes (autoparallel.coarse_seed)
+# join the seed. Off: on LLaMA-3 70B 4x4x8x8 (80 layers) they cost ~18 s
+# idle and the seed's restricted ILP found the same plan without them
+# (3.99216 with, 3.99215 without; the optimum, 3.67768, comes from the dual
+# ascent and its restricted ILPs either way; session 10).
+COARSE_SEEDS = False
 # Cap on the options pricing may keep (None: the solver's default): past it
 # the plan reports its gap instead of growing the restricted problem.
 MAX_KEPT_OPTIONS: int | None = None

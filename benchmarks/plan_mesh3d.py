@@ -76,6 +76,29 @@ each; now its per-candidate step, once per (view, candidate):
 autoparallel/candidate_memo.py), and single-mesh-dim ops recomputed per
 input candidate set although their options only depend on the inputs'
 shapes (161 -> 127 lists). On 2 layers at load ~1.2: options 14.0 -> 6.2 s.
+
+Session 10 (solve; --time-limit 10). Before (main, load 4-6): 70B
+4x4x8x8 coarse seeds 35.6 s + solve 76.1 s, feasible at a 1.80% gap
+(the ascent after the LP rounds got 7 sweeps); main idle (load ~1):
+17.85 + 37.7 s, proven. Measured on the traced problem: the seed's
+restricted ILP plan is the same with and without the coarse plans (3.99216
+/ 3.99215), so coarse seeds are off (option_pricing.COARSE_SEEDS); the LP
+rounds' bounds trail the ascent's (2.9 vs 3.67) and in one run of two they
+found no plan under 3.765; the ascent alone meets the optimum (bound and
+decoded plan 3.67768, 43 sweeps). Now the ascent runs first for 0.8 of
+the 60 s pricing limit, with no LP round when it meets its plan, and a
+target search where fixing would need too many options. Solve alone on
+the warm problem (load ~3): 55.7 s wall before (9 rounds, 41 sweeps),
+49.7 s wall / 25.4 s CPU after, 33.6 s / 24.0 s CPU with no time limit;
+proven optimal either way. Whole plan (load 2.6 -> 3.1): 70B 16x8 43.7 s;
+70B 4x4x8x8 154.9 s (45.6 / 24.3 / 11.2 / coarse seeds 0 / solve 67.6,
+of which ~12 s the first lazy class-grid reads of seed_options' greedy
+plan), 923 MiB, proven optimal, est. step 3677.7 ms. Again at load 2.1
+(the other stages at about main's idle times): 90.9 s (25.4 / 13.2 / 6.45
+/ coarse seeds 0 / solve 41.0), 930 MiB, proven optimal, 3677.7 ms: coarse
+seeds + solve 55.5 s -> 41.0 s, short of the ~20 s aimed at. A sweep is
+~0.85 s at load 3, 73% of it edge_matrices._min_plus (not this session's
+file); ~43 sweeps are needed.
 """
 
 from __future__ import annotations

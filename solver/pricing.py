@@ -14,9 +14,15 @@ that is in no cheaper plan (:mod:`solver.pricing_proof`); when the options
 left have few enough pairs (``DIRECT_PAIRS``) the ILP over all of them is
 the answer, proven optimal, with no LP rounds (random placement problem of
 200 decisions x 1024 options: 96% dropped, optimal in 78 s where the
-rounds alone stopped at a 7% gap). After the rounds the ascent goes on
-against the restricted ILP's plan and its forests filter reduced-cost
-fixing (step 4): LLaMA-3 70B on 4x4x8x8, 80 layers, proven optimal.
+rounds alone stopped at a 7% gap). The ascent takes most of the time
+limit (``pricing_proof.ASCENT_SHARE``); when its bound meets its plan (the
+LP is tight: LLaMA-3 70B on 4x4x8x8, 80 layers, 43 sweeps) that plan is
+proven optimal and no LP round runs. Otherwise the rounds look for a
+cheaper plan, the ascent goes on against the restricted ILP's plan and its
+forests filter reduced-cost fixing (step 4); where fixing needs too many
+options, a target search (:func:`solver.pricing_proof.target_search`)
+guesses the optimum a little above the ascent's bound and proves it or
+raises the bound.
 
 How (on the quotient by links, :mod:`solver.pricing_quotient`): per class
 ``q`` a set ``S_q`` of *exact* options (all their pairs read: whole rows and
@@ -84,7 +90,7 @@ from .diagnose import InfeasibleError
 from .problem import Decision, Edge, Problem, ResourceConstraint, Solution
 from .pricing_lp import LPSolution, RestrictedLP
 from .pricing_quotient import Quotient, build_quotient, evaluate_lazy
-from .pricing_proof import TREES, final_ascent, pairs_among, prefilter
+from .pricing_proof import TREES, final_ascent, pairs_among, prefilter, target_search
 from .tree_bound import Reparam, eliminate
 
 logger = logging.getLogger(__name__)
@@ -105,9 +111,14 @@ OPT_RTOL = 1e-9
 # Pairs between the options left after tree elimination up to which the
 # restricted ILP simply takes all of them (no pricing rounds).
 DIRECT_PAIRS = 3_000_000
-# Share of the time limit after which the LP rounds stop, leaving the rest
-# to the dual ascent's second run (solver.pricing_proof).
-ROUNDS_SHARE = 0.75
+# Share of the time limit the LP rounds may take (from their start; at most
+# until the time limit's ROUNDS_END_SHARE), leaving the rest to the dual
+# ascent's second run (solver.pricing_proof), which proves the plan.
+ROUNDS_SHARE = 0.35
+ROUNDS_END_SHARE = 0.75
+# Seconds the restricted ILP of a target search (solver.pricing_proof) gets
+# at least, past the deadline: it is what proves the plan.
+TARGET_ILP_SECONDS = 10.0
 # Share of the time limit the ascent's second run leaves to its forests and
 # the last restricted ILP.
 FINAL_RESERVE = 0.1
@@ -457,11 +468,12 @@ def solve_by_pricing(
     stats.classes = len(quotient.classes)
     stats.options_total = int(sum(c.allowed.sum() for c in quotient.classes))
     sec["setup"] = time.perf_counter() - t_start
-    stats.eliminated, ascent, _ = prefilter(pr, backend, left(), stats)
+    stats.eliminated, ascent, upper = prefilter(pr, backend, left(), stats)
     survivors = sum(int(c.allowed.sum()) for c in quotient.classes)
     pairs = pairs_among(quotient, [c.allowed for c in quotient.classes])
     # the LP rounds leave the rest of the time to the ascent's second run
-    rounds_end = None if deadline is None or ascent is None else t_start + time_limit * ROUNDS_SHARE
+    rounds_end = None if deadline is None or ascent is None else min(
+        time.perf_counter() + time_limit * ROUNDS_SHARE, t_start + time_limit * ROUNDS_END_SHARE)
     # Few enough options left: the ILP over all of them is the proof.
     exhaustive = bool(stats.eliminated) and survivors <= cap and pairs <= DIRECT_PAIRS
     if exhaustive:
@@ -473,7 +485,9 @@ def solve_by_pricing(
     growth = 0
     reduced = None
     lb = -math.inf
-    while not exhaustive:
+    # the ascent met its plan: that plan is optimal, no LP rounds
+    closed = ascent is not None and upper - stats.ascent_bound <= OPT_RTOL * max(1.0, abs(upper))
+    while not exhaustive and not closed:
         t0 = time.perf_counter()
         try:
             lp = pr.solve_lp(left() if rounds_end is None else max(rounds_end - time.perf_counter(), 1e-3))
@@ -529,10 +543,10 @@ def solve_by_pricing(
         for q, opts in pr.promotions(lp_last, lp_last.x):
             pr.add(q, opts)
 
-    def run_ilp() -> Solution | None:
+    def run_ilp(at_least: float = 1.0) -> Solution | None:
         t0 = time.perf_counter()
-        # past the deadline the ILP still gets a second: an answer beats none
-        sol = pr.solve_ilp(backend, None if deadline is None else max(deadline - time.perf_counter(), 1.0))
+        # past the deadline the ILP still gets ``at_least`` seconds: an answer beats none
+        sol = pr.solve_ilp(backend, None if deadline is None else max(deadline - time.perf_counter(), at_least))
         sec["ilp"] += time.perf_counter() - t0
         if sol is not None:
             stats.restricted_objectives.append(sol.objective)
@@ -617,8 +631,15 @@ def solve_by_pricing(
             if proven:
                 bound = sol.objective
         else:
-            logger.info("reduced-cost fixing needs %d options (max_options=%d) and %d pairs (at most %d): "
-                        "not proven optimal", pr.num_kept() + n_fix, cap, fix_pairs, DIRECT_PAIRS)
+            logger.info("reduced-cost fixing needs %d options (max_options=%d) and %d pairs (at most %d)",
+                        pr.num_kept() + n_fix, cap, fix_pairs, DIRECT_PAIRS)
+            if ascent is not None:
+                found, bound, proven = target_search(pr, ascent, sol.objective, bound, lambda: run_ilp(TARGET_ILP_SECONDS),
+                                                     cap, DIRECT_PAIRS, deadline, stats)
+                if found is not None and found.objective < sol.objective:
+                    sol = found
+                if proven:
+                    bound = sol.objective
     t0 = time.perf_counter()
     choice = quotient.expand(sol.choice)
     unary, edge = evaluate_lazy(problem, quotient, choice)

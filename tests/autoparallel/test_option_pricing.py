@@ -57,10 +57,18 @@ def test_lazy_blocks_equal_dense_matrices(fake_world):
     assert {"LazyClassMatrix", "LazyKeyMatch"} <= kinds
 
 
-@pytest.mark.parametrize("case, shape", [("ffn", (2, 2, 2)), ("llama", (2, 2))])
-def test_pricing_plan_has_the_dense_optimum(fake_world, case, shape):
-    """Option pricing proves the same optimum as the dense solve; the plan
-    is an ordinary one over the options it kept."""
+@pytest.mark.parametrize("case, shape, coarse_seeds", [
+    ("ffn", (2, 2, 2), False), ("ffn", (2, 2, 2), True), ("llama", (2, 2), False)])
+def test_pricing_plan_has_the_dense_optimum(fake_world, monkeypatch, case, shape, coarse_seeds):
+    """Option pricing proves the same optimum as the dense solve, with and
+    without coarse-mesh plans in its seed; the plan is an ordinary one over
+    the options it kept."""
+    from autoparallel import coarse_seed, option_pricing
+
+    monkeypatch.setattr(option_pricing, "COARSE_SEEDS", coarse_seeds)
+    lifted = []  # the coarse plans the seed got
+    real = coarse_seed.lifted_plans
+    monkeypatch.setattr(coarse_seed, "lifted_plans", lambda *a, **k: lifted.extend(real(*a, **k)) or lifted)
     fake_world(8)
     mesh = init_device_mesh("cpu", shape)
     if case == "ffn":
@@ -81,6 +89,7 @@ def test_pricing_plan_has_the_dense_optimum(fake_world, case, shape):
     assert priced.solution.objective == pytest.approx(dense.solution.objective, rel=1e-9)
     assert priced.solution.bound == pytest.approx(priced.solution.objective, rel=1e-9)
     assert not priced_built.lazy  # rebuilt dense over the kept options
+    assert bool(lifted) == (coarse_seeds and len(shape) >= 3)
     kept = sum(len(s.options) for s in priced_built.strategies.values())
     assert kept <= sum(len(s.options) for s in full.values())
     # every node's plan is one of its own options

@@ -408,3 +408,76 @@ def test_whole_row_pricing_tightens_the_bound_and_stays_exact():
     assert tighter  # the floor is not always the cheapest partner
     assert eliminated  # tree min-marginals dropped options before pricing
     assert direct
+
+
+def test_ilp_near_the_ascent_duals_is_no_dearer_than_a_decoded_plan():
+    """The restricted ILP after an ascent holds the known plan, a decoded
+    one included (whose options the subsets need not hold yet): its plan
+    costs at most the known one and is a valid choice."""
+    from solver.dual_bound import DualAscent
+    from solver.tree_bound import choice_cost
+
+    checked = 0
+    for seed in range(12):
+        p = reducing_copy(layered_problem(seed, inf_rate=0.1, resource=False))
+        q = build_quotient(p)
+        pr = _Pricer(q)
+        pr.seed(p, one_option_each(p))
+        ascent = DualAscent(q)
+        ascent.run(3)
+        plan = ascent.decode()
+        cost = choice_cost(q, plan)
+        if not math.isfinite(cost) or all(pr.kept[i][o] for i, o in enumerate(plan)):
+            continue  # no finite decoded plan outside the seed
+        checked += 1
+        upper, best = pricing_proof._ilp_near_duals(pr, ascent, cost, plan, None, None)
+        assert upper <= cost
+        assert choice_cost(q, best) == pytest.approx(upper, rel=1e-9)
+        assert all(pr.kept[i][o] for i, o in enumerate(plan))
+    assert checked
+
+
+def test_target_search_proves_the_optimum_or_a_valid_bound(monkeypatch):
+    """Guessing the optimum a little above the ascent's bound: a plan at
+    most the target is the dense optimum; otherwise the target is a bound
+    no higher than the optimum."""
+    from solver.dual_bound import DualAscent
+    from solver.pricing import PricingStats
+
+    monkeypatch.setattr(pricing_proof, "TARGET_MARGINS", (1e-3, 1e-2, 0.1, 1.0))
+    proven = raised = 0
+    for seed in range(12):
+        p = reducing_copy(layered_problem(seed, inf_rate=0.1, resource=False))
+        want = reference(dense_copy(layered_problem(seed, inf_rate=0.1, resource=False)))
+        if want is None:
+            continue
+        q = build_quotient(p)
+        pr = _Pricer(q)
+        pr.seed(p, one_option_each(p))
+        start = pr.solve_ilp(None, None)  # a plan over the seed: usually dearer than the optimum
+        ascent = DualAscent(q)
+        bound = ascent.run(20)
+        found, reached, ok = pricing_proof.target_search(
+            pr, ascent, start.objective, bound, lambda: pr.solve_ilp(None, None), 10**6, 10**9, None, PricingStats())
+        tol = 1e-9 * max(1.0, abs(want))
+        assert reached <= want + tol
+        if ok:
+            proven += 1
+            assert found.objective == pytest.approx(want, rel=1e-9)
+        raised += reached > bound
+    assert proven and raised
+
+
+def test_ascent_meeting_its_plan_proves_without_rounds():
+    """Where the dual ascent's bound meets its plan, no LP round runs and
+    the plan is the dense optimum (check())."""
+    closed = 0
+    for seed in range(10):
+        base = layered_problem(seed, inf_rate=0.1, pins=False, resource=False)
+        two_each = {d.name: [0, 1] for d in base.decisions}
+        res = check(reducing_copy(base), two_each, dense=dense_copy(base))
+        if res is None or res.stats.rounds or res.stats.ascent_bound < res.solution.objective - 1e-9:
+            continue
+        closed += 1
+        assert res.stats.ascent_sweeps > 0
+    assert closed
