@@ -286,17 +286,28 @@ _MIN_PLUS_CHUNK = 1 << 18
 
 def _min_plus(costs: np.ndarray, values: np.ndarray) -> np.ndarray:
     """``min_j (costs[i, j] - values[j])`` per row, ``inf`` entries skipped
-    (``inf`` for a row of them, or without columns), a chunk of rows at a time."""
+    (``inf`` for a row of them, or without columns), a chunk of rows at a time.
+
+    The dual ascent calls this for every matrix of every sweep (most of a
+    sweep's time), so it allocates one chunk buffer and makes no mask: an
+    ``inf`` entry minus a finite value stays ``inf``, and the only ``inf -
+    inf`` (a ``nan``) comes from a ``+inf`` value, skipped by ``fmin``."""
     out = np.full(costs.shape[0], math.inf)
-    if costs.shape[1] == 0:
+    if costs.shape[1] == 0 or costs.shape[0] == 0:
         return out
+    values = np.asarray(values)
+    skip_nan = bool(np.isposinf(values).any())
+    reduce = np.fmin.reduce if skip_nan else np.minimum.reduce
     rows = max(1, _MIN_PLUS_CHUNK // costs.shape[1])
+    buf = np.empty((min(rows, costs.shape[0]), costs.shape[1]), dtype=np.result_type(costs, values))
     for r0 in range(0, costs.shape[0], rows):
         chunk = costs[r0 : r0 + rows]
-        with np.errstate(invalid="ignore"):  # inf - inf: skipped below
-            diff = chunk - values
-        diff[np.isinf(chunk)] = math.inf
-        out[r0 : r0 + rows] = diff.min(axis=1)
+        diff = buf[: chunk.shape[0]]
+        with np.errstate(invalid="ignore"):  # inf - inf: skipped by fmin
+            np.subtract(chunk, values, out=diff)
+        out[r0 : r0 + rows] = reduce(diff, axis=1)
+    if skip_nan:
+        out[np.isnan(out)] = math.inf  # a row with only inf - inf entries
     return out
 
 

@@ -241,6 +241,26 @@ def test_class_matrix_min_plus_in_chunks(monkeypatch):
     _assert_same(matrix.min_plus_cols(row_values), _brute_cols(matrix, row_values))
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_min_plus_with_infinite_values(monkeypatch, seed):
+    """Values of +-inf: an inf entry is skipped even against a +inf value
+    (inf - inf), a finite entry against +inf is -inf; chunked or not,
+    float32 grids too."""
+    from autoparallel import edge_matrices
+
+    monkeypatch.setattr(edge_matrices, "_MIN_PLUS_CHUNK", 7 if seed % 2 else 1 << 18)
+    rng = np.random.default_rng(seed)
+    costs = _random_costs(rng, (17, 9), 0.4).astype(np.float32 if seed > 1 else np.float64)
+    costs[3] = math.inf
+    values = rng.normal(size=9)
+    values[rng.random(9) < 0.3] = math.inf
+    values[rng.random(9) < 0.2] = -math.inf
+    brute = np.where(np.isinf(costs), math.inf, costs - values[None, :]).min(axis=1, initial=math.inf)
+    ours = edge_matrices._min_plus(costs, values)
+    assert np.array_equal(ours, brute) and not np.isnan(ours).any()
+    assert edge_matrices._min_plus(costs[:, :0], values[:0]).tolist() == [math.inf] * 17
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_key_match_min_plus_equals_brute_force(seed):
     """Keys only rows have (inf rows), keys only columns have (inf
