@@ -11,7 +11,10 @@ Wholly identical layers link node for node. A layer with no identical twin
 (the first block of a T5 stack alone computes the relative position bias
 that later blocks receive as an input; the first layer of a stack may compute
 no gradient for a model input that needs none) is *aligned* with its stack's
-reference layer instead: the longest matching runs of nodes (same op, output
+reference layer instead, when it is a variant of that layer (the parameters
+of one are a subset of the other's: T5's block 0 has one more, the
+position bias's embedding; LLaMA-MoE's dense and MoE layers are different
+layers): the longest matching runs of nodes (same op, output
 shape/dtype, parameter names and argument shapes; :mod:`difflib`), less the
 nodes whose argument's producer is aligned with another node than their
 twin's argument's producer. The aligned nodes link; the rest (the bias and
@@ -142,8 +145,16 @@ def find_repeated_layers(traced: TracedStep) -> RepeatedLayers:
         # nodes (T5 with two blocks: block 0, which block 1 is a part of).
         largest = max(buckets.values(), key=len)
         anchor = largest[0] if len(largest) > 1 else max(alone, key=lambda k: (len(groups[k]), -k[1]))
+        anchor_params = _param_names(groups[anchor], local_name)
         for key in alone:
             if key == anchor:
+                continue
+            params = _param_names(groups[key], local_name)
+            if not (params <= anchor_params or anchor_params <= params):
+                # another kind of layer (LLaMA-MoE's dense layer 0 and MoE
+                # layer 1), not a variant of one: linking their common
+                # parts (attention) would only constrain the plan
+                result.mismatched.append(key)
                 continue
             pairs = _align(groups[key], groups[anchor], local_name)
             if len(pairs) < MIN_ALIGNED_FRACTION * len(groups[key]):
@@ -214,6 +225,11 @@ def _align(
         ):
             twin[node], twin_of[ref] = ref, node
     return twin
+
+
+def _param_names(nodes: list[torch.fx.Node], local_name: dict) -> set[str]:
+    """The layer's parameters and buffers, by their name inside the layer."""
+    return {local_name[n] for n in nodes if n in local_name}
 
 
 def _node_args(node: torch.fx.Node) -> list[torch.fx.Node]:
