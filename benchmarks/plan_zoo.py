@@ -1,7 +1,7 @@
 """Plan time of the test zoo (issue 10, items 6 and 7): trace to plan per model.
 
 Plans one training step of each tiny model (random init, meta device) on a
-fake 2 x 2 ("dp", "tp") mesh with every tensor input's batch on dp, and
+fake 2 x 2 ("dp", "tp") mesh (or --mesh) with every tensor input's batch on dp, and
 prints per model: tracing, options, problem build, presolve, ILP build and
 solve times, ILP size, and the solver's status, objective, bound and proven
 gap. Target: every model at most 20 s trace to plan, with the gap reported.
@@ -12,6 +12,61 @@ Asserts nothing; a model that fails prints its error and the rest go on::
     python benchmarks/plan_zoo.py t5 llama1_4x2   # some
     python benchmarks/plan_zoo.py --time-limit 0  # no time limit (0 = None)
     python benchmarks/plan_zoo.py --slow-compute  # a device where compute dominates
+    python benchmarks/plan_zoo.py --mesh 2x2x2    # every model on one mesh
+
+Session 10 (2-core machine shared with 3 other runs; load average 2.4-3.9
+throughout: an idle machine takes about half these times). Before: T5's
+blocks unlinked (its rows from the session's base commit, --time-limit 60);
+the other rows run the same code before and after, so they differ by load
+only. After: T5's block 1 linked to block 0 where they align
+(autoparallel/repeated_layers.py), --time-limit 0. ``slow``: --slow-compute
+1e6 (the zoo tests' sharded_compute model; its slow HBM makes a local copy
+dearer than a collective, which turns Partial pruning off: 2x the options,
+lazy for LLaMA). Time in seconds, trace to plan::
+
+                                  before      | after (T5 before: no node linked, 4 layers unlinked)
+    model        mesh   cost     total  solve |  total  solve options      pairs kind   linked status
+    llama        2x2    default    8.6    1.2 |    4.3    1.3   10791    325,462 dense   234/0 optimal
+    gpt2         2x2    default   11.5    1.0 |    4.3    0.4    7841    204,362 dense   179/0 optimal
+    bert         2x2    default    4.4    0.4 |    3.4    0.4    8242    191,456 dense   202/0 optimal
+    t5           2x2    default    7.3    3.1 |    8.8    3.2   27861    774,853 dense   600/0 optimal
+    vit          2x2    default    3.7    0.2 |    1.6    0.1    4196     72,880 dense   156/0 optimal
+    convnet      2x2    default    1.0    0.0 |    0.8    0.0     776     15,926 dense     0/8 optimal
+    llama3_debug 2x2    default    2.9    0.7 |    2.4    0.7   10606    320,506 dense   232/0 optimal
+    llama        2x2    slow       6.4    1.3 |    2.7    0.6   18246  1,112,160 dense   234/0 optimal
+    gpt2         2x2    slow       7.4    0.4 |    3.3    0.3   11326    462,945 dense   179/0 optimal
+    bert         2x2    slow       5.0    0.3 |    2.9    0.3   11973    409,031 dense   202/0 optimal
+    t5           2x2    slow       6.2    2.2 |    6.8    1.6   42266  2,044,763 dense   600/0 optimal
+    vit          2x2    slow       2.1    0.1 |    3.7    0.2    6785    216,755 dense   156/0 optimal
+    convnet      2x2    slow       1.0    0.1 |    1.2    0.0     967     27,070 dense     0/8 optimal
+    llama3_debug 2x2    slow       5.8    1.3 |    5.8    1.5   18030  1,114,096 dense   232/0 optimal
+    llama        2x2x2  default   36.1   26.1 |   26.8   20.2   53470  8,469,543 dense   234/0 optimal
+    gpt2         2x2x2  default   13.7    2.3 |    5.7    1.4   38251  5,035,062 dense   179/0 optimal
+    bert         2x2x2  default    9.5    1.8 |    8.2    1.7   38501  4,260,751 dense   202/0 optimal
+    t5           2x2x2  default   73.7   67.6 |   47.1   37.0  137390 19,419,561 dense   600/0 optimal
+    vit          2x2x2  default    2.5    0.3 |    3.6    0.5   17417  1,233,396 dense   156/0 optimal
+    convnet      2x2x2  default    1.0    0.1 |    1.2    0.2    3496    361,177 dense     0/8 optimal
+    llama3_debug 2x2x2  default   29.2   21.9 |   18.5   13.0   52893  8,298,565 dense   232/0 optimal
+    llama        2x2x2  slow      43.5   30.2 |   40.8   35.0  122445 56,205,099 lazy    234/0 optimal
+    gpt2         2x2x2  slow      19.7    8.5 |   14.9    7.5   70630 18,074,731 dense   179/0 optimal
+    bert         2x2x2  slow      12.2    6.2 |   12.1    6.1   73542 14,657,010 dense   202/0 optimal
+    t5           2x2x2  slow     164.8  154.2 |   85.7   70.8  271749 91,299,747 dense   600/0 optimal
+    vit          2x2x2  slow       7.8    3.1 |    8.1    3.5   39270  6,863,287 dense   156/0 optimal
+    convnet      2x2x2  slow       2.9    0.8 |    3.0    0.9    5127    866,252 dense     0/8 optimal
+    llama3_debug 2x2x2  slow      19.0   10.0 |   21.1   10.5  121565 56,158,213 lazy    232/0 optimal
+
+What is left (not in this module's reach): on 2x2x2 the time is HiGHS's
+branch and bound (LLaMA: presolve leaves 144 decisions, 14.6K options,
+2.2M pairs; the ILP has 938K variables, 14.6K binary; 20-29 s of solve).
+A device slow at compute only (HBM as H100, so pruning stays on) gives
+LLaMA 53K options, dense, and a longer solve (48 s at load 2.3); the
+batch on both data-parallel dims (breaking the dp_shard/tp symmetry)
+18 s instead of 20-26 s.
+
+Columns: seconds per stage (trace, options, problem build, coarse seeds and
+option pricing when lazy, solve), the problem as built (decisions, options,
+option pairs, ``dense`` or ``lazy``), repeated-layer linking (nodes linked
+to a twin / layers left unlinked), and the solver's status and proven gap.
 """
 
 from __future__ import annotations
@@ -109,6 +164,24 @@ def convnet():
     return ConvNet(), lambda: (torch.randn(B, 3, 16, 16, device="meta"),), (2, 2)
 
 
+class _DebugLlama(nn.Module):
+    def __init__(self):
+        super().__init__()
+        from autoparallel.models.llama3 import LLAMA3_CONFIGS, Transformer
+
+        self.model = Transformer(LLAMA3_CONFIGS["debug"])
+
+    def forward(self, tokens):
+        return self.model(tokens).float().pow(2).mean()
+
+
+def llama3_debug():
+    from autoparallel.models.llama3 import LLAMA3_CONFIGS
+
+    vocab = LLAMA3_CONFIGS["debug"].vocab_size
+    return _DebugLlama(), lambda: (torch.randint(0, vocab, (8, 16), device="meta"),), (2, 2)
+
+
 def llama1_4x2():
     from autoparallel.models.llama3 import LLAMA3_CONFIGS, Transformer
 
@@ -118,8 +191,17 @@ def llama1_4x2():
 
 MODELS = {
     "llama": hf_llama, "gpt2": hf_gpt2, "bert": hf_bert, "t5": hf_t5, "vit": hf_vit,
-    "convnet": convnet, "llama1_4x2": llama1_4x2,
+    "convnet": convnet, "llama3_debug": llama3_debug, "llama1_4x2": llama1_4x2,
 }
+MESH_DIM_NAMES = {2: ("dp", "tp"), 3: ("dp_replicate", "dp_shard", "tp"), 4: ("dp_replicate", "dp_shard", "cp", "tp")}
+
+
+def parse_mesh(text: str) -> tuple[int, ...]:
+    """``"2x2x2"`` -> ``(2, 2, 2)``."""
+    shape = tuple(int(x) for x in text.lower().split("x"))
+    if len(shape) not in MESH_DIM_NAMES or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"mesh {text!r}: 2 to 4 sizes joined by 'x', e.g. 2x2x2")
+    return shape
 
 
 def slow_compute_device(factor: float = 1000.0):
@@ -138,33 +220,50 @@ def slow_compute_device(factor: float = 1000.0):
     )
 
 
-def plan_one(name: str, time_limit: float | None, slow_compute: float | None = None) -> dict:
+def plan_one(
+    name: str, time_limit: float | None, slow_compute: float | None = None, mesh_shape: tuple[int, ...] | None = None
+) -> dict:
     with torch.device("meta"):
-        model, inputs, mesh_shape = MODELS[name]()
+        model, inputs, default_shape = MODELS[name]()
+    mesh_shape = mesh_shape or default_shape
     if dist.is_initialized():
         dist.destroy_process_group()
-    world = mesh_shape[0] * mesh_shape[1]
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=int(torch.tensor(mesh_shape).prod()))
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=MESH_DIM_NAMES[len(mesh_shape)])
     t0 = time.perf_counter()
     device = slow_compute_device(slow_compute) if slow_compute else "H100"
     with AutoParallel(model, mesh, inputs, time_limit=time_limit, device=device) as autop:
-        batch_on_dp = (Shard(0), Replicate())
+        # the zoo tests' inputs: batch over the first mesh dim
+        batch_on_dp = (Shard(0),) + (Replicate(),) * (len(mesh_shape) - 1)
         autop.add_input_constraints([batch_on_dp] * len(autop.traced.input_nodes))
         plan = autop.optimize_placement()
+        built, repeats = autop.built, autop.repeats
     total = time.perf_counter() - t0
-    return {"total": total, "timings": dict(autop.timings), "plan": plan}
+    size = built.priced_size or built.size  # the lazy problem's size when priced
+    # nodes linked to a twin, layers left wholly unlinked
+    layers = (0, 0) if repeats is None else (len(repeats.reference), len(repeats.mismatched))
+    return {
+        "total": total, "timings": dict(autop.timings), "plan": plan, "mesh": mesh_shape,
+        "size": size, "lazy": built.priced_size is not None or built.lazy, "layers": layers,
+    }
+
+
+HEADER = (
+    f"{'model':12s} {'mesh':6s} {'total':>6s} {'trace':>6s} {'opts':>6s} {'build':>6s} {'seed':>6s} "
+    f"{'solve':>6s} {'decis':>6s} {'options':>8s} {'pairs':>10s} {'kind':5s} {'linked':>7s} "
+    f"{'status':9s} {'gap':>7s}"
+)
 
 
 def _row(name: str, r: dict) -> str:
-    t, s = r["timings"], r["plan"].solution
+    t, s, size = r["timings"], r["plan"].solution, r["size"]
     gap = "n/a" if s.gap is None else f"{100 * s.gap:.3g}%"
-    bound = "n/a" if s.bound is None else f"{s.bound * 1e6:.2f}"
+    mesh = "x".join(map(str, r["mesh"]))
     return (
-        f"{name:11s} {r['total']:6.1f} {t.get('tracing', 0):6.1f} {t.get('options', 0):6.1f} "
-        f"{t.get('problem_build', 0):6.1f} {t.get('solver.presolve', 0):6.1f} "
-        f"{t.get('solver.build', 0):6.1f} {t.get('solver.solve', 0):6.1f} "
-        f"{s.num_variables:8d} {s.status:9s} {s.objective * 1e6:10.2f} {bound:>10s} {gap:>7s}"
+        f"{name:12s} {mesh:6s} {r['total']:6.1f} {t.get('tracing', 0):6.1f} {t.get('options', 0):6.1f} "
+        f"{t.get('problem_build', 0) + t.get('problem_rebuild', 0):6.1f} {t.get('coarse_seed', 0):6.1f} "
+        f"{t.get('solve', 0):6.1f} {size.decisions:6d} {size.options:8d} {size.pairs:10,d} "
+        f"{'lazy' if r['lazy'] else 'dense':5s} {'%d/%d' % r['layers']:>7s} {s.status:9s} {gap:>7s}"
     )
 
 
@@ -177,6 +276,9 @@ def main(argv=None) -> int:
     p.add_argument("--verbose", action="store_true")
     p.add_argument("--slow-compute", type=float, nargs="?", const=1000.0, default=None, metavar="FACTOR",
                    help="a device FACTOR (default 1000) times slower at compute, so plans shard compute")
+    p.add_argument("--mesh", type=parse_mesh, default=None, metavar="AxB[xC]",
+                   help="mesh shape for every model (default: each model's own, mostly 2x2)")
+    p.add_argument("--max-gib", type=float, default=5.0, help="address-space limit per model process (0: none)")
     p.add_argument("--one", metavar="MODEL", help=argparse.SUPPRESS)  # the per-model child
     a = p.parse_args(argv)
     unknown = [m for m in [*a.models, *([a.one] if a.one else [])] if m not in MODELS]
@@ -186,10 +288,15 @@ def main(argv=None) -> int:
     time_limit = a.time_limit or None
     if a.one:
         try:
-            r = plan_one(a.one, time_limit, a.slow_compute)
+            if a.max_gib:
+                import resource
+
+                limit = int(a.max_gib * 2**30)
+                resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+            r = plan_one(a.one, time_limit, a.slow_compute, a.mesh)
         except Exception as exc:  # noqa: BLE001 -- report and go on with the next model
             where = traceback.extract_tb(exc.__traceback__)[-1]
-            print(f"{a.one:11s} FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:120]} "
+            print(f"{a.one:12s} FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:120]} "
                   f"({os.path.basename(where.filename)}:{where.lineno})")
             return 1
         finally:
@@ -197,19 +304,21 @@ def main(argv=None) -> int:
                 dist.destroy_process_group()
         print(_row(a.one, r), flush=True)
         return 0
-    print(f"time (s), objective and bound (us per step); solver time limit {time_limit}"
-          f"{f'; device {a.slow_compute:g}x slower at compute' if a.slow_compute else ''}")
-    print(f"{'model':11s} {'total':>6s} {'trace':>6s} {'opts':>6s} {'build':>6s} {'presol':>6s} "
-          f"{'ilp':>6s} {'solve':>6s} {'vars':>8s} {'status':9s} {'objective':>10s} {'bound':>10s} {'gap':>7s}")
+    print(f"time (s); solver time limit {time_limit}"
+          f"{f'; device {a.slow_compute:g}x slower at compute' if a.slow_compute else ''}; "
+          f"load {os.getloadavg()[0]:.2f}")
+    print(HEADER)
     for name in a.models or MODELS:
         # One process per model: timings as a user's first plan sees them
         # (no warm caches), and one model's failure cannot affect the next.
-        cmd = [sys.executable, os.path.abspath(__file__), "--one", name, "--time-limit", str(a.time_limit)]
+        cmd = [sys.executable, os.path.abspath(__file__), "--one", name, "--time-limit", str(a.time_limit),
+               "--max-gib", str(a.max_gib)]
+        cmd += ["--mesh", "x".join(map(str, a.mesh))] if a.mesh else []
         cmd += ["--verbose"] if a.verbose else []
         cmd += ["--slow-compute", str(a.slow_compute)] if a.slow_compute else []
         out = subprocess.run(cmd, capture_output=True, text=True)
-        rows = [line for line in out.stdout.splitlines() if line.startswith(f"{name:11s} ")]
-        print(rows[-1] if rows else f"{name:11s} CRASHED rc {out.returncode}: {out.stderr[-300:]}", flush=True)
+        rows = [line for line in out.stdout.splitlines() if line.startswith(f"{name:12s} ")]
+        print(rows[-1] if rows else f"{name:12s} CRASHED rc {out.returncode}: {out.stderr[-300:]}", flush=True)
     return 0
 
 
