@@ -99,6 +99,16 @@ plan), 923 MiB, proven optimal, est. step 3677.7 ms. Again at load 2.1
 seeds + solve 55.5 s -> 41.0 s, short of the ~20 s aimed at. A sweep is
 ~0.85 s at load 3, 73% of it edge_matrices._min_plus (not this session's
 file); ~43 sweeps are needed.
+
+Session 10 (main after all merges; --time-limit 10; load 1.2 -> 2.0, the
+test suite beside it): 8B 16x8 13.0 s, 4x4x8 18.8 s (1.45x), HSDP 18.8 s
+(1.45x), 70B 16x8 33.6 s, 8x16x8 42.2 s (1.26x), 70B 4x4x8x8 74.0 s
+(30.0 / 5.3 / 3.0 / coarse seeds off / 32.8), 898 MiB, all proven optimal;
+idle (load 0.4 -> 0.9): 70B 16x8 29.7 s, 4x4x8x8 65.8 s (2.22x; 27.3 /
+4.6 / 2.9 / 28.6). --mp bf16 (the example's precision): at the start of
+the session 70B 4x4x8x8 169.8 s, feasible at 19.5%, 2271 MiB, est. 944.4
+ms (70B 16x8 31.5 s and 8B 4x4x8 22.3 s optimal); after the merges 144.8
+s, feasible at 5.29%, 1557 MiB, est. 805.5 ms (load 2.0 -> 1.3).
 """
 
 from __future__ import annotations
