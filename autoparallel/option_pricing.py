@@ -187,7 +187,8 @@ def solve_lazy(problem: solver.Problem, strategies, *, plans=(), backend=None, t
     limit = None if time_limit is None else max(time_limit, PRICING_TIME_LIMIT)
     extra = {} if MAX_KEPT_OPTIONS is None else {"max_options": MAX_KEPT_OPTIONS}
     result = solve_by_pricing(problem, seed_options(problem, strategies, plans), backend=backend, time_limit=limit, **extra)
-    result = dataclasses.replace(result, solution=_with_compute_bound(result.solution, compute_bound(problem)))
+    if not result.solution.optimal:  # a proven plan needs no weaker bound (a pass over every option)
+        result = dataclasses.replace(result, solution=_with_compute_bound(result.solution, compute_bound(problem)))
     kept = sum(len(v) for v in result.kept.values())
     logger.info(
         "option pricing: %s, objective %.6g, bound %.6g, kept %d of %d options",
