@@ -109,6 +109,9 @@ idle (load 0.4 -> 0.9): 70B 16x8 29.7 s, 4x4x8x8 65.8 s (2.22x; 27.3 /
 the session 70B 4x4x8x8 169.8 s, feasible at 19.5%, 2271 MiB, est. 944.4
 ms (70B 16x8 31.5 s and 8B 4x4x8 22.3 s optimal); after the merges 144.8
 s, feasible at 5.29%, 1557 MiB, est. 805.5 ms (load 2.0 -> 1.3).
+Last (compute-only bound skipped for proven plans; the machine back at
+session 9's speed, load 0.8 -> 1.0): 70B 16x8 22.6 s, 70B 4x4x8x8 54.2 s
+(19.3 / 4.0 / 2.4 / 26.1; 2.40x), 898 MiB, proven optimal, 3677.7 ms.
 """
 
 from __future__ import annotations
