@@ -113,13 +113,6 @@ def check_pin(
         raise InfeasibleConstraintError(reason, conflict=[what])
 
 
-def _param_bytes(val: torch.Tensor, options: Sequence[Any], mesh: DeviceMesh) -> list[float]:
-    from .problem_builder import local_numel
-
-    itemsize = val.element_size()
-    return [float(local_numel(val.shape, o.output_spec.placements, mesh) * itemsize) for o in options]
-
-
 def check_memory_budget(
     traced: Any,
     strategies: dict[torch.fx.Node, Any],
@@ -135,13 +128,9 @@ def check_memory_budget(
     allows" (as far as its gradient can follow and its repeated layers
     agree: :func:`~autoparallel.problem_builder.param_floor`), which a pin
     to a less sharded layout breaks."""
-    from .problem_builder import param_floor
+    from .problem_builder import param_floor, param_option_bytes
 
-    weights = {
-        fqn: _param_bytes(node.meta["val"], strategies[node].options, mesh)
-        for fqn, node in traced.param_nodes.items()
-        if node in strategies and isinstance(node.meta.get("val"), torch.Tensor)
-    }
+    weights = param_option_bytes(traced, strategies, mesh)
     floor = param_floor(traced, strategies, weights, repeats)
     total = smallest = largest = unpinned_smallest = 0.0
     pinned: list[tuple[str, str]] = []  # (constraint name, what it pins)

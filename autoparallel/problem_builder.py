@@ -518,23 +518,33 @@ def param_floor(traced, strategies, weights: dict[str, list[float]], repeats=Non
     return floor
 
 
-def _memory_constraint(traced, strategies, mesh, constraints: Constraints, repeats=None) -> solver.ResourceConstraint:
-    terms: dict[str, list[float]] = {}
-    total = 0.0
+def param_option_bytes(traced, strategies, mesh) -> dict[str, list[float]]:
+    """Per parameter (by fqn, those with options and a tensor value), its
+    bytes per rank under each of its options."""
     # per (option list, shape, itemsize): a repeated layer's parameters share them
     weights_of: dict[tuple, list[float]] = {}
     by_fqn: dict[str, list[float]] = {}
     for fqn, node in traced.param_nodes.items():
-        val = node.meta["val"]
+        val = node.meta.get("val")
+        if node not in strategies or not isinstance(val, torch.Tensor):
+            continue
         itemsize = val.element_size()
         options = strategies[node].options
-        weights = weights_of.get((id(options), tuple(val.shape), itemsize))
+        key = (id(options), tuple(val.shape), itemsize)
+        weights = weights_of.get(key)
         if weights is None:
-            weights = weights_of[(id(options), tuple(val.shape), itemsize)] = [
+            weights = weights_of[key] = [
                 float(local_numel(val.shape, o.output_spec.placements, mesh) * itemsize) for o in options
             ]
-        terms[node.name] = by_fqn[fqn] = weights
-        total += float(val.numel() * itemsize)
+        by_fqn[fqn] = weights
+    return by_fqn
+
+
+def _memory_constraint(traced, strategies, mesh, constraints: Constraints, repeats=None) -> solver.ResourceConstraint:
+    by_fqn = param_option_bytes(traced, strategies, mesh)
+    terms = {traced.param_nodes[fqn].name: weights for fqn, weights in by_fqn.items()}
+    vals = [traced.param_nodes[fqn].meta["val"] for fqn in by_fqn]
+    total = float(sum(v.numel() * v.element_size() for v in vals))
     smallest = sum(param_floor(traced, strategies, by_fqn, repeats).values())
     high = smallest if constraints.memory_high is None else constraints.memory_high * total
     low = None if constraints.memory_low is None else constraints.memory_low * total
