@@ -62,7 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--model", default=None, choices=sorted(LLAMA3_CONFIGS),
                     help="model config (default: 8B; debug with --real)")
     ap.add_argument("--mesh", type=int, nargs="+", default=[16, 8],
-                    help="mesh shape, 1 to 4 dims: dp [tp], or e.g. 2 8 8 with --mesh-names")
+                    help="mesh shape: dp [tp [cp [ep]]], or any number of dims named with --mesh-names (e.g. 2 8 8 with dp_replicate dp_shard tp)")
     ap.add_argument("--mesh-names", nargs="+", default=None,
                     help="mesh dim names (default: dp tp cp ep); the batch is sharded over every "
                          "dim whose name starts with 'dp', e.g. dp_replicate dp_shard tp for HSDP")
@@ -102,6 +102,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="chunk_regions: split these modules' work in two chunks so one chunk's communication "
                          "overlaps the other's compute (no value: layers.*.attention=batch layers.*.feed_forward=batch)")
     args = ap.parse_args(argv)
+    if any(n < 1 for n in args.mesh):
+        ap.error(f"--mesh sizes must be positive, got {args.mesh}")
+    if args.mesh_names is None and len(args.mesh) > 4:
+        ap.error(f"--mesh {args.mesh} has {len(args.mesh)} dims: name them with --mesh-names "
+                 "(the default names dp tp cp ep cover 4)")
+    if args.mesh_names is not None and len(set(args.mesh_names)) != len(args.mesh_names):
+        ap.error(f"--mesh-names must be distinct, got {args.mesh_names}")
     if args.model is None:
         args.model = "debug" if args.real else "8B"
     if args.seq is None:
