@@ -162,6 +162,9 @@ def plan_model(args: argparse.Namespace, mesh, model, config):
         autop.add_output_constraints([data_placements(mesh)])
         autop.add_parameter_memory_constraint(high=args.memory_high)
         if args.plan_file:
+            if args.memory_high is not None:
+                # the budget shaped the saved plan's solve; a loaded plan is applied as it is
+                print(f"note: --memory-high {args.memory_high} is not used with --plan-file (the plan is not solved again)")
             plan = Plan.load_json(args.plan_file)  # checked against this model/mesh on apply
         else:
             plan = autop.optimize_placement()

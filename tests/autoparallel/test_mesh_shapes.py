@@ -116,3 +116,65 @@ def test_example_cli_refuses_bad_meshes(capsys):
     # five dims, named, are fine
     args = example.parse_args(["--mesh", "1", "1", "1", "1", "2", "--mesh-names", "a", "b", "c", "d", "e"])
     assert example.mesh_names(args, 5) == ("a", "b", "c", "d", "e")
+
+
+@pytest.mark.parametrize(
+    "shape, batch, placements, message",
+    [
+        ((2, 2, 2), 8, (Shard(0), Replicate()), "2 placements given for a 3-D mesh (2, 2, 2) ('dp_replicate', 'dp_shard', 'tp'); give one per mesh dim"),
+        ((2, 2, 2), 8, (Shard(0),) + (Replicate(),) * 3, "4 placements given for a 3-D mesh (2, 2, 2) ('dp_replicate', 'dp_shard', 'tp'); give one per mesh dim"),
+        # batch 6 over dp_replicate x dp_shard (4 ranks) does not divide
+        ((2, 2, 2), 6, (Shard(0), Shard(0), Replicate()), "size 6 on dim 0, which Shard(0) cannot split over "
+         "'dp_replicate' x 'dp_shard' (4 ranks): dims must divide evenly"),
+        # the size-1 dim takes no share: only dp_shard's 4 ranks count
+        ((1, 4, 2), 6, (Shard(0), Shard(0), Replicate()), "cannot split over 'dp_shard' (4 ranks)"),
+        ((3, 2, 2), 8, (Shard(0), Replicate(), Replicate()), "size 8 on dim 0, which Shard(0) cannot split over "
+         "'dp_replicate' (3 ranks)"),
+    ],
+)
+def test_bad_input_constraints_on_3d_meshes(fake_world, shape, batch, placements, message):
+    """Placement tuples of the wrong length and batches that do not divide
+    the data-parallel ranks stop at the constraint, naming the mesh dims
+    and sizes (before any solve)."""
+    from autoparallel.validation import ConstraintError
+
+    fake_world(12)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=HSDP)
+    with torch.device("meta"):
+        model = FFN(8, 16)
+    with AutoParallel(model, mesh, torch.empty(batch, 4, 8, device="meta")) as autop:
+        with pytest.raises(ConstraintError) as err:
+            autop.add_input_constraints([placements])
+    assert message in str(err.value), str(err.value)
+
+
+def test_saved_plan_with_other_input_layout_is_refused(fake_world, tmp_path):
+    """A plan saved on a (1, 4, 2) mesh and applied in a context whose
+    input constraint differs (batch over tp instead of dp_shard) is refused,
+    naming the constraint: applied as it was, the parallel module would
+    read each rank's local input as another shard than the one fed.
+    With the same constraints it applies."""
+    from autoparallel import Plan
+    from autoparallel.provenance import PlanMismatch
+
+    fake_world(8)
+    mesh = init_device_mesh("cpu", (1, 4, 2), mesh_dim_names=HSDP)
+    x = torch.empty(8, 4, 16, device="meta")
+
+    def context():
+        with torch.device("meta"):
+            model = FFN(16, 32)
+        return AutoParallel(model, mesh, x)
+
+    with context() as autop:
+        autop.add_input_constraints([(Replicate(), Shard(0), Replicate())])
+        autop.optimize_placement().dump_json(tmp_path / "plan.json")
+    plan = Plan.load_json(tmp_path / "plan.json")
+    with context() as autop:
+        autop.add_input_constraints([(Replicate(), Replicate(), Shard(0))])
+        with pytest.raises(PlanMismatch, match=r"input constraint 0 asks for RRS\(0\) but the plan lays node \S+ out as RS\(0\)R"):
+            autop.apply_placement(plan, pass_options=LOCAL_TENSOR_PASSES)
+    with context() as autop:
+        # Shard(0) on the size-1 dim is the same layout as Replicate there
+        autop.add_input_constraints([(Shard(0), Shard(0), Replicate())])
+        autop.apply_placement(plan, pass_options=LOCAL_TENSOR_PASSES)
