@@ -65,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="mesh shape: dp [tp [cp [ep]]], or any number of dims named with --mesh-names (e.g. 2 8 8 with dp_replicate dp_shard tp)")
     ap.add_argument("--mesh-names", nargs="+", default=None,
                     help="mesh dim names (default: dp tp cp ep); the batch is sharded over every "
-                         "dim whose name starts with 'dp', e.g. dp_replicate dp_shard tp for HSDP")
+                         "dim whose name starts with 'dp', 'data' or 'batch', e.g. dp_replicate dp_shard tp for HSDP")
     ap.add_argument("--layers", type=int, default=None, help="override the config's layer count")
     ap.add_argument("--dim", type=int, default=None,
                     help="override the config's model width (default with --real: 256, so that the "
@@ -193,12 +193,24 @@ def mesh_names(args: argparse.Namespace, ndim: int) -> tuple[str, ...]:
     return tuple(args.mesh_names)
 
 
+# mesh dim names that carry the batch ("dp_shard", "data", "batch_replicate", ...)
+DATA_PARALLEL_NAMES = ("dp", "data", "batch")
+
+
 def data_placements(mesh) -> tuple:
     """The batch sharded over the data-parallel dims (names starting with
-    "dp"; the first dim when none does), replicated over the others."""
+    :data:`DATA_PARALLEL_NAMES`; the first dim when none does), replicated over the others."""
     names = mesh.mesh_dim_names or ()
-    dp = [i for i, n in enumerate(names) if n.startswith("dp")] or [0]
+    dp = [i for i, n in enumerate(names) if n.lower().startswith(DATA_PARALLEL_NAMES)] or [0]
     return tuple(Shard(0) if i in dp else Replicate() for i in range(mesh.ndim))
+
+
+def batch_replicas(mesh) -> int:
+    """How many ranks hold each shard of the batch: the mesh size over the
+    data-parallel dims' (2 on a 2x2x2 HSDP mesh, where the batch splits over
+    dp_replicate and dp_shard; not mesh.size() // mesh.size(0))."""
+    split = math.prod(mesh.size(i) for i, p in enumerate(data_placements(mesh)) if isinstance(p, Shard))
+    return mesh.size() // split
 
 
 def main(argv=None) -> None:
@@ -419,7 +431,7 @@ def run_real(args: argparse.Namespace) -> None:
         placements = data_placements(mesh)
         local_tokens = distribute_tensor(tokens, mesh, placements, src_data_rank=None).to_local().to(device)
         local_labels = distribute_tensor(labels, mesh, placements, src_data_rank=None).to_local().to(device)
-        replicas = world // mesh.size(0)  # ranks holding the same batch shard
+        replicas = batch_replicas(mesh)  # ranks holding the same batch shard
         if rank == 0:
             print("\n== training ==")
         for step in range(args.steps):

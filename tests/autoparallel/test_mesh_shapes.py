@@ -178,3 +178,28 @@ def test_saved_plan_with_other_input_layout_is_refused(fake_world, tmp_path):
         # Shard(0) on the size-1 dim is the same layout as Replicate there
         autop.add_input_constraints([(Shard(0), Shard(0), Replicate())])
         autop.apply_placement(plan, pass_options=LOCAL_TENSOR_PASSES)
+
+
+@pytest.mark.parametrize(
+    "shape, names, batch_dims, replicas",
+    [
+        ((2, 2, 2), ("dp_replicate", "dp_shard", "tp"), (0, 1), 2),
+        ((1, 4, 2), ("dp_replicate", "dp_shard", "tp"), (0, 1), 2),  # 1 x 4 ranks split it
+        ((2, 2, 2), ("data", "model", "pp"), (0,), 4),
+        ((2, 2, 2), ("pp", "batch", "tp"), (1,), 4),
+        ((2, 4), ("dp", "tp"), (0,), 4),
+    ],
+)
+def test_example_batch_layout(fake_world, shape, names, batch_dims, replicas):
+    """The example splits the batch over the dims named dp*/data*/batch*
+    and, in --real, divides the all-reduced loss by the ranks holding each
+    batch shard (it divided by mesh.size() // mesh.size(0): on HSDP
+    2x2x2 it printed half the loss)."""
+    from test_example import _load_example
+
+    example = _load_example()
+    fake_world(8)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    placements = example.data_placements(mesh)
+    assert [i for i, p in enumerate(placements) if p == Shard(0)] == list(batch_dims)
+    assert example.batch_replicas(mesh) == replicas
