@@ -62,6 +62,13 @@ def is_evenly_sharded(shape: torch.Size, placements: tuple[Placement, ...], mesh
     return all(ways[d] == 1 or shape[d] % ways[d] == 0 for d in range(len(shape)))
 
 
+def on_mesh(placements: tuple[Placement, ...], mesh_shape: tuple[int, ...]) -> tuple[Placement, ...]:
+    """``placements`` with Shard over a mesh dim of size 1 read as
+    Replicate() (one rank holds the whole tensor either way): the layout the
+    planner uses for it (see :func:`is_evenly_sharded`)."""
+    return tuple(Replicate() if size == 1 and isinstance(p, Shard) else p for p, size in zip(placements, mesh_shape))
+
+
 @functools.lru_cache(maxsize=None)
 def _mesh_shape(mesh: DeviceMesh) -> tuple[int, ...]:
     return tuple(mesh.shape)

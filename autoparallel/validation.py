@@ -18,10 +18,10 @@ import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, Shard
 from torch.utils._pytree import TreeSpec, tree_flatten
 
-from .placements import format_placement
+from .placements import format_placement, on_mesh
 
 
 class ConstraintError(ValueError):
@@ -219,10 +219,7 @@ def check_placements(placements: Any, node: Any, mesh: DeviceMesh, what: str) ->
     # Replicate(), the only layout the planner offers there (see
     # placements.is_evenly_sharded), so (Shard(0),) * 3 pins the batch on a
     # 1x4x2 mesh as it does on 2x2x2.
-    return tuple(
-        (Replicate() if size == 1 else Shard(p.dim % ndim)) if isinstance(p, Shard) else p
-        for p, size in zip(placements, mesh.shape)
-    )
+    return on_mesh(tuple(Shard(p.dim % ndim) if isinstance(p, Shard) else p for p in placements), tuple(mesh.shape))
 
 
 def check_constraint_list(constraints: Any, n: int, what: str) -> list:

@@ -15,7 +15,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from autoparallel import AutoParallel
 from autoparallel.models import FFN, LLAMA3_CONFIGS, Transformer
 
-from test_apply import LOCAL_TENSOR_PASSES, _train_and_compare  # same directory
+from test_apply import LOCAL_TENSOR_PASSES, _apply, _train_and_compare  # same directory
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning"),
@@ -71,18 +71,10 @@ def test_size_one_dim_adds_no_options(fake_world, shape=(1, 4, 2)):
 )
 def test_size_one_dims_plan_apply(fake_world, shape):
     """FFN with the batch pinned Shard(0) on every mesh dim: planned,
-    applied, and three AdamW steps on the 8 simulated ranks equal the
+    applied, and two AdamW steps on the 8 simulated ranks equal the
     single-device model's."""
     fake_world(8)
-    mesh = init_device_mesh("cpu", shape)
-    with torch.device("meta"):
-        model = FFN(16, 64, bias=True)
-    with AutoParallel(model, mesh, torch.empty(8, 16, 16, device="meta")) as autop:
-        batch = (Shard(0),) * mesh.ndim
-        autop.add_input_constraints([batch])
-        autop.add_output_constraints([batch])
-        plan = autop.optimize_placement()
-        parallel = autop.apply_placement(plan, pass_options=LOCAL_TENSOR_PASSES)
+    parallel, mesh, plan = _apply("ffn", shape)
     assert plan.solution.status == "optimal"
     for name, p in parallel.named_parameters():
         for dim, size in enumerate(shape):
@@ -203,3 +195,26 @@ def test_example_batch_layout(fake_world, shape, names, batch_dims, replicas):
     placements = example.data_placements(mesh)
     assert [i for i, p in enumerate(placements) if p == Shard(0)] == list(batch_dims)
     assert example.batch_replicas(mesh) == replicas
+
+
+def test_dtensor_input_sharded_over_a_size_one_dim(fake_world):
+    """A DTensor input laid out Shard(0) on every dim of a (1, 4, 2) mesh
+    feeds a module planned for that (the plan stores Replicate on the
+    size-1 dim, the same local tensor): it used to be refused as "DTensor
+    placements (S(0), S(0), S(0)) but the plan expects (R, S(0), S(0))"."""
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.distributed.tensor import distribute_tensor
+
+    from test_apply import MODELS, _reference
+
+    fake_world(8)
+    parallel, mesh, _ = _apply("ffn", (1, 4, 2))
+    ref = _reference("ffn")
+    x = MODELS["ffn"][1]()
+    expected = ref(x).detach()
+    with LocalTensorMode(8):
+        parallel.to_empty(device="cpu")
+        parallel.load_state_dict(ref.state_dict())
+        out = parallel(distribute_tensor(x, mesh, (Shard(0),) * 3))
+        got = torch.cat([out._local_tensors[r] for r in range(8)])
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
