@@ -53,10 +53,20 @@ def is_evenly_sharded(shape: torch.Size, placements: tuple[Placement, ...], mesh
                 continue
             return False  # _StridedShard and any other shard-like placement
         d = p.dim
-        if d < 0 or d >= len(shape):
+        if d < 0 or d >= len(shape) or mesh_shape[mesh_dim] == 1:
+            # a mesh dim of size 1 holds the whole tensor: Shard there is
+            # Replicate under another name, an option that only multiplies
+            # the problem (as big as a 2x2x2 mesh's for a 1x4x2 one)
             return False
         ways[d] *= mesh_shape[mesh_dim]
     return all(ways[d] == 1 or shape[d] % ways[d] == 0 for d in range(len(shape)))
+
+
+def on_mesh(placements: tuple[Placement, ...], mesh_shape: tuple[int, ...]) -> tuple[Placement, ...]:
+    """``placements`` with Shard over a mesh dim of size 1 read as
+    Replicate() (one rank holds the whole tensor either way): the layout the
+    planner uses for it (see :func:`is_evenly_sharded`)."""
+    return tuple(Replicate() if size == 1 and isinstance(p, Shard) else p for p, size in zip(placements, mesh_shape))
 
 
 @functools.lru_cache(maxsize=None)

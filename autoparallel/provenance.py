@@ -87,7 +87,8 @@ def check_applicable(plan: "Plan", autop: "AutoParallel") -> None:
         )
     prov = plan.provenance
     if not prov:
-        return  # a plan without a record (older JSON): nothing more to check
+        _check_pins(plan, autop)  # a plan without a record (older JSON): only its layouts can be checked
+        return
     mine = provenance(autop)
     want, got = prov.get("input_shapes"), mine["input_shapes"]
     if want is not None and want != got:
@@ -105,6 +106,23 @@ def check_applicable(plan: "Plan", autop: "AutoParallel") -> None:
             f"{prov['graph_fingerprint'][:12]} ({prov.get('num_graph_nodes')} nodes); same model code, "
             "config, activation checkpointing and mixed-precision policy are needed"
         )
+    _check_pins(plan, autop)
+
+
+def _check_pins(plan: "Plan", autop: "AutoParallel") -> None:
+    """The constraints of ``autop`` hold in ``plan``: a plan made with other
+    input or output layouts would run on inputs laid out another way than
+    the caller feeds (wrong numbers, no error)."""
+    from .placements import format_placement
+
+    for node_name, (cname, placements) in autop._constraints.pins.items():
+        n = plan.nodes.get(node_name)
+        want = "".join(format_placement(p) for p in placements)
+        if n is not None and n.output_placements != want:
+            raise PlanMismatch(
+                f"{cname} asks for {want} but the plan lays node {node_name} out as {n.output_placements}: "
+                "the plan was made with other constraints; plan again, or add the constraints it was made with"
+            )
 
 
 def resolve_choice(plan: "Plan", strategies: dict) -> dict[str, int]:

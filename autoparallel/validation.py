@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, Shard
 from torch.utils._pytree import TreeSpec, tree_flatten
 
-from .placements import format_placement
+from .placements import format_placement, on_mesh
 
 
 class ConstraintError(ValueError):
@@ -215,7 +215,11 @@ def check_placements(placements: Any, node: Any, mesh: DeviceMesh, what: str) ->
             raise ConstraintError(
                 f"{what}: {p} is out of range for a {ndim}-D tensor (node {node.name}); valid: {valid}"
             )
-    return tuple(Shard(p.dim % ndim) if isinstance(p, Shard) else p for p in placements)
+    # Shard over a mesh dim of size 1 keeps the whole tensor: it is
+    # Replicate(), the only layout the planner offers there (see
+    # placements.is_evenly_sharded), so (Shard(0),) * 3 pins the batch on a
+    # 1x4x2 mesh as it does on 2x2x2.
+    return on_mesh(tuple(Shard(p.dim % ndim) if isinstance(p, Shard) else p for p in placements), tuple(mesh.shape))
 
 
 def check_constraint_list(constraints: Any, n: int, what: str) -> list:

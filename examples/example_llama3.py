@@ -62,10 +62,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--model", default=None, choices=sorted(LLAMA3_CONFIGS),
                     help="model config (default: 8B; debug with --real)")
     ap.add_argument("--mesh", type=int, nargs="+", default=[16, 8],
-                    help="mesh shape, 1 to 4 dims: dp [tp], or e.g. 2 8 8 with --mesh-names")
+                    help="mesh shape: dp [tp [cp [ep]]], or any number of dims named with --mesh-names (e.g. 2 8 8 with dp_replicate dp_shard tp)")
     ap.add_argument("--mesh-names", nargs="+", default=None,
                     help="mesh dim names (default: dp tp cp ep); the batch is sharded over every "
-                         "dim whose name starts with 'dp', e.g. dp_replicate dp_shard tp for HSDP")
+                         "dim whose name starts with 'dp', 'data' or 'batch', e.g. dp_replicate dp_shard tp for HSDP")
     ap.add_argument("--layers", type=int, default=None, help="override the config's layer count")
     ap.add_argument("--dim", type=int, default=None,
                     help="override the config's model width (default with --real: 256, so that the "
@@ -102,6 +102,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="chunk_regions: split these modules' work in two chunks so one chunk's communication "
                          "overlaps the other's compute (no value: layers.*.attention=batch layers.*.feed_forward=batch)")
     args = ap.parse_args(argv)
+    if any(n < 1 for n in args.mesh):
+        ap.error(f"--mesh sizes must be positive, got {args.mesh}")
+    if args.mesh_names is None and len(args.mesh) > 4:
+        ap.error(f"--mesh {args.mesh} has {len(args.mesh)} dims: name them with --mesh-names "
+                 "(the default names dp tp cp ep cover 4)")
+    if args.mesh_names is not None and len(set(args.mesh_names)) != len(args.mesh_names):
+        ap.error(f"--mesh-names must be distinct, got {args.mesh_names}")
     if args.model is None:
         args.model = "debug" if args.real else "8B"
     if args.seq is None:
@@ -155,6 +162,9 @@ def plan_model(args: argparse.Namespace, mesh, model, config):
         autop.add_output_constraints([data_placements(mesh)])
         autop.add_parameter_memory_constraint(high=args.memory_high)
         if args.plan_file:
+            if args.memory_high is not None:
+                # the budget shaped the saved plan's solve; a loaded plan is applied as it is
+                print(f"note: --memory-high {args.memory_high} is not used with --plan-file (the plan is not solved again)")
             plan = Plan.load_json(args.plan_file)  # checked against this model/mesh on apply
         else:
             plan = autop.optimize_placement()
@@ -183,12 +193,24 @@ def mesh_names(args: argparse.Namespace, ndim: int) -> tuple[str, ...]:
     return tuple(args.mesh_names)
 
 
+# mesh dim names that carry the batch ("dp_shard", "data", "batch_replicate", ...)
+DATA_PARALLEL_NAMES = ("dp", "data", "batch")
+
+
 def data_placements(mesh) -> tuple:
     """The batch sharded over the data-parallel dims (names starting with
-    "dp"; the first dim when none does), replicated over the others."""
+    :data:`DATA_PARALLEL_NAMES`; the first dim when none does), replicated over the others."""
     names = mesh.mesh_dim_names or ()
-    dp = [i for i, n in enumerate(names) if n.startswith("dp")] or [0]
+    dp = [i for i, n in enumerate(names) if n.lower().startswith(DATA_PARALLEL_NAMES)] or [0]
     return tuple(Shard(0) if i in dp else Replicate() for i in range(mesh.ndim))
+
+
+def batch_replicas(mesh) -> int:
+    """How many ranks hold each shard of the batch: the mesh size over the
+    data-parallel dims' (2 on a 2x2x2 HSDP mesh, where the batch splits over
+    dp_replicate and dp_shard; not mesh.size() // mesh.size(0))."""
+    split = math.prod(mesh.size(i) for i, p in enumerate(data_placements(mesh)) if isinstance(p, Shard))
+    return mesh.size() // split
 
 
 def main(argv=None) -> None:
@@ -409,7 +431,7 @@ def run_real(args: argparse.Namespace) -> None:
         placements = data_placements(mesh)
         local_tokens = distribute_tensor(tokens, mesh, placements, src_data_rank=None).to_local().to(device)
         local_labels = distribute_tensor(labels, mesh, placements, src_data_rank=None).to_local().to(device)
-        replicas = world // mesh.size(0)  # ranks holding the same batch shard
+        replicas = batch_replicas(mesh)  # ranks holding the same batch shard
         if rank == 0:
             print("\n== training ==")
         for step in range(args.steps):

@@ -43,6 +43,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten_with_path, tree_unflatten
 
 from ..strategies import format_specs
+from ..placements import on_mesh
 from .init import wrap_init
 from .local_graph import LocalJoint, local_shape
 from .runtime import ParallelStep
@@ -223,7 +224,7 @@ class ParallelModuleMixin:
                 continue
             callers.append(leaf)
             if isinstance(leaf, DTensor):
-                if tuple(leaf.placements) != tuple(slot.spec.placements):
+                if on_mesh(tuple(leaf.placements), tuple(leaf.device_mesh.shape)) != tuple(slot.spec.placements):
                     raise ValueError(
                         f"input {name}: DTensor placements {leaf.placements} but the plan expects "
                         f"{slot.spec.placements}"

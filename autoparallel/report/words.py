@@ -184,6 +184,10 @@ def describe(plan) -> list[str]:
     overall = []
     for d, name in enumerate(names):
         main, weights_sharded = mains[d], sharded[d]
+        if mesh[d] == 1:
+            # one rank along it: every layout there is Replicate
+            overall.append(f"{name} ({mesh[d]}): size 1, nothing split over it")
+            continue
         if main == "data" and hsdp:
             what = (
                 "HSDP shard-within (data parallel, weights sharded inside each replica, gathered for compute)"
