@@ -266,6 +266,7 @@ class DualAscent:
         last = self.bound()
         for s in range(sweeps):
             if deadline is not None and time.perf_counter() > deadline:
+                logger.info("dual ascent: past its deadline after %d sweeps", self.stats.sweeps)
                 break
             self.sweep(forward if self.stats.sweeps % 2 == 0 else forward[::-1])
             if upper is not None:
@@ -280,6 +281,8 @@ class DualAscent:
                 break
             scale = (upper - d) if upper is not None and math.isfinite(d) else abs(d)
             if s and d - last <= STALL_RTOL * max(scale, 1e-300):
+                logger.info("dual ascent: stalled after %d sweeps (bound up %.3g, gap %.3g)",
+                            self.stats.sweeps, d - last, scale)
                 self.stalled = True
                 break
             last = d

@@ -261,6 +261,29 @@ def test_min_plus_with_infinite_values(monkeypatch, seed):
     assert edge_matrices._min_plus(costs[:, :0], values[:0]).tolist() == [math.inf] * 17
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_min_plus_cols_equals_brute_force(monkeypatch, seed):
+    """The column reduction (axis 0 over row chunks) against the brute force
+    over the transpose, bit for bit: inf entries, +-inf values, chunks of
+    one row, a few rows or all of them, float32 grids too."""
+    from autoparallel import edge_matrices
+
+    monkeypatch.setattr(edge_matrices, "_MIN_PLUS_CHUNK", (1, 20, 1 << 18)[seed % 3])
+    rng = np.random.default_rng(50 + seed)
+    shape = (int(rng.integers(1, 40)), int(rng.integers(1, 30)))
+    costs = _random_costs(rng, shape, 0.4).astype(np.float32 if seed > 5 else np.float64)
+    costs[:, rng.integers(shape[1])] = math.inf  # a column of inf entries
+    values = rng.normal(size=shape[0])
+    if seed % 2:
+        values[rng.random(shape[0]) < 0.3] = math.inf
+    values[rng.random(shape[0]) < 0.2] = -math.inf
+    brute = np.where(np.isinf(costs), math.inf, costs - values[:, None]).min(axis=0, initial=math.inf)
+    ours = edge_matrices._min_plus_cols(costs, values)
+    assert np.array_equal(ours, brute) and not np.isnan(ours).any()
+    assert np.array_equal(ours, edge_matrices._min_plus(costs.T, values))
+    assert edge_matrices._min_plus_cols(costs[:0], values[:0]).tolist() == [math.inf] * shape[1]
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_key_match_min_plus_equals_brute_force(seed):
     """Keys only rows have (inf rows), keys only columns have (inf
@@ -312,3 +335,52 @@ def test_masked_and_norm_partials_take_the_vectorised_path(monkeypatch):
 
     monkeypatch.setattr(class_costs, "redistribution_matrix", per_pair)
     assert np.array_equal(class_costs.redistribution_grid(specs, specs, cost_model.H100), slow)
+
+
+@pytest.mark.parametrize("keep_partial", [False, True])
+def test_grid_family_blocks_equal_own_grids(monkeypatch, keep_partial):
+    """Lazy grids of one tensor come from their family's union grid (or on
+    their own: a union larger than its members, a member registered after
+    the union was computed, mixed metas), equal bit for bit to the grid
+    each would compute alone."""
+    from autoparallel.strategies import Option
+
+    mesh = _mesh((2, 2, 2))
+    meta, other = _meta((8, 6, 4)), _meta((8, 6, 4), torch.float32)
+    rng = random.Random(5)
+    specs = _specs(mesh, meta, 60, rng, odd=True)
+    unions = []
+    real = class_costs.class_cost_grid
+
+    def counted(src, dst, *args):
+        unions.append((len(src), len(dst)))
+        return real(src, dst, *args)
+
+    monkeypatch.setattr("autoparallel.edge_matrices.class_cost_grid", counted)
+    matrices = EdgeMatrices(cost_model.H100, CommOverlapPolicy(), lazy=True)
+
+    def options(lo, hi, step=1):
+        return [Option(specs[i], (specs[(i * 7) % len(specs)],)) for i in range(lo, hi, step)]
+
+    lists = [options(0, 40), options(10, 50), options(20, 60), options(5, 45, 2)]
+    mats = [matrices.redistribution(a, b, 0, None, keep_partial) for a in lists for b in lists[:2]]
+    mixed = options(0, 30) + [Option(DTensorSpec(mesh, (Replicate(),) * 3, tensor_meta=other), (specs[0],))]
+    mats.append(matrices.redistribution(mixed, lists[1], 0, None, keep_partial))  # mixed metas: its own
+    for m in mats:
+        full = m.block(np.arange(m.shape[0]), np.arange(m.shape[1]))
+        grid = m._grid.costs
+        src, dst = _grid_specs(m)
+        assert np.array_equal(grid, real(src, dst, cost_model.H100, CommOverlapPolicy(), None, keep_partial))
+        assert full.shape == m.shape
+    assert unions[0][0] > 40 and len(unions) == 2  # one union for the family, one grid alone
+    late = matrices.redistribution(options(1, 60, 3), lists[0], 0, None, keep_partial)
+    src, dst = _grid_specs(late)
+    assert np.array_equal(late._grid.costs, real(src, dst, cost_model.H100, CommOverlapPolicy(), None, keep_partial))
+    assert len(unions) == 3  # computed alone
+
+
+def _grid_specs(matrix):
+    """The source and target specs a lazy grid was registered with."""
+    fn = matrix._grid._compute
+    cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__)))
+    return cells["src_specs"], cells["dst_specs"]
