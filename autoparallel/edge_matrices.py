@@ -280,6 +280,8 @@ class _ClassGrid:
     option in play against all others, and exact pricing every option
     against every partner) and kept."""
 
+    _single: tuple[np.ndarray, float] | None = None  # float32 copy, largest finite |cost|
+
     def __init__(self, compute, sources: int, targets: int):
         self._compute = compute  # () -> (sources, targets) float64 array
         self.shape = (sources, targets)
@@ -290,6 +292,16 @@ class _ClassGrid:
         if self._costs is None:
             self._costs = self._compute()
         return self._costs
+
+    @property
+    def single(self) -> tuple[np.ndarray, float]:
+        """The costs in float32 (half the memory traffic of a min-plus
+        reduction) and the largest finite ``|cost|`` (its rounding bound)."""
+        if self._single is None:
+            costs = self.costs
+            finite = np.abs(costs[np.isfinite(costs)])
+            self._single = (costs.astype(np.float32), float(finite.max()) if finite.size else 0.0)
+        return self._single
 
     def block(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         """Costs of the sources ``src`` x the targets ``dst`` (class ids)."""
@@ -453,6 +465,36 @@ class LazyClassMatrix:
         if not present.all():
             costs, best = costs[present], best[present]
         return _min_plus_cols(costs, best)[self._col_class]
+
+    def reduction_classes(self, own_rows: bool) -> tuple[np.ndarray, np.ndarray, int]:
+        """(class per result option, class per value option, value classes)
+        of :meth:`min_plus_classes` (``own_rows``: results per row)."""
+        if own_rows:
+            return self._row_class, self._col_class, self._grid.shape[1]
+        return self._col_class, self._row_class, self._grid.shape[0]
+
+    def min_plus_classes(self, best: np.ndarray, own_rows: bool, lower: bool = False) -> np.ndarray:
+        """:meth:`min_plus_rows` (``own_rows``) or :meth:`min_plus_cols` over
+        classes: ``best`` the largest value per column (row) class, -inf
+        for a class without options (its entries are then never the
+        minimum), the result per row (column) class.
+
+        ``lower``: a lower bound of each result instead, from float32 costs
+        and values (about twice as fast) less their rounding bound: each
+        difference is off by at most ``3u (|C| + |v|)``, ``u = 2**-24`` (two
+        roundings to float32, one subtraction), so the minimum less
+        ``2**-21 (max |C| + max |v|)`` (finite ones) is never above the
+        exact one; infinite results stay as they are (an entry of ``inf``
+        or a value of ``-inf`` gives ``inf`` either way)."""
+        if not lower:
+            costs = self._grid.costs
+            return _min_plus(costs, best) if own_rows else _min_plus_cols(costs, best)
+        costs, top = self._grid.single
+        finite = np.abs(best[np.isfinite(best)])
+        slack = 2.0**-21 * (top + (float(finite.max()) if finite.size else 0.0))
+        single = best.astype(np.float32)
+        out = _min_plus(costs, single) if own_rows else _min_plus_cols(costs, single)
+        return out - slack  # inf - slack == inf
 
     def block(self, rows, cols) -> np.ndarray:
         rc = self._row_class[np.asarray(rows, dtype=np.int64)]

@@ -384,3 +384,67 @@ def _grid_specs(matrix):
     fn = matrix._grid._compute
     cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__)))
     return cells["src_specs"], cells["dst_specs"]
+
+
+class _RowsColsOnly:
+    """A lazy class matrix seen only through min_plus_rows / min_plus_cols
+    (Term.min_plus's general path)."""
+
+    def __init__(self, matrix):
+        self._m = matrix
+        self.shape, self.floor = matrix.shape, matrix.floor
+        self.block, self.min_plus_rows, self.min_plus_cols = matrix.block, matrix.min_plus_rows, matrix.min_plus_cols
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_term_min_plus_by_classes_equals_general_path(seed):
+    """Term.min_plus through the matrix's classes (one scatter-max, one
+    gather) equals its general path and brute force: repeated and missing
+    option maps, transposed terms, counts > 1, inf entries, -inf values."""
+    from solver.pricing_quotient import BlockCache, Term
+
+    rng = np.random.default_rng(200 + seed)
+    n_rc, n_cc = int(rng.integers(1, 12)), int(rng.integers(1, 12))
+    costs = _random_costs(rng, (n_rc, n_cc), 0.3)
+    rows, cols = int(rng.integers(1, 25)), int(rng.integers(1, 25))
+    matrix = LazyClassMatrix(_ClassGrid(lambda: costs, n_rc, n_cc),
+                             rng.integers(0, n_rc, rows).tolist(), rng.integers(0, n_cc, cols).tolist())
+    transposed, count = bool(seed % 2), int(rng.integers(1, 4))
+    obj_rows, obj_cols = (cols, rows) if transposed else (rows, cols)  # the term's sides, in object ids
+    rmap, cmap = rng.integers(0, obj_rows, int(rng.integers(1, 20))), rng.integers(0, obj_cols, int(rng.integers(1, 20)))
+    fast = Term(BlockCache(matrix), rmap, cmap, transposed, count)
+    general = Term(BlockCache(_RowsColsOnly(matrix)), rmap, cmap, transposed, count)
+    full = matrix.block(np.arange(rows), np.arange(cols))
+    full = full.T if transposed else full
+    full = count * full[np.ix_(rmap, cmap)]
+    for along_rows in (True, False):
+        values = rng.normal(size=len(cmap) if along_rows else len(rmap))
+        values[rng.random(len(values)) < 0.2] = -math.inf
+        ours = fast.min_plus(values, along_rows)
+        assert np.array_equal(ours, general.min_plus(values, along_rows))
+        c = full if along_rows else full.T
+        brute = np.where(np.isinf(c), math.inf, c - values[None, :]).min(axis=1, initial=math.inf)
+        _assert_same(ours, brute)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_lower_min_plus_is_a_close_lower_bound(seed):
+    """min_plus_classes(lower=True) (float32) is never above the exact
+    reduction, within its rounding bound of it, inf exactly where it is:
+    inf entries, -inf values, costs spread over orders of magnitude."""
+    rng = np.random.default_rng(300 + seed)
+    n_rc, n_cc = int(rng.integers(1, 40)), int(rng.integers(1, 40))
+    costs = _random_costs(rng, (n_rc, n_cc), 0.3) * 10.0 ** rng.integers(-6, 1, (n_rc, n_cc))
+    if seed % 3 == 0:
+        costs[:, 0] = math.inf  # a class with no finite partner
+    matrix = LazyClassMatrix(_ClassGrid(lambda: costs, n_rc, n_cc), list(range(n_rc)), list(range(n_cc)))
+    for own_rows in (True, False):
+        best = rng.normal(0, 1e-3, size=n_cc if own_rows else n_rc) + rng.uniform(0, 1e-6)
+        best[rng.random(len(best)) < 0.2] = -math.inf
+        exact = matrix.min_plus_classes(best, own_rows)
+        low = matrix.min_plus_classes(best, own_rows, lower=True)
+        assert np.array_equal(np.isinf(low), np.isinf(exact)) and np.array_equal(low[np.isinf(low)], exact[np.isinf(exact)])
+        finite = np.isfinite(exact)
+        assert (low[finite] <= exact[finite]).all()
+        top = np.abs(costs[np.isfinite(costs)]).max(initial=0.0) + np.abs(best[np.isfinite(best)]).max(initial=0.0)
+        assert (exact[finite] - low[finite] <= 2.0**-20 * top).all()
