@@ -128,7 +128,12 @@ after 2 of 9 trees; class-direct reductions; collector paused), and on
 8 layers 11.1-11.5 -> 8.2-8.6 s from float32 sweeps alone (the bound
 after the first exact sweep equal to 8 digits; 32 sweeps either way).
 8B 16x8 / 4x4x8 / HSDP (dense path, unchanged; load 6.2 -> 9.5): 65.5 /
-135.2 / 80.6 s, all proven optimal.
+135.2 / 80.6 s, all proven optimal. Again as the load eased (2.5 -> 5.0):
+70B 16x8 49.0 s (42.2 / 0.63 / 1.86 / 0.95), 70B 4x4x8x8 121.4 s (57.2 /
+10.6 / 7.6 / solve 39.0 / plan report 1.7), 982 MiB, proven, 3677.7 ms.
+Where the 4-D solve goes now (CPU): grids ~8 s (Bellman-Ford distances
+of cost_model/redistribute_plan ~40% of it), ~39 sweeps of which the
+first 30 in float32, 2 forests, the restricted ILPs.
 """
 
 from __future__ import annotations
