@@ -112,6 +112,28 @@ s, feasible at 5.29%, 1557 MiB, est. 805.5 ms (load 2.0 -> 1.3).
 Last (compute-only bound skipped for proven plans; the machine back at
 session 9's speed, load 0.8 -> 1.0): 70B 16x8 22.6 s, 70B 4x4x8x8 54.2 s
 (19.3 / 4.0 / 2.4 / 26.1; 2.40x), 898 MiB, proven optimal, 3677.7 ms.
+
+Session 11 (solve4d; the solve stage of the 4-D plan; --time-limit 10).
+The machine was shared all session (load 6-12 on 2 cores: wall figures
+~2-3x idle ones, and stage times swing with the load). Back to back, 70B
+4x4x8x8, main (load 6.7 -> 6.2) then this branch (load 7.1 -> 7.1): solve
+66.2 -> 48.1 s, proven optimal both, est. step 3677.7 ms, 898 -> 981 MiB
+(float32 grid copies), options kept 53,509 -> 70,454 (forests stop at
+few pairs); 70B 16x8 optimal in 108.2 s beside it (tracing alone 96.7 s
+at that load). CPU seconds, less load-bound: the 136 class grids (18.0M
+entries) 15.3 -> 8.4 s (one union grid per tensor: 10.6M entries);
+solve_by_pricing on the traced problem with its grids computed 19.8 ->
+11.6-13.5 s (column min-plus along axis 0: half its time; forests stop
+after 2 of 9 trees; class-direct reductions; collector paused), and on
+8 layers 11.1-11.5 -> 8.2-8.6 s from float32 sweeps alone (the bound
+after the first exact sweep equal to 8 digits; 32 sweeps either way).
+8B 16x8 / 4x4x8 / HSDP (dense path, unchanged; load 6.2 -> 9.5): 65.5 /
+135.2 / 80.6 s, all proven optimal. Again as the load eased (2.5 -> 5.0):
+70B 16x8 49.0 s (42.2 / 0.63 / 1.86 / 0.95), 70B 4x4x8x8 121.4 s (57.2 /
+10.6 / 7.6 / solve 39.0 / plan report 1.7), 982 MiB, proven, 3677.7 ms.
+Where the 4-D solve goes now (CPU): grids ~8 s (Bellman-Ford distances
+of cost_model/redistribute_plan ~40% of it), ~39 sweeps of which the
+first 30 in float32, 2 forests, the restricted ILPs.
 """
 
 from __future__ import annotations

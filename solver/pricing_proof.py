@@ -62,6 +62,10 @@ TARGET_MARGINS = (1e-5, 1e-4, 1e-3)
 # What a pass of TREES forests costs, in sweeps of the ascent (a forest
 # reduces each of its edges twice, a sweep every edge twice).
 FOREST_SWEEPS = 3
+# Option pairs among the survivors of the forests after an ascent at which
+# they stop: the restricted ILP over all of them is then cheap (~0.1-0.5 s)
+# and is the proof (solver.pricing's exhaustive case, DIRECT_PAIRS).
+FOREST_ENOUGH_PAIRS = 20_000
 # Relative gap under which a bound proves a plan optimal (solver.pricing.OPT_RTOL).
 OPT_RTOL = 1e-9
 
@@ -153,7 +157,9 @@ def _ascend(pr: _Pricer, ascent: DualAscent, upper: float, plan: list[int], back
         for q, o in enumerate(plan):
             keep[q][o] = True
         return keep, upper, plan, bound
-    el = eliminate(pr.q, upper, trees=TREES, reparam=ascent.reparam(), deadline=deadline)
+    el = eliminate(pr.q, upper, trees=TREES, reparam=ascent.reparam(), deadline=deadline,
+                   enough=lambda keep: pairs_among(pr.q, [k & live for k, live in zip(keep, ascent.live)])
+                   <= FOREST_ENOUGH_PAIRS)
     if el.plan is not None:
         upper, plan = el.upper, el.plan
     stats.tree_bound = max(stats.tree_bound, bound, el.bound)

@@ -14,7 +14,14 @@ bound on every entry) and ``block(rows, cols) -> ndarray`` (``inf``: a
 forbidden pair), and optionally ``min_plus_rows(col_values)`` /
 ``min_plus_cols(row_values)``: per row ``min_j C[i, j] - col_values[j]``
 over ALL columns (per column, over all rows), which lets pricing charge a
-left-out option its true cheapest partner instead of the edge's floor. A
+left-out option its true cheapest partner instead of the edge's floor.
+A matrix whose options share rows and columns by class may also offer
+``reduction_classes(own_rows) -> (result classes, value classes, number
+of value classes)`` and ``min_plus_classes(best, own_rows, lower=False)``
+(the same reduction over classes, ``best`` the largest value per value
+class; ``lower``: a lower bound of each result may do, ``inf`` exactly
+where the result is): :meth:`Term.min_plus` then maps its options to those
+classes directly. A
 dense ``list[list[float]]`` is wrapped by :class:`DenseMatrix`. Entries are read through one :class:`BlockCache` per
 matrix object (edges sharing an object share it): whole columns or rows of
 the options that some subset holds, each asked for once, so the work is
@@ -177,6 +184,7 @@ class Term:
             n_rows, n_cols = n_cols, n_rows
         self._r = None if _is_identity(self.rmap, n_rows) else self.rmap
         self._c = None if _is_identity(self.cmap, n_cols) else self.cmap
+        self._reductions: dict[bool, tuple] = {}  # own_rows -> class maps (matrices reducing by class)
 
     def cols(self, J: np.ndarray) -> np.ndarray:
         if self.transposed:
@@ -192,20 +200,38 @@ class Term:
         out = self.cache.rows(self.rmap[I])
         return out if self._c is None else out[:, self._c]
 
-    def min_plus(self, values: np.ndarray, along_rows: bool) -> np.ndarray | None:
+    def min_plus(self, values: np.ndarray, along_rows: bool, lower: bool = False) -> np.ndarray | None:
         """``count * C(i, j) - values[j]`` minimised over every column j,
         per row option i (``along_rows``; else the transpose: per column j,
         over every row i), over the WHOLE matrix; None when the matrix
-        object has no ``min_plus_rows`` / ``min_plus_cols``.
+        object has no ``min_plus_rows`` / ``min_plus_cols``. ``lower``: a
+        lower bound of each result may do (``inf`` exactly where the result
+        is), which matrices reducing by class compute in lower precision.
 
         ``values`` is over the quotient side's options, -inf for those to
         leave out. Options mapped to one object id take the largest value
         (the smallest difference)."""
         own_rows = along_rows != self.transposed  # the object's rows are the result's side
-        method = getattr(self.cache.matrix, "min_plus_rows" if own_rows else "min_plus_cols", None)
+        matrix = self.cache.matrix
+        result_map, value_map = (self.rmap, self.cmap) if along_rows else (self.cmap, self.rmap)
+        if hasattr(matrix, "reduction_classes"):
+            # straight from our options to the matrix's classes: one
+            # scatter-max and one gather a call (the dual ascent's sweeps
+            # make thousands of these calls)
+            maps = self._reductions.get(own_rows)
+            if maps is None:
+                result_class, value_class, n_classes = matrix.reduction_classes(own_rows)
+                maps = self._reductions[own_rows] = (result_class[result_map], value_class[value_map], n_classes)
+            result_class, value_class, n_classes = maps
+            best = np.full(n_classes, -math.inf)
+            values = np.asarray(values, dtype=float)
+            np.maximum.at(best, value_class, values if self.count == 1 else values / self.count)
+            reduced = matrix.min_plus_classes(best, own_rows, lower=True) if lower else matrix.min_plus_classes(best, own_rows)
+            out = np.asarray(reduced, dtype=float)[result_class]
+            return out if self.count == 1 else self.count * out
+        method = getattr(matrix, "min_plus_rows" if own_rows else "min_plus_cols", None)
         if method is None:
             return None
-        result_map, value_map = (self.rmap, self.cmap) if along_rows else (self.cmap, self.rmap)
         n_values = self.cache.shape[1] if own_rows else self.cache.shape[0]
         per_object = np.full(n_values, -math.inf)
         np.maximum.at(per_object, value_map, np.asarray(values, dtype=float) / self.count)

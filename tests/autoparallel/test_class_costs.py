@@ -261,6 +261,29 @@ def test_min_plus_with_infinite_values(monkeypatch, seed):
     assert edge_matrices._min_plus(costs[:, :0], values[:0]).tolist() == [math.inf] * 17
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_min_plus_cols_equals_brute_force(monkeypatch, seed):
+    """The column reduction (axis 0 over row chunks) against the brute force
+    over the transpose, bit for bit: inf entries, +-inf values, chunks of
+    one row, a few rows or all of them, float32 grids too."""
+    from autoparallel import edge_matrices
+
+    monkeypatch.setattr(edge_matrices, "_MIN_PLUS_CHUNK", (1, 20, 1 << 18)[seed % 3])
+    rng = np.random.default_rng(50 + seed)
+    shape = (int(rng.integers(1, 40)), int(rng.integers(1, 30)))
+    costs = _random_costs(rng, shape, 0.4).astype(np.float32 if seed > 5 else np.float64)
+    costs[:, rng.integers(shape[1])] = math.inf  # a column of inf entries
+    values = rng.normal(size=shape[0])
+    if seed % 2:
+        values[rng.random(shape[0]) < 0.3] = math.inf
+    values[rng.random(shape[0]) < 0.2] = -math.inf
+    brute = np.where(np.isinf(costs), math.inf, costs - values[:, None]).min(axis=0, initial=math.inf)
+    ours = edge_matrices._min_plus_cols(costs, values)
+    assert np.array_equal(ours, brute) and not np.isnan(ours).any()
+    assert np.array_equal(ours, edge_matrices._min_plus(costs.T, values))
+    assert edge_matrices._min_plus_cols(costs[:0], values[:0]).tolist() == [math.inf] * shape[1]
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_key_match_min_plus_equals_brute_force(seed):
     """Keys only rows have (inf rows), keys only columns have (inf
@@ -312,3 +335,116 @@ def test_masked_and_norm_partials_take_the_vectorised_path(monkeypatch):
 
     monkeypatch.setattr(class_costs, "redistribution_matrix", per_pair)
     assert np.array_equal(class_costs.redistribution_grid(specs, specs, cost_model.H100), slow)
+
+
+@pytest.mark.parametrize("keep_partial", [False, True])
+def test_grid_family_blocks_equal_own_grids(monkeypatch, keep_partial):
+    """Lazy grids of one tensor come from their family's union grid (or on
+    their own: a union larger than its members, a member registered after
+    the union was computed, mixed metas), equal bit for bit to the grid
+    each would compute alone."""
+    from autoparallel.strategies import Option
+
+    mesh = _mesh((2, 2, 2))
+    meta, other = _meta((8, 6, 4)), _meta((8, 6, 4), torch.float32)
+    rng = random.Random(5)
+    specs = _specs(mesh, meta, 60, rng, odd=True)
+    unions = []
+    real = class_costs.class_cost_grid
+
+    def counted(src, dst, *args):
+        unions.append((len(src), len(dst)))
+        return real(src, dst, *args)
+
+    monkeypatch.setattr("autoparallel.edge_matrices.class_cost_grid", counted)
+    matrices = EdgeMatrices(cost_model.H100, CommOverlapPolicy(), lazy=True)
+
+    def options(lo, hi, step=1):
+        return [Option(specs[i], (specs[(i * 7) % len(specs)],)) for i in range(lo, hi, step)]
+
+    lists = [options(0, 40), options(10, 50), options(20, 60), options(5, 45, 2)]
+    mats = [matrices.redistribution(a, b, 0, None, keep_partial) for a in lists for b in lists[:2]]
+    mixed = options(0, 30) + [Option(DTensorSpec(mesh, (Replicate(),) * 3, tensor_meta=other), (specs[0],))]
+    mats.append(matrices.redistribution(mixed, lists[1], 0, None, keep_partial))  # mixed metas: its own
+    for m in mats:
+        full = m.block(np.arange(m.shape[0]), np.arange(m.shape[1]))
+        grid = m._grid.costs
+        src, dst = _grid_specs(m)
+        assert np.array_equal(grid, real(src, dst, cost_model.H100, CommOverlapPolicy(), None, keep_partial))
+        assert full.shape == m.shape
+    assert unions[0][0] > 40 and len(unions) == 2  # one union for the family, one grid alone
+    late = matrices.redistribution(options(1, 60, 3), lists[0], 0, None, keep_partial)
+    src, dst = _grid_specs(late)
+    assert np.array_equal(late._grid.costs, real(src, dst, cost_model.H100, CommOverlapPolicy(), None, keep_partial))
+    assert len(unions) == 3  # computed alone
+
+
+def _grid_specs(matrix):
+    """The source and target specs a lazy grid was registered with."""
+    fn = matrix._grid._compute
+    cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__)))
+    return cells["src_specs"], cells["dst_specs"]
+
+
+class _RowsColsOnly:
+    """A lazy class matrix seen only through min_plus_rows / min_plus_cols
+    (Term.min_plus's general path)."""
+
+    def __init__(self, matrix):
+        self._m = matrix
+        self.shape, self.floor = matrix.shape, matrix.floor
+        self.block, self.min_plus_rows, self.min_plus_cols = matrix.block, matrix.min_plus_rows, matrix.min_plus_cols
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_term_min_plus_by_classes_equals_general_path(seed):
+    """Term.min_plus through the matrix's classes (one scatter-max, one
+    gather) equals its general path and brute force: repeated and missing
+    option maps, transposed terms, counts > 1, inf entries, -inf values."""
+    from solver.pricing_quotient import BlockCache, Term
+
+    rng = np.random.default_rng(200 + seed)
+    n_rc, n_cc = int(rng.integers(1, 12)), int(rng.integers(1, 12))
+    costs = _random_costs(rng, (n_rc, n_cc), 0.3)
+    rows, cols = int(rng.integers(1, 25)), int(rng.integers(1, 25))
+    matrix = LazyClassMatrix(_ClassGrid(lambda: costs, n_rc, n_cc),
+                             rng.integers(0, n_rc, rows).tolist(), rng.integers(0, n_cc, cols).tolist())
+    transposed, count = bool(seed % 2), int(rng.integers(1, 4))
+    obj_rows, obj_cols = (cols, rows) if transposed else (rows, cols)  # the term's sides, in object ids
+    rmap, cmap = rng.integers(0, obj_rows, int(rng.integers(1, 20))), rng.integers(0, obj_cols, int(rng.integers(1, 20)))
+    fast = Term(BlockCache(matrix), rmap, cmap, transposed, count)
+    general = Term(BlockCache(_RowsColsOnly(matrix)), rmap, cmap, transposed, count)
+    full = matrix.block(np.arange(rows), np.arange(cols))
+    full = full.T if transposed else full
+    full = count * full[np.ix_(rmap, cmap)]
+    for along_rows in (True, False):
+        values = rng.normal(size=len(cmap) if along_rows else len(rmap))
+        values[rng.random(len(values)) < 0.2] = -math.inf
+        ours = fast.min_plus(values, along_rows)
+        assert np.array_equal(ours, general.min_plus(values, along_rows))
+        c = full if along_rows else full.T
+        brute = np.where(np.isinf(c), math.inf, c - values[None, :]).min(axis=1, initial=math.inf)
+        _assert_same(ours, brute)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_lower_min_plus_is_a_close_lower_bound(seed):
+    """min_plus_classes(lower=True) (float32) is never above the exact
+    reduction, within its rounding bound of it, inf exactly where it is:
+    inf entries, -inf values, costs spread over orders of magnitude."""
+    rng = np.random.default_rng(300 + seed)
+    n_rc, n_cc = int(rng.integers(1, 40)), int(rng.integers(1, 40))
+    costs = _random_costs(rng, (n_rc, n_cc), 0.3) * 10.0 ** rng.integers(-6, 1, (n_rc, n_cc))
+    if seed % 3 == 0:
+        costs[:, 0] = math.inf  # a class with no finite partner
+    matrix = LazyClassMatrix(_ClassGrid(lambda: costs, n_rc, n_cc), list(range(n_rc)), list(range(n_cc)))
+    for own_rows in (True, False):
+        best = rng.normal(0, 1e-3, size=n_cc if own_rows else n_rc) + rng.uniform(0, 1e-6)
+        best[rng.random(len(best)) < 0.2] = -math.inf
+        exact = matrix.min_plus_classes(best, own_rows)
+        low = matrix.min_plus_classes(best, own_rows, lower=True)
+        assert np.array_equal(np.isinf(low), np.isinf(exact)) and np.array_equal(low[np.isinf(low)], exact[np.isinf(exact)])
+        finite = np.isfinite(exact)
+        assert (low[finite] <= exact[finite]).all()
+        top = np.abs(costs[np.isfinite(costs)]).max(initial=0.0) + np.abs(best[np.isfinite(best)]).max(initial=0.0)
+        assert (exact[finite] - low[finite] <= 2.0**-20 * top).all()
