@@ -90,7 +90,8 @@ from .diagnose import InfeasibleError
 from .problem import Decision, Edge, Problem, ResourceConstraint, Solution
 from .pricing_lp import LPSolution, RestrictedLP
 from .pricing_quotient import Quotient, build_quotient, evaluate_lazy
-from .pricing_proof import TREES, final_ascent, pairs_among, prefilter, target_search
+from .pricing_bisect import bisect_targets
+from .pricing_proof import TREES, final_ascent, pairs_among, prefilter
 from .tree_bound import Reparam, eliminate
 
 logger = logging.getLogger(__name__)
@@ -634,7 +635,7 @@ def solve_by_pricing(
             logger.info("reduced-cost fixing needs %d options (max_options=%d) and %d pairs (at most %d)",
                         pr.num_kept() + n_fix, cap, fix_pairs, DIRECT_PAIRS)
             if ascent is not None:
-                found, bound, proven = target_search(pr, ascent, sol.objective, bound, lambda: run_ilp(TARGET_ILP_SECONDS),
+                found, bound, proven = bisect_targets(pr, ascent, sol.objective, bound, lambda: run_ilp(TARGET_ILP_SECONDS),
                                                      cap, DIRECT_PAIRS, deadline, stats)
                 if found is not None and found.objective < sol.objective:
                     sol = found

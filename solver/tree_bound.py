@@ -228,7 +228,8 @@ class Elimination:
 
 
 def eliminate(quotient: Quotient, upper: float, trees: int = 2, reparam: Reparam | None = None,
-              max_passes: int = MAX_PASSES, deadline: float | None = None) -> Elimination | None:
+              max_passes: int = MAX_PASSES, deadline: float | None = None,
+              allowed: list[np.ndarray] | None = None) -> Elimination | None:
     """Per class, the options whose min-marginal on every one of ``trees``
     spanning forests is at most the best known plan's cost: every choice
     costing at most that uses only those. Each forest's own optimal choice
@@ -237,9 +238,10 @@ def eliminate(quotient: Quotient, upper: float, trees: int = 2, reparam: Reparam
     the others' marginals: passes repeat while one drops more than
     ``PASS_MIN_SHARE`` of the options left (at most ``max_passes``). None
     when the matrices cannot reduce whole rows. Past ``deadline``
-    (``time.perf_counter``) no further pass starts."""
+    (``time.perf_counter``) no further pass starts. ``allowed``: per
+    class, the options still in play (default: the classes' own)."""
     weights = edge_weights(quotient, reparam)
-    keep = [c.allowed.copy() for c in quotient.classes]
+    keep = [c.allowed.copy() if allowed is None else c.allowed & a for c, a in zip(quotient.classes, allowed or [None] * len(quotient.classes))]
     total = sum(int(c.allowed.sum()) for c in quotient.classes)
     best, plan = -math.inf, None
     for n_pass in range(max_passes):
