@@ -141,7 +141,8 @@ def bisect_targets(pr: _Pricer, ascent: DualAscent, upper: float, bound: float, 
     t_start = time.perf_counter()
     end = None if deadline is None else max(deadline, t_start + PROOF_SECONDS)
     lo, hi = bound, upper
-    step = FIRST_STEP * max(abs(lo), abs(hi) * OPT_RTOL, 1e-300)
+    # (a bound near 0 says nothing of the scale: then a share of the gap)
+    step = max(FIRST_STEP * abs(lo), (hi - lo) / 64)
     best = None
     probes: list[Probe] = []
     proven = False
@@ -161,7 +162,7 @@ def bisect_targets(pr: _Pricer, ascent: DualAscent, upper: float, bound: float, 
         if n_opts > cap or pairs > max_pairs:
             probe.seconds = time.perf_counter() - t0
             _log(probe, lo, hi)
-            if step <= MIN_STEP * abs(lo) or target <= lo:
+            if step <= MIN_STEP * max(abs(lo), hi - lo) or target <= lo:
                 break
             step = min(step, target - lo) / 2
             continue
