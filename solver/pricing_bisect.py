@@ -22,10 +22,11 @@ exact over them, so either
 - ``z > t``: no plan costs ``t`` or less, ``t`` is a lower bound (``lo =
   t``), and ``z`` (when cheaper) the new best plan (``hi = z``).
 
-Targets bisect ``[lo, hi]`` (``FIRST_FRACTION`` of the gap), halving the
-step when the options or pairs kept exceed what one restricted ILP may
-take, so the bound rises and the plan improves until they meet or the
-time is spent; the bound reported is always one proven. Targets near
+Targets start just above ``lo`` (``FIRST_STEP``), the step doubling
+after each target no plan meets and halving when a target keeps more
+options or pairs than one restricted ILP may take, so the bound rises and
+the plan improves until they meet or the time is spent; the bound
+reported is always a proven one. Targets near
 ``lo`` keep few options (the ascent's bound is near the LP's, which is
 near the optimum), so the proof needs ILPs of about the optimum's
 neighbourhood only: 12,866 options and 1.4M pairs (2.6 s with presolve)
@@ -74,6 +75,10 @@ logger = logging.getLogger(__name__)
 # and a bf16 optimum sits ~0.5-1.5% above the ascent's bound.
 FIRST_STEP = 1 / 256
 MIN_STEP = 1 / 4096
+# Sweeps of the dual ascent (against the best plan) when a target keeps
+# too many options, before the next target: on 80 layers the ascent has
+# not converged by the time pricing reaches the bisection.
+ASCENT_SWEEPS = 5
 # Most targets tried in one call.
 MAX_PROBES = 12
 # Seconds the bisection may take at least, past the pricing deadline: it is
@@ -101,12 +106,17 @@ class Probe:
     seconds: float = 0.0
 
 
-def plans_up_to(pr: _Pricer, ascent: DualAscent, target: float, deadline: float | None) -> list[np.ndarray]:
+def plans_up_to(pr: _Pricer, ascent: DualAscent, target: float, deadline: float | None,
+                ) -> tuple[list[np.ndarray], tuple[float, list[int]] | None]:
     """Per class, the options a plan costing at most ``target`` may use:
     live in the ascent, a belief within ``target - D`` of the class's best,
     and a min-marginal at most ``target`` on the forests over the ascent's
     rewritten costs (every plan costing at most ``target`` keeps its
-    options; a cheaper forest plan, when one turns up, keeps its own)."""
+    options; a cheaper forest plan, when one turns up, keeps its own).
+    Also the cheapest forest plan priced (cost, class choices), if any:
+    the forests over options near the target often give plans far
+    cheaper than the restricted ILPs' (LLaMA-3 70B, 80 layers: 0.86
+    against 1.33)."""
     d = ascent.bound()
     room = target - d + BELIEF_RTOL * max(1.0, abs(target))
     allowed = []
@@ -123,7 +133,7 @@ def plans_up_to(pr: _Pricer, ascent: DualAscent, target: float, deadline: float 
                  el.bound)
     for q, o in enumerate(el.plan or ()):
         keep[q][o] = True  # a forest plan cheaper than the target: the ILP finds it
-    return keep
+    return keep, el.cheapest
 
 
 def bisect_targets(pr: _Pricer, ascent: DualAscent, upper: float, bound: float, solve_ilp, cap: int,
@@ -154,14 +164,28 @@ def bisect_targets(pr: _Pricer, ascent: DualAscent, upper: float, bound: float, 
             break
         t0 = time.perf_counter()
         target = min(lo + step, hi)
-        keep = plans_up_to(pr, ascent, target, end)
+        keep, forest_plan = plans_up_to(pr, ascent, target, end)
+        new_plan = forest_plan is not None and forest_plan[0] < hi
+        if new_plan:  # its options join the restricted ILP, which then finds it or better
+            for q, o in enumerate(forest_plan[1]):
+                pr.add(q, [o])
         with_them = [k | kept for k, kept in zip(keep, pr.kept)]
         n_opts, pairs = sum(int(k.sum()) for k in with_them), pairs_among(pr.q, with_them)
         probe = Probe(target, n_opts, pairs, "too many")
         probes.append(probe)
         if n_opts > cap or pairs > max_pairs:
+            if new_plan:
+                sol = solve_ilp()
+                if sol is not None and sol.objective < hi:
+                    best, hi = sol, sol.objective
             probe.seconds = time.perf_counter() - t0
             _log(probe, lo, hi)
+            if not ascent.stalled and (end is None or time.perf_counter() < end):
+                # sharper beliefs and rewritten costs keep fewer options at the same target
+                plan = None if best is None else [best.choice[q] for q in range(len(pr.q.classes))]
+                lo = max(lo, ascent.run(ASCENT_SWEEPS, upper=hi, keep=plan, deadline=end))
+                step = max(FIRST_STEP * abs(lo), (hi - lo) / 64)
+                continue
             if step <= MIN_STEP * max(abs(lo), hi - lo) or target <= lo:
                 break
             step = min(step, target - lo) / 2
