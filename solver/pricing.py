@@ -635,7 +635,7 @@ def solve_by_pricing(
             logger.info("reduced-cost fixing needs %d options (max_options=%d) and %d pairs (at most %d)",
                         pr.num_kept() + n_fix, cap, fix_pairs, DIRECT_PAIRS)
             if ascent is not None:
-                found, bound, proven = bisect_targets(pr, ascent, sol.objective, bound, lambda: run_ilp(TARGET_ILP_SECONDS),
+                found, bound, proven = bisect_targets(pr, ascent, sol.objective, bound, run_ilp,
                                                      cap, DIRECT_PAIRS, deadline, stats)
                 if found is not None and found.objective < sol.objective:
                     sol = found

@@ -42,7 +42,7 @@ where fixing at the plan's cost needed 25,410 options and 7.9M pairs.
 >>> q = build_quotient(p)
 >>> pr = _Pricer(q); pr.seed(p, {n: [0] for n in "xyz"})
 >>> ascent = DualAscent(q); lo = ascent.run(20)  # the LP's optimum: 0, every choice costs >= 1
->>> found, bound, proven = bisect_targets(pr, ascent, 3.0, lo, lambda: pr.solve_ilp(None, None),
+>>> found, bound, proven = bisect_targets(pr, ascent, 3.0, lo, lambda _: pr.solve_ilp(None, None),
 ...                                       100, 10**6, None, PricingStats())
 >>> round(lo, 6), found.objective, bound, proven
 (0.0, 1.0, 1.0, True)
@@ -84,9 +84,18 @@ MAX_PROBES = 12
 # Seconds the bisection may take at least, past the pricing deadline: it is
 # what proves the plan (or raises the bound) when the relaxation is loose.
 PROOF_SECONDS = 30.0
+# Seconds a restricted ILP gets at least (solver.pricing.TARGET_ILP_SECONDS).
+ILP_SECONDS = 10.0
 # Spanning forests per elimination pass and the passes per target.
 TREES = 3
 PASSES = 4
+# The pairs one restricted ILP of a target may take, as a multiple of the
+# caller's limit for reduced-cost fixing (solver.pricing.DIRECT_PAIRS): the
+# proof is worth a bigger ILP (7.9M pairs: 22 s and ~0.8 GB with presolve).
+PAIRS_FACTOR = 2
+# Options or pairs, as a multiple of what one restricted ILP may take,
+# past which a target's first pass of forests ends it ("too many").
+FAR_OVER = 3
 # Relative gap under which a bound proves a plan optimal (solver.pricing.OPT_RTOL).
 OPT_RTOL = 1e-9
 # Relative slack on the belief test (sums taken in different orders).
@@ -107,7 +116,7 @@ class Probe:
 
 
 def plans_up_to(pr: _Pricer, ascent: DualAscent, target: float, deadline: float | None,
-                ) -> tuple[list[np.ndarray], tuple[float, list[int]] | None]:
+                far_over=None) -> tuple[list[np.ndarray], tuple[float, list[int]] | None]:
     """Per class, the options a plan costing at most ``target`` may use:
     live in the ascent, a belief within ``target - D`` of the class's best,
     and a min-marginal at most ``target`` on the forests over the ascent's
@@ -116,7 +125,8 @@ def plans_up_to(pr: _Pricer, ascent: DualAscent, target: float, deadline: float 
     Also the cheapest forest plan priced (cost, class choices), if any:
     the forests over options near the target often give plans far
     cheaper than the restricted ILPs' (LLaMA-3 70B, 80 layers: 0.86
-    against 1.33)."""
+    against 1.33). ``far_over(keep)``: whether options kept after one
+    pass of forests are so many that the other passes are not worth it."""
     d = ascent.bound()
     room = target - d + BELIEF_RTOL * max(1.0, abs(target))
     allowed = []
@@ -125,15 +135,24 @@ def plans_up_to(pr: _Pricer, ascent: DualAscent, target: float, deadline: float 
         if live.any():
             keep &= b - b[live].min() <= room
         allowed.append(keep)
-    el = eliminate(pr.q, target, trees=TREES, reparam=ascent.reparam(), max_passes=PASSES,
-                   deadline=deadline, allowed=allowed)
+    reparam = ascent.reparam()
+    # one pass first: when it leaves far too many options, more passes
+    # (most of a target's time) would not bring them under the limit
+    el = eliminate(pr.q, target, trees=TREES, reparam=reparam, max_passes=1, deadline=deadline, allowed=allowed)
     keep = [k & a for k, a in zip(el.keep, allowed)]
-    logger.debug("target %.9g: %d options live, %d within the beliefs, %d on the forests (bound %.9g)",
-                 target, ascent.num_live(), sum(int(a.sum()) for a in allowed), sum(int(k.sum()) for k in keep),
-                 el.bound)
-    for q, o in enumerate(el.plan or ()):
+    cheapest, plan, upper = el.cheapest, el.plan, el.upper
+    if PASSES > 1 and (far_over is None or not far_over(keep)):
+        more = eliminate(pr.q, upper, trees=TREES, reparam=reparam, max_passes=PASSES - 1, deadline=deadline,
+                         allowed=keep)
+        keep = [k & a for k, a in zip(more.keep, keep)]
+        plan = more.plan or plan
+        if more.cheapest is not None and (cheapest is None or more.cheapest[0] < cheapest[0]):
+            cheapest = more.cheapest
+    logger.debug("target %.9g: %d options live, %d within the beliefs, %d on the forests",
+                 target, ascent.num_live(), sum(int(a.sum()) for a in allowed), sum(int(k.sum()) for k in keep))
+    for q, o in enumerate(plan or ()):
         keep[q][o] = True  # a forest plan cheaper than the target: the ILP finds it
-    return keep, el.cheapest
+    return keep, cheapest
 
 
 def bisect_targets(pr: _Pricer, ascent: DualAscent, upper: float, bound: float, solve_ilp, cap: int,
@@ -141,14 +160,15 @@ def bisect_targets(pr: _Pricer, ascent: DualAscent, upper: float, bound: float, 
                    ) -> tuple[Solution | None, float, bool]:
     """Raise ``bound`` and lower ``upper`` (the best plan's cost, whose
     options ``pr`` keeps) by restricted ILPs at targets between them (module
-    docstring). ``solve_ilp()``: the restricted ILP over ``pr``'s kept
-    options (None if infeasible); at most ``cap`` options and ``max_pairs``
-    pairs go into one. Runs until proven, MAX_PROBES targets, or
+    docstring). ``solve_ilp(seconds)``: the restricted ILP over ``pr``'s
+    kept options (None if infeasible), given at least ``seconds``; at most
+    ``cap`` options and ``max_pairs * PAIRS_FACTOR`` pairs go into one. Runs until proven, MAX_PROBES targets, or
     ``max(deadline, now + PROOF_SECONDS)``. Returns (the best restricted
     ILP solution, None if none beat nothing, the proven bound, whether
     proven: that solution, or the plan of cost ``upper`` when none, is
     optimal)."""
     t_start = time.perf_counter()
+    max_pairs = int(max_pairs * PAIRS_FACTOR)
     end = None if deadline is None else max(deadline, t_start + PROOF_SECONDS)
     lo, hi = bound, upper
     # (a bound near 0 says nothing of the scale: then a share of the gap)
@@ -164,7 +184,7 @@ def bisect_targets(pr: _Pricer, ascent: DualAscent, upper: float, bound: float, 
             break
         t0 = time.perf_counter()
         target = min(lo + step, hi)
-        keep, forest_plan = plans_up_to(pr, ascent, target, end)
+        keep, forest_plan = plans_up_to(pr, ascent, target, end, lambda k: _far_over(pr, k, cap, max_pairs))
         new_plan = forest_plan is not None and forest_plan[0] < hi
         if new_plan:  # its options join the restricted ILP, which then finds it or better
             for q, o in enumerate(forest_plan[1]):
@@ -175,7 +195,7 @@ def bisect_targets(pr: _Pricer, ascent: DualAscent, upper: float, bound: float, 
         probes.append(probe)
         if n_opts > cap or pairs > max_pairs:
             if new_plan:
-                sol = solve_ilp()
+                sol = solve_ilp(ILP_SECONDS)
                 if sol is not None and sol.objective < hi:
                     best, hi = sol, sol.objective
             probe.seconds = time.perf_counter() - t0
@@ -192,7 +212,8 @@ def bisect_targets(pr: _Pricer, ascent: DualAscent, upper: float, bound: float, 
             continue
         for q, k in enumerate(keep):
             pr.add(q, np.flatnonzero(k))
-        sol = solve_ilp()
+        # what is left of the bisection's time: a restricted ILP cut short proves nothing
+        sol = solve_ilp(ILP_SECONDS if end is None else max(ILP_SECONDS, end - time.perf_counter()))
         probe.seconds = time.perf_counter() - t0
         if sol is not None and sol.status != "optimal":
             probe.outcome, probe.objective = "ilp stopped", sol.objective
@@ -216,6 +237,12 @@ def bisect_targets(pr: _Pricer, ascent: DualAscent, upper: float, bound: float, 
     logger.info("target bisection: %d targets in %.1fs, plan %.9g, bound %.9g, %s",
                 len(probes), time.perf_counter() - t_start, hi, lo, "proven" if proven else "not proven")
     return best, lo, proven
+
+
+def _far_over(pr: _Pricer, keep: list[np.ndarray], cap: int, max_pairs: int) -> bool:
+    with_them = [k | kept for k, kept in zip(keep, pr.kept)]
+    return (sum(int(k.sum()) for k in with_them) > FAR_OVER * cap
+            or pairs_among(pr.q, with_them) > FAR_OVER * max_pairs)
 
 
 def _log(probe: Probe, lo: float, hi: float) -> None:
