@@ -89,10 +89,11 @@ ILP_SECONDS = 10.0
 # Spanning forests per elimination pass and the passes per target.
 TREES = 3
 PASSES = 4
-# The pairs one restricted ILP of a target may take, as a multiple of the
-# caller's limit for reduced-cost fixing (solver.pricing.DIRECT_PAIRS): the
-# proof is worth a bigger ILP (7.9M pairs: 22 s and ~0.8 GB with presolve).
-PAIRS_FACTOR = 2
+# The options and pairs one restricted ILP of a target may take, as a
+# multiple of the caller's limits for reduced-cost fixing (max_options,
+# solver.pricing.DIRECT_PAIRS): the proof is worth a bigger ILP (25K
+# options and 7.9M pairs: 22 s and ~0.8 GB with presolve).
+SIZE_FACTOR = 2
 # Options or pairs, as a multiple of what one restricted ILP may take,
 # past which a target's first pass of forests ends it ("too many").
 FAR_OVER = 3
@@ -162,13 +163,13 @@ def bisect_targets(pr: _Pricer, ascent: DualAscent, upper: float, bound: float, 
     options ``pr`` keeps) by restricted ILPs at targets between them (module
     docstring). ``solve_ilp(seconds)``: the restricted ILP over ``pr``'s
     kept options (None if infeasible), given at least ``seconds``; at most
-    ``cap`` options and ``max_pairs * PAIRS_FACTOR`` pairs go into one. Runs until proven, MAX_PROBES targets, or
+    ``cap`` options and ``max_pairs`` pairs (times SIZE_FACTOR) go into one. Runs until proven, MAX_PROBES targets, or
     ``max(deadline, now + PROOF_SECONDS)``. Returns (the best restricted
     ILP solution, None if none beat nothing, the proven bound, whether
     proven: that solution, or the plan of cost ``upper`` when none, is
     optimal)."""
     t_start = time.perf_counter()
-    max_pairs = int(max_pairs * PAIRS_FACTOR)
+    cap, max_pairs = int(cap * SIZE_FACTOR), int(max_pairs * SIZE_FACTOR)
     end = None if deadline is None else max(deadline, t_start + PROOF_SECONDS)
     lo, hi = bound, upper
     # (a bound near 0 says nothing of the scale: then a share of the gap)
