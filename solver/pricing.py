@@ -20,9 +20,9 @@ LP is tight: LLaMA-3 70B on 4x4x8x8, 80 layers, 43 sweeps) that plan is
 proven optimal and no LP round runs. Otherwise the rounds look for a
 cheaper plan, the ascent goes on against the restricted ILP's plan and its
 forests filter reduced-cost fixing (step 4); where fixing needs too many
-options, a target search (:func:`solver.pricing_proof.target_search`)
-guesses the optimum a little above the ascent's bound and proves it or
-raises the bound.
+options, a target bisection (:mod:`solver.pricing_bisect`) solves
+restricted ILPs at targets a little above the ascent's bound, which
+prove the plan or raise the bound (where the LP relaxation is loose: bf16).
 
 How (on the quotient by links, :mod:`solver.pricing_quotient`): per class
 ``q`` a set ``S_q`` of *exact* options (all their pairs read: whole rows and

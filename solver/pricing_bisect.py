@@ -163,11 +163,11 @@ def bisect_targets(pr: _Pricer, ascent: DualAscent, upper: float, bound: float, 
     options ``pr`` keeps) by restricted ILPs at targets between them (module
     docstring). ``solve_ilp(seconds)``: the restricted ILP over ``pr``'s
     kept options (None if infeasible), given at least ``seconds``; at most
-    ``cap`` options and ``max_pairs`` pairs (times SIZE_FACTOR) go into one. Runs until proven, MAX_PROBES targets, or
-    ``max(deadline, now + PROOF_SECONDS)``. Returns (the best restricted
-    ILP solution, None if none beat nothing, the proven bound, whether
-    proven: that solution, or the plan of cost ``upper`` when none, is
-    optimal)."""
+    ``cap`` options and ``max_pairs`` pairs (times SIZE_FACTOR) go into
+    one. Runs until proven, MAX_PROBES targets, or ``max(deadline, now +
+    PROOF_SECONDS)``. Returns (the best restricted ILP solution found
+    under ``upper``, or None; the proven bound; whether proven: that
+    solution, or the plan of cost ``upper`` when None, is optimal)."""
     t_start = time.perf_counter()
     cap, max_pairs = int(cap * SIZE_FACTOR), int(max_pairs * SIZE_FACTOR)
     end = None if deadline is None else max(deadline, t_start + PROOF_SECONDS)
