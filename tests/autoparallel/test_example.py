@@ -87,6 +87,7 @@ def test_plan_and_apply_4d_mesh(capsys):
 
 
 
+@pytest.mark.slow
 def test_bf16_priced_plan_equals_the_dense_solve(fake_world, monkeypatch):
     """The example's planning setup (bf16 compute with fp32 reduction, the
     fully sharded parameter memory row) on the debug LLaMA-3 over a 2x2x2
@@ -101,8 +102,10 @@ def test_bf16_priced_plan_equals_the_dense_solve(fake_world, monkeypatch):
     from solver import pricing_bisect
 
     monkeypatch.setattr(pricing, "DIRECT_PAIRS", 1)
+    calls = []
 
     def bisect(pr, ascent, upper, bound, solve_ilp, cap, max_pairs, *rest):
+        calls.append((upper, bound))
         return pricing_bisect.bisect_targets(pr, ascent, upper, bound, solve_ilp, cap, 10**9, *rest)
 
     monkeypatch.setattr(pricing, "bisect_targets", bisect)
@@ -124,3 +127,4 @@ def test_bf16_priced_plan_equals_the_dense_solve(fake_world, monkeypatch):
     dense, priced = plans[False], plans[True]
     assert dense.status == priced.status == "optimal"
     assert priced.objective == pytest.approx(dense.objective, rel=1e-9)
+    assert calls  # the ascent alone did not prove it: the bisection did
