@@ -79,6 +79,9 @@ MIN_STEP = 1 / 4096
 # too many options, before the next target: on 80 layers the ascent has
 # not converged by the time pricing reaches the bisection.
 ASCENT_SWEEPS = 5
+# Options per class, of least belief among those a target keeps, that join
+# the restricted ILP when the target keeps too many for one: a plan near it.
+NEAR_PER_CLASS = 6
 # Most targets tried in one call.
 MAX_PROBES = 12
 # Seconds the bisection may take at least, past the pricing deadline: it is
@@ -187,8 +190,7 @@ def bisect_targets(pr: _Pricer, ascent: DualAscent, upper: float, bound: float, 
         t0 = time.perf_counter()
         target = min(lo + step, hi)
         keep, forest_plan = plans_up_to(pr, ascent, target, end, lambda k: _far_over(pr, k, cap, max_pairs))
-        new_plan = forest_plan is not None and forest_plan[0] < hi
-        if new_plan:  # its options join the restricted ILP, which then finds it or better
+        if forest_plan is not None and forest_plan[0] < hi:  # its options join the restricted ILP, which then finds it or better
             for q, o in enumerate(forest_plan[1]):
                 pr.add(q, [o])
         with_them = [k | kept for k, kept in zip(keep, pr.kept)]
@@ -196,10 +198,14 @@ def bisect_targets(pr: _Pricer, ascent: DualAscent, upper: float, bound: float, 
         probe = Probe(target, n_opts, pairs, "too many")
         probes.append(probe)
         if n_opts > cap or pairs > max_pairs:
-            if new_plan:
-                sol = solve_ilp(ILP_SECONDS)
-                if sol is not None and sol.objective < hi:
-                    best, hi = sol, sol.objective
+            # a plan near the target: each class's NEAR_PER_CLASS options of
+            # least belief among those the target keeps join the restricted ILP
+            for q, (k, b) in enumerate(zip(keep, ascent.belief)):
+                opts = np.flatnonzero(k & ~pr.kept[q])
+                pr.add(q, opts[np.argsort(b[opts], kind="stable")[:NEAR_PER_CLASS]])
+            sol = solve_ilp(ILP_SECONDS)
+            if sol is not None and sol.objective < hi:
+                best, hi = sol, sol.objective
             probe.seconds = time.perf_counter() - t0
             _log(probe, lo, hi)
             if not ascent.stalled and (end is None or time.perf_counter() < end):
