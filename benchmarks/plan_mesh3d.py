@@ -134,6 +134,32 @@ after the first exact sweep equal to 8 digits; 32 sweeps either way).
 Where the 4-D solve goes now (CPU): grids ~8 s (Bellman-Ford distances
 of cost_model/redistribute_plan ~40% of it), ~39 sweeps of which the
 first 30 in float32, 2 forests, the restricted ILPs.
+
+Session 11 (bf16; --mp bf16 --time-limit 10; the machine shared, load 5-7,
+so times are ~3x idle and the ascent gets fewer sweeps). The bf16 gap was
+not only the relaxation's: the plans were not optimal. On the 2-layer
+problem (captured, solved alone) the restricted ILP over every option a
+plan costing at most bound + half the gap may use (12,866 options, 1.4M
+pairs; 2.6 s) has 0.0429725, under that target, so it is the optimum,
+where pricing had stopped at 0.04332 to 0.04871 (by its sweeps). New:
+solver/pricing_bisect.py, a target bisection after reduced-cost fixing
+falls short: restricted ILPs at targets just above the bound raise it or
+prove the plan, the forests at each target hand over cheaper plans, the
+ascent sweeps on when a target keeps too many options. Solve alone on the
+captured 2-layer problem (load 4-6): proven optimal 0.0429725 in 93 s
+(was feasible at 2.2-12.7% in 62-68 s), or 0.08-0.19% gaps in 93-111 s
+when the ascent got fewer sweeps. Whole plans, 2 layers: main 172.5 s,
+feasible at 2.36%, est. 43.4 ms, 1266 MiB (load 6.7 -> 7.1); branch
+296.3 s, 0.37%, 43.0 ms (the optimum's plan), 1891 MiB (load 5.4 -> 6.7;
+the kept subsets then held the probes' options, since given back);
+466.1 s, 6.68%, 44.6 ms at load 5.6 -> 12.1 (the ascent starved). 80
+layers (load 6.6 -> 5.4): 297.8 s, feasible at 4.89%, est. 805.5 ms, 1412
+MiB (was 144.8 s, 5.29%, 805.5 ms at load ~2); the ascent gets ~16 sweeps
+and is far from converged, so targets keep 30-50K options. The example
+(8B, 32 layers, 4x4x8x8, bf16, parameter-memory row; --no-apply): was 186
+s, 32.5% gap, 2.16 GB; branch 231.8 s, 4.14%, 1.26 GB (load 5.3 -> 6.4),
+and 324.5 s, 33.1%, 1.26 GB with the test suite beside it (no cheaper
+plan turned up: the gap there is the plan's, 0.2255 against 0.1639).
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ LP is tight: LLaMA-3 70B on 4x4x8x8, 80 layers, 43 sweeps) that plan is
 proven optimal and no LP round runs. Otherwise the rounds look for a
 cheaper plan, the ascent goes on against the restricted ILP's plan and its
 forests filter reduced-cost fixing (step 4); where fixing needs too many
-options, a target search (:func:`solver.pricing_proof.target_search`)
-guesses the optimum a little above the ascent's bound and proves it or
-raises the bound.
+options, a target bisection (:mod:`solver.pricing_bisect`) solves
+restricted ILPs at targets a little above the ascent's bound, which
+prove the plan or raise the bound (where the LP relaxation is loose: bf16).
 
 How (on the quotient by links, :mod:`solver.pricing_quotient`): per class
 ``q`` a set ``S_q`` of *exact* options (all their pairs read: whole rows and
@@ -90,7 +90,8 @@ from .diagnose import InfeasibleError
 from .problem import Decision, Edge, Problem, ResourceConstraint, Solution
 from .pricing_lp import LPSolution, RestrictedLP
 from .pricing_quotient import Quotient, build_quotient, evaluate_lazy
-from .pricing_proof import TREES, final_ascent, pairs_among, prefilter, target_search
+from .pricing_bisect import bisect_targets
+from .pricing_proof import TREES, final_ascent, pairs_among, prefilter
 from .tree_bound import Reparam, eliminate
 
 logger = logging.getLogger(__name__)
@@ -634,7 +635,7 @@ def solve_by_pricing(
             logger.info("reduced-cost fixing needs %d options (max_options=%d) and %d pairs (at most %d)",
                         pr.num_kept() + n_fix, cap, fix_pairs, DIRECT_PAIRS)
             if ascent is not None:
-                found, bound, proven = target_search(pr, ascent, sol.objective, bound, lambda: run_ilp(TARGET_ILP_SECONDS),
+                found, bound, proven = bisect_targets(pr, ascent, sol.objective, bound, run_ilp,
                                                      cap, DIRECT_PAIRS, deadline, stats)
                 if found is not None and found.objective < sol.objective:
                     sol = found

@@ -226,11 +226,15 @@ class Elimination:
     bound: float
     upper: float
     plan: list[int] | None  # a forest's choice costing ``upper`` (None: the caller's plan is best)
+    # the cheapest forest choice priced, whatever ``upper`` (cost, choice): a
+    # plan when ``upper`` is a guess under the known plan's cost
+    cheapest: tuple[float, list[int]] | None = None
 
 
 def eliminate(quotient: Quotient, upper: float, trees: int = 2, reparam: Reparam | None = None,
               max_passes: int = MAX_PASSES, deadline: float | None = None,
-              enough: Callable[[list[np.ndarray]], bool] | None = None) -> Elimination | None:
+              enough: Callable[[list[np.ndarray]], bool] | None = None,
+              allowed: list[np.ndarray] | None = None) -> Elimination | None:
     """Per class, the options whose min-marginal on every one of ``trees``
     spanning forests is at most the best known plan's cost: every choice
     costing at most that uses only those. Each forest's own optimal choice
@@ -244,12 +248,16 @@ def eliminate(quotient: Quotient, upper: float, trees: int = 2, reparam: Reparam
     caller's exhaustive ILP: more forests would only shrink a problem that
     is already cheap to solve whole; on LLaMA-3 70B 4x4x8x8 the last of
     nine forests after the dual ascent, ~1 s each, left 476 options where
-    the second had left 694)."""
+    the second had left 694). ``allowed``: per class, the options still in
+    play (default: the classes' own)."""
     weights = edge_weights(quotient, reparam)
-    keep = [c.allowed.copy() for c in quotient.classes]
+    given = allowed or [None] * len(quotient.classes)
+    keep = [c.allowed.copy() if a is None else c.allowed & a for c, a in zip(quotient.classes, given)]
     total = sum(int(c.allowed.sum()) for c in quotient.classes)
-    best, plan = -math.inf, None
+    best, plan, cheapest = -math.inf, None, None
     for n_pass in range(max_passes):
+        if not all(k.any() for k in keep):
+            break  # some class has no option left: no plan costs at most ``upper``
         before = sum(int(k.sum()) for k in keep)
         for t in range(trees):
             tm = tree_marginals(quotient, weights, reparam, allowed=keep)
@@ -257,6 +265,8 @@ def eliminate(quotient: Quotient, upper: float, trees: int = 2, reparam: Reparam
                 return None
             best = max(best, tm.bound)
             cost = choice_cost(quotient, tm.choice)
+            if math.isfinite(cost) and (cheapest is None or cost < cheapest[0]):
+                cheapest = (cost, tm.choice)
             if cost < upper:
                 upper, plan = cost, tm.choice
             slack = ELIMINATION_RTOL * max(1.0, abs(upper))
@@ -270,9 +280,11 @@ def eliminate(quotient: Quotient, upper: float, trees: int = 2, reparam: Reparam
                 weights[k] *= 0.25
             logger.info("pass %d, tree %d: bound %.9g, its plan %.9g, best plan %.9g, %d options left of %d",
                         n_pass + 1, t + 1, tm.bound, cost, upper, sum(int(k.sum()) for k in keep), total)
+            if not all(k.any() for k in keep):
+                break
             if enough is not None and enough(keep):
-                return Elimination(keep, best, upper, plan)
+                return Elimination(keep, best, upper, plan, cheapest)
         left = sum(int(k.sum()) for k in keep)
         if before - left <= PASS_MIN_SHARE * before or (deadline is not None and time.perf_counter() > deadline):
             break
-    return Elimination(keep, best, upper, plan)
+    return Elimination(keep, best, upper, plan, cheapest)
