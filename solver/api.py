@@ -29,6 +29,8 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import math
 import time
@@ -41,6 +43,32 @@ from .problem import Problem, ProblemError, Solution
 
 logger = logging.getLogger(__name__)
 
+# Presolved problems with at least this many option pairs (finite or not,
+# over all edges) go to option pricing (solver.pricing) before the ILP.
+# Why: on 3-D meshes the pairwise ILP's LP relaxation alone is the cost
+# (tiny LLaMA-3 on 2x2x2: 880K pair columns, 23K dual simplex iterations,
+# 17 s CPU), while pricing's dual ascent proves the same optimum from the
+# whole problem in ~1 s CPU and its restricted ILP is tiny (T5 on 2x2x2:
+# 3.3M pairs, 1.6 s CPU against ~37 s). Below this the ILP takes about a
+# second (the 2-D zoo: <= 0.8M pairs before presolve) and is kept: its
+# plans (tie-breaks) stay what they were.
+PRICING_MIN_PAIRS = 1_000_000
+# Set while a solve runs option pricing: pricing's own restricted ILPs
+# (solver.solve again) go to the ILP, not back to pricing.
+_IN_PRICING: contextvars.ContextVar[bool] = contextvars.ContextVar("solver_in_pricing", default=False)
+
+
+@contextlib.contextmanager
+def ilp_only():
+    """Within this block, :func:`solve` never routes a problem to option
+    pricing (for callers that run pricing themselves and solve its
+    restricted problems with :func:`solve`)."""
+    token = _IN_PRICING.set(True)
+    try:
+        yield
+    finally:
+        _IN_PRICING.reset(token)
+
 
 def solve(
     problem: Problem,
@@ -49,6 +77,7 @@ def solve(
     time_limit: float | None = None,
     rel_gap: float | None = None,
     presolve: bool = True,
+    pricing: bool | None = None,
 ) -> Solution:
     """Find a minimum-cost choice for ``problem``.
 
@@ -56,7 +85,11 @@ def solve(
     the first, fastest). ``time_limit`` (seconds) and ``rel_gap`` (e.g.
     ``0.01``) let the backend stop early with ``status="feasible"``.
     ``presolve``: shrink the problem first (links merged, dominated options
-    dropped) with :mod:`solver.presolve`.
+    dropped) with :mod:`solver.presolve`. ``pricing``: solve the presolved
+    problem by option pricing (:func:`solver.pricing.solve_by_pricing`)
+    first, the ILP only if pricing does not prove its plan optimal in time;
+    ``None`` (default): when it has at least ``PRICING_MIN_PAIRS`` option
+    pairs.
 
     Raises :class:`InfeasibleError` when no choice satisfies the problem,
     :class:`~solver.problem.ProblemError` when it is malformed, and
@@ -95,6 +128,17 @@ def solve(
             reduced, expand, stats = pre.problem, pre.expand, pre.stats
         timings["presolve"] = time.perf_counter() - t0
 
+    priced = None  # pricing's answer that did not prove its plan
+    if _use_pricing(pricing, reduced):
+        t0 = time.perf_counter()
+        priced = _try_pricing(reduced, backend, time_limit)
+        timings["pricing"] = time.perf_counter() - t0
+        out_of_time = time_limit is not None and time.perf_counter() - t_start >= time_limit
+        if priced is not None and (priced.status == "optimal" or out_of_time):
+            return _priced_solution(problem, priced, expand, stats, timings, t_start)
+        if time_limit is not None:  # the ILP gets what is left
+            time_limit = max(time_limit - (time.perf_counter() - t_start), 1e-3)
+
     t0 = time.perf_counter()
     model = build(reduced)
     timings["build"] = time.perf_counter() - t0
@@ -115,6 +159,8 @@ def solve(
     timings["solve"] = result.timings.get("solve", 0.0)
     if result.status == "infeasible":
         raise _infeasible(problem, solver.name)
+    if result.status == "unknown" and priced is not None:
+        return _priced_solution(problem, priced, expand, stats, timings, t_start)
     if result.status == "unknown":
         raise SolverError(
             f"{solver.name} found no feasible solution within the time limit "
@@ -147,6 +193,12 @@ def solve(
         bound = None
     else:  # the ILP's bound, never above the re-evaluated objective
         bound = min(result.bound, objective)
+    if priced is not None and result.status != "optimal":
+        # both stopped short: the better plan, the higher bound
+        if priced.bound is not None and (bound is None or priced.bound > bound):
+            bound = priced.bound
+        if priced.objective < objective:
+            return _priced_solution(problem, priced, expand, stats, timings, t_start, bound)
     return Solution(
         choice=choice,
         objective=objective,
@@ -160,6 +212,89 @@ def solve(
         timings=timings,
         num_variables=model.num_cols,
         num_constraints=model.num_rows,
+        presolve=stats,
+    )
+
+
+def _use_pricing(pricing: bool | None, reduced: Problem) -> bool:
+    if _IN_PRICING.get() or not reduced.decisions or pricing is False:
+        return False
+    if pricing:
+        return True
+    pairs = 0
+    for e in reduced.edges:
+        pairs += len(e.costs) * (len(e.costs[0]) if len(e.costs) else 0)
+    return pairs >= PRICING_MIN_PAIRS
+
+
+def _try_pricing(reduced: Problem, backend: str | None, time_limit: float | None) -> Solution | None:
+    """Option pricing's solution of the presolved problem (choice in its
+    option ids), or ``None`` when it found none (its restricted problems
+    infeasible): the ILP then decides, and diagnoses an infeasible problem."""
+    from .pricing import solve_by_pricing
+
+    with ilp_only():
+        try:
+            result = solve_by_pricing(reduced, backend=backend, time_limit=time_limit)
+        except InfeasibleError as exc:
+            logger.info("option pricing found no plan (%s); solving the ILP", exc)
+            return None
+    solution = result.solution
+    logger.info(
+        "option pricing of %r: %s, objective %.6g, bound %s, %d of %d options kept, %.3fs",
+        reduced.name, solution.status, solution.objective, solution.bound,
+        sum(len(k) for k in result.kept.values()), result.stats.options_total, result.stats.seconds.get("total", 0.0),
+    )
+    return solution
+
+
+def _priced_solution(
+    problem: Problem,
+    priced: Solution,
+    expand,
+    stats,
+    timings: dict[str, float],
+    t_start: float,
+    bound: float | None = None,
+) -> Solution:
+    """``priced`` (a solution of the presolved problem) as a solution of
+    ``problem``: expanded, re-evaluated and checked like the ILP's.
+    ``bound``: a proven bound to report instead of pricing's own."""
+    t0 = time.perf_counter()
+    choice = expand(priced.choice) if expand is not None else dict(priced.choice)
+    unary, edge = evaluate(problem, choice)
+    objective = unary + edge
+    bad = violations(problem, choice, costs_finite=math.isfinite(objective))
+    if bad:
+        raise SolverError(f"internal error: option pricing's solution violates {bad}")
+    optimal = priced.status == "optimal"
+    if bound is None:
+        bound = priced.bound
+    if optimal:
+        bound, gap = objective, 0.0
+    else:
+        bound = None if bound is None or not math.isfinite(bound) else min(bound, objective)
+        gap = None if bound is None or not objective else (objective - bound) / abs(objective)
+    timings["solve"] = timings.get("solve", 0.0) + timings.get("pricing", 0.0)
+    timings["extract"] = time.perf_counter() - t0
+    timings["total"] = time.perf_counter() - t_start
+    logger.info(
+        "solved %r with %s: %s, objective %.6g, gap %s, %.3fs",
+        problem.name, priced.backend, priced.status, objective, gap, timings["total"],
+    )
+    return Solution(
+        choice=choice,
+        objective=objective,
+        bound=bound,
+        unary_cost=unary,
+        edge_cost=edge,
+        status=priced.status,
+        optimal=optimal,
+        gap=gap,
+        backend=priced.backend,
+        timings=timings,
+        num_variables=priced.num_variables,
+        num_constraints=priced.num_constraints,
         presolve=stats,
     )
 
