@@ -171,47 +171,69 @@ def solve(
     choice = model.decode(result.values)
     if expand is not None:
         choice = expand(choice)
+    timings["extract"] = result.timings.get("extract", 0.0)
+    ilp = _checked_solution(
+        problem, choice, result.status, result.bound, result.gap, solver.name, model.num_cols, model.num_rows,
+        stats, timings, t0, t_start,
+    )
+    if priced is not None and result.status != "optimal":
+        # both stopped short: the better plan, the higher bound
+        bound = max((b for b in (ilp.bound, priced.bound) if b is not None), default=None)
+        if priced.objective < ilp.objective:
+            return _priced_solution(problem, priced, expand, stats, timings, t_start, bound)
+        if bound is not None and bound != ilp.bound:
+            ilp.bound = min(bound, ilp.objective)
+            ilp.gap = (ilp.objective - ilp.bound) / abs(ilp.objective) if ilp.objective else None
+    return ilp
+
+
+def _checked_solution(
+    problem: Problem,
+    choice: dict[str, int],
+    status: str,
+    bound: float | None,
+    gap: float | None,
+    backend: str,
+    num_variables: int,
+    num_constraints: int,
+    stats,
+    timings: dict[str, float],
+    t_extract: float,
+    t_start: float,
+) -> Solution:
+    """``choice`` (of ``problem``) re-evaluated and checked against its
+    constraints, as a Solution. ``bound``: the solver's proven bound (kept
+    at most the re-evaluated objective; the objective when optimal)."""
     unary, edge = evaluate(problem, choice)
-    bad = violations(problem, choice, costs_finite=math.isfinite(unary + edge))
+    objective = unary + edge
+    bad = violations(problem, choice, costs_finite=math.isfinite(objective))
     if bad:
-        raise SolverError(f"internal error: solution violates {bad}")
-    timings["extract"] = result.timings.get("extract", 0.0) + time.perf_counter() - t0
+        raise SolverError(f"internal error: the solution of {backend} violates {bad}")
+    timings["extract"] = timings.get("extract", 0.0) + time.perf_counter() - t_extract
     timings["total"] = time.perf_counter() - t_start
     logger.info(
         "solved %r with %s: %s, objective %.6g, gap %s, %.3fs",
-        problem.name,
-        solver.name,
-        result.status,
-        unary + edge,
-        result.gap,
-        timings["total"],
+        problem.name, backend, status, objective, gap, timings["total"],
     )
-    objective = unary + edge
-    if result.status == "optimal":
+    if status == "optimal":
         bound = objective
-    elif result.bound is None or not math.isfinite(result.bound):
+    elif bound is None or not math.isfinite(bound):
         bound = None
-    else:  # the ILP's bound, never above the re-evaluated objective
-        bound = min(result.bound, objective)
-    if priced is not None and result.status != "optimal":
-        # both stopped short: the better plan, the higher bound
-        if priced.bound is not None and (bound is None or priced.bound > bound):
-            bound = priced.bound
-        if priced.objective < objective:
-            return _priced_solution(problem, priced, expand, stats, timings, t_start, bound)
+    else:  # never above the re-evaluated objective
+        bound = min(bound, objective)
     return Solution(
         choice=choice,
         objective=objective,
         bound=bound,
         unary_cost=unary,
         edge_cost=edge,
-        status=result.status,
-        optimal=result.status == "optimal",
-        gap=result.gap,
-        backend=solver.name,
+        status=status,
+        optimal=status == "optimal",
+        gap=gap,
+        backend=backend,
         timings=timings,
-        num_variables=model.num_cols,
-        num_constraints=model.num_rows,
+        num_variables=num_variables,
+        num_constraints=num_constraints,
         presolve=stats,
     )
 
@@ -262,41 +284,18 @@ def _priced_solution(
     ``bound``: a proven bound to report instead of pricing's own."""
     t0 = time.perf_counter()
     choice = expand(priced.choice) if expand is not None else dict(priced.choice)
-    unary, edge = evaluate(problem, choice)
-    objective = unary + edge
-    bad = violations(problem, choice, costs_finite=math.isfinite(objective))
-    if bad:
-        raise SolverError(f"internal error: option pricing's solution violates {bad}")
-    optimal = priced.status == "optimal"
     if bound is None:
         bound = priced.bound
-    if optimal:
-        bound, gap = objective, 0.0
-    else:
-        bound = None if bound is None or not math.isfinite(bound) else min(bound, objective)
-        gap = None if bound is None or not objective else (objective - bound) / abs(objective)
     timings["solve"] = timings.get("solve", 0.0) + timings.get("pricing", 0.0)
-    timings["extract"] = time.perf_counter() - t0
-    timings["total"] = time.perf_counter() - t_start
-    logger.info(
-        "solved %r with %s: %s, objective %.6g, gap %s, %.3fs",
-        problem.name, priced.backend, priced.status, objective, gap, timings["total"],
+    s = _checked_solution(
+        problem, choice, priced.status, bound, None, priced.backend, priced.num_variables,
+        priced.num_constraints, stats, timings, t0, t_start,
     )
-    return Solution(
-        choice=choice,
-        objective=objective,
-        bound=bound,
-        unary_cost=unary,
-        edge_cost=edge,
-        status=priced.status,
-        optimal=optimal,
-        gap=gap,
-        backend=priced.backend,
-        timings=timings,
-        num_variables=priced.num_variables,
-        num_constraints=priced.num_constraints,
-        presolve=stats,
-    )
+    if s.optimal:
+        s.gap = 0.0
+    elif s.bound is not None and s.objective:
+        s.gap = (s.objective - s.bound) / abs(s.objective)
+    return s
 
 
 def _check_limits(time_limit, rel_gap) -> None:
