@@ -3,6 +3,12 @@
     problem --validate--> presolve --build--> ILP --backend--> columns
             --decode--> reduced choice --expand--> choice --evaluate--> Solution
 
+A presolved problem with at least ``PRICING_MIN_PAIRS`` option pairs goes to
+option pricing (:func:`solver.pricing.solve_by_pricing`) first; its reduced
+choice is expanded and evaluated the same way, and the ILP runs only when
+pricing did not prove its plan optimal (with what is left of a time limit;
+the better of the two plans is returned, with the higher bound).
+
 The objective reported is :func:`solver.evaluate.evaluate` of the expanded
 choice on the original problem; the ILP's own objective only steers the
 search. An infeasible problem raises :class:`InfeasibleError` naming the
@@ -12,7 +18,8 @@ Determinism: the same problem and options give the same solution. Both
 backends are deterministic (without a time limit), and the model is built in
 a fixed order, so ties between equally good choices are broken the same way
 every time, though not by any documented rule; cost models that care should
-add their own tie-break costs.
+add their own tie-break costs. Plans from option pricing (big problems) may
+break ties differently from the ILP's.
 
 Example::
 
