@@ -449,7 +449,8 @@ class AutoParallel:
             )
             return results[-1].solution
 
-        with self._stages.stage(f"option pricing ({len(built.problem.decisions)} decisions)", "solve"):
+        # ilp_only: pricing's restricted problems go to the ILP, not back to pricing
+        with self._stages.stage(f"option pricing ({len(built.problem.decisions)} decisions)", "solve"), solver.ilp_only():
             try:
                 memory_budget_mod.solve_within_budget(built.problem, price)
             finally:

@@ -55,8 +55,31 @@ lazy for LLaMA). Time in seconds, trace to plan::
     convnet      2x2x2  slow       2.9    0.8 |    3.0    0.9    5127    866,252 dense     0/8 optimal
     llama3_debug 2x2x2  slow      19.0   10.0 |   21.1   10.5  121565 56,158,213 lazy    232/0 optimal
 
-What is left (not in this module's reach): on 2x2x2 the time is HiGHS's
-branch and bound (LLaMA: presolve leaves 144 decisions, 14.6K options,
+Session 11: on 2x2x2 the time was not branch and bound but the root LP
+(LLaMA-3 debug: presolve leaves 132 decisions, 13.8K options, 2.0M pairs;
+column generation's first restricted LP alone, 208K columns, 23K dual
+simplex iterations; the LP is integral). solver.solve now sends presolved
+problems with >= 1M pairs (solver.api.PRICING_MIN_PAIRS) to option pricing,
+whose dual ascent meets its plan (29 sweeps) and whose forests drop 99% of
+the options. Planning (optimize_placement) wall / CPU seconds, 2-core
+machine shared with 3-4 other runs (load 6-7; CPU seconds are comparable,
+wall is ~4x idle), before -> after, same objectives to the last digit::
+
+    llama3_debug 2x2x2 default   84.0 / 21.1  ->  12.7 / 5.1   optimal
+    t5           2x2x2 default  101.3 / 25.4  ->  36.2 / 8.8   optimal
+    MoE debug 2-layer dp,ep,tp   607.9 / 131.1 -> 71.2 / 20.4  0.41% gap (time limit 10 s)
+    (tests/autoparallel/test_moe.py::test_moe_plan_apply_3d_dp_ep_tp)
+
+The MoE's local-polytope LP is 0.41% below its optimum (half-integral:
+the dense FFN weights mix RRR with S(1)S(1)S(1)); pricing finds the optimum
+(the plan above) and, without a time limit, proves it in ~290 s (its
+restricted ILP: 10.7K options, HiGHS' MIP after 200 of our B&B nodes).
+With the sharded_compute device (no Partial pruning: 243K options, 87M
+pairs for T5) presolve is now the larger part: T5 22.6 s CPU of presolve
+(dominance and degree-2 elimination), then pricing.
+
+Before session 11 (not in this module's reach then): on 2x2x2 the time was
+HiGHS (LLaMA: presolve leaves 144 decisions, 14.6K options,
 2.2M pairs; the ILP has 938K variables, 14.6K binary; 20-29 s of solve).
 A device slow at compute only (HBM as H100, so pruning stays on) gives
 LLaMA 53K options, dense, and a longer solve (48 s at load 2.3); the

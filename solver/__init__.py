@@ -4,7 +4,7 @@ Nothing under ``solver/`` imports torch; it can be used and tested with
 hand-made problems.
 """
 
-from .api import solve
+from .api import ilp_only, solve
 from .backends import SolverError, available_backends
 from .diagnose import InfeasibleError
 from .evaluate import evaluate, violations
@@ -38,6 +38,7 @@ __all__ = [
     "InfeasibleError",
     "SolverError",
     "available_backends",
+    "ilp_only",
     "evaluate",
     "solve",
     "solve_by_pricing",

@@ -3,6 +3,12 @@
     problem --validate--> presolve --build--> ILP --backend--> columns
             --decode--> reduced choice --expand--> choice --evaluate--> Solution
 
+A presolved problem with at least ``PRICING_MIN_PAIRS`` option pairs goes to
+option pricing (:func:`solver.pricing.solve_by_pricing`) first; its reduced
+choice is expanded and evaluated the same way, and the ILP runs only when
+pricing did not prove its plan optimal (with what is left of a time limit;
+the better of the two plans is returned, with the higher bound).
+
 The objective reported is :func:`solver.evaluate.evaluate` of the expanded
 choice on the original problem; the ILP's own objective only steers the
 search. An infeasible problem raises :class:`InfeasibleError` naming the
@@ -12,7 +18,8 @@ Determinism: the same problem and options give the same solution. Both
 backends are deterministic (without a time limit), and the model is built in
 a fixed order, so ties between equally good choices are broken the same way
 every time, though not by any documented rule; cost models that care should
-add their own tie-break costs.
+add their own tie-break costs. Plans from option pricing (big problems) may
+break ties differently from the ILP's.
 
 Example::
 
@@ -29,6 +36,8 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import math
 import time
@@ -41,6 +50,32 @@ from .problem import Problem, ProblemError, Solution
 
 logger = logging.getLogger(__name__)
 
+# Presolved problems with at least this many option pairs (finite or not,
+# over all edges) go to option pricing (solver.pricing) before the ILP.
+# Why: on 3-D meshes the pairwise ILP's LP relaxation alone is the cost
+# (tiny LLaMA-3 on 2x2x2: 880K pair columns, 23K dual simplex iterations,
+# 17 s CPU), while pricing's dual ascent proves the same optimum from the
+# whole problem in ~1 s CPU and its restricted ILP is tiny (T5 on 2x2x2:
+# 3.3M pairs, 1.6 s CPU against ~37 s). Below this the ILP takes about a
+# second (the 2-D zoo: <= 0.8M pairs before presolve) and is kept: its
+# plans (tie-breaks) stay what they were.
+PRICING_MIN_PAIRS = 1_000_000
+# Set while a solve runs option pricing: pricing's own restricted ILPs
+# (solver.solve again) go to the ILP, not back to pricing.
+_IN_PRICING: contextvars.ContextVar[bool] = contextvars.ContextVar("solver_in_pricing", default=False)
+
+
+@contextlib.contextmanager
+def ilp_only():
+    """Within this block, :func:`solve` never routes a problem to option
+    pricing (for callers that run pricing themselves and solve its
+    restricted problems with :func:`solve`)."""
+    token = _IN_PRICING.set(True)
+    try:
+        yield
+    finally:
+        _IN_PRICING.reset(token)
+
 
 def solve(
     problem: Problem,
@@ -49,6 +84,7 @@ def solve(
     time_limit: float | None = None,
     rel_gap: float | None = None,
     presolve: bool = True,
+    pricing: bool | None = None,
 ) -> Solution:
     """Find a minimum-cost choice for ``problem``.
 
@@ -56,7 +92,11 @@ def solve(
     the first, fastest). ``time_limit`` (seconds) and ``rel_gap`` (e.g.
     ``0.01``) let the backend stop early with ``status="feasible"``.
     ``presolve``: shrink the problem first (links merged, dominated options
-    dropped) with :mod:`solver.presolve`.
+    dropped) with :mod:`solver.presolve`. ``pricing``: solve the presolved
+    problem by option pricing (:func:`solver.pricing.solve_by_pricing`)
+    first, the ILP only if pricing does not prove its plan optimal in time;
+    ``None`` (default): when it has at least ``PRICING_MIN_PAIRS`` option
+    pairs.
 
     Raises :class:`InfeasibleError` when no choice satisfies the problem,
     :class:`~solver.problem.ProblemError` when it is malformed, and
@@ -95,6 +135,17 @@ def solve(
             reduced, expand, stats = pre.problem, pre.expand, pre.stats
         timings["presolve"] = time.perf_counter() - t0
 
+    priced = None  # pricing's answer that did not prove its plan
+    if _use_pricing(pricing, reduced):
+        t0 = time.perf_counter()
+        priced = _try_pricing(reduced, backend, time_limit)
+        timings["pricing"] = time.perf_counter() - t0
+        out_of_time = time_limit is not None and time.perf_counter() - t_start >= time_limit
+        if priced is not None and (priced.status == "optimal" or out_of_time):
+            return _priced_solution(problem, priced, expand, stats, timings, t_start)
+        if time_limit is not None:  # the ILP gets what is left
+            time_limit = max(time_limit - (time.perf_counter() - t_start), 1e-3)
+
     t0 = time.perf_counter()
     model = build(reduced)
     timings["build"] = time.perf_counter() - t0
@@ -115,6 +166,8 @@ def solve(
     timings["solve"] = result.timings.get("solve", 0.0)
     if result.status == "infeasible":
         raise _infeasible(problem, solver.name)
+    if result.status == "unknown" and priced is not None:
+        return _priced_solution(problem, priced, expand, stats, timings, t_start)
     if result.status == "unknown":
         raise SolverError(
             f"{solver.name} found no feasible solution within the time limit "
@@ -125,43 +178,131 @@ def solve(
     choice = model.decode(result.values)
     if expand is not None:
         choice = expand(choice)
+    timings["extract"] = result.timings.get("extract", 0.0)
+    ilp = _checked_solution(
+        problem, choice, result.status, result.bound, result.gap, solver.name, model.num_cols, model.num_rows,
+        stats, timings, t0, t_start,
+    )
+    if priced is not None and result.status != "optimal":
+        # both stopped short: the better plan, the higher bound
+        bound = max((b for b in (ilp.bound, priced.bound) if b is not None), default=None)
+        if priced.objective < ilp.objective:
+            return _priced_solution(problem, priced, expand, stats, timings, t_start, bound)
+        if bound is not None and bound != ilp.bound:
+            ilp.bound = min(bound, ilp.objective)
+            ilp.gap = (ilp.objective - ilp.bound) / abs(ilp.objective) if ilp.objective else None
+    return ilp
+
+
+def _checked_solution(
+    problem: Problem,
+    choice: dict[str, int],
+    status: str,
+    bound: float | None,
+    gap: float | None,
+    backend: str,
+    num_variables: int,
+    num_constraints: int,
+    stats,
+    timings: dict[str, float],
+    t_extract: float,
+    t_start: float,
+) -> Solution:
+    """``choice`` (of ``problem``) re-evaluated and checked against its
+    constraints, as a Solution. ``bound``: the solver's proven bound (kept
+    at most the re-evaluated objective; the objective when optimal)."""
     unary, edge = evaluate(problem, choice)
-    bad = violations(problem, choice, costs_finite=math.isfinite(unary + edge))
+    objective = unary + edge
+    bad = violations(problem, choice, costs_finite=math.isfinite(objective))
     if bad:
-        raise SolverError(f"internal error: solution violates {bad}")
-    timings["extract"] = result.timings.get("extract", 0.0) + time.perf_counter() - t0
+        raise SolverError(f"internal error: the solution of {backend} violates {bad}")
+    timings["extract"] = timings.get("extract", 0.0) + time.perf_counter() - t_extract
     timings["total"] = time.perf_counter() - t_start
     logger.info(
         "solved %r with %s: %s, objective %.6g, gap %s, %.3fs",
-        problem.name,
-        solver.name,
-        result.status,
-        unary + edge,
-        result.gap,
-        timings["total"],
+        problem.name, backend, status, objective, gap, timings["total"],
     )
-    objective = unary + edge
-    if result.status == "optimal":
+    if status == "optimal":
         bound = objective
-    elif result.bound is None or not math.isfinite(result.bound):
+    elif bound is None or not math.isfinite(bound):
         bound = None
-    else:  # the ILP's bound, never above the re-evaluated objective
-        bound = min(result.bound, objective)
+    else:  # never above the re-evaluated objective
+        bound = min(bound, objective)
     return Solution(
         choice=choice,
         objective=objective,
         bound=bound,
         unary_cost=unary,
         edge_cost=edge,
-        status=result.status,
-        optimal=result.status == "optimal",
-        gap=result.gap,
-        backend=solver.name,
+        status=status,
+        optimal=status == "optimal",
+        gap=gap,
+        backend=backend,
         timings=timings,
-        num_variables=model.num_cols,
-        num_constraints=model.num_rows,
+        num_variables=num_variables,
+        num_constraints=num_constraints,
         presolve=stats,
     )
+
+
+def _use_pricing(pricing: bool | None, reduced: Problem) -> bool:
+    if _IN_PRICING.get() or not reduced.decisions or pricing is False:
+        return False
+    if pricing:
+        return True
+    pairs = 0
+    for e in reduced.edges:
+        pairs += len(e.costs) * (len(e.costs[0]) if len(e.costs) else 0)
+    return pairs >= PRICING_MIN_PAIRS
+
+
+def _try_pricing(reduced: Problem, backend: str | None, time_limit: float | None) -> Solution | None:
+    """Option pricing's solution of the presolved problem (choice in its
+    option ids), or ``None`` when it found none (its restricted problems
+    infeasible): the ILP then decides, and diagnoses an infeasible problem."""
+    from .pricing import solve_by_pricing
+
+    with ilp_only():
+        try:
+            result = solve_by_pricing(reduced, backend=backend, time_limit=time_limit)
+        except InfeasibleError as exc:
+            logger.info("option pricing found no plan (%s); solving the ILP", exc)
+            return None
+    solution = result.solution
+    logger.info(
+        "option pricing of %r: %s, objective %.6g, bound %s, %d of %d options kept, %.3fs",
+        reduced.name, solution.status, solution.objective, solution.bound,
+        sum(len(k) for k in result.kept.values()), result.stats.options_total, result.stats.seconds.get("total", 0.0),
+    )
+    return solution
+
+
+def _priced_solution(
+    problem: Problem,
+    priced: Solution,
+    expand,
+    stats,
+    timings: dict[str, float],
+    t_start: float,
+    bound: float | None = None,
+) -> Solution:
+    """``priced`` (a solution of the presolved problem) as a solution of
+    ``problem``: expanded, re-evaluated and checked like the ILP's.
+    ``bound``: a proven bound to report instead of pricing's own."""
+    t0 = time.perf_counter()
+    choice = expand(priced.choice) if expand is not None else dict(priced.choice)
+    if bound is None:
+        bound = priced.bound
+    timings["solve"] = timings.get("solve", 0.0) + timings.get("pricing", 0.0)
+    s = _checked_solution(
+        problem, choice, priced.status, bound, None, priced.backend, priced.num_variables,
+        priced.num_constraints, stats, timings, t0, t_start,
+    )
+    if s.optimal:
+        s.gap = 0.0
+    elif s.bound is not None and s.objective:
+        s.gap = (s.objective - s.bound) / abs(s.objective)
+    return s
 
 
 def _check_limits(time_limit, rel_gap) -> None:
