@@ -160,6 +160,13 @@ and is far from converged, so targets keep 30-50K options. The example
 s, 32.5% gap, 2.16 GB; branch 231.8 s, 4.14%, 1.26 GB (load 5.3 -> 6.4),
 and 324.5 s, 33.1%, 1.26 GB with the test suite beside it (no cheaper
 plan turned up: the gap there is the plan's, 0.2255 against 0.1639).
+
+Session 11, main after the merges, idle (load 0.5 -> 1.0), all proven
+optimal: 8B 16x8 13.3 s, 4x4x8 20.5 s (1.54x, 567 MiB), HSDP 20.0 s
+(1.50x, 556 MiB); 70B 16x8 33.3 s, 8x16x8 37.6 s (1.13x, 649 MiB),
+4x4x8x8 65.8 s (1.98x; 32.1 / 6.6 / 4.0 / solve 19.8; 982 MiB; 3677.7
+ms). The two 70B plans again, idle: 30.2 / 66.6 s (2.21x), 24.3 / 46.1 s
+(1.90x), 32.1 / 58.8 s (1.83x).
 """
 
 from __future__ import annotations
