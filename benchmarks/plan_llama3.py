@@ -10,6 +10,8 @@ at most 30 s and 2 GB peak RSS with status optimal. Asserts nothing::
     python benchmarks/plan_llama3.py                    # the issue's case
     python benchmarks/plan_llama3.py --layers 2 --seq 2048
     python benchmarks/plan_llama3.py --mesh 8 8 --no-ac
+    python benchmarks/plan_llama3.py --compare-meshes   # 2-, 3- and 4-D side by side
+                                                        # (plan_mesh3d.py, its arguments)
 
 Model construction and imports are not timed; "total" is tracing through
 the solver's answer (everything ``AutoParallel`` does).
@@ -55,6 +57,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compare-full", action="store_true",
                    help="with --apply: also apply without layer folding (slow) and check "
                         "that the folded apply gave the same graphs")
+    p.add_argument("--compare-meshes", action="store_true",
+                   help="plan 8B on 16x8, 4x4x8 and HSDP 2x8x8 and 70B on 16x8, 8x16x8 and 4x4x8x8, each in "
+                        "its own process, and print them side by side (benchmarks/plan_mesh3d.py: the other "
+                        "arguments are its own, e.g. --only, --layers, --time-limit, --mp)")
     p.add_argument("--apply", action="store_true",
                    help="also time apply_placement and print its collectives and pass stats "
                         "(applies twice: without and with the rewrite passes)")
@@ -71,6 +77,15 @@ def _peak_rss_mib() -> float:
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--compare-meshes" in argv:
+        # issue 13's side-by-side table (16x8, 4x4x8, HSDP 2x8x8 for 8B;
+        # 8x16x8 and 4x4x8x8 for 70B), each plan in its own process:
+        # benchmarks/plan_mesh3d.py, which takes the remaining arguments
+        from plan_mesh3d import main as compare_meshes
+
+        compare_meshes([x for x in argv if x != "--compare-meshes"])
+        return
     a = parse_args(argv)
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, format="%(name)s: %(message)s")
     world = 1
