@@ -42,7 +42,9 @@ def is_evenly_sharded(shape: torch.Size, placements: tuple[Placement, ...], mesh
 
     ``_StridedShard`` (what DTensor's view rules produce for a dim split
     after sharding) is rejected: it is no ``Shard`` subclass any more, so it
-    has to be caught as "neither Shard, Replicate nor Partial".
+    has to be caught as "neither Shard, Replicate nor Partial". ``Shard``
+    over a mesh dim of size 1 is rejected too: it is ``Replicate`` under
+    another name (:func:`on_mesh` reads user layouts the same way).
     """
     ways = [1] * len(shape)
     mesh_shape = _mesh_shape(mesh)

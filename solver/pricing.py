@@ -117,9 +117,6 @@ DIRECT_PAIRS = 3_000_000
 # ascent's second run (solver.pricing_proof), which proves the plan.
 ROUNDS_SHARE = 0.35
 ROUNDS_END_SHARE = 0.75
-# Seconds the restricted ILP of a target search (solver.pricing_proof) gets
-# at least, past the deadline: it is what proves the plan.
-TARGET_ILP_SECONDS = 10.0
 # Share of the time limit the ascent's second run leaves to its forests and
 # the last restricted ILP.
 FINAL_RESERVE = 0.1

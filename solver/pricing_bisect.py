@@ -51,14 +51,13 @@ where fixing at the plan's cost needed 25,410 options and 7.9M pairs.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .pricing_proof import pairs_among
+from .pricing_proof import OPT_RTOL, pairs_among
 from .tree_bound import eliminate
 
 if TYPE_CHECKING:
@@ -87,7 +86,7 @@ MAX_PROBES = 12
 # Seconds the bisection may take at least, past the pricing deadline: it is
 # what proves the plan (or raises the bound) when the relaxation is loose.
 PROOF_SECONDS = 30.0
-# Seconds a restricted ILP gets at least (solver.pricing.TARGET_ILP_SECONDS).
+# Seconds a restricted ILP of a target gets at least.
 ILP_SECONDS = 10.0
 # Spanning forests per elimination pass and the passes per target.
 TREES = 3
@@ -100,8 +99,6 @@ SIZE_FACTOR = 2
 # Options or pairs, as a multiple of what one restricted ILP may take,
 # past which a target's first pass of forests ends it ("too many").
 FAR_OVER = 3
-# Relative gap under which a bound proves a plan optimal (solver.pricing.OPT_RTOL).
-OPT_RTOL = 1e-9
 # Relative slack on the belief test (sums taken in different orders).
 BELIEF_RTOL = 1e-7
 

@@ -16,8 +16,8 @@ the reduced-cost fixing of :func:`solver.pricing.solve_by_pricing`
 intersects with its own. When few enough are left, the ILP over all of
 them is the proof.
 
-When fixing needs too many options (:func:`target_search`): forests
-against a guessed optimum a little above the ascent's bound keep what a
+When fixing needs too many options, :mod:`solver.pricing_bisect` guesses
+the optimum a little above the ascent's bound instead: forests keep what a
 plan that cheap may use; the ILP over them proves the plan or the guess
 becomes the bound.
 
@@ -57,8 +57,6 @@ ASCENT_SWEEPS = 10
 # an ascent (a plan near the dual's: its decoding alone rounds poorly on
 # 4-D meshes).
 ILP_PER_CLASS = 3
-# Targets tried by target_search, relative to the ascent's bound.
-TARGET_MARGINS = (1e-5, 1e-4, 1e-3)
 # What a pass of TREES forests costs, in sweeps of the ascent (a forest
 # reduces each of its edges twice, a sweep every edge twice).
 FOREST_SWEEPS = 3
@@ -188,49 +186,6 @@ def _ilp_near_duals(pr: _Pricer, ascent: DualAscent, upper: float, plan: list[in
     if sol is not None and sol.objective < upper:
         return sol.objective, [sol.choice[q] for q in range(len(pr.q.classes))]
     return upper, plan
-
-
-def target_search(pr: _Pricer, ascent: DualAscent, upper: float, bound: float, solve_ilp, cap: int,
-                  max_pairs: int, deadline: float | None, stats: PricingStats):
-    """When the plan of cost ``upper`` is too far above the ascent's
-    ``bound`` for reduced-cost fixing (too many options within the gap),
-    guess the optimum instead: for targets ``t`` a little above ``bound``
-    (TARGET_MARGINS, relative), the forests over the ascent's rewritten
-    costs keep per class the options a plan costing at most ``t`` may use
-    (few: the ascent's bound is near the LP's optimum, which on these
-    problems is near the integral one); the restricted ILP over them (and
-    the kept ones) then either finds a plan costing at most ``t``, proven
-    optimal (any cheaper plan is among its options), or shows none costs
-    that little: ``t`` is a lower bound, and the next target is tried.
-    ``solve_ilp()``: the restricted ILP's Solution (None if infeasible).
-    Returns (Solution or None, the bound reached, whether proven)."""
-    best = None
-    reparam = ascent.reparam()
-    for margin in TARGET_MARGINS:
-        target = bound + margin * max(1.0, abs(bound))
-        if target >= upper or (deadline is not None and time.perf_counter() > deadline):
-            break
-        el = eliminate(pr.q, target, trees=TREES, reparam=reparam)
-        keep = [k & live for k, live in zip(el.keep, ascent.live)]
-        with_them = [k | kept for k, kept in zip(keep, pr.kept)]
-        n_opts, pairs = sum(int(k.sum()) for k in with_them), pairs_among(pr.q, with_them)
-        logger.info("target search: plans costing at most %.9g (bound %.9g + %.0e) use %d options, %d pairs",
-                    target, bound, margin, n_opts, pairs)
-        if n_opts > cap or pairs > max_pairs:
-            break
-        for q, k in enumerate(keep):
-            pr.add(q, np.flatnonzero(k))
-        sol = solve_ilp()
-        if sol is None or sol.status != "optimal":
-            break
-        if best is None or sol.objective < best.objective:
-            best = sol
-        if sol.objective <= min(target, el.upper) + OPT_RTOL * max(1.0, abs(target)):
-            stats.tree_bound = max(stats.tree_bound, sol.objective)
-            return best, sol.objective, True
-        bound = max(bound, target)  # no plan costs at most the target
-        stats.tree_bound = max(stats.tree_bound, bound)
-    return best, bound, False
 
 
 def narrow(pr: _Pricer, keep: list[np.ndarray], plan: list[int]) -> None:

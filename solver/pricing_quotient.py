@@ -226,7 +226,7 @@ class Term:
             best = np.full(n_classes, -math.inf)
             values = np.asarray(values, dtype=float)
             np.maximum.at(best, value_class, values if self.count == 1 else values / self.count)
-            reduced = matrix.min_plus_classes(best, own_rows, lower=True) if lower else matrix.min_plus_classes(best, own_rows)
+            reduced = matrix.min_plus_classes(best, own_rows, lower=lower)
             out = np.asarray(reduced, dtype=float)[result_class]
             return out if self.count == 1 else self.count * out
         method = getattr(matrix, "min_plus_rows" if own_rows else "min_plus_cols", None)

@@ -86,7 +86,6 @@ def test_plan_and_apply_4d_mesh(capsys):
     assert "estimated step" in out and "collectives" in out, out[-2000:]
 
 
-
 @pytest.mark.slow
 def test_bf16_priced_plan_equals_the_dense_solve(fake_world, monkeypatch):
     """The example's planning setup (bf16 compute with fp32 reduction, the

@@ -70,7 +70,6 @@ def test_t5_plans_proven_optimal(fake_world):
     assert "proven optimal" in plan.summary()
 
 
-
 def test_3d_mesh_priced_plan_has_the_ilp_optimum(fake_world, monkeypatch):
     """A bias FFN on 2x2x2 (its problem as planning builds it: Partial
     variants, 3-D redistributions) planned through option pricing equals the

@@ -437,37 +437,6 @@ def test_ilp_near_the_ascent_duals_is_no_dearer_than_a_decoded_plan():
     assert checked
 
 
-def test_target_search_proves_the_optimum_or_a_valid_bound(monkeypatch):
-    """Guessing the optimum a little above the ascent's bound: a plan at
-    most the target is the dense optimum; otherwise the target is a bound
-    no higher than the optimum."""
-    from solver.dual_bound import DualAscent
-    from solver.pricing import PricingStats
-
-    monkeypatch.setattr(pricing_proof, "TARGET_MARGINS", (1e-3, 1e-2, 0.1, 1.0))
-    proven = raised = 0
-    for seed in range(12):
-        p = reducing_copy(layered_problem(seed, inf_rate=0.1, resource=False))
-        want = reference(dense_copy(layered_problem(seed, inf_rate=0.1, resource=False)))
-        if want is None:
-            continue
-        q = build_quotient(p)
-        pr = _Pricer(q)
-        pr.seed(p, one_option_each(p))
-        start = pr.solve_ilp(None, None)  # a plan over the seed: usually dearer than the optimum
-        ascent = DualAscent(q)
-        bound = ascent.run(20)
-        found, reached, ok = pricing_proof.target_search(
-            pr, ascent, start.objective, bound, lambda: pr.solve_ilp(None, None), 10**6, 10**9, None, PricingStats())
-        tol = 1e-9 * max(1.0, abs(want))
-        assert reached <= want + tol
-        if ok:
-            proven += 1
-            assert found.objective == pytest.approx(want, rel=1e-9)
-        raised += reached > bound
-    assert proven and raised
-
-
 def test_ascent_meeting_its_plan_proves_without_rounds():
     """Where the dual ascent's bound meets its plan, no LP round runs and
     the plan is the dense optimum (check())."""
