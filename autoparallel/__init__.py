@@ -7,13 +7,13 @@ program (see README.md).
 """
 
 from .api import AutoParallel, ConstraintError
-from .compile import autoparallel_backend
+from .apply.compile import autoparallel_backend
 from .cost_model import CommOverlapPolicy, DeviceSpec
 from .plan import NodePlan, Plan, diff
 from .provenance import PlanMismatch
-from .problem_builder import ProblemTooLarge
-from .strategies import register_rule
-from .tracing import DataDependentTraceError
+from .problem.builder import ProblemTooLarge
+from .options.strategies import register_rule
+from .capture.tracing import DataDependentTraceError
 
 __all__ = [
     "AutoParallel",

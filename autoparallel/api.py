@@ -25,17 +25,19 @@ from torch.distributed.tensor.placement_types import Placement
 
 import solver
 
-from . import cost_model, infeasibility, rules, validation  # noqa: F401 - rules register on import
-from . import memory_budget as memory_budget_mod
-from . import coarse_seed, option_pricing
-from .memory import ADAMW, OptimizerSpec
+from . import cost_model, validation
+from .options import rules  # noqa: F401 - rules register on import
+from .problem import coarse_seed, infeasibility
+from .problem import memory_budget as memory_budget_mod
+from .problem import pricing as option_pricing
+from .problem.memory import ADAMW, OptimizerSpec
 from .plan import NodePlan, Plan
 from .provenance import PlanMismatch, check_applicable, provenance  # noqa: F401 - PlanMismatch re-exported
 from .progress import Stages, gc_paused
-from .problem_builder import DEFAULT_MAX_PROBLEM_BYTES, BuiltProblem, Constraints, build_problem
-from .repeated_layers import RepeatedLayers, find_repeated_layers
-from .strategies import NodeStrategy, StrategyEnumerator, format_specs
-from .tracing import TracedStep, module_path, trace_training_step
+from .problem.builder import DEFAULT_MAX_PROBLEM_BYTES, BuiltProblem, Constraints, build_problem
+from .capture.repeated_layers import RepeatedLayers, find_repeated_layers
+from .options.strategies import NodeStrategy, StrategyEnumerator, format_specs
+from .capture.tracing import TracedStep, module_path, trace_training_step
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +88,7 @@ class AutoParallel:
             ``plan.gap``. Plans proven optimal are unaffected.
         max_problem_bytes: a problem whose dense edge matrices are estimated
             to need more memory is solved by option pricing with lazy
-            matrices instead (:mod:`autoparallel.option_pricing`); one too
+            matrices instead (:mod:`autoparallel.problem.pricing`); one too
             big even for that is refused (``ProblemTooLarge``, before any
             cost matrix is built); None: no limit.
         option_pricing: True / False forces / forbids option pricing;
@@ -94,7 +96,7 @@ class AutoParallel:
             ``max_problem_bytes``.
         memory_budget: bound the per-rank memory of the whole step
             (parameters, gradients, optimizer state, saved activations; see
-            :mod:`autoparallel.memory_budget`) by the device's HBM less 10%;
+            :mod:`autoparallel.problem.memory_budget`) by the device's HBM less 10%;
             :meth:`add_memory_budget` sets another; False plans without it.
     """
 
@@ -338,7 +340,7 @@ class AutoParallel:
         default, HBM less 10% (on unless ``AutoParallel(...,
         memory_budget=False)``; this call switches it on again). The plan is
         the cheapest that fits; when none can, planning raises
-        :class:`~autoparallel.infeasibility.InfeasibleConstraintError` naming
+        :class:`~autoparallel.problem.infeasibility.InfeasibleConstraintError` naming
         ``'memory budget'`` with the smallest reachable estimate.
         ``plan.summary()`` reports the estimate against the budget.
         """

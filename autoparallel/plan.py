@@ -176,7 +176,7 @@ class Plan:
         """What the plan is in words, the notation, then the numbers:
         estimated step time, per-rank memory against HBM, collectives,
         placements per kind (forward/backward labelled) and pass stats."""
-        from . import memory
+        from .problem import memory
         from .report import numbers, words
 
         s = self.solution

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .strategies import format_specs
+from .options.strategies import format_specs
 
 if TYPE_CHECKING:
     from .api import AutoParallel
@@ -113,7 +113,7 @@ def _check_pins(plan: "Plan", autop: "AutoParallel") -> None:
     """The constraints of ``autop`` hold in ``plan``: a plan made with other
     input or output layouts would run on inputs laid out another way than
     the caller feeds (wrong numbers, no error)."""
-    from .placements import format_placement
+    from .options.placements import format_placement
 
     for node_name, (cname, placements) in autop._constraints.pins.items():
         n = plan.nodes.get(node_name)

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, Shard
 from torch.utils._pytree import TreeSpec, tree_flatten
 
-from .placements import format_placement, on_mesh
+from .options.placements import format_placement, on_mesh
 
 
 class ConstraintError(ValueError):

@@ -1,7 +1,7 @@
 """Time to compute every class grid of a lazy problem (issue 13).
 
 Builds LLaMA-3 70B on 4x4x8x8 (``--layers`` blocks, lazy edge matrices),
-captures the problem's :class:`autoparallel.edge_matrices.EdgeMatrices`, then
+captures the problem's :class:`autoparallel.problem.edge_matrices.EdgeMatrices`, then
 computes each distinct class grid whole (what the option-pricing solver
 needs to price an option against every partner) and prints the time, the
 number of grids and entries, and the peak RSS. Asserts nothing::
@@ -12,7 +12,7 @@ number of grids and entries, and the peak RSS. Asserts nothing::
 Measured (vecgrid branch, 2-core machine shared, load 3.5-4.5), 2 layers:
 136 grids, 18.0M entries (largest 1218 x 1218), checksum 7.533245286e+05
 both ways. Pair by pair (edge_costs.redistribution_matrix, one call per
-grid): 317.8 s, peak RSS 3027 MiB (its pair cache). Whole grids with numpy (autoparallel/class_costs.py):
+grid): 317.8 s, peak RSS 3027 MiB (its pair cache). Whole grids with numpy (autoparallel/cost_model/class_costs.py):
 9.8 s, no RSS above the problem build's 664 MiB peak.
 
 Session 9 (min-cost redistribution plans, autoparallel/cost_model/redistribute_plan.py;
@@ -62,7 +62,8 @@ def main(argv=None) -> None:
     from torch.distributed.tensor.placement_types import Replicate, Shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from autoparallel import AutoParallel, edge_matrices
+    from autoparallel import AutoParallel
+    from autoparallel.problem import edge_matrices
     from autoparallel.models.llama3 import LLAMA3_CONFIGS, Transformer, apply_ac
 
     captured = []

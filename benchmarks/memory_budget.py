@@ -9,7 +9,7 @@
    without and with selective AC, under the default budget, with every forward
    matmul pinned data parallel, and under a 2 MB budget that makes the
    solver shard the batch: estimated vs measured bytes per rank
-   (see tests/autoparallel/test_memory_budget.py for how it is measured).
+   (see tests/autoparallel/problem/test_memory_budget.py for how it is measured).
 
 3. The 8B plan applied: the saved activations the partitioned forward
    hands the backward, against the estimate.
@@ -30,9 +30,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "examples"), os.path.join(ROOT, "tests", "autoparallel")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "examples"), os.path.join(ROOT, "tests", "autoparallel"),
+                  os.path.join(ROOT, "tests", "autoparallel", "problem")]
 
-from autoparallel import AutoParallel, memory  # noqa: E402
+from autoparallel import AutoParallel  # noqa: E402
+from autoparallel.problem import memory  # noqa: E402
 
 STAGES = ("problem_build", "solver.presolve", "solver.build", "solver.solve")
 
@@ -88,7 +90,7 @@ def bench_8b_saved() -> None:
     backward (its outputs after the user's, distinct storages by view base):
     the saved activations of the real step, per rank."""
     import example_llama3 as ex
-    from autoparallel.saved_activations import VIEW_OPS
+    from autoparallel.capture.saved_activations import VIEW_OPS
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=128)
     try:

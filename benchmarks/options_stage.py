@@ -71,12 +71,13 @@ def main(argv=None) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from autoparallel import cost_model, problem_builder
+    from autoparallel import cost_model
+    from autoparallel.problem import builder as problem_builder
     from autoparallel.models.llama3 import LLAMA3_CONFIGS, Transformer, apply_ac
-    from autoparallel.option_pruning import prune_partials
-    from autoparallel.repeated_layers import find_repeated_layers
-    from autoparallel.strategies import StrategyEnumerator
-    from autoparallel.tracing import trace_training_step
+    from autoparallel.options.pruning import prune_partials
+    from autoparallel.capture.repeated_layers import find_repeated_layers
+    from autoparallel.options.strategies import StrategyEnumerator
+    from autoparallel.capture.tracing import trace_training_step
 
     shape = tuple(int(x) for x in a.mesh.split(","))
     world = 1

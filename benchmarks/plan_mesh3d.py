@@ -73,7 +73,7 @@ Python's cyclic GC walking the millions of options and specs (~40% of the
 options stage; now paused for both stages), view ops converted candidate
 by candidate through DTensor's reshape_strategy (two specs and an OpSpec
 each; now its per-candidate step, once per (view, candidate):
-autoparallel/candidate_memo.py), and single-mesh-dim ops recomputed per
+autoparallel/options/candidate_memo.py), and single-mesh-dim ops recomputed per
 input candidate set although their options only depend on the inputs'
 shapes (161 -> 127 lists). On 2 layers at load ~1.2: options 14.0 -> 6.2 s.
 
@@ -266,9 +266,9 @@ def _per_rank_memory(plan) -> tuple[float, float, str]:
     """(estimated bytes per rank, budget bytes, what the estimate covers):
     the whole step's estimate (parameters, gradients, AdamW state, saved
     activations) against the memory budget the plan was made under, from
-    :func:`autoparallel.memory.breakdown`; without the step's memory model,
+    :func:`autoparallel.problem.memory.breakdown`; without the step's memory model,
     parameters + gradients + optimizer state against the HBM."""
-    from autoparallel import memory
+    from autoparallel.problem import memory
 
     b = memory.breakdown(plan)
     if b.activations_source.startswith("saved for backward"):

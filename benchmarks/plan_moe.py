@@ -141,7 +141,7 @@ def main(argv=None) -> None:
         world *= n
     names = ("dp", "ep") if len(a.mesh) == 2 else tuple(f"d{i}" for i in range(len(a.mesh)))
     if a.force_a2a_dim is not None:
-        import autoparallel.rules.moe as rules
+        import autoparallel.options.rules.moe as rules
 
         ok, d = rules._expert_sharding_ok, a.force_a2a_dim
         rules._expert_sharding_ok = lambda names: ok(names) and names[d].startswith("A")

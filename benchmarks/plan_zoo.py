@@ -19,7 +19,7 @@ throughout: an idle machine takes about half these times). Before: T5's
 blocks unlinked (its rows from the session's base commit, --time-limit 60);
 the other rows run the same code before and after, so they differ by load
 only. After: T5's block 1 linked to block 0 where they align
-(autoparallel/repeated_layers.py), --time-limit 0. ``slow``: --slow-compute
+(autoparallel/capture/repeated_layers.py), --time-limit 0. ``slow``: --slow-compute
 1e6 (the zoo tests' sharded_compute model; its slow HBM makes a local copy
 dearer than a collective, which turns Partial pruning off: 2x the options,
 lazy for LLaMA). Time in seconds, trace to plan::
@@ -68,7 +68,7 @@ wall is ~4x idle), before -> after, same objectives to the last digit::
     llama3_debug 2x2x2 default   84.0 / 21.1  ->  12.7 / 5.1   optimal
     t5           2x2x2 default  101.3 / 25.4  ->  36.2 / 8.8   optimal
     MoE debug 2-layer dp,ep,tp   607.9 / 131.1 -> 71.2 / 20.4  0.41% gap (time limit 10 s)
-    (tests/autoparallel/test_moe.py::test_moe_plan_apply_3d_dp_ep_tp)
+    (tests/autoparallel/models/test_moe.py::test_moe_plan_apply_3d_dp_ep_tp)
 
 The MoE's local-polytope LP is 0.41% below its optimum (half-integral:
 the dense FFN weights mix RRR with S(1)S(1)S(1)); pricing finds the optimum

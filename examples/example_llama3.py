@@ -263,7 +263,7 @@ STORY_OPS = (
 
 def print_report(plan, total: float, dump_dir: str | None, all_kinds: bool = False,
                  plan_file: str | None = None) -> None:
-    from autoparallel import memory
+    from autoparallel.problem import memory
     from autoparallel.report import LEGEND, describe, numbers
 
     t = plan.timings

@@ -5,7 +5,7 @@
     PYTHONPATH=. python examples/example_moe.py --pin-ep              # EP on the last mesh dim
 
 Nothing to annotate: the routed experts are one op (``moe_experts``) with a
-sharding rule (autoparallel/rules/moe.py) offering replicate, token-parallel,
+sharding rule (autoparallel/options/rules/moe.py) offering replicate, token-parallel,
 expert-parallel (weights ``Shard(0)``) and hidden-dim TP per mesh dim; the
 solver picks by cost. ``--pin-ep`` shows how to force a layout: pin the
 expert weights' placeholders with ``add_node_constraint``.

@@ -32,9 +32,9 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten_with_path
 
 from .. import passes
-from ..tracing import normalize_inputs
+from ..capture.tracing import normalize_inputs
 from .collectives import Collective, collectives, summarize
-from ..repeated_layers import find_repeated_layers
+from ..capture.repeated_layers import find_repeated_layers
 from .fold import MIDDLE, FoldRejected
 from .fold import fold_layers as fold_layers_of
 from .local_graph import ApplyError, LocalJoint, build_local_joint, full_local_joint, local_shape

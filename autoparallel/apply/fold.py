@@ -1,7 +1,7 @@
 """Layer folding: apply a plan to four transformer layers instead of all.
 
 A deep model's layers are identical, and so is their rank-local code under
-a plan whose repeated layers are linked (:mod:`autoparallel.repeated_layers`).
+a plan whose repeated layers are linked (:mod:`autoparallel.capture.repeated_layers`).
 Building the local joint graph and partitioning it costs time per node, so
 for a stack of ``L`` layers apply works on a *folded* joint graph that keeps
 only layers ``0, 1, L-2, L-1``: the first and last layers (their context
@@ -35,9 +35,9 @@ import torch
 import torch.fx
 from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
 
-from ..repeated_layers import RepeatedLayers
-from ..strategies import NodeStrategy
-from ..tracing import TracedStep
+from ..capture.repeated_layers import RepeatedLayers
+from ..options.strategies import NodeStrategy
+from ..capture.tracing import TracedStep
 
 logger = logging.getLogger(__name__)
 

@@ -39,11 +39,11 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make_fx
 from torch.utils._pytree import tree_map
 
-from .. import activation_checkpointing
+from ..capture import activation_checkpointing
 from ..cost_model.devices import H100, DeviceSpec
-from ..dtensor_query import _propagator
-from ..strategies import NodeStrategy, format_specs
-from ..tracing import TracedStep, module_path
+from ..options.dtensor_query import _propagator
+from ..options.strategies import NodeStrategy, format_specs
+from ..capture.tracing import TracedStep, module_path
 from .moe_dispatch import LOCAL_LOWERINGS
 from .node_templates import Template, has_mask_partial, nodes_after, template_key, tracer_of_proxy_mode
 from .redistribute import (

@@ -42,8 +42,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten_with_path, tree_unflatten
 
-from ..strategies import format_specs
-from ..placements import on_mesh
+from ..options.strategies import format_specs
+from ..options.placements import on_mesh
 from .init import wrap_init
 from .local_graph import LocalJoint, local_shape
 from .runtime import ParallelStep

@@ -1,5 +1,5 @@
 """All-to-all token dispatch for the routed experts (the ``A`` mode of
-:mod:`autoparallel.rules.moe`), as rank-local custom ops.
+:mod:`autoparallel.options.rules.moe`), as rank-local custom ops.
 
 When the plan keeps tokens sharded on a mesh dim that also shards the expert
 weights on dim 0, the apply stage replaces ``autoparallel::moe_experts`` (and

@@ -195,7 +195,7 @@ def _copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 def _tag_saved(saved: list) -> None:
     """Mark the forward nodes saved for backward (``meta["custom"]`` survives
-    re-tracing): a later partition (:func:`autoparallel.compile.autoparallel_backend`)
+    re-tracing): a later partition (:func:`autoparallel.apply.compile.autoparallel_backend`)
     then saves the same values. A getitem's tag goes on its multi-output
     parent (getitem meta does not survive re-tracing)."""
     for node in saved:

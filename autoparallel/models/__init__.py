@@ -1,6 +1,6 @@
 """Models for planning and tests."""
 
-from autoparallel.activation_checkpointing import apply_ac
+from autoparallel.capture.activation_checkpointing import apply_ac
 from autoparallel.models.llama3 import (
     LLAMA3_CONFIGS,
     Attention,

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoparallel.activation_checkpointing import apply_ac  # re-exported
+from autoparallel.capture.activation_checkpointing import apply_ac  # re-exported
 
 __all__ = [
     "ModelArgs",

@@ -17,7 +17,7 @@ is computed, nothing is padded or dropped. The op only computes the experts
 whose ids it is handed in ``expert_ids``, and leaves zero rows for tokens of
 other experts: that is what makes expert parallelism an ordinary placement
 (``Shard(0)`` of the weights *and* of ``expert_ids``, output ``Partial``);
-see :mod:`autoparallel.rules.moe`.
+see :mod:`autoparallel.options.rules.moe`.
 
 Load balancing: the ``expert_bias`` buffer (DeepSeek-V3's aux-loss-free
 bias) shifts which experts are *selected* but not the routing weights; it is

@@ -76,7 +76,7 @@ class PassContext:
     plan: Any  # autoparallel.plan.Plan
     options: PassOptions = field(default_factory=PassOptions)
     # Set by apply as it goes (None until that stage).
-    traced: Any = None  # autoparallel.tracing.TracedStep
+    traced: Any = None  # autoparallel.capture.tracing.TracedStep
     strategies: Any = None  # dict[fx.Node, NodeStrategy]
     choice: dict[str, int] | None = None  # node name -> option index (mutable in "plan")
     local: Any = None  # autoparallel.apply.LocalJoint ("joint" and later)

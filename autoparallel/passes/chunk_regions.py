@@ -72,7 +72,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..tracing import module_path
+from ..capture.tracing import module_path
 from . import PassContext, register_pass
 from .chunk_dims import (
     PER_CHUNK,

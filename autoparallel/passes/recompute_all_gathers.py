@@ -42,7 +42,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ..activation_checkpointing import forward_nodes
+from ..capture.activation_checkpointing import forward_nodes
 from . import PassContext, register_pass
 
 __all__ = ["RecomputeAllGathersStats", "recompute_all_gathers", "saved_for_backward", "param_gather_chains"]

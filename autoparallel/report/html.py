@@ -15,7 +15,7 @@ from collections import defaultdict
 import jinja2
 import markupsafe
 
-from .. import memory
+from ..problem import memory
 from . import numbers, words
 
 _TEMPLATE = """<!DOCTYPE html>

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 
-from ..memory import placement_tokens
+from ..problem.memory import placement_tokens
 
 LEGEND = [
     "notation: one placement per mesh dim, in mesh order",

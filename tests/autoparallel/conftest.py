@@ -1,6 +1,19 @@
+import sys
+from pathlib import Path
+
 import pytest
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
+
+# Tests mirror the package layout (one folder per stage); the shared
+# helpers (_parity, _dist_utils, ...) live here and some tests reuse
+# another folder's helpers (test_apply's step comparison): put this folder
+# and each stage folder on sys.path so `from _parity import ...` and
+# `from test_apply import ...` resolve from anywhere, as before.
+_HERE = Path(__file__).resolve().parent
+for _p in [_HERE, *sorted(d for d in _HERE.iterdir() if d.is_dir() and not d.name.startswith(("_", ".")))]:
+    if str(_p) not in sys.path:
+        sys.path.append(str(_p))
 
 
 @pytest.fixture

@@ -1,0 +1,6 @@
+"""Sharding rules DTensor lacks, one op family per module.
+
+Importing this package registers them in :data:`autoparallel.options.strategies.RULES`.
+"""
+
+from . import attention, grouped_mm, linalg, moe  # noqa: F401

@@ -1,0 +1,618 @@
+"""Stage 3: turn node options + the cost model + user constraints into a
+torch-free :class:`solver.Problem`.
+
+* one decision per node (named after the FX node), one option per
+  :class:`~autoparallel.options.strategies.Option`, unary cost = compute time;
+* one edge per (producer, consumer, argument): redistribution time from the
+  producer's output spec to the consumer's required input spec, plus a tiny
+  tie-break for any non-identical transition;
+* parameter all-gathers in forward and gradient reductions in backward get
+  the overlap discount of :class:`~autoparallel.cost_model.CommOverlapPolicy`;
+* structural constraints as infinite-cost pairs: a gradient is laid out like
+  its parameter, a tangent like its output; except that a parameter laid out
+  tp-outer (which no op produces) takes its gradient from any layout through
+  a redistribution, costed on the parameter -> gradient edge;
+* user constraints as named pins, the parameter-memory budget as a named
+  resource constraint, and repeated layers as links.
+
+Edge costs come per distinct (source, target) placements from
+:mod:`autoparallel.cost_model.edge_costs` (equal to ``redistribute_time``, fast on 3-D
+and 4-D meshes). Before any pair matrix exists, Partial options that cannot help are dropped
+(:mod:`autoparallel.options.pruning`, exact) and the problem's size is
+estimated (:func:`estimate_problem_size`); over ``max_problem_bytes`` the
+build stops with :class:`ProblemTooLarge` instead of exhausting memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+import torch.fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+import solver
+
+from .. import cost_model
+from ..cost_model.compute import _spec_sig  # the cost model's view of a spec, for deduplicating
+from ..cost_model.edge_costs import clear_caches as clear_edge_cost_caches
+from .edge_matrices import EdgeMatrices, gradient_partners
+from ..options.pruning import PruneStats, prune_partials
+from .size import (  # noqa: F401  (the size guard, re-exported)
+    DEFAULT_MAX_PROBLEM_BYTES,
+    ProblemSize,
+    ProblemTooLarge,
+    check_lazy_size,
+    check_problem_size,
+    estimate_problem_size,
+)
+from ..options.pruning import copy_cheaper_than_collectives as cost_model_allows_pruning
+from ..options.placements import SpecLabels
+from ..capture.repeated_layers import RepeatedLayers
+from ..options.strategies import NodeStrategy, Option, placements_of
+from ..capture.tracing import TracedStep
+
+logger = logging.getLogger(__name__)
+
+# Nodes that only reinterpret or convert a tensor: a parameter's all-gather
+# may happen before or after them and is still "the parameter's all-gather".
+_PASS_THROUGH_OPS = {
+    torch.ops.aten.t.default,
+    torch.ops.aten.transpose.int,
+    torch.ops.aten.permute.default,
+    torch.ops.aten.view.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.reshape.default,
+    torch.ops.aten.expand.default,
+    torch.ops.aten.alias.default,
+    torch.ops.aten.detach.default,
+    torch.ops.aten._to_copy.default,
+    torch.ops.prims.convert_element_type.default,
+}
+
+
+@dataclass
+class Constraints:
+    """What the user asked for, in node terms (validated by the API)."""
+
+    # decision name -> (constraint name, allowed placements)
+    pins: dict[str, tuple[str, tuple]] = field(default_factory=dict)
+    # Parameter memory budget as fractions of replicated parameter bytes;
+    # None high = fully sharded (smallest achievable per parameter). The
+    # budget always applies: by default it is what makes FSDP emerge.
+    memory_low: float | None = None
+    memory_high: float | None = None
+    # Mixed precision: dtype parameter gradients are reduced in (None: no
+    # constraint). Partial gradients of another dtype may not be reduced.
+    reduce_dtype: torch.dtype | None = None
+    # Refuse to build a problem whose estimated memory (see
+    # :func:`estimate_problem_size`) exceeds this many bytes; None: no limit.
+    max_problem_bytes: float | None = DEFAULT_MAX_PROBLEM_BYTES
+    # Drop Partial options no computation can make useful, before building
+    # pair matrices (exact: see autoparallel.options.pruning); off only to
+    # compare against.
+    prune_options: bool = True
+    # Lazy edge matrices and option pricing (solver.pricing) instead of
+    # dense matrices: True, False, or None = when the dense problem's
+    # estimate exceeds max_problem_bytes (then max_problem_bytes bounds the
+    # lazy estimate instead).
+    option_pricing: bool | None = None
+
+
+@dataclass
+class BuiltProblem:
+    problem: solver.Problem
+    nodes: list[torch.fx.Node]
+    strategies: dict[torch.fx.Node, NodeStrategy]
+    # decision name -> per-option compute seconds
+    compute: dict[str, list[float]]
+    seconds: float = 0.0
+    size: ProblemSize | None = None  # as built (after pruning)
+    pruning: PruneStats | None = None
+    size_unpruned: ProblemSize | None = None
+    # edges hold lazy matrices (autoparallel.problem.edge_matrices): solve with
+    # autoparallel.problem.pricing, not solver.solve
+    lazy: bool = False
+    # a dense rebuild over the options pricing kept: the lazy problem's size
+    # (``size_unpruned`` and ``pruning`` are the lazy problem's too)
+    priced_size: ProblemSize | None = None
+
+
+# tests patch the class under its old name
+_EdgeMatrices = EdgeMatrices
+
+
+def local_numel(shape, placements, mesh: DeviceMesh) -> int:
+    sizes = list(shape)
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, (Shard, _StridedShard)):
+            sizes[p.dim] //= mesh.size(mesh_dim)
+    return math.prod(sizes)
+
+
+def _forward_param_chain(traced: TracedStep) -> set[torch.fx.Node]:
+    """Parameters and the layout/cast ops applied to them in forward."""
+    chain: set[torch.fx.Node] = set(traced.param_nodes.values())
+    for node in traced.gm.graph.nodes:
+        if (
+            node.op == "call_function"
+            and node.target in _PASS_THROUGH_OPS
+            and node.meta.get("partitioner_tag") != "is_backward"
+            and node.args
+            and node.args[0] in chain
+        ):
+            chain.add(node)
+    return chain
+
+
+def _grad_tail(traced: TracedStep) -> set[torch.fx.Node]:
+    """Gradient outputs, the layout/cast ops leading to them, and the op
+    computing the gradient: where gradient reductions happen."""
+    tail: set[torch.fx.Node] = set()
+    for grad in traced.grad_nodes.values():
+        node = grad
+        while node is not None and node.op == "call_function":
+            tail.add(node)
+            if node.target not in _PASS_THROUGH_OPS:
+                break
+            node = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    return tail
+
+
+def _unreducible_grad_nodes(traced: TracedStep, reduce_dtype: torch.dtype | None) -> set[torch.fx.Node]:
+    """Nodes whose partial outputs must not be reduced: on a parameter
+    gradient's own path (every use leads only to parameter gradients) and of
+    a dtype other than ``reduce_dtype``. Tracing puts a cast to
+    ``reduce_dtype`` on each gradient's path, so the reduction is left to
+    happen at or after it, in ``reduce_dtype``."""
+    if reduce_dtype is None:
+        return set()
+    grads = {g for g in traced.grad_nodes.values() if g is not None}
+    grad_only: set[torch.fx.Node] = set()
+    for node in reversed(traced.gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node in grads or (node.users and all(u in grad_only for u in node.users)):
+            grad_only.add(node)
+    return {
+        n
+        for n in grad_only
+        if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dtype != reduce_dtype
+    }
+
+
+@dataclass(frozen=True)
+class RedistEdge:
+    """An edge costed by redistribution."""
+
+    producer: torch.fx.Node
+    consumer: torch.fx.Node
+    arg: int
+    kind: str | cost_model.HiddenComm | None
+    keep_partial: bool
+
+
+class _Progress:
+    """INFO log of a long loop's progress, at most every ``every`` seconds."""
+
+    def __init__(self, what: str, total: int, every: float = 5.0):
+        self.what, self.total, self.every = what, total, every
+        self.t0 = self.last = time.perf_counter()
+
+    def tick(self, done: int) -> None:
+        now = time.perf_counter()
+        if now - self.last >= self.every:
+            self.last = now
+            logger.info("%s: %d/%d after %.0fs", self.what, done, self.total, now - self.t0)
+
+
+def _frozen_nodes(traced, strategies, constraints: Constraints, repeats) -> set[torch.fx.Node]:
+    """Nodes whose Partial options pruning must keep: pinned to a set of
+    placements that allows a Partial (a pin that allows none makes those
+    options infeasible anyway)."""
+    frozen: set[torch.fx.Node] = set()
+    for node in strategies:
+        pin = constraints.pins.get(node.name)
+        if pin is not None and any(p.is_partial() for p in _flat_placements(pin[1])):
+            frozen.add(node)
+    return frozen
+
+
+def _flat_placements(placements):
+    for p in placements:
+        if isinstance(p, (tuple, list)):
+            yield from _flat_placements(p)
+        else:
+            yield p
+
+
+def _with_compute_windows(traced, strategies, unary, redist_edges: list[RedistEdge]) -> list[RedistEdge]:
+    """The overlap edges with the compute window of their parameter's
+    block (:class:`cost_model.ComputeWindows`)."""
+    from ..capture.tracing import module_path
+
+    fqn_of = {p: fqn for fqn, p in traced.param_nodes.items()}
+    for fqn, grad in traced.grad_nodes.items():  # gradient tails, as _grad_tail walks them
+        node = grad
+        while node is not None and node.op == "call_function":
+            fqn_of.setdefault(node, fqn)
+            if node.target not in _PASS_THROUGH_OPS:
+                break
+            node = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+
+    def param_fqn(e: RedistEdge) -> str | None:
+        node = e.producer if e.kind == cost_model.PARAM_ALL_GATHER else e.consumer
+        while node not in fqn_of and node.op == "call_function" and node.args and isinstance(node.args[0], torch.fx.Node):
+            node = node.args[0]  # the forward chain of layout/cast ops back to the parameter
+        return fqn_of.get(node)
+
+    windows = cost_model.ComputeWindows.of(
+        strategies,
+        traced.param_nodes,
+        lambda n: min(unary[id(strategies[n].options)], default=0.0) if strategies[n].getitem_index is None else 0.0,
+        module_path,
+        lambda n: n.meta.get("partitioner_tag") == "is_backward",
+    )
+    if windows.forward:
+        block = next(iter(windows.forward))
+        logger.info(
+            "overlap windows of %s: forward %.2f ms, backward %.2f ms, %.1f MB of parameters",
+            block, windows.forward[block] * 1e3, windows.backward.get(block, 0.0) * 1e3, windows.param_bytes.get(block, 0) / 1e6,
+        )
+    fqns = {e: param_fqn(e) for e in redist_edges if e.kind is not None}
+    edges_per: dict = {}
+    for e, fqn in fqns.items():
+        edges_per[(fqn, e.kind)] = edges_per.get((fqn, e.kind), 0) + 1
+    return [
+        replace(e, kind=windows.kind(e.kind, fqns[e], edges_per[(fqns[e], e.kind)]))
+        if fqns.get(e) is not None
+        else e
+        for e in redist_edges
+    ]
+
+
+def build_problem(
+    traced: TracedStep,
+    strategies: dict[torch.fx.Node, NodeStrategy],
+    mesh: DeviceMesh,
+    constraints: Constraints,
+    *,
+    device: cost_model.DeviceSpec,
+    overlap: cost_model.CommOverlapPolicy,
+    repeats: RepeatedLayers | None = None,
+) -> BuiltProblem:
+    t0 = time.perf_counter()
+    param_chain = _forward_param_chain(traced)
+    grad_tail = _grad_tail(traced)
+    unreducible = _unreducible_grad_nodes(traced, constraints.reduce_dtype)
+    redist_edges = []
+    for node, strat in strategies.items():
+        if strat.getitem_index is not None:
+            continue
+        for k, producer in enumerate(strat.inputs):
+            kind = None
+            if producer in param_chain and node.meta.get("partitioner_tag") != "is_backward":
+                kind = cost_model.PARAM_ALL_GATHER
+            elif node in grad_tail:
+                kind = cost_model.GRAD_REDUCE_SCATTER
+            redist_edges.append(RedistEdge(producer, node, k, kind, producer in unreducible))
+
+    # id(option list) -> compute costs. Structurally identical nodes
+    # (repeated layers, forward and backward) share one option list object
+    # (same op, arguments, shapes and input candidates), so their costs are
+    # computed once and their decisions share the lists.
+    unary: dict[int, list[float]] = {}
+    shapes = _LocalShapeCodes()
+    for node, strat in strategies.items():
+        if id(strat.options) not in unary:
+            if node.op == "call_function" and strat.getitem_index is None:
+                unary[id(strat.options)] = _compute_costs(node, strat.options, shapes, mesh, device)
+            else:
+                unary[id(strat.options)] = [0.0] * len(strat.options)
+
+    if overlap.enabled and overlap.compute_windows:
+        redist_edges = _with_compute_windows(traced, strategies, unary, redist_edges)
+
+    size = size_unpruned = estimate_problem_size(traced, strategies)
+    logger.info("problem size before pruning: %s", size.describe())
+    pruning = None
+    if constraints.prune_options and cost_model_allows_pruning(device):
+        frozen = _frozen_nodes(traced, strategies, constraints, repeats)
+        linked = list(repeats.reference.items()) if repeats is not None else []
+        strategies, pruning = prune_partials(strategies, unary, frozen, mesh.ndim, linked)
+        size = estimate_problem_size(traced, strategies)
+        logger.info("problem size after pruning: %s", size.describe())
+    lazy = constraints.option_pricing
+    if lazy is None:
+        lazy = constraints.max_problem_bytes is not None and size.estimated_bytes > constraints.max_problem_bytes
+        if lazy:
+            logger.info(
+                "dense problem estimated at %.2f GiB, over max_problem_bytes (%.2f GiB): lazy edge matrices and option pricing",
+                size.estimated_bytes / 2**30, constraints.max_problem_bytes / 2**30,
+            )
+    if lazy:
+        check_lazy_size(size, mesh, constraints.max_problem_bytes)
+    else:
+        check_problem_size(size, mesh, constraints.max_problem_bytes)
+    matrices = EdgeMatrices(device, overlap, lazy=lazy)
+    nodes = list(strategies)
+    decisions: list[solver.Decision] = []
+    compute: dict[str, list[float]] = {}
+    labels_cache: dict[int, list[str]] = {}
+    label = SpecLabels().option
+    for node in nodes:
+        strat = strategies[node]
+        key = id(strat.options)
+        labels = labels_cache.get(key)
+        if labels is None:
+            labels = labels_cache[key] = [label(o) for o in strat.options]
+        compute[node.name] = unary[key]
+        decisions.append(solver.Decision(node.name, labels, unary[key]))
+
+    edges: list[solver.Edge] = []
+    progress = _Progress("costing edges", size.edges)
+    by_consumer: dict[torch.fx.Node, list] = {}
+    for e in redist_edges:
+        by_consumer.setdefault(e.consumer, []).append(e)
+    for node in nodes:
+        strat = strategies[node]
+        progress.tick(len(edges))
+        if strat.getitem_index is not None:
+            parent = strat.inputs[0]
+            matrix = matrices.getitem(strategies[parent].options, strat.options, strat.getitem_index)
+            edges.append(solver.Edge(parent.name, node.name, 0, matrix))
+            continue
+        for e in by_consumer.get(node, ()):
+            matrix = matrices.redistribution(
+                strategies[e.producer].options, strat.options, e.arg, e.kind, keep_partial=e.keep_partial
+            )
+            edges.append(solver.Edge(e.producer.name, node.name, e.arg, matrix))
+
+    # A gradient is laid out like its parameter (or redistributed to a
+    # tp-outer one); a tangent like its output.
+    for fqn, grad in traced.grad_nodes.items():
+        param = traced.param_nodes.get(fqn)
+        if grad is None or param is None or grad not in strategies:
+            continue
+        matrix = matrices.gradient(strategies[param].options, strategies[grad].options, cost_model.GRAD_REDUCE_SCATTER)
+        edges.append(solver.Edge(param.name, grad.name, -1, matrix))
+    for out_idx, tangent in traced.tangent_nodes.items():
+        out = traced.output_nodes[out_idx]
+        if out in strategies and tangent in strategies:
+            matrix = matrices.equal_placements(strategies[out].options, strategies[tangent].options)
+            edges.append(solver.Edge(out.name, tangent.name, -1, matrix))
+
+    if not lazy:
+        # the step plans per placement pair are only needed while costing
+        # (millions of entries on a 4-D mesh); lazy matrices cost while the
+        # solver prices (autoparallel.problem.pricing clears them after)
+        clear_edge_cost_caches()
+        matrices.drop_pair_cache()
+
+    pins = []
+    for name, (cname, placements) in constraints.pins.items():
+        node = next(n for n in nodes if n.name == name)
+        allowed = [
+            i
+            for i, o in enumerate(strategies[node].options)
+            if placements_of(o.output_specs) == tuple(placements)
+        ]
+        pins.append(solver.Pin(cname, name, allowed))
+
+    resources = [_memory_constraint(traced, strategies, mesh, constraints, repeats)]
+
+    links = []
+    if repeats is not None:
+        # per (reference list, repeat list), by identity: layers 2..N share
+        # their lists, so each distinct pair is mapped once, not per layer
+        # (the solver only reads the mappings)
+        mappings: dict[tuple[int, int], list[int | None]] = {}
+        for node, ref in repeats.reference.items():
+            if node in strategies and ref in strategies:
+                ref_options, options = strategies[ref].options, strategies[node].options
+                mapping = mappings.get((id(ref_options), id(options)))
+                if mapping is None:
+                    mapping = mappings[(id(ref_options), id(options))] = _option_mapping(ref_options, options)
+                name = _layer_name(node) or repeats.layer_name(node)
+                links.append(solver.Link(f"repeated layer {name}", ref.name, node.name, mapping))
+
+    problem = solver.Problem(
+        decisions=decisions,
+        edges=edges,
+        pins=pins,
+        links=links,
+        resources=resources,
+        name="autoparallel",
+        metadata={"mesh_shape": list(mesh.shape), "device": device.name},
+    )
+    seconds = time.perf_counter() - t0
+    logger.info(
+        "built problem: %d decisions, %d edges, %d links in %.2fs",
+        len(decisions),
+        len(edges),
+        len(links),
+        seconds,
+    )
+    return BuiltProblem(problem, nodes, strategies, compute, seconds, size, pruning, size_unpruned, lazy)
+
+
+def _layer_name(node: torch.fx.Node) -> str | None:
+    from ..capture.tracing import module_path
+
+    return module_path(node)
+
+
+def _option_mapping(ref: list[Option], other: list[Option]) -> list[int | None]:
+    if ref is other:
+        return list(range(len(ref)))
+    index = {(placements_of(o.output_specs), placements_of(o.input_specs)): j for j, o in enumerate(other)}
+    return [index.get((placements_of(o.output_specs), placements_of(o.input_specs))) for o in ref]
+
+
+def param_floor(traced, strategies, weights: dict[str, list[float]], repeats=None) -> dict[str, float]:
+    """Per parameter (by fqn), its bytes per rank in the least-memory plan
+    of all parameters: what the default budget, "every parameter as
+    sharded as the mesh allows", can reach. ``weights``: per fqn, the
+    bytes of each option.
+
+    Two things bound it beyond the parameter's own options: its gradient
+    must be able to follow (:func:`~autoparallel.problem.edge_matrices.gradient_partners`:
+    a norm's weight, whose gradient only comes Replicate or Partial, is not
+    sharded except tp-outer), and repeated layers take one option for all
+    their copies (a link), so a group of linked parameters has the option
+    that every copy can take with the least bytes in all (GPT-2 on 2x2x2:
+    the last layer's projection bias gradient has no sharded option while
+    the first layer's has).
+    """
+    partners: dict[tuple, list[bool]] = {}
+    ok: dict[str, list[bool]] = {}
+    for fqn, node in traced.param_nodes.items():
+        grad = traced.grad_nodes.get(fqn)
+        if fqn not in weights:
+            continue
+        if grad is None or grad not in strategies:
+            ok[fqn] = [True] * len(weights[fqn])
+            continue
+        key = (id(strategies[node].options), id(strategies[grad].options))
+        if key not in partners:
+            partners[key] = gradient_partners(strategies[node].options, strategies[grad].options)
+        ok[fqn] = partners[key]
+    fqn_of = {node: fqn for fqn, node in traced.param_nodes.items() if fqn in weights}
+    copies: dict[str, list[tuple[str, np.ndarray]]] = {}  # reference fqn -> (copy, option mapping, -1: none)
+    mappings: dict[tuple[int, int], np.ndarray] = {}
+    if repeats is not None:
+        for node, ref in repeats.reference.items():
+            if node in fqn_of and ref in fqn_of and node in strategies and ref in strategies:
+                key = (id(strategies[ref].options), id(strategies[node].options))
+                if key not in mappings:
+                    raw = _option_mapping(strategies[ref].options, strategies[node].options)
+                    mappings[key] = np.asarray([-1 if j is None else j for j in raw], dtype=np.int64)
+                copies.setdefault(fqn_of[ref], []).append((fqn_of[node], mappings[key]))
+    linked = {c for members in copies.values() for c, _ in members}
+    floor: dict[str, float] = {}
+    for fqn in ok:
+        if fqn in linked:
+            continue
+        members = copies.get(fqn, [])
+        fits = np.asarray(ok[fqn], dtype=bool)
+        total = np.asarray(weights[fqn], dtype=np.float64)
+        for c, m in members:
+            # the copy's option for each reference option (a missing one: out)
+            j = np.where(m < 0, 0, m)
+            fits &= (m >= 0) & np.asarray(ok[c], dtype=bool)[j]
+            total = total + np.asarray(weights[c], dtype=np.float64)[j]
+        if not fits.any():  # nothing fits every copy: the solver names the conflict
+            for f in [fqn] + [c for c, _ in members]:
+                floor[f] = min((w for w, k in zip(weights[f], ok[f]) if k), default=min(weights[f]))
+            continue
+        best = int(np.flatnonzero(fits)[np.argmin(total[fits])])
+        floor[fqn] = weights[fqn][best]
+        for c, m in members:
+            floor[c] = weights[c][int(m[best])]
+    return floor
+
+
+def param_option_bytes(traced, strategies, mesh) -> dict[str, list[float]]:
+    """Per parameter (by fqn, those with options and a tensor value), its
+    bytes per rank under each of its options."""
+    # per (option list, shape, itemsize): a repeated layer's parameters share them
+    weights_of: dict[tuple, list[float]] = {}
+    by_fqn: dict[str, list[float]] = {}
+    for fqn, node in traced.param_nodes.items():
+        val = node.meta.get("val")
+        if node not in strategies or not isinstance(val, torch.Tensor):
+            continue
+        itemsize = val.element_size()
+        options = strategies[node].options
+        key = (id(options), tuple(val.shape), itemsize)
+        weights = weights_of.get(key)
+        if weights is None:
+            weights = weights_of[key] = [
+                float(local_numel(val.shape, o.output_spec.placements, mesh) * itemsize) for o in options
+            ]
+        by_fqn[fqn] = weights
+    return by_fqn
+
+
+def _memory_constraint(traced, strategies, mesh, constraints: Constraints, repeats=None) -> solver.ResourceConstraint:
+    by_fqn = param_option_bytes(traced, strategies, mesh)
+    terms = {traced.param_nodes[fqn].name: weights for fqn, weights in by_fqn.items()}
+    vals = [traced.param_nodes[fqn].meta["val"] for fqn in by_fqn]
+    total = float(sum(v.numel() * v.element_size() for v in vals))
+    smallest = sum(param_floor(traced, strategies, by_fqn, repeats).values())
+    high = smallest if constraints.memory_high is None else constraints.memory_high * total
+    low = None if constraints.memory_low is None else constraints.memory_low * total
+    # Bytes are exact integers; a relative slack keeps float round-off from
+    # turning "exactly fully sharded" into infeasible.
+    return solver.ResourceConstraint(
+        "parameter memory budget",
+        terms,
+        low=None if low is None else low * (1 - 1e-9),
+        high=high * (1 + 1e-9),
+    )
+
+
+class _LocalShapeCodes:
+    """A small int per distinct local shape and dtype of a spec (what the
+    cost model's compute time reads of it), memoised per spec object (specs
+    are pooled: a few thousand serve all options, and stay alive while the
+    option lists do)."""
+
+    def __init__(self):
+        self._codes: dict = {}  # local shape signature -> int
+        self._by_spec: dict[int, int] = {}  # id(spec) -> int
+        self.known = self._by_spec.get  # id(spec) -> its code, or None before of(spec)
+
+    def of(self, spec) -> int | tuple | None:
+        if isinstance(spec, DTensorSpec):
+            code = self._by_spec.get(id(spec))
+            if code is None:
+                # the cost model reads a spec through its local shape and
+                # dtype (_spec_sig), or without a tensor meta its placements
+                # (the shape then comes from the node, the same per list)
+                sig = _spec_sig(spec) if spec.tensor_meta is not None else ("placements", spec.placements)
+                code = self._by_spec[id(spec)] = self._codes.setdefault(sig, len(self._codes))
+            return code
+        if isinstance(spec, (tuple, list)):
+            return tuple(self.of(s) for s in spec)
+        return None
+
+
+def _compute_costs(node: torch.fx.Node, options: list[Option], shapes: _LocalShapeCodes, mesh, device) -> list[float]:
+    """Per option, the node's compute seconds plus its in-op work. Options
+    whose specs have the same local shapes cost the same: the cost model is
+    asked once per distinct local shapes (a 4-D mesh's ~2K options of a
+    pointwise op have a few dozen)."""
+    by_shapes: dict = {}
+    of, known = shapes.of, shapes.known
+    costs = []
+    for o in options:
+        # memo hits inlined: a call per spec of 332K options costs seconds
+        out = known(id(o.output_specs))
+        ins = tuple([known(id(s)) for s in o.input_specs])
+        if out is None or None in ins:
+            out, ins = of(o.output_specs), tuple([of(s) for s in o.input_specs])
+        key = (out, ins)
+        t = by_shapes.get(key)
+        if t is None:
+            t = by_shapes[key] = cost_model.node_compute_time(node, o.input_specs, o.output_specs, device)
+        costs.append(t + _in_op_time(o.in_op, mesh, device) if o.in_op is not None else t)
+    return costs
+
+
+def _in_op_time(work, mesh, device) -> float:
+    """Seconds of an option's in-op work (:class:`strategies.InOpWork`)."""
+    if work is None:
+        return 0.0
+    t = cost_model.compute_time(work.flops, 0.0, work.dtype, device) if work.flops else 0.0
+    topo = cost_model.mesh_dim_topology(mesh)
+    for kind, nbytes, m in work.collectives:
+        tp = topo[m]
+        t += cost_model.collective_time(kind, nbytes, tp.group_size, tp.intra_node, device, tp.ranks_per_node)
+    return t

@@ -1,0 +1,226 @@
+"""Per-rank memory of a training step, as a function of the chosen placements.
+
+The persistent state of a parameter is linear in its local size: parameter
+bytes + gradient bytes + optimizer state bytes, each ``numel / shard_factor``
+elements, where ``shard_factor`` is the product of the mesh dims the chosen
+placement shards it over. :func:`param_state_bytes` is that coefficient per
+option, so an ILP can bound the sum (issue 13) the way the parameter-memory
+constraint does; :func:`breakdown` reports a plan's memory per rank.
+
+For plans made with the step's memory model (every plan since the memory
+budget, :mod:`autoparallel.problem.memory_budget`), :func:`breakdown` gives the very
+estimate the ILP bounded (parameters, gradients, optimizer state, activations
+saved for backward) and compares it with the budget and the HBM; the overlap
+scheduler's live-bytes peak, once applied, is reported beside it. Older plans
+get parameters from their placements and activations from that peak.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+# One placement token per mesh dim: S(d), _S(d, k) (strided shard), P, P(op), R.
+_TOKEN = re.compile(r"_S\(\d+, ?\d+\)|S\(\d+\)|P(?:\(\w+\))?|R")
+
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8, "int64": 8, "int32": 4}
+
+
+# Device memory by cost-model preset name (datasheet, decimal GB).
+HBM_BYTES = {"H100": 80e9, "A100": 80e9, "H200": 141e9, "B200": 192e9}
+
+
+def placement_tokens(spec: str) -> list[str]:
+    """``_S(0, 8)S(0)`` -> ``['_S(0, 8)', 'S(0)']``."""
+    return _TOKEN.findall(spec)
+
+
+def shard_factor(spec: str, mesh_shape: list[int]) -> int:
+    """How many ways a tensor with placements ``spec`` is split per rank."""
+    tokens = placement_tokens(spec)
+    return math.prod(size for tok, size in zip(tokens, mesh_shape) if "S(" in tok)
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """Optimizer state per parameter element (bytes). AdamW keeps two fp32
+    moments (8 bytes); SGD with momentum one (4); plain SGD none."""
+
+    name: str = "AdamW"
+    state_bytes_per_element: int = 8
+    # an fp32 master copy when parameters are kept in low precision
+    master_bytes_per_element: int = 0
+
+
+ADAMW = OptimizerSpec()
+
+
+def param_state_bytes(
+    numel: int, factor: int, param_bytes: int, grad_bytes: int, optimizer: OptimizerSpec = ADAMW
+) -> tuple[float, float, float]:
+    """(parameter, gradient, optimizer) bytes per rank of one parameter of
+    ``numel`` elements split ``factor`` ways: the per-option coefficients."""
+    local = numel / factor
+    opt = local * (optimizer.state_bytes_per_element + optimizer.master_bytes_per_element)
+    return local * param_bytes, local * grad_bytes, opt
+
+
+@dataclass
+class MemoryBreakdown:
+    """Bytes per rank."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float  # peak of activations and transient buffers
+    hbm: float  # device memory, bytes
+    optimizer_name: str = "AdamW"
+    activations_source: str = ""
+    notes: list[str] = field(default_factory=list)
+    # the memory budget the plan was made under (None: none), how it was set
+    budget: float | None = None
+    budget_source: str = ""
+    # the overlap scheduler's activations peak, when the estimate is the
+    # budget's (saved activations)
+    scheduler_activations: float | None = None
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer + self.activations
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.hbm and (self.budget is None or self.total <= self.budget * (1 + 1e-9))
+
+    def lines(self) -> list[str]:
+        g = 1e9
+        out = [
+            f"parameters   {_size(self.parameters):>10s}",
+            f"gradients    {_size(self.gradients):>10s}",
+            f"optimizer    {_size(self.optimizer):>10s} ({self.optimizer_name})",
+            f"activations  {_size(self.activations):>10s}"
+            + (f" ({self.activations_source})" if self.activations_source else ""),
+            f"total        {_size(self.total):>10s} of {self.hbm / g:.0f} GB HBM ({100 * self.total / self.hbm:.0f}%)",
+        ]
+        if self.budget is not None:
+            out.append(
+                f"budget       {_size(self.budget):>10s} ({self.budget_source}): estimate "
+                f"{100 * self.total / self.budget:.0f}% of it"
+            )
+        elif self.budget_source:
+            out.append(f"budget       none ({self.budget_source})")
+        if self.scheduler_activations is not None:
+            out.append(
+                f"activations and transients at the overlap scheduler's live-bytes peak: "
+                f"{_size(self.scheduler_activations)}"
+            )
+        if self.total > self.hbm:
+            out.append(
+                f"WARNING: does not fit: {self.total / g:.1f} GB needed per rank, the device has "
+                f"{self.hbm / g:.0f} GB (shard more, recompute more, or use a smaller batch)"
+            )
+        return out + self.notes
+
+
+def _size(b: float) -> str:
+    for unit, f in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if b >= f:
+            return f"{b / f:.2f} {unit}"
+    return f"{int(b)} B"
+
+
+def breakdown(plan, *, optimizer: OptimizerSpec | None = None, hbm_bytes: float | None = None) -> MemoryBreakdown:
+    """Per-rank memory of ``plan`` (an :class:`~autoparallel.plan.Plan`): the
+    memory budget's estimate at its chosen placements (the number the ILP
+    bounded) when the plan has the step's memory model, else its parameters'
+    placements and, once applied, the scheduler's live-bytes peak of the
+    forward and backward graphs. ``optimizer`` (default: the plan's, AdamW)
+    restates the optimizer state for another optimizer."""
+    prov = plan.provenance or {}
+    hbm_notes: list[str] = []
+    if hbm_bytes is None:
+        device = prov.get("device") or {}
+        name = device.get("name", "H100")
+        hbm_bytes = device.get("hbm_bytes") or HBM_BYTES.get(name)
+        if hbm_bytes is None:
+            hbm_bytes = HBM_BYTES["H100"]
+            hbm_notes.append(f"device {name!r} has no known HBM size: 80 GB assumed (pass hbm_bytes=)")
+    entry = (plan.constraints or {}).get("memory budget")
+    if isinstance(entry, dict) and "model" in entry:
+        return _budget_breakdown(plan, entry, optimizer, hbm_bytes, hbm_notes)
+    optimizer = optimizer or ADAMW
+    mesh = plan.mesh_shape
+    reduce_dtype = (prov.get("mp_policy") or {}).get("reduce_dtype")
+    params = grads = opt = 0.0
+    for n in plan.nodes.values():
+        if not n.is_parameter or n.shape is None:
+            continue
+        pbytes = DTYPE_BYTES.get(n.dtype or "float32", 4)
+        gbytes = DTYPE_BYTES.get(reduce_dtype, pbytes) if reduce_dtype not in (None, "None") else pbytes
+        p, g, o = param_state_bytes(math.prod(n.shape), shard_factor(n.output_placements, mesh), pbytes, gbytes, optimizer)
+        params, grads, opt = params + p, grads + g, opt + o
+    notes = hbm_notes
+    activations, source = 0.0, ""
+    peak = _scheduler_activations(plan, params, grads)
+    if peak is not None:
+        activations, source = peak, "scheduler's live-bytes peak less parameters and gradients"
+    else:
+        notes.append("activations not estimated: apply the plan (the overlap scheduler measures them)")
+    return MemoryBreakdown(params, grads, opt, activations, hbm_bytes, optimizer.name, source, notes)
+
+
+def _scheduler_activations(plan, params: float, grads: float) -> float | None:
+    peaks = _scheduler_peaks(plan.pass_stats)
+    if not peaks:
+        return None
+    fw, bw = peaks.get("forward", 0), peaks.get("backward", 0)
+    # the scheduler's live bytes count the parameter shards (inputs of
+    # both graphs) and, in the backward, the gradients it produces
+    return max(fw - params, bw - params - grads, 0.0)
+
+
+def _budget_breakdown(plan, entry: dict, optimizer: OptimizerSpec | None, hbm: float, notes: list[str]):
+    from .memory_budget import StepMemoryModel
+
+    model = StepMemoryModel.from_json(entry["model"])
+    est = model.estimate(plan.nodes, plan.mesh_shape)
+    if any(b < 0 for term in model.terms.values() for b in term.values()):
+        notes = notes + [
+            "estimated by a memory model that charged values recomputed for the backward below zero "
+            "(plans made before that was fixed): plan again for a corrected estimate"
+        ]
+    slack = sum(model.estimate(plan.nodes, plan.mesh_shape, row=True).values()) - sum(est.values())
+    if slack > 1e-9 * sum(est.values()):
+        notes = notes + [
+            f"the budget's ILP row counts {_size(slack)} more: a value recomputed for the backward but read "
+            "in another layout, weighed one option at a time, is bounded from above"
+        ]
+    name = model.optimizer
+    if optimizer is not None and model.optimizer_bytes_per_element:
+        per_elem = optimizer.state_bytes_per_element + optimizer.master_bytes_per_element
+        est["optimizer"] *= per_elem / model.optimizer_bytes_per_element
+        name = optimizer.name
+    return MemoryBreakdown(
+        est["parameters"],
+        est["gradients"],
+        est["optimizer"],
+        est["activations"],
+        hbm,
+        name,
+        "saved for backward, estimated: " + model.activations_rule,
+        notes,
+        budget=entry.get("budget_bytes"),
+        budget_source=entry.get("source", ""),
+        scheduler_activations=_scheduler_activations(plan, est["parameters"], est["gradients"]),
+    )
+
+
+def _scheduler_peaks(pass_stats: dict) -> dict[str, float]:
+    stats = (pass_stats or {}).get("schedule_overlap") or {}
+    out = {}
+    for graph, s in stats.items():
+        v = s.get("peak_memory_after") if isinstance(s, dict) else getattr(s, "peak_memory_after", None)
+        if v:
+            out[graph] = float(v)
+    return out

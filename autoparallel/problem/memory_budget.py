@@ -1,0 +1,481 @@
+"""The per-rank memory of the whole training step as one ILP constraint.
+
+What a rank holds at the end of the forward, when the step's memory peaks
+(before the transient buffers of the backward), is a sum of tensors each of
+which shards with one decision of the ILP:
+
+* per parameter (the parameter's decision): its bytes, its gradient's bytes
+  (the traced gradient's dtype: ``reduce_dtype`` under mixed precision) and
+  the optimizer's state (:class:`~autoparallel.problem.memory.OptimizerSpec`; AdamW:
+  two fp32 moments);
+* per activation saved for backward: its bytes, sharded as its producer
+  lays it out or, when the backward reads it through a redistribution
+  (gathered over tp for a column-parallel matmul), as the reader needs it.
+  Which forward values are saved is the partitioner's choice, made later on
+  the parallel graph; :func:`saved_activation_nodes` estimates it from the
+  joint graph, the min-cut partitioner's rules and the recompute tags of
+  activation checkpointing; :func:`~autoparallel.capture.saved_activations.redistributed_inputs` the layouts.
+
+Each term is ``bytes / shard_factor(option)``: linear in the one-hot option
+variables, so ``sum over terms <= budget`` is one resource row of the ILP
+(:func:`budget_constraint`). Repeated layers linked to one decision keep one
+term per layer: presolve sums the weights of linked decisions. One kind of
+term depends on two decisions: a value the backward recomputes but reads
+through a collective (its redistributed copy is kept, beyond what
+recomputing it would keep, and never less than nothing); the row, one
+weight per option, bounds it from above (:func:`~autoparallel.capture.saved_activations.redistributed_inputs`).
+
+Checked against runs (tests/autoparallel/problem/test_memory_budget.py,
+benchmarks/memory_budget.py): tiny LLaMA-3 on 2 x 2 LocalTensorMode ranks,
+without and with selective AC, replicated or data-parallel activations:
+parameters, gradients and AdamW state exact, saved activations within 6%;
+LLaMA-3 8B on 16 x 8 (selective AC): 3.78 GB estimated, 4.20 GB saved by
+the partitioned forward (-10%; before the AC region's recomputed
+collectives were told apart, :func:`~autoparallel.capture.saved_activations._regathers`, the estimate was 7.54 GB:
+it kept each layer's tp-gathered feed-forward input). Not counted: the
+backward's transient buffers (activation gradients, re-gathered weights),
+which the default margin is for.
+
+:class:`StepMemoryModel` is the one place the estimate is computed: the ILP's
+weights (:meth:`StepMemoryModel.weights`) and the plan's report
+(:meth:`StepMemoryModel.estimate`, used by :func:`autoparallel.problem.memory.breakdown`)
+both call its per-term methods; the report is the row's value at the plan,
+less the row's slack on those two-decision terms.
+
+:func:`solve_within_budget` solves without the budget first: a plan whose
+estimate already fits is the optimum of the budgeted problem too (its
+relaxation), so the default budget changes neither plans that fit nor their
+planning time; only a plan that does not fit is solved again with the row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx
+
+import solver
+
+from .memory import ADAMW, HBM_BYTES, OptimizerSpec, shard_factor
+from ..options.placements import SpecLabels, format_specs
+from ..capture.saved_activations import (  # noqa: F401  (saved_activation_nodes: public here too)
+    nbytes,
+    redistributed_inputs,
+    saved_activation_nodes,
+    saved_and_needed,
+    single_output,
+)
+
+logger = logging.getLogger(__name__)
+
+# The resource constraint's (and the constraint log's) name.
+BUDGET_NAME = "memory budget"
+# Default budget: the device's HBM less this fraction, for what the estimate
+# leaves out: the CUDA context and communication buffers, allocator
+# fragmentation, and the transient tensors of the backward (gathered weights,
+# activation gradients) beyond the saved activations.
+DEFAULT_HBM_MARGIN = 0.10
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations")
+
+# -- the budget the user asked for -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """Per-rank bytes the whole step may use.
+
+    ``bytes`` is absolute; ``fraction`` is of the device's HBM; neither is
+    the default, HBM less :data:`DEFAULT_HBM_MARGIN`. ``enabled=False``
+    plans without the constraint (the report still gives the estimate).
+    """
+
+    bytes: float | None = None
+    fraction: float | None = None
+    optimizer: OptimizerSpec = ADAMW
+    enabled: bool = True
+
+    def __post_init__(self):
+        if self.bytes is not None and self.fraction is not None:
+            raise ValueError("memory budget: give bytes or fraction (of the device's HBM), not both")
+        if self.bytes is not None and not (isinstance(self.bytes, (int, float)) and self.bytes > 0):
+            raise ValueError(f"memory budget: bytes must be a positive number, got {self.bytes!r}")
+        if self.fraction is not None and not (
+            isinstance(self.fraction, (int, float)) and 0 < self.fraction <= 1
+        ):
+            raise ValueError(f"memory budget: fraction (of HBM) must be in (0, 1], got {self.fraction!r}")
+        if not isinstance(self.optimizer, OptimizerSpec):
+            raise TypeError(f"memory budget: optimizer must be an OptimizerSpec, got {self.optimizer!r}")
+
+    def resolve(self, device: Any) -> tuple[float | None, str]:
+        """(bytes, how they were chosen); None bytes: no budget."""
+        if not self.enabled:
+            return None, "off"
+        if self.bytes is not None:
+            return float(self.bytes), "given"
+        hbm = hbm_bytes(device)
+        if hbm is None:
+            name = getattr(device, "name", device)
+            logger.warning(
+                "memory budget: device %r has no known HBM size (autoparallel.problem.memory.HBM_BYTES): "
+                "planning without a memory budget; pass add_memory_budget(bytes=...)",
+                name,
+            )
+            return None, f"off: device {name!r} has no known HBM size"
+        if self.fraction is not None:
+            return self.fraction * hbm, f"{self.fraction:g} of {hbm / 1e9:.0f} GB HBM"
+        return (1 - DEFAULT_HBM_MARGIN) * hbm, f"{hbm / 1e9:.0f} GB HBM less {DEFAULT_HBM_MARGIN:.0%}"
+
+
+def hbm_bytes(device: Any) -> float | None:
+    """Device memory of a DeviceSpec (or its dict form): its ``hbm_bytes``
+    when it has one, else by preset name."""
+    get = device.get if isinstance(device, dict) else lambda k, d=None: getattr(device, k, d)
+    return get("hbm_bytes") or HBM_BYTES.get(get("name", ""))
+
+
+# -- what the step holds ------------------------------------------------------------
+
+
+@dataclass
+class StepMemoryModel:
+    """Replicated bytes per term and category. A term is a decision's output
+    (key: the decision's name), sharded as its chosen output placement, or
+    the ``k``-th input of a decision (key ``name:in:k``), sharded as the
+    chosen option needs that input (see :func:`step_memory_model`).
+
+    A reader-input term of a value the backward recomputes holds the
+    redistributed copy beyond the producer's own bytes, which depends on
+    the producer's placement too: the plan's estimate
+    (:meth:`estimate`) evaluates it at both, the ILP's per-option weights
+    (:meth:`per_rank`, the resource row) bound it from above by the
+    producer at its most sharded (see :func:`~autoparallel.capture.saved_activations.redistributed_inputs`).
+
+    >>> m = StepMemoryModel({"w": {"parameters": 400.0, "optimizer": 800.0}})
+    >>> m.per_rank("w", "S(0)R", [4, 2])
+    {'parameters': 100.0, 'optimizer': 200.0}
+    >>> m = StepMemoryModel({"mm:in:0": {"activations": 800.0}}, recomputed_inputs={"mm:in:0": ["add", 8]})
+    >>> m.per_rank("mm:in:0", "RS(0)", [4, 2])  # the row: 800 / 2 - 800 / 8
+    {'activations': 300.0}
+    >>> m.held("mm:in:0", "RS(0)", "S(0)R", [4, 2])  # the plan: 800 / 2 - 800 / 4
+    {'activations': 200.0}
+    >>> m.held("mm:in:0", "S(0)S(0)", "S(0)R", [4, 2])  # a local slice
+    {'activations': 0.0}
+    """
+
+    terms: dict[str, dict[str, float]] = field(default_factory=dict)
+    optimizer: str = "AdamW"
+    optimizer_bytes_per_element: int = 8
+    # how the saved activations were chosen, for the report
+    activations_rule: str = ""
+    # reader-input terms of values the backward recomputes (key -> [the
+    # producer's name, its largest shard factor over its options]): the
+    # redistributed copy is charged only beyond the producer at that
+    # factor, never below zero (see :func:`~autoparallel.capture.saved_activations.redistributed_inputs`)
+    recomputed_inputs: dict[str, list] = field(default_factory=dict)
+
+    def per_rank(self, key: str, placements: str, mesh_shape: list[int]) -> dict[str, float]:
+        """Bytes per rank of term ``key`` laid out as ``placements``
+        (``format_specs`` notation): the ILP's weight and the report's term."""
+        most = self.recomputed_inputs[key][1] if key in self.recomputed_inputs else None
+        return self._per_rank(key, shard_factor(placements, mesh_shape), most)
+
+    def held(self, key: str, placements: str, producer_placements: str, mesh_shape: list[int]) -> dict[str, float]:
+        """:meth:`per_rank`, a recomputed value's reader-input term at its
+        producer's placements (``producer_placements``) as well."""
+        most = shard_factor(producer_placements, mesh_shape) if key in self.recomputed_inputs else None
+        return self._per_rank(key, shard_factor(placements, mesh_shape), most)
+
+    def _per_rank(self, key: str, factor: int, producer_factor: int | None) -> dict[str, float]:
+        out = {cat: b / factor for cat, b in self.terms[key].items()}
+        if producer_factor is not None:
+            b = self.terms[key]["activations"]
+            out["activations"] = max(0.0, b / factor - b / producer_factor)
+        return out
+
+    def weights(self, key: str, labels: list[str], mesh_shape: list[int]) -> list[float]:
+        return [sum(self.per_rank(key, p, mesh_shape).values()) for p in labels]
+
+    @staticmethod
+    def site(key: str) -> tuple[str, int | None]:
+        """(decision name, input index or None for its output) of a term."""
+        name, _, k = key.partition(":in:")
+        return name, int(k) if k else None
+
+    def estimate(self, plan_nodes: dict, mesh_shape: list[int], *, row: bool = False) -> dict[str, float]:
+        """Per-rank bytes by category for a plan's chosen placements
+        (``plan.nodes``: name -> NodePlan); ``row``: the budget row's value
+        there, which bounds it (recomputed values at their per-option bound)."""
+        out = dict.fromkeys(CATEGORIES, 0.0)
+        for key in self.terms:
+            name, k = self.site(key)
+            n = plan_nodes[name]
+            placements = n.output_placements if k is None else n.input_placements[k]
+            if row or key not in self.recomputed_inputs:
+                parts = self.per_rank(key, placements, mesh_shape)
+            else:
+                producer = plan_nodes[self.recomputed_inputs[key][0]].output_placements
+                parts = self.held(key, placements, producer, mesh_shape)
+            for cat, b in parts.items():
+                out[cat] += b
+        return out
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "StepMemoryModel":
+        return cls(
+            **{
+                **d,
+                "terms": {k: dict(v) for k, v in d["terms"].items()},
+                "recomputed_inputs": {k: list(v) for k, v in d.get("recomputed_inputs", {}).items()},
+            }
+        )
+
+
+def step_memory_model(
+    traced, strategies: dict[torch.fx.Node, Any], optimizer: OptimizerSpec = ADAMW
+) -> StepMemoryModel:
+    """The terms of the step's memory: parameters (with their gradients and
+    optimizer state) and saved activations, per decision of ``strategies``."""
+    terms: dict[str, dict[str, float]] = {}
+    per_elem_opt = optimizer.state_bytes_per_element + optimizer.master_bytes_per_element
+    for fqn, node in traced.param_nodes.items():
+        val = node.meta.get("val")
+        if node not in strategies or not isinstance(val, torch.Tensor):
+            continue
+        grad = traced.grad_nodes.get(fqn)
+        gval = grad.meta.get("val") if grad is not None else None
+        numel = val.numel()
+        terms[node.name] = {
+            "parameters": float(numel * val.element_size()),
+            "gradients": float(numel * gval.element_size()) if isinstance(gval, torch.Tensor) else 0.0,
+            "optimizer": float(numel * per_elem_opt) if grad is not None else 0.0,
+        }
+    skipped = 0
+    from .builder import _forward_param_chain
+
+    chain = _forward_param_chain(traced)
+    saved, remade = saved_and_needed(traced.gm, chain)
+    counted = set()
+    for node in saved:
+        strat = strategies.get(node)
+        if strat is None or strat.getitem_index is None and not single_output(strat):
+            skipped += 1
+            continue
+        terms.setdefault(node.name, {})["activations"] = float(nbytes(node))
+        counted.add(node)
+    recomputed_inputs = redistributed_inputs(traced.gm, strategies, chain, remade, counted, terms)
+    if skipped:
+        logger.warning("memory model: %d saved values without a single-output decision not counted", skipped)
+    return StepMemoryModel(
+        terms,
+        optimizer.name,
+        per_elem_opt,
+        "forward values the backward reads, less AC-recomputed ones",
+        recomputed_inputs,
+    )
+
+
+# -- the constraint ---------------------------------------------------------------------
+
+
+def _labels(strategies, node, cache: dict, k: int | None = None) -> list[str]:
+    """Each option's output placements (``k``: its ``k``-th input's)."""
+    # option lists are shared by structurally equal nodes: format each once
+    opts = strategies[node].options
+    labels = cache.get((id(opts), k))
+    if labels is None:
+        fmt = cache.setdefault("formatter", SpecLabels())
+        labels = cache[(id(opts), k)] = [fmt(o.output_specs if k is None else o.input_specs[k]) for o in opts]
+    return labels
+
+
+@dataclass(eq=False)
+class BudgetRow(solver.ResourceConstraint):
+    """The budget's resource row, and ``exact``: the plan's estimate at a
+    solution's choice (decision name -> option index), which the row bounds
+    from above (:func:`~autoparallel.capture.saved_activations.redistributed_inputs`); :func:`solve_within_budget`
+    checks an unbudgeted plan with it."""
+
+    exact: Callable[[dict[str, int]], float] | None = field(default=None, repr=False)
+
+    def __eq__(self, other):
+        # the constraint is its name, weights and bounds; ``exact`` derives
+        # from them (a problem dump decodes to a plain ResourceConstraint)
+        if not isinstance(other, solver.ResourceConstraint):
+            return NotImplemented
+        fields = ("name", "terms", "low", "high")
+        return all(getattr(self, f) == getattr(other, f) for f in fields)
+
+    __hash__ = None
+
+
+def budget_constraint(
+    model: StepMemoryModel, strategies: dict[torch.fx.Node, Any], mesh_shape: list[int], budget: float
+) -> BudgetRow:
+    """``sum over decisions of weights[chosen option] <= budget``."""
+    by_name = {n.name: n for n in strategies}
+    labels: dict[tuple, list[str]] = {}
+    cache: dict[tuple, list[float]] = {}
+    terms: dict[str, list[float]] = {}
+    for key, cats in model.terms.items():
+        name, k = model.site(key)
+        node = by_name[name]
+        most = model.recomputed_inputs[key][1] if key in model.recomputed_inputs else None
+        ckey = (id(strategies[node].options), k, tuple(sorted(cats.items())), most)
+        w = cache.get(ckey)
+        if w is None:
+            w = cache[ckey] = model.weights(key, _labels(strategies, node, labels, k), mesh_shape)
+        if name in terms:  # several terms on one decision: one weight per option
+            w = [a + b for a, b in zip(terms[name], w)]
+        terms[name] = w
+
+    def exact(choice: dict[str, int]) -> float:
+        total = sum(w[choice[name]] for name, w in terms.items())
+        for key, (producer, _) in model.recomputed_inputs.items():
+            if producer not in choice:  # not a decision of this problem: the bound stands
+                continue
+            reader, k = model.site(key)
+            i = _labels(strategies, by_name[reader], labels, k)[choice[reader]]
+            o = _labels(strategies, by_name[producer], labels)[choice[producer]]
+            held, bound = model.held(key, i, o, mesh_shape), model.per_rank(key, i, mesh_shape)
+            total += held["activations"] - bound["activations"]
+        return total
+
+    # bytes are exact in float up to 2**53; the slack absorbs summation order
+    return BudgetRow(BUDGET_NAME, terms, high=budget * (1 + 1e-9), exact=exact)
+
+
+def smallest(
+    model: StepMemoryModel, strategies: dict[torch.fx.Node, Any], mesh_shape: list[int], pins: dict
+) -> dict[str, float]:
+    """Per category, the per-rank bytes with every term at its smallest
+    option allowed by the pins: a lower bound on any plan's estimate (equal
+    to the smallest reachable when no edge rules the combination out)."""
+    by_name = {n.name: n for n in strategies}
+    labels: dict[tuple, list[str]] = {}
+    best: dict[tuple, str] = {}
+    out = dict.fromkeys(CATEGORIES, 0.0)
+    for key, cats in model.terms.items():
+        name, k = model.site(key)
+        node = by_name[name]
+        pin = pins.get(name)
+        allowed = None if pin is None else "".join(_fmt(p) for p in pin[1])
+        # every term is non-negative and shrinks as its layout shards more
+        ckey = (id(strategies[node].options), k, allowed)
+        lab = best.get(ckey)
+        if lab is None:
+            mine = _labels(strategies, node, labels, k)
+            outs = _labels(strategies, node, labels)
+            cands = {m for m, o in zip(mine, outs) if allowed is None or o == allowed} or set(mine)
+            lab = best[ckey] = max(cands, key=lambda x: shard_factor(x, mesh_shape))
+        for cat, b in model.per_rank(key, lab, mesh_shape).items():
+            out[cat] += b
+    return out
+
+
+def _fmt(p) -> str:
+    from ..options.placements import format_placement
+
+    return format_placement(p)
+
+
+def describe(parts: dict[str, float]) -> str:
+    from .memory import _size
+
+    return ", ".join(f"{cat} {_size(parts[cat])}" for cat in CATEGORIES if parts.get(cat))
+
+
+def describe_entry(entry: dict) -> str:
+    """A constraint-log entry of the budget in words, for conflict messages."""
+    from .memory import _size
+
+    text = f"{_size(entry['budget_bytes'])} per rank, {entry.get('source', '')}"
+    if entry.get("smallest_bytes") is not None:
+        text += f"; every term at its smallest layout: {_size(entry['smallest_bytes'])}"
+    return text
+
+
+def check_budget(
+    model: StepMemoryModel,
+    strategies: dict[torch.fx.Node, Any],
+    mesh_shape: list[int],
+    pins: dict,
+    budget: float,
+    source: str,
+) -> dict[str, float]:
+    """Raise :class:`~autoparallel.problem.infeasibility.InfeasibleConstraintError`
+    (before any ILP) when even the smallest layout of every term exceeds the
+    budget; returns that lower bound by category. (A budget above it may
+    still be infeasible through the graph's edges: the solver then names
+    the budget.)"""
+    from .infeasibility import InfeasibleConstraintError
+    from .memory import _size
+
+    low = smallest(model, strategies, mesh_shape, pins)
+    total = sum(low.values())
+    if total > budget * (1 + 1e-9):
+        pinned = [c for name, (c, _) in pins.items() if name in model.terms]
+        raise InfeasibleConstraintError(
+            f"{BUDGET_NAME}: the smallest per-rank memory any plan can reach is at least {_size(total)} "
+            f"({describe(low)}; every tensor as sharded as its options"
+            + (" and the pins " + ", ".join(repr(c) for c in pinned) if pinned else "")
+            + f" allow), above the budget of {_size(budget)} ({source}). To fit: use more ranks or a "
+            "smaller batch, activation checkpointing (autoparallel.capture.activation_checkpointing.apply_ac), "
+            "an optimizer with less state (add_memory_budget(optimizer=...)), raise the budget "
+            "(add_memory_budget(bytes=...)), or plan without it (AutoParallel(..., memory_budget=False))",
+            conflict=[BUDGET_NAME, *pinned],
+        )
+    return low
+
+
+# -- solving --------------------------------------------------------------------------------
+
+
+def solve_within_budget(problem: solver.Problem, solve: Callable[[solver.Problem], solver.Solution]):
+    """Solve ``problem`` with its memory budget row only when it binds.
+
+    Without the row the problem is a relaxation: when its optimum fits the
+    budget, that optimum is optimal with the row too (and a time-limited
+    solve's bound is a bound of both). It fits when the model's estimate
+    (:attr:`BudgetRow.exact`) does, which the row bounds from above.
+    Returns ``(solution, binding)``.
+    """
+    budget = next((r for r in problem.resources if r.name == BUDGET_NAME), None)
+    if budget is None:
+        return solve(problem), False
+    relaxed = dataclasses.replace(problem, resources=[r for r in problem.resources if r is not budget])
+    sol = solve(relaxed)
+    used = sum(w[sol.choice[name]] for name, w in budget.terms.items())
+    # the row bounds the estimate from above: a plan whose estimate fits is
+    # the optimum of the problem under the estimate too
+    exact = budget.exact(sol.choice) if isinstance(budget, BudgetRow) and budget.exact else used
+    if exact <= budget.high:
+        logger.info(
+            "memory budget: not binding (%.4g of %.4g bytes per rank; the row's bound %.4g)", exact, budget.high, used
+        )
+        return sol, False
+    logger.info(
+        "memory budget: the unconstrained plan needs %.4g bytes per rank, over %.4g: solving with the budget",
+        used,
+        budget.high,
+    )
+    t = sol.timings
+    full = solve(problem)
+    # planning time includes the first solve
+    for k, v in t.items():
+        full.timings[f"unbudgeted {k}"] = v
+    return full, True
+
+
+def used_bytes(problem: solver.Problem, choice: dict[str, int]) -> float | None:
+    budget = next((r for r in problem.resources if r.name == BUDGET_NAME), None)
+    if budget is None:
+        return None
+    return sum(w[choice[name]] for name, w in budget.terms.items())

@@ -1,6 +1,0 @@
-"""Sharding rules DTensor lacks, one op family per module.
-
-Importing this package registers them in :data:`autoparallel.strategies.RULES`.
-"""
-
-from . import attention, grouped_mm, linalg, moe  # noqa: F401

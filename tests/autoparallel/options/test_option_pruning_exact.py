@@ -1,0 +1,212 @@
+"""Issue 13: what makes 3-D and 4-D meshes cheap must not change the plan.
+
+* fast redistribution matrices (autoparallel/cost_model/edge_costs.py) are
+  bit-identical to ``cost_model.redistribute_time``;
+* options dropped before pair matrices exist keep the optimal objective
+  (compared with the unpruned solve on tiny LLaMA-3 on 2x2x2 and 2x2x2x2);
+* the options stage's shortcuts (fast expansion, DTensor's costs skipped,
+  conversion once per spec object) give DTensor's options, in order.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
+
+from autoparallel import cost_model
+from autoparallel.cost_model import comm
+from autoparallel.cost_model.edge_costs import _CODES, _DIVS, _fast_id, _greedy_plan, redistribution_matrix
+
+
+def _meta(shape, dtype=torch.bfloat16):
+    t = torch.empty(shape, dtype=dtype, device="meta")
+    return TensorMeta(t.shape, t.stride(), t.dtype)
+
+
+def _atoms(ndim_tensor):
+    return [Replicate(), Partial(), Partial("avg"), Partial("max")] + [Shard(d) for d in range(ndim_tensor)]
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2, 2), (2, 1, 2, 2), (4, 2)])
+def test_fast_matrix_equals_redistribute_time(fake_world, mesh_shape):
+    """Every entry, including uneven shards (ceil division), forbidden moves
+    (inf) and strided/tp-outer layouts (the fallback path)."""
+    fake_world(8)
+    mesh = init_device_mesh("cpu", mesh_shape)
+    rng = random.Random(0)
+    for shape in [(8, 6, 4), (3, 16, 5)]:
+        meta = _meta(shape)
+        combos = list(itertools.product(_atoms(len(shape)), repeat=len(mesh_shape)))
+        picked = rng.sample(combos, min(60, len(combos)))
+        specs = [DTensorSpec(mesh, tuple(p), tensor_meta=meta) for p in picked]
+        if len(mesh_shape) == 2:
+            specs.append(DTensorSpec(mesh, (_StridedShard(0, split_factor=2), Shard(0)), tensor_meta=meta))
+        cache: dict = {}
+        for device in (cost_model.H100, cost_model.A100):
+            fast = redistribution_matrix(specs, specs, device)
+            slow = [[comm.redistribute_time(s, d, device) for d in specs] for s in specs]
+            assert fast == slow
+            # a pair cache shared by matrices over overlapping spec sets
+            for a, b in [(specs[:40], specs[20:]), (specs[10:], specs[:50])]:
+                assert redistribution_matrix(a, b, device, cache) == [
+                    [comm.redistribute_time(s, d, device) for d in b] for s in a
+                ]
+
+
+def test_greedy_plan_equals_comm_plan(fake_world):
+    """The step plan rebuilt on tuples is comm._plan's, step for step."""
+    fake_world(16)
+    mesh = init_device_mesh("cpu", (2, 2, 2, 2))
+    meta = _meta((8, 8, 8))
+    combos = list(itertools.product(_atoms(3), repeat=4))
+    rng = random.Random(1)
+    specs = [DTensorSpec(mesh, tuple(p), tensor_meta=meta) for p in rng.sample(combos, 120)]
+    for s in specs:
+        for d in specs:
+            src_divs, steps = comm._plan(s, d)
+            src_id, our_steps = _greedy_plan((2, 2, 2, 2), _CODES[_fast_id(s)], _CODES[_fast_id(d)])
+            ours = (_DIVS[src_id], tuple((m, kinds, _DIVS[div_id]) for m, kinds, div_id in our_steps))
+            assert ours == (src_divs, tuple((m, kinds, divs) for m, _a, _b, kinds, divs in steps))
+
+
+def test_fast_expansion_gives_dtensors_options(fake_world, monkeypatch):
+    """Options enumerated with autoparallel.options.fast_expand equal DTensor's own
+    expansion, option for option and in order (FFN with bias on 2x2x2:
+    addmm, mm, pointwise ops with uneven sharding allowed)."""
+    import contextlib
+
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from autoparallel.options import strategies
+    from autoparallel.models import FFN
+    from autoparallel.capture.tracing import trace_training_step
+
+    from autoparallel.options import fast_expand
+
+    calls = []
+    fast_fn = fast_expand.expand_to_full_mesh_op_strategy
+
+    def counting(*args, **kwargs):
+        calls.append(args[1].op)
+        return fast_fn(*args, **kwargs)
+
+    monkeypatch.setattr(fast_expand, "expand_to_full_mesh_op_strategy", counting)
+    fake_world(8)
+    mesh = init_device_mesh("cpu", (2, 2, 2))
+    with torch.device("meta"):
+        model = FFN(16, 64, bias=True)
+    labels = []
+    with contextlib.ExitStack() as stack:
+        traced = trace_training_step(model, (torch.empty(8, 6, 16, device="meta"),), "cpu", stack=stack)
+        with unset_fake_temporarily():
+            for fast in (True, False):
+                if not fast:
+                    monkeypatch.setattr(strategies, "fast_expansion", contextlib.nullcontext)
+                st = strategies.StrategyEnumerator(mesh).enumerate(traced.gm, set(traced.param_nodes.values()))
+                labels.append({n.name: [o.label for o in s.options] for n, s in st.items()})
+    assert labels[0] == labels[1]
+    assert sum(len(v) for v in labels[0].values()) > 1000
+    # the fast expansion ran (for the matmuls and pointwise ops)
+    assert {str(op) for op in calls} >= {"aten.addmm.default", "aten.mm.default"}
+
+
+def _reference_options(node, strategy, inputs, pool):
+    """DTensor's strategy as options, the plain way: every OpSpec's
+    placements, deduplicated in order, uneven layouts dropped."""
+    from autoparallel.options import strategies as st
+    from autoparallel.options.dtensor_query import _out_meta
+
+    out_meta = _out_meta(node)
+    in_metas = [st.tensor_meta_of(n.meta["val"]) for n in inputs]
+    options, seen = [], set()
+    for op_spec in strategy.strategies:
+        out = st._for_each_output(op_spec.output_specs, out_meta)
+        if op_spec.input_specs is None:
+            in_placements = tuple(op_spec.output_spec.placements for _ in in_metas)
+        elif len(op_spec.input_specs) != len(inputs):
+            continue
+        else:
+            in_placements = tuple(s.placements for s in op_spec.input_specs)
+        key = (st.placements_of(out), in_placements)
+        if key in seen:
+            continue
+        seen.add(key)
+        if st._out_placements_ok(out, out_meta, pool.mesh) and all(
+            st.is_evenly_sharded(m.shape, p, pool.mesh) for p, m in zip(in_placements, in_metas)
+        ):
+            ins = tuple(pool.get(p, m) for p, m in zip(in_placements, in_metas))
+            options.append(st.Option(st._pooled_out(out, out_meta, pool), ins))
+    return options
+
+
+def _enumerate_both_ways(monkeypatch, model, example, mesh, **reference):
+    """Option labels per node: as the planner enumerates them, and with
+    ``reference`` (strategies module attribute -> replacement) patched in."""
+    import contextlib
+
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from autoparallel.options import strategies
+    from autoparallel.capture.tracing import trace_training_step
+
+    labels = []
+    with contextlib.ExitStack() as stack:
+        traced = trace_training_step(model, (example,), "cpu", stack=stack)
+        with unset_fake_temporarily():
+            for patched in (False, True):
+                if patched:
+                    for name, value in reference.items():
+                        monkeypatch.setattr(strategies, name, value)
+                # patched: every op through the patched functions (views
+                # too: the shared enumerator converts them per candidate)
+                enumerator = strategies.StrategyEnumerator(mesh, share=not patched)
+                st = enumerator.enumerate(traced.gm, set(traced.param_nodes.values()))
+                labels.append({n.name: [o.label for o in s.options] for n, s in st.items()})
+    return labels
+
+
+# 2x2x2: ~25 s on a loaded machine (two enumerations of tiny LLaMA-3)
+@pytest.mark.parametrize("mesh_shape", [pytest.param((2, 2, 2), marks=pytest.mark.slow), (2, 4)])
+def test_options_converted_once_per_spec_object(fake_world, monkeypatch, mesh_shape):
+    """DTensor's strategies filtered and pooled once per spec object give the
+    options of the plain conversion, in order (tiny LLaMA-3: matmuls, views,
+    pointwise ops, multi-output ops)."""
+    from autoparallel.models import LLAMA3_CONFIGS, Transformer
+
+    fake_world(8)
+    with torch.device("meta"):
+        model = Transformer(LLAMA3_CONFIGS["debug"])
+    example = torch.empty(4, 8, dtype=torch.long, device="meta")
+    ours, plain = _enumerate_both_ways(
+        monkeypatch, model, example, init_device_mesh("cpu", mesh_shape), _options_from_op_strategy=_reference_options
+    )
+    assert ours == plain
+    assert sum(len(v) for v in ours.values()) > 5000
+
+
+def test_options_without_dtensors_costs(fake_world, monkeypatch):
+    """Skipping DTensor's redistribution costs (both the per-pair function
+    and the per-row one the rule modules import) leaves the options as
+    they are with the costs computed (FFN with bias on 2x4)."""
+    import contextlib
+
+    from autoparallel.models import FFN
+
+    fake_world(8)
+    with torch.device("meta"):
+        model = FFN(16, 64, bias=True)
+    ours, costed = _enumerate_both_ways(
+        monkeypatch,
+        model,
+        torch.empty(8, 6, 16, device="meta"),
+        init_device_mesh("cpu", (2, 4)),
+        _without_dtensor_redistribute_costs=contextlib.nullcontext,
+    )
+    assert ours == costed
+    assert sum(len(v) for v in ours.values()) > 500
