@@ -384,7 +384,9 @@ class AutoParallel:
             budget = self._constraint_log[memory_budget_mod.BUDGET_NAME]["budget_bytes"]
             if budget is not None:  # the whole step's memory: one more resource row
                 self.built.problem.resources.append(
-                    memory_budget_mod.budget_constraint(step_memory, self.built.strategies, list(self.mesh.shape), budget)
+                    memory_budget_mod.budget_constraint(
+                        step_memory, self.built.strategies, list(self.mesh.shape), budget
+                    )
                 )
         return self.built
 
@@ -413,7 +415,9 @@ class AutoParallel:
                 with self._stages.stage(f"solve ({len(built.problem.decisions)} decisions)", "solve"):
                     solution, _ = memory_budget_mod.solve_within_budget(
                         built.problem,
-                        lambda p: solver.solve(p, backend=self.backend, time_limit=self.time_limit, rel_gap=self.rel_gap),
+                        lambda p: solver.solve(
+                            p, backend=self.backend, time_limit=self.time_limit, rel_gap=self.rel_gap
+                        ),
                     )
         except Exception as exc:
             # the problem is what one needs to debug a failed solve
@@ -441,18 +445,30 @@ class AutoParallel:
         if option_pricing.COARSE_SEEDS:
             with self._stages.stage("coarse mesh plans (pricing seeds)", "coarse_seed"), unset_fake_temporarily():
                 lifted = coarse_seed.lifted_plans(
-                    self.traced, built.strategies, self.mesh, self._constraints, device=self.device,
-                    overlap=self.overlap, repeats=self.repeats, backend=self.backend, time_limit=self.time_limit,
+                    self.traced,
+                    built.strategies,
+                    self.mesh,
+                    self._constraints,
+                    device=self.device,
+                    overlap=self.overlap,
+                    repeats=self.repeats,
+                    backend=self.backend,
+                    time_limit=self.time_limit,
                 )
 
         def price(p: solver.Problem) -> solver.Solution:
             results.append(
-                option_pricing.solve_lazy(p, built.strategies, plans=lifted, backend=self.backend, time_limit=self.time_limit)
+                option_pricing.solve_lazy(
+                    p, built.strategies, plans=lifted, backend=self.backend, time_limit=self.time_limit
+                )
             )
             return results[-1].solution
 
         # ilp_only: pricing's restricted problems go to the ILP, not back to pricing
-        with self._stages.stage(f"option pricing ({len(built.problem.decisions)} decisions)", "solve"), solver.ilp_only():
+        with (
+            self._stages.stage(f"option pricing ({len(built.problem.decisions)} decisions)", "solve"),
+            solver.ilp_only(),
+        ):
             try:
                 memory_budget_mod.solve_within_budget(built.problem, price)
             finally:
@@ -520,9 +536,7 @@ class AutoParallel:
                 else:
                     total = [t + e.costs[o][choice[e.consumer]] for o, t in enumerate(total)]
             mine = total[choice[name]]
-            others = sorted(
-                (t - mine, o) for o, t in enumerate(total) if o != choice[name] and t != float("inf")
-            )[:k]
+            others = sorted((t - mine, o) for o, t in enumerate(total) if o != choice[name] and t != float("inf"))[:k]
             opts = built.strategies[node].options
             nodes[name].runner_ups = [
                 (

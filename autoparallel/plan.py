@@ -145,7 +145,9 @@ class Plan:
         if name in self.nodes:
             return self._explain_node(self.nodes[name])
         members = [n for n in self.nodes.values() if n.module_path == name and n.shape is not None]
-        members += [n for n in self.nodes.values() if n.is_parameter and n.module_path and n.module_path.startswith(name + ".")]
+        members += [
+            n for n in self.nodes.values() if n.is_parameter and n.module_path and n.module_path.startswith(name + ".")
+        ]
         if not members:
             paths = sorted({n.module_path for n in self.nodes.values() if n.module_path and not n.is_parameter})
             near = [p for p in paths if p.endswith(name.rsplit(".", 1)[-1])][:5]
@@ -227,9 +229,7 @@ class Plan:
             kind = kinds.get(key)
             if kind is None:
                 kind = kinds[key] = PlacementKind(*key)
-            signature = (
-                n.output_placements if is_param else f"{','.join(n.input_placements)} -> {n.output_placements}"
-            )
+            signature = n.output_placements if is_param else f"{','.join(n.input_placements)} -> {n.output_placements}"
             if n.phase == "backward" and n.op in ("aten.mm.default", "aten.addmm.default"):
                 # the two matmuls of a linear layer's backward: which is which
                 w = param_shapes.get(n.module_path + ".weight")

@@ -66,7 +66,9 @@ def check_mp_policy(mp_policy: Any) -> None:
     would otherwise be ignored, leaving the plan in fp32)."""
     if mp_policy is None:
         return
-    expected = "None or a torch.distributed.fsdp.MixedPrecisionPolicy, e.g. MixedPrecisionPolicy(param_dtype=torch.bfloat16)"
+    expected = (
+        "None or a torch.distributed.fsdp.MixedPrecisionPolicy, e.g. MixedPrecisionPolicy(param_dtype=torch.bfloat16)"
+    )
     fields = ("param_dtype", "reduce_dtype")
     if isinstance(mp_policy, (str, torch.dtype)) or not any(hasattr(mp_policy, f) for f in fields):
         raise _type_error("mp_policy", expected, mp_policy)
@@ -181,13 +183,11 @@ def check_placements(placements: Any, node: Any, mesh: DeviceMesh, what: str) ->
     example = ", ".join(["Shard(0)"] + ["Replicate()"] * (mesh.ndim - 1))
     if not isinstance(node, torch.fx.Node):
         raise ConstraintError(
-            f"{what}: the traced value there is {node!r}, not a tensor; pass None for it "
-            "(only tensors have placements)"
+            f"{what}: the traced value there is {node!r}, not a tensor; pass None for it (only tensors have placements)"
         )
     if isinstance(placements, Placement) or not isinstance(placements, (tuple, list)):
         raise ConstraintError(
-            f"{what}: placements must be a tuple with one Placement per mesh dim, e.g. ({example},); "
-            f"got {placements!r}"
+            f"{what}: placements must be a tuple with one Placement per mesh dim, e.g. ({example},); got {placements!r}"
         )
     if len(placements) != mesh.ndim and what.startswith("DTensor input"):
         raise ConstraintError(
@@ -211,7 +211,11 @@ def check_placements(placements: Any, node: Any, mesh: DeviceMesh, what: str) ->
                 "from torch.distributed.tensor)"
             )
         if isinstance(p, Shard) and not -ndim <= p.dim < ndim:
-            valid = f"Shard(0) .. Shard({ndim - 1}) or Replicate()" if ndim else "Replicate() or Partial() (a scalar cannot be sharded)"
+            valid = (
+                f"Shard(0) .. Shard({ndim - 1}) or Replicate()"
+                if ndim
+                else "Replicate() or Partial() (a scalar cannot be sharded)"
+            )
             raise ConstraintError(
                 f"{what}: {p} is out of range for a {ndim}-D tensor (node {node.name}); valid: {valid}"
             )

@@ -22,14 +22,18 @@ def add_chunk_argument(parser, default: dict[str, str]) -> None:
     """``--chunk [PATTERN=MODE ...]`` (no value: ``default``)."""
     text = " ".join(f"{k}={v}" for k, v in default.items())
     parser.add_argument(
-        "--chunk", nargs="*", default=None, metavar="PATTERN=MODE",
+        "--chunk",
+        nargs="*",
+        default=None,
+        metavar="PATTERN=MODE",
         help=f"apply without and with chunk_regions and compare (default: {text})",
     )
     parser.set_defaults(_chunk_default=default)
     parser.add_argument(
-        "--pin-ep", action="store_true",
+        "--pin-ep",
+        action="store_true",
         help="pin routed-expert weights to expert parallelism: Shard(0) (experts) on the last mesh dim, "
-             "Shard(2) on the others (FSDP)",
+        "Shard(2) on the others (FSDP)",
     )
 
 
@@ -118,9 +122,11 @@ def chunk_compare(autop, plan, mesh, modules: dict[str, str], pass_options=None,
     stats = runs["chunked"]["stats"]
     print(f"chunking {modules}")
     if stats is not None:
-        print(f"  regions chunked {stats.regions_chunked}, refused {stats.regions_refused}, "
-              f"nodes added {stats.nodes_added} (joint graph), live-ins split {stats.live_ins_split}, "
-              f"shared {stats.live_ins_shared}")
+        print(
+            f"  regions chunked {stats.regions_chunked}, refused {stats.regions_refused}, "
+            f"nodes added {stats.nodes_added} (joint graph), live-ins split {stats.live_ins_split}, "
+            f"shared {stats.live_ins_shared}"
+        )
         for region, why in list(stats.refused.items())[:5]:
             print(f"  refused {region}: {why}")
     labels = [v[0] for v in variants]
@@ -139,8 +145,10 @@ def chunk_compare(autop, plan, mesh, modules: dict[str, str], pass_options=None,
     if layers:
         row("exposed per layer (ms)", lambda r: sum(r["layers"].get(x, 0.0) for x in layers) / len(layers) * 1e3)
         row("  of it all-to-all (ms)", lambda r: sum(r["layers_a2a"].get(x, 0.0) for x in layers) / len(layers) * 1e3)
-        print(f"  (the matching layers' own collectives, fwd + bwd, mean over {len(layers)} layers; an "
-              "all-to-all inside a fused MoE op counts whole)")
+        print(
+            f"  (the matching layers' own collectives, fwd + bwd, mean over {len(layers)} layers; an "
+            "all-to-all inside a fused MoE op counts whole)"
+        )
     for ref in ("fused a2a", "unchunked") if fused_baseline else ("unchunked",):
         u = runs[ref]
         for lb in labels[labels.index(ref) + 1 :]:
@@ -148,6 +156,8 @@ def chunk_compare(autop, plan, mesh, modules: dict[str, str], pass_options=None,
             peak = max(c["forward"]["peak"], c["backward"]["peak"]) / max(u["forward"]["peak"], u["backward"]["peak"])
             lu = sum(u["layers"].values()) or float("nan")
             la = sum(u["layers_a2a"].values()) or float("nan")
-            print(f"  {lb} vs {ref}: exposed per layer x{sum(c['layers'].values()) / lu:.2f}, all-to-all "
-                  f"x{sum(c['layers_a2a'].values()) / la:.2f}, peak memory {(peak - 1) * 100:+.1f}%")
+            print(
+                f"  {lb} vs {ref}: exposed per layer x{sum(c['layers'].values()) / lu:.2f}, all-to-all "
+                f"x{sum(c['layers_a2a'].values()) / la:.2f}, peak memory {(peak - 1) * 100:+.1f}%"
+            )
     return runs

@@ -54,8 +54,10 @@ def _load_cost_model():
         pkg = types.ModuleType(name)
         pkg.__path__ = [str(path)]
         sys.modules[name] = pkg
-    return (importlib.import_module("autoparallel.cost_model.compute"),
-            importlib.import_module("autoparallel.cost_model.devices"))
+    return (
+        importlib.import_module("autoparallel.cost_model.compute"),
+        importlib.import_module("autoparallel.cost_model.devices"),
+    )
 
 
 compute, devices = _load_cost_model()
@@ -88,10 +90,30 @@ def _probes(tokens: int, tp: int, dtype: torch.dtype, device: torch.device) -> l
     probes = []
     for shard, label in ((1, "full"), (tp, f"1/{tp} TP")):
         probes += [
-            Probe(f"wq   [{tokens}x{DIM}]@[{DIM}x{DIM // shard}] {label}", "compute", aten.mm.default, mm(tokens, DIM, DIM // shard)),
-            Probe(f"wkv  [{tokens}x{DIM}]@[{DIM}x{KV_DIM // shard}] {label}", "compute", aten.mm.default, mm(tokens, DIM, KV_DIM // shard)),
-            Probe(f"w13  [{tokens}x{DIM}]@[{DIM}x{FFN // shard}] {label}", "compute", aten.mm.default, mm(tokens, DIM, FFN // shard)),
-            Probe(f"w2   [{tokens}x{FFN // shard}]@[{FFN // shard}x{DIM}] {label}", "compute", aten.mm.default, mm(tokens, FFN // shard, DIM)),
+            Probe(
+                f"wq   [{tokens}x{DIM}]@[{DIM}x{DIM // shard}] {label}",
+                "compute",
+                aten.mm.default,
+                mm(tokens, DIM, DIM // shard),
+            ),
+            Probe(
+                f"wkv  [{tokens}x{DIM}]@[{DIM}x{KV_DIM // shard}] {label}",
+                "compute",
+                aten.mm.default,
+                mm(tokens, DIM, KV_DIM // shard),
+            ),
+            Probe(
+                f"w13  [{tokens}x{DIM}]@[{DIM}x{FFN // shard}] {label}",
+                "compute",
+                aten.mm.default,
+                mm(tokens, DIM, FFN // shard),
+            ),
+            Probe(
+                f"w2   [{tokens}x{FFN // shard}]@[{FFN // shard}x{DIM}] {label}",
+                "compute",
+                aten.mm.default,
+                mm(tokens, FFN // shard, DIM),
+            ),
         ]
     if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
         for heads in (N_HEADS, N_HEADS // tp):
@@ -109,8 +131,18 @@ def _probes(tokens: int, tp: int, dtype: torch.dtype, device: torch.device) -> l
             )
     big = tokens * FFN // tp
     probes += [
-        Probe(f"add [{tokens}x{FFN // tp}] (SwiGLU-sized elementwise)", "memory", aten.add.Tensor, lambda: (t(big)(), t(big)())),
-        Probe(f"mul [{tokens}x{DIM}] (residual-sized elementwise)", "memory", aten.mul.Tensor, lambda: (t(tokens * DIM)(), t(tokens * DIM)())),
+        Probe(
+            f"add [{tokens}x{FFN // tp}] (SwiGLU-sized elementwise)",
+            "memory",
+            aten.add.Tensor,
+            lambda: (t(big)(), t(big)()),
+        ),
+        Probe(
+            f"mul [{tokens}x{DIM}] (residual-sized elementwise)",
+            "memory",
+            aten.mul.Tensor,
+            lambda: (t(tokens * DIM)(), t(tokens * DIM)()),
+        ),
         Probe(f"clone [{tokens}x{FFN // tp}] (copy)", "memory", aten.clone.default, lambda: (t(big)(),)),
         Probe("add [1] (launch floor)", "launch", aten.add.Tensor, lambda: (t(1)(), t(1)())),
     ]
@@ -177,8 +209,10 @@ def main() -> None:
     if preset_name is None:
         preset_name = next((p for p in ("H200", "H100", "B200", "A100") if p in gpu_name.upper()), "H100")
     spec = DeviceSpec.get(preset_name)
-    print(f"device: {gpu_name} (torch {torch.__version__}); comparing with preset {spec.name}; "
-          f"{tokens} tokens per rank, TP {args.tp}")
+    print(
+        f"device: {gpu_name} (torch {torch.__version__}); comparing with preset {spec.name}; "
+        f"{tokens} tokens per rank, TP {args.tp}"
+    )
 
     implied: dict[str, list[float]] = {"compute": [], "attention": [], "memory": []}
     launch = None
@@ -199,12 +233,14 @@ def main() -> None:
                 measured = _launch_time(probe, inputs, device, args.iters)
                 launch = measured
             else:
-                measured = _time(lambda: probe.run(inputs), device, args.iters)
+                measured = _time(lambda: probe.run(inputs), device, args.iters)  # noqa: F821 - `del inputs` below
             eff = _implied(run_spec, probe, inputs, out, measured, dtype)
             if eff is not None and (dname == "bf16" or probe.kind == "memory"):
                 implied[probe.kind].append(eff)
-            print(f"{probe.name:58s} {estimate * 1e6:10.1f} {measured * 1e6:12.1f} "
-                  f"{measured / estimate:6.2f} {'' if eff is None else f'{eff:11.2f}'}")
+            print(
+                f"{probe.name:58s} {estimate * 1e6:10.1f} {measured * 1e6:12.1f} "
+                f"{measured / estimate:6.2f} {'' if eff is None else f'{eff:11.2f}'}"
+            )
             del inputs, out
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -220,13 +256,20 @@ def main() -> None:
     if launch is not None:
         fields["launch_floor"] = float(f"{launch:.2g}")
     fields = {k: v for k, v in fields.items() if v is not None}
-    print(f"\npreset {spec.name}: compute_efficiency {spec.compute_efficiency}, attention_efficiency "
-          f"{spec.attention_efficiency}, memory_efficiency {spec.memory_efficiency}, "
-          f"launch_floor {spec.launch_floor:g}")
-    print("implied (median over probes; compute from bf16 GEMMs; launch floor from back-to-back eager "
-          "launches, so it includes Python dispatch):")
-    print(f"  dataclasses.replace(DeviceSpec.get({spec.name!r}), "
-          + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + ")")
+    print(
+        f"\npreset {spec.name}: compute_efficiency {spec.compute_efficiency}, attention_efficiency "
+        f"{spec.attention_efficiency}, memory_efficiency {spec.memory_efficiency}, "
+        f"launch_floor {spec.launch_floor:g}"
+    )
+    print(
+        "implied (median over probes; compute from bf16 GEMMs; launch floor from back-to-back eager "
+        "launches, so it includes Python dispatch):"
+    )
+    print(
+        f"  dataclasses.replace(DeviceSpec.get({spec.name!r}), "
+        + ", ".join(f"{k}={v!r}" for k, v in fields.items())
+        + ")"
+    )
 
 
 if __name__ == "__main__":

@@ -85,7 +85,9 @@ def main(argv=None) -> None:
     data = (Shard(0), Shard(0), Replicate(), Replicate())
     t0 = time.perf_counter()
     with AutoParallel(
-        model, mesh, lambda: torch.randint(0, config.vocab_size, (a.batch, a.seq), device="meta"),
+        model,
+        mesh,
+        lambda: torch.randint(0, config.vocab_size, (a.batch, a.seq), device="meta"),
         max_problem_bytes=a.max_gib * 2**30 / 2,
     ) as autop:
         autop.add_input_constraints([data])

@@ -30,8 +30,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "examples"), os.path.join(ROOT, "tests", "autoparallel"),
-                  os.path.join(ROOT, "tests", "autoparallel", "problem")]
+sys.path[:0] = [
+    ROOT,
+    os.path.join(ROOT, "examples"),
+    os.path.join(ROOT, "tests", "autoparallel"),
+    os.path.join(ROOT, "tests", "autoparallel", "problem"),
+]
 
 from autoparallel import AutoParallel  # noqa: E402
 from autoparallel.problem import memory  # noqa: E402
@@ -78,8 +82,10 @@ def bench_8b() -> None:
             stages = ", ".join(f"{k} {plan.timings.get(k, 0.0):.2f}s" for k in STAGES)
             print(f"  {label}: build+solve {secs:.2f} s ({stages})")
     best = {b: min(s for _, s in runs[b]) for b in runs}
-    print(f"  planning time (best of 2) without / with budget: {best[False]:.2f} s / {best[True]:.2f} s "
-          f"({100 * (best[True] / best[False] - 1):+.1f}%)")
+    print(
+        f"  planning time (best of 2) without / with budget: {best[False]:.2f} s / {best[True]:.2f} s "
+        f"({100 * (best[True] / best[False] - 1):+.1f}%)"
+    )
     print("  memory per rank (the budget's estimate):")
     for line in memory.breakdown(on).lines():
         print("    " + line)
@@ -120,9 +126,11 @@ def bench_8b_saved() -> None:
     est = memory.breakdown(plan)
     saved = sum(bases.values())
     print("\n== LLaMA-3 8B on 16 x 8, applied: saved activations per rank ==")
-    print(f"  estimate {est.activations / 1e9:.2f} GB, partitioned forward saves {saved / 1e9:.2f} GB "
-          f"({100 * (est.activations / saved - 1):+.1f}%); the overlap scheduler's live-bytes peak "
-          f"(activations and transients) {est.scheduler_activations / 1e9:.2f} GB")
+    print(
+        f"  estimate {est.activations / 1e9:.2f} GB, partitioned forward saves {saved / 1e9:.2f} GB "
+        f"({100 * (est.activations / saved - 1):+.1f}%); the overlap scheduler's live-bytes peak "
+        f"(activations and transients) {est.scheduler_activations / 1e9:.2f} GB"
+    )
 
 
 def bench_tiny() -> None:
@@ -143,8 +151,10 @@ def bench_tiny() -> None:
                 got = t.measure_step(parallel, tokens, lm)
             rows = [(k, getattr(est, k), got[k]) for k in got] + [("total", est.total, sum(got.values()))]
             for k, e, m in rows:
-                print(f"  {ac or 'none':10s} {str(budget or 'default'):>9s} "
-                      f"{k:12s} {e / 1e3:8.1f}kB {m / 1e3:8.1f}kB {100 * (e / m - 1):+6.1f}%")
+                print(
+                    f"  {ac or 'none':10s} {str(budget or 'default'):>9s} "
+                    f"{k:12s} {e / 1e3:8.1f}kB {m / 1e3:8.1f}kB {100 * (e / m - 1):+6.1f}%"
+                )
     finally:
         dist.destroy_process_group()
 

@@ -48,22 +48,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--mesh", type=int, nargs="+", default=[16, 8], help="mesh shape, e.g. 16 8 or 4 4 8")
-    p.add_argument("--mesh-names", nargs="+", default=None,
-                   help="mesh dim names (default dp tp for 2-D, d0 d1 ... otherwise); the batch is "
-                        "sharded over the dims named dp* (the first dim when none is)")
+    p.add_argument(
+        "--mesh-names",
+        nargs="+",
+        default=None,
+        help="mesh dim names (default dp tp for 2-D, d0 d1 ... otherwise); the batch is "
+        "sharded over the dims named dp* (the first dim when none is)",
+    )
     p.add_argument("--gpus-per-node", type=int, default=None, help="cost model: GPUs per node (default 8)")
     p.add_argument("--model", default="8B", choices=sorted(LLAMA3_CONFIGS))
     p.add_argument("--no-ac", action="store_true", help="no activation checkpointing")
-    p.add_argument("--compare-full", action="store_true",
-                   help="with --apply: also apply without layer folding (slow) and check "
-                        "that the folded apply gave the same graphs")
-    p.add_argument("--compare-meshes", action="store_true",
-                   help="plan 8B on 16x8, 4x4x8 and HSDP 2x8x8 and 70B on 16x8, 8x16x8 and 4x4x8x8, each in "
-                        "its own process, and print them side by side (benchmarks/plan_mesh3d.py: the other "
-                        "arguments are its own, e.g. --only, --layers, --time-limit, --mp)")
-    p.add_argument("--apply", action="store_true",
-                   help="also time apply_placement and print its collectives and pass stats "
-                        "(applies twice: without and with the rewrite passes)")
+    p.add_argument(
+        "--compare-full",
+        action="store_true",
+        help="with --apply: also apply without layer folding (slow) and check "
+        "that the folded apply gave the same graphs",
+    )
+    p.add_argument(
+        "--compare-meshes",
+        action="store_true",
+        help="plan 8B on 16x8, 4x4x8 and HSDP 2x8x8 and 70B on 16x8, 8x16x8 and 4x4x8x8, each in "
+        "its own process, and print them side by side (benchmarks/plan_mesh3d.py: the other "
+        "arguments are its own, e.g. --only, --layers, --time-limit, --mp)",
+    )
+    p.add_argument(
+        "--apply",
+        action="store_true",
+        help="also time apply_placement and print its collectives and pass stats "
+        "(applies twice: without and with the rewrite passes)",
+    )
     p.add_argument("--verbose", action="store_true", help="log autoparallel's INFO messages")
     # --chunk: apply without/with chunk_regions and compare (_chunk_report.py)
     add_chunk_argument(p, {"layers.*.attention": "batch", "layers.*.feed_forward": "batch"})
@@ -168,8 +181,7 @@ def main(argv=None) -> None:
         f" of {plan.parameter_bytes_total / 2**30:.3f} GiB"
     )
     print(
-        f"  estimated per step: compute {plan.compute_cost * 1e3:.2f} ms, "
-        f"communication {plan.comm_cost * 1e3:.2f} ms"
+        f"  estimated per step: compute {plan.compute_cost * 1e3:.2f} ms, communication {plan.comm_cost * 1e3:.2f} ms"
     )
     if applied is not None:
         _print_apply(applied, plan)
@@ -272,12 +284,16 @@ def _print_buckets(applied: dict, plan) -> None:
     after = sum(sum(applied["passes"][g].values()) for g in ("forward", "backward"))
     merged = sum(s.collectives_merged - s.buckets for s in stats.values())
     saved = sum(s.comm_time_saved_s for s in stats.values())
-    print(f"  collectives per step: {after + merged} before bucketing -> {after} after "
-          f"(est. {saved * 1e3:.2f} ms of latency saved, not in the plan's cost)")
+    print(
+        f"  collectives per step: {after + merged} before bucketing -> {after} after "
+        f"(est. {saved * 1e3:.2f} ms of latency saved, not in the plan's cost)"
+    )
     for kind, s in stats.items():
-        print(f"    {kind:8s} {s.buckets} buckets replace {s.collectives_merged} {s.by_kind}; "
-              f"est. peak {s.peak_memory_before / 2**30:.2f} -> {s.peak_memory_after / 2**30:.2f} GiB "
-              f"(bucket_bytes {s.bucket_bytes_used >> 20} MiB)")
+        print(
+            f"    {kind:8s} {s.buckets} buckets replace {s.collectives_merged} {s.by_kind}; "
+            f"est. peak {s.peak_memory_before / 2**30:.2f} -> {s.peak_memory_after / 2**30:.2f} GiB "
+            f"(bucket_bytes {s.bucket_bytes_used >> 20} MiB)"
+        )
 
 
 if __name__ == "__main__":

@@ -227,8 +227,11 @@ def _plan(
     t0 = time.perf_counter()
     try:
         with AutoParallel(
-            model, mesh, lambda: torch.randint(0, config.vocab_size, (batch, seq), device="meta"),
-            max_problem_bytes=max_gib * 2**30 / 2, time_limit=time_limit,
+            model,
+            mesh,
+            lambda: torch.randint(0, config.vocab_size, (batch, seq), device="meta"),
+            max_problem_bytes=max_gib * 2**30 / 2,
+            time_limit=time_limit,
             # the example's default (--mp bf16): bf16 compute, fp32 gradient reduction
             mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None,
         ) as autop:
@@ -284,11 +287,18 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=32, help="global batch (70B-8x16x8 uses 128)")
     p.add_argument("--max-gib", type=float, default=6.0, help="address-space limit per configuration")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration")
-    p.add_argument("--time-limit", type=float, default=600.0,
-                   help="solver time limit in seconds (0: none); past it the plan reports its gap")
-    p.add_argument("--mp", choices=["fp32", "bf16"], default="fp32",
-                   help="fp32 everywhere (default, the figures below) or the example's bf16 compute with "
-                        "fp32 gradient reduction")
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=600.0,
+        help="solver time limit in seconds (0: none); past it the plan reports its gap",
+    )
+    p.add_argument(
+        "--mp",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="fp32 everywhere (default, the figures below) or the example's bf16 compute with fp32 gradient reduction",
+    )
     a = p.parse_args(argv)
     names = a.only or ["8B-16x8", "8B-4x4x8", "8B-hsdp-2x8x8", "70B-16x8", "70B-8x16x8", "70B-4x4x8x8"]
     ctx = mp.get_context("spawn")
@@ -296,7 +306,9 @@ def main(argv=None) -> None:
     rows = []
     for name in names:
         q = ctx.Queue()
-        proc = ctx.Process(target=_plan, args=(name, a.layers, a.seq, a.batch, a.max_gib, a.time_limit or None, a.mp == "bf16", q))
+        proc = ctx.Process(
+            target=_plan, args=(name, a.layers, a.seq, a.batch, a.max_gib, a.time_limit or None, a.mp == "bf16", q)
+        )
         proc.start()
         proc.join(a.timeout)
         if proc.is_alive():
@@ -321,7 +333,17 @@ def _row(r: dict) -> str:
 
 
 def _table(rows: list[dict]) -> str:
-    stages = ["tracing", "options", "problem_build", "coarse_seed", "solve", "plan_report", "solver.presolve", "solver.build", "solver.solve"]
+    stages = [
+        "tracing",
+        "options",
+        "problem_build",
+        "coarse_seed",
+        "solve",
+        "plan_report",
+        "solver.presolve",
+        "solver.build",
+        "solver.solve",
+    ]
     cols = [r["name"] for r in rows]
     lines = [f"{'':24s}" + "".join(f"{c:>16s}" for c in cols)]
 
@@ -347,7 +369,10 @@ def _table(rows: list[dict]) -> str:
     line("total s", lambda r: f"{r['total_s']:.1f}")
     line("peak RSS MiB", lambda r: f"{r['peak_rss_mib']:.0f}")
     line("status", lambda r: r["status"][:15])
-    line("gap", lambda r: "0 (proven)" if r["status"] == "optimal" else ("-" if r["gap"] is None else f"{100 * r['gap']:.3g}%"))
+    line(
+        "gap",
+        lambda r: "0 (proven)" if r["status"] == "optimal" else ("-" if r["gap"] is None else f"{100 * r['gap']:.3g}%"),
+    )
     line("est. step ms", lambda r: f"{r['step_ms']:.1f}")
     line("  of it comm ms", lambda r: f"{r['comm_ms']:.1f}")
     line("mem/rank GB (budget)", lambda r: f"{r['memory'][0] / 1e9:.1f} ({r['memory'][1] / 1e9:.0f})")

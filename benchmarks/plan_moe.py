@@ -54,7 +54,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.tensor.placement_types import Replicate, Shard  # noqa: E402
+from torch.distributed.tensor.placement_types import Shard  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
 from autoparallel import AutoParallel  # noqa: E402
@@ -72,7 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mesh", type=int, nargs="+", default=[8, 8])
     p.add_argument("--ac", default="selective", choices=["none", "selective", "full"])
     p.add_argument(
-        "--force-a2a-dim", type=int, default=None,
+        "--force-a2a-dim",
+        type=int,
+        default=None,
         help="offer the routed ops only the all-to-all mode on this mesh dim (to compare its estimated step)",
     )
     p.add_argument("--apply", action="store_true", help="also time apply_placement and count collectives")

@@ -131,9 +131,16 @@ def _tokens(*names):
 def hf_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa",
-                      use_cache=False)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_implementation="sdpa",
+        use_cache=False,
+    )
     return LlamaForCausalLM(cfg), _tokens("input_ids"), (2, 2)
 
 
@@ -147,25 +154,49 @@ def hf_gpt2():
 def hf_bert():
     from transformers import BertConfig, BertForMaskedLM
 
-    cfg = BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                     intermediate_size=128, max_position_embeddings=S)
+    cfg = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=S,
+    )
     return BertForMaskedLM(cfg), _tokens("input_ids"), (2, 2)
 
 
 def hf_t5():
     from transformers import T5Config, T5ForConditionalGeneration
 
-    cfg = T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
-                   num_heads=4, relative_attention_num_buckets=8, decoder_start_token_id=0,
-                   pad_token_id=0, use_cache=False)
+    cfg = T5Config(
+        vocab_size=VOCAB,
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        use_cache=False,
+    )
     return T5ForConditionalGeneration(cfg), _tokens("input_ids", "decoder_input_ids"), (2, 2)
 
 
 def hf_vit():
     from transformers import ViTConfig, ViTForImageClassification
 
-    cfg = ViTConfig(image_size=32, patch_size=8, num_channels=3, hidden_size=64, num_hidden_layers=2,
-                    num_attention_heads=4, intermediate_size=128, num_labels=10)
+    cfg = ViTConfig(
+        image_size=32,
+        patch_size=8,
+        num_channels=3,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        num_labels=10,
+    )
     return ViTForImageClassification(cfg), lambda: (torch.randn(B, 3, 32, 32, device="meta"),), (2, 2)
 
 
@@ -173,9 +204,14 @@ class ConvNet(nn.Module):
     def __init__(self):
         super().__init__()
         self.body = nn.Sequential(
-            nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-            nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.BatchNorm2d(32),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
         )
         self.head = nn.Linear(32, 10)
 
@@ -213,8 +249,14 @@ def llama1_4x2():
 
 
 MODELS = {
-    "llama": hf_llama, "gpt2": hf_gpt2, "bert": hf_bert, "t5": hf_t5, "vit": hf_vit,
-    "convnet": convnet, "llama3_debug": llama3_debug, "llama1_4x2": llama1_4x2,
+    "llama": hf_llama,
+    "gpt2": hf_gpt2,
+    "bert": hf_bert,
+    "t5": hf_t5,
+    "vit": hf_vit,
+    "convnet": convnet,
+    "llama3_debug": llama3_debug,
+    "llama1_4x2": llama1_4x2,
 }
 MESH_DIM_NAMES = {2: ("dp", "tp"), 3: ("dp_replicate", "dp_shard", "tp"), 4: ("dp_replicate", "dp_shard", "cp", "tp")}
 
@@ -266,8 +308,13 @@ def plan_one(
     # nodes linked to a twin, layers left wholly unlinked
     layers = (0, 0) if repeats is None else (len(repeats.reference), len(repeats.mismatched))
     return {
-        "total": total, "timings": dict(autop.timings), "plan": plan, "mesh": mesh_shape,
-        "size": size, "lazy": built.priced_size is not None or built.lazy, "layers": layers,
+        "total": total,
+        "timings": dict(autop.timings),
+        "plan": plan,
+        "mesh": mesh_shape,
+        "size": size,
+        "lazy": built.priced_size is not None or built.lazy,
+        "layers": layers,
     }
 
 
@@ -292,15 +339,27 @@ def _row(name: str, r: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("models", nargs="*", default=[], metavar="MODEL",
-                   help=f"subset of: {', '.join(MODELS)}")
-    p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT,
-                   help="solver time limit in seconds (0: none)")
+    p.add_argument("models", nargs="*", default=[], metavar="MODEL", help=f"subset of: {', '.join(MODELS)}")
+    p.add_argument(
+        "--time-limit", type=float, default=DEFAULT_TIME_LIMIT, help="solver time limit in seconds (0: none)"
+    )
     p.add_argument("--verbose", action="store_true")
-    p.add_argument("--slow-compute", type=float, nargs="?", const=1000.0, default=None, metavar="FACTOR",
-                   help="a device FACTOR (default 1000) times slower at compute, so plans shard compute")
-    p.add_argument("--mesh", type=parse_mesh, default=None, metavar="AxB[xC]",
-                   help="mesh shape for every model (default: each model's own, mostly 2x2)")
+    p.add_argument(
+        "--slow-compute",
+        type=float,
+        nargs="?",
+        const=1000.0,
+        default=None,
+        metavar="FACTOR",
+        help="a device FACTOR (default 1000) times slower at compute, so plans shard compute",
+    )
+    p.add_argument(
+        "--mesh",
+        type=parse_mesh,
+        default=None,
+        metavar="AxB[xC]",
+        help="mesh shape for every model (default: each model's own, mostly 2x2)",
+    )
     p.add_argument("--max-gib", type=float, default=5.0, help="address-space limit per model process (0: none)")
     p.add_argument("--one", metavar="MODEL", help=argparse.SUPPRESS)  # the per-model child
     a = p.parse_args(argv)
@@ -319,23 +378,35 @@ def main(argv=None) -> int:
             r = plan_one(a.one, time_limit, a.slow_compute, a.mesh)
         except Exception as exc:  # noqa: BLE001 -- report and go on with the next model
             where = traceback.extract_tb(exc.__traceback__)[-1]
-            print(f"{a.one:12s} FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:120]} "
-                  f"({os.path.basename(where.filename)}:{where.lineno})")
+            print(
+                f"{a.one:12s} FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:120]} "
+                f"({os.path.basename(where.filename)}:{where.lineno})"
+            )
             return 1
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
         print(_row(a.one, r), flush=True)
         return 0
-    print(f"time (s); solver time limit {time_limit}"
-          f"{f'; device {a.slow_compute:g}x slower at compute' if a.slow_compute else ''}; "
-          f"load {os.getloadavg()[0]:.2f}")
+    print(
+        f"time (s); solver time limit {time_limit}"
+        f"{f'; device {a.slow_compute:g}x slower at compute' if a.slow_compute else ''}; "
+        f"load {os.getloadavg()[0]:.2f}"
+    )
     print(HEADER)
     for name in a.models or MODELS:
         # One process per model: timings as a user's first plan sees them
         # (no warm caches), and one model's failure cannot affect the next.
-        cmd = [sys.executable, os.path.abspath(__file__), "--one", name, "--time-limit", str(a.time_limit),
-               "--max-gib", str(a.max_gib)]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--one",
+            name,
+            "--time-limit",
+            str(a.time_limit),
+            "--max-gib",
+            str(a.max_gib),
+        ]
         cmd += ["--mesh", "x".join(map(str, a.mesh))] if a.mesh else []
         cmd += ["--verbose"] if a.verbose else []
         cmd += ["--slow-compute", str(a.slow_compute)] if a.slow_compute else []

@@ -78,8 +78,9 @@ class ReducingPlacementMatrix(PlacementMatrix):
         return self.min_plus_rows(row_values)
 
 
-def build(n_dec: int, dims: int, placements: int, kinds: int, seed: int, noise: float = 0.1,
-          min_plus: bool = True) -> tuple[Problem, list]:
+def build(
+    n_dec: int, dims: int, placements: int, kinds: int, seed: int, noise: float = 0.1, min_plus: bool = True
+) -> tuple[Problem, list]:
     rng = np.random.default_rng(seed)
     codes = np.array(list(itertools.product(range(placements), repeat=dims)), dtype=np.int8)
     n = len(codes)
@@ -112,36 +113,45 @@ def main() -> None:
     ap.add_argument("--noise", type=float, default=0.1, help="relative noise on compute costs")
     ap.add_argument("--max-options", type=int, default=None)
     ap.add_argument("--check", action="store_true", help="also solve the dense problem (small sizes)")
-    ap.add_argument("--no-min-plus", action="store_true",
-                    help="matrices read by blocks only (left-out pairs priced at the floor)")
+    ap.add_argument(
+        "--no-min-plus", action="store_true", help="matrices read by blocks only (left-out pairs priced at the floor)"
+    )
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, format="%(name)s %(message)s")
     t0 = time.perf_counter()
-    problem, mats = build(a.decisions, a.dims, a.placements, a.kinds, a.seed, a.noise,
-                           min_plus=not a.no_min_plus)
+    problem, mats = build(a.decisions, a.dims, a.placements, a.kinds, a.seed, a.noise, min_plus=not a.no_min_plus)
     n = len(problem.decisions[0].options)
-    print(f"problem: {a.decisions} decisions x {n} options, {len(problem.edges)} edges, "
-          f"{len(mats)} lazy objects, {len(problem.edges) * n * n / 1e6:.1f}M pairs "
-          f"(built in {time.perf_counter() - t0:.2f}s)")
+    print(
+        f"problem: {a.decisions} decisions x {n} options, {len(problem.edges)} edges, "
+        f"{len(mats)} lazy objects, {len(problem.edges) * n * n / 1e6:.1f}M pairs "
+        f"(built in {time.perf_counter() - t0:.2f}s)"
+    )
     res = solve_by_pricing(problem, max_options=a.max_options)
     s, st = res.solution, res.stats
     print(f"status {s.status}, objective {s.objective:.9g}, bound {s.bound:.9g}")
     print(f"rounds {st.rounds}; kept per round {st.kept_per_round}; priced in {st.priced_per_round}")
-    print(f"kept {sum(len(v) for v in res.kept.values())} decisions x options of {st.options_total} "
-          f"({st.eliminated} dropped by tree elimination) "
-          f"({st.fixed_in} by reduced-cost fixing); restricted ILP objectives {st.restricted_objectives}")
-    print(f"entries read {st.entries_read} ({st.entries_read / (len(mats) * n * n):.2%} of the "
-          f"distinct matrices)")
+    print(
+        f"kept {sum(len(v) for v in res.kept.values())} decisions x options of {st.options_total} "
+        f"({st.eliminated} dropped by tree elimination) "
+        f"({st.fixed_in} by reduced-cost fixing); restricted ILP objectives {st.restricted_objectives}"
+    )
+    print(f"entries read {st.entries_read} ({st.entries_read / (len(mats) * n * n):.2%} of the distinct matrices)")
     print("seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in st.seconds.items()))
     if a.check:
-        dense = Problem(problem.decisions, [
-            Edge(e.producer, e.consumer, e.arg_index,
-                 e.costs.block(np.arange(n), np.arange(n)).tolist()) for e in problem.edges])
+        dense = Problem(
+            problem.decisions,
+            [
+                Edge(e.producer, e.consumer, e.arg_index, e.costs.block(np.arange(n), np.arange(n)).tolist())
+                for e in problem.edges
+            ],
+        )
         t = time.perf_counter()
         ref = solve(dense)
-        print(f"dense solve: objective {ref.objective:.9g} ({time.perf_counter() - t:.2f}s); "
-              f"match {math.isclose(ref.objective, s.objective, rel_tol=1e-9)}")
+        print(
+            f"dense solve: objective {ref.objective:.9g} ({time.perf_counter() - t:.2f}s); "
+            f"match {math.isclose(ref.objective, s.objective, rel_tol=1e-9)}"
+        )
 
 
 if __name__ == "__main__":

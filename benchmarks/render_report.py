@@ -22,13 +22,22 @@ def main(argv=None) -> int:
     ap.add_argument("-o", "--output", default="report.png")
     ap.add_argument("--size", default="1200,2400", help="window width,height in pixels")
     a = ap.parse_args(argv)
-    browser = next((shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
+    browser = next(
+        (shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None
+    )
     if browser is None:
         print("no Chromium found: install it (apt-get install -y chromium) to render the report")
         return 0
-    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-           f"--window-size={a.size}", f"--screenshot={os.path.abspath(a.output)}",
-           "file://" + os.path.abspath(a.html)]
+    cmd = [
+        browser,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--hide-scrollbars",
+        f"--window-size={a.size}",
+        f"--screenshot={os.path.abspath(a.output)}",
+        "file://" + os.path.abspath(a.html),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if proc.returncode != 0 or not os.path.exists(a.output):
         print(proc.stderr[-2000:], file=sys.stderr)

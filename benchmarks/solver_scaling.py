@@ -100,8 +100,7 @@ class Node:
     __slots__ = ("ndim", "partial", "flops", "nbytes", "param")
 
     def __init__(self, ndim, partial, flops, nbytes, param=False):
-        self.ndim, self.partial, self.flops, self.nbytes, self.param = (
-            ndim, partial, flops, nbytes, param)
+        self.ndim, self.partial, self.flops, self.nbytes, self.param = (ndim, partial, flops, nbytes, param)
 
 
 def unary_costs(node: Node, opts) -> list[float]:
@@ -160,8 +159,7 @@ def layer_template(rng: random.Random, n_fwd: int):
     return nodes, edges, params
 
 
-def build_problem(n_layers: int, seed: int = 0, per_layer: int = 300,
-                  mem_slack: float = 1.0) -> Problem:
+def build_problem(n_layers: int, seed: int = 0, per_layer: int = 300, mem_slack: float = 1.0) -> Problem:
     rng = random.Random(seed)
     n_fwd = (per_layer - 9) // 2
     nodes, tedges, params = layer_template(rng, n_fwd)
@@ -171,8 +169,7 @@ def build_problem(n_layers: int, seed: int = 0, per_layer: int = 300,
     mats = [edge_matrix(nodes[a], nodes[b], kind, rng) for a, b, kind in tedges]
     popts = placements(2, False)
     plabels = ["".join(o) for o in popts]
-    pmats = [(edge_matrix(p, nodes[f], "dense", rng), edge_matrix(p, nodes[g], "dense", rng))
-             for p, f, g in params]
+    pmats = [(edge_matrix(p, nodes[f], "dense", rng), edge_matrix(p, nodes[g], "dense", rng)) for p, f, g in params]
     weights = [[p.nbytes / shard_factor(o) for o in popts] for p, _, _ in params]
 
     decisions: list[Decision] = []
@@ -221,8 +218,7 @@ def build_problem(n_layers: int, seed: int = 0, per_layer: int = 300,
                 ident = list(range(len(labels[k])))
                 links.append(Link("repeated layers", f"{prev}op{k}", f"{pre}op{k}", ident))
             for j in range(len(params)):
-                links.append(Link("repeated layers", f"{prev}w{j}", f"{pre}w{j}",
-                                  list(range(len(popts)))))
+                links.append(Link("repeated layers", f"{prev}w{j}", f"{pre}w{j}", list(range(len(popts)))))
 
     # Output head (not repeated): final norm, projection weight, loss.
     last = f"layers.{n_layers - 1}."
@@ -242,8 +238,7 @@ def build_problem(n_layers: int, seed: int = 0, per_layer: int = 300,
     low = sum(min(w) for w in terms.values())
     mem = ResourceConstraint("parameter memory per rank", terms, high=low * mem_slack)
     meta = {"benchmark": "solver_scaling", "layers": n_layers, "seed": seed, "mesh": list(MESH)}
-    return Problem(decisions, edges, links=links, resources=[mem],
-                   name=f"transformer-{n_layers}", metadata=meta)
+    return Problem(decisions, edges, links=links, resources=[mem], name=f"transformer-{n_layers}", metadata=meta)
 
 
 # --------------------------------------------------------------------- runs
@@ -268,17 +263,20 @@ def worker(cfg: dict) -> dict:
         "pairs": sum(len(e.costs) * len(e.costs[0]) for e in problem.edges),
     }
     t0, c0 = time.perf_counter(), _cpu()
-    sol = solve(problem, backend=cfg["backend"], presolve=cfg["presolve"],
-                time_limit=cfg["time_limit"])
+    sol = solve(problem, backend=cfg["backend"], presolve=cfg["presolve"], time_limit=cfg["time_limit"])
     t_solve, c_solve = time.perf_counter() - t0, _cpu() - c0
     rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     s = sol.presolve
     return {
         **cfg,
         "in": stats_in,
-        "out": None if s is None else {
-            "decisions": s.decisions_after, "options": s.options_after,
-            "edges": s.edges_after, "pairs": s.pairs_after,
+        "out": None
+        if s is None
+        else {
+            "decisions": s.decisions_after,
+            "options": s.options_after,
+            "edges": s.edges_after,
+            "pairs": s.pairs_after,
         },
         "variables": sol.num_variables,
         "constraints": sol.num_constraints,
@@ -324,12 +322,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, nargs="+", default=[4, 32])
     ap.add_argument("--backends", nargs="+", default=["highs", "cbc"])
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--mem-slack", type=float, default=1.0,
-                    help="memory bound = slack x the fully-sharded parameter total")
-    ap.add_argument("--time-limit", type=float, default=30.0,
-                    help="backend time limit for presolve-off runs (s)")
-    ap.add_argument("--timeout", type=float, default=120.0,
-                    help="wall-clock limit per configuration (s)")
+    ap.add_argument(
+        "--mem-slack", type=float, default=1.0, help="memory bound = slack x the fully-sharded parameter total"
+    )
+    ap.add_argument("--time-limit", type=float, default=30.0, help="backend time limit for presolve-off runs (s)")
+    ap.add_argument("--timeout", type=float, default=120.0, help="wall-clock limit per configuration (s)")
     ap.add_argument("--no-off", action="store_true", help="skip presolve-off runs")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -338,35 +335,49 @@ def main() -> None:
         return
 
     load = os.getloadavg()[0]
-    print(f"{os.cpu_count()} CPUs, load average {load:.2f} before starting"
-          + (" (busy machine: wall times inflated, see cpu)" if load > 0.5 * (os.cpu_count() or 1) else ""))
+    print(
+        f"{os.cpu_count()} CPUs, load average {load:.2f} before starting"
+        + (" (busy machine: wall times inflated, see cpu)" if load > 0.5 * (os.cpu_count() or 1) else "")
+    )
     results = []
-    for presolve in ([True] if args.no_off else [True, False]):
+    for presolve in [True] if args.no_off else [True, False]:
         for backend in args.backends:
             for layers in args.layers:
-                cfg = {"layers": layers, "backend": backend, "presolve": presolve,
-                       "seed": args.seed, "mem_slack": args.mem_slack,
-                       "time_limit": None if presolve else args.time_limit}
+                cfg = {
+                    "layers": layers,
+                    "backend": backend,
+                    "presolve": presolve,
+                    "seed": args.seed,
+                    "mem_slack": args.mem_slack,
+                    "time_limit": None if presolve else args.time_limit,
+                }
                 r = run(cfg, args.timeout)
                 results.append(r)
-                print(_row(r), flush=True) if len(results) > 1 else print(
-                    _header() + "\n" + _row(r), flush=True)
+                print(_row(r), flush=True) if len(results) > 1 else print(_header() + "\n" + _row(r), flush=True)
 
-    print("\nsizes are decisions/options/edges/pairs (pairs: matrix entries, inf included); "
-          "times in seconds; 'problem' = building the Problem, 'total' = solve() end to end "
-          "(validate, presolve, ILP build, backend, evaluate), 'cpu' = its CPU time")
+    print(
+        "\nsizes are decisions/options/edges/pairs (pairs: matrix entries, inf included); "
+        "times in seconds; 'problem' = building the Problem, 'total' = solve() end to end "
+        "(validate, presolve, ILP build, backend, evaluate), 'cpu' = its CPU time"
+    )
     for layers in args.layers:
-        objs = [r["objective"] for r in results if r["layers"] == layers and "error" not in r
-                and r["status"] == "optimal"]
+        objs = [
+            r["objective"] for r in results if r["layers"] == layers and "error" not in r and r["status"] == "optimal"
+        ]
         if len(objs) > 1:
             spread = max(objs) - min(objs)
             agree = spread <= 1e-6 * max(1.0, abs(max(objs)))
-            print(f"{layers} layers: optimal objectives of all configurations "
-                  f"{'agree' if agree else 'DIFFER'} (spread {spread:.3g})")
+            print(
+                f"{layers} layers: optimal objectives of all configurations "
+                f"{'agree' if agree else 'DIFFER'} (spread {spread:.3g})"
+            )
     for presolve in (True, False):
         for backend in args.backends:
-            rs = {r["layers"]: r for r in results
-                  if r["presolve"] == presolve and r["backend"] == backend and "error" not in r}
+            rs = {
+                r["layers"]: r
+                for r in results
+                if r["presolve"] == presolve and r["backend"] == backend and "error" not in r
+            }
             if len(args.layers) >= 2 and all(l in rs for l in args.layers[:2]):
                 a, b = (rs[l] for l in args.layers[:2])
                 print(
@@ -379,19 +390,23 @@ def main() -> None:
 
 
 def _header() -> str:
-    return (f"{'layers':>6} {'backend':7} {'pre':3} {'size in':>28} {'size after presolve':>22} "
-            f"{'vars':>7} {'cons':>7} {'problem':>7} {'presolve':>8} {'ilp':>6} {'solve':>6} "
-            f"{'total':>6} {'cpu':>6} {'status':8} {'objective':>11} {'peakMB':>7}")
+    return (
+        f"{'layers':>6} {'backend':7} {'pre':3} {'size in':>28} {'size after presolve':>22} "
+        f"{'vars':>7} {'cons':>7} {'problem':>7} {'presolve':>8} {'ilp':>6} {'solve':>6} "
+        f"{'total':>6} {'cpu':>6} {'status':8} {'objective':>11} {'peakMB':>7}"
+    )
 
 
 def _row(r: dict) -> str:
     head = f"{r['layers']:>6} {r['backend']:7} {'on' if r['presolve'] else 'off':3}"
     if "error" in r:
         return f"{head} error: {r['error']}"
-    return (f"{head} {fmt_size(r['in']):>28} {fmt_size(r['out']):>22} {r['variables']:>7} "
-            f"{r['constraints']:>7} {r['t_problem']:7.2f} {r['t_presolve']:8.3f} {r['t_ilp']:6.2f} "
-            f"{r['t_solve']:6.2f} {r['t_total']:6.2f} {r['cpu_total']:6.2f} {r['status']:8} {r['objective']:11.6g} "
-            f"{r['rss_mb']:7.0f}")
+    return (
+        f"{head} {fmt_size(r['in']):>28} {fmt_size(r['out']):>22} {r['variables']:>7} "
+        f"{r['constraints']:>7} {r['t_problem']:7.2f} {r['t_presolve']:8.3f} {r['t_ilp']:6.2f} "
+        f"{r['t_solve']:6.2f} {r['t_total']:6.2f} {r['cpu_total']:6.2f} {r['status']:8} {r['objective']:11.6g} "
+        f"{r['rss_mb']:7.0f}"
+    )
 
 
 if __name__ == "__main__":

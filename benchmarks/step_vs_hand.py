@@ -63,8 +63,12 @@ def parse_args(argv=None):
     p.add_argument("--ac", default="selective", choices=["selective", "none"])
     p.add_argument("--steps", type=int, default=6, help="timed steps per plan (after one warm-up)")
     p.add_argument("--no-bucket", action="store_true", help="disable bucket_collectives in our plan")
-    p.add_argument("--optim", default="adamw", choices=["adamw", "sgd"],
-                   help="sgd: losses without Adam's amplification of tiny gradient differences")
+    p.add_argument(
+        "--optim",
+        default="adamw",
+        choices=["adamw", "sgd"],
+        help="sgd: losses without Adam's amplification of tiny gradient differences",
+    )
     p.add_argument("--port", type=int, default=29731)
     return p.parse_args(argv)
 
@@ -175,8 +179,15 @@ def _worker(rank: int, a, world: int, results):
     from autoparallel.models.llama3 import LLAMA3_CONFIGS, Transformer, apply_ac
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    cfg = replace(LLAMA3_CONFIGS["debug"], dim=a.dim, n_layers=a.layers, n_heads=a.heads, n_kv_heads=a.heads // 2,
-                  vocab_size=a.vocab, max_seq_len=a.seq)
+    cfg = replace(
+        LLAMA3_CONFIGS["debug"],
+        dim=a.dim,
+        n_layers=a.layers,
+        n_heads=a.heads,
+        n_kv_heads=a.heads // 2,
+        vocab_size=a.vocab,
+        max_seq_len=a.seq,
+    )
     ref = Transformer(cfg)
     torch.manual_seed(0)
     ref.init_weights()
@@ -235,7 +246,7 @@ def _worker(rank: int, a, world: int, results):
         return elapsed, value.item() / world
 
     for i, tokens in enumerate(data):
-        for k in (("ours", "hand") if i % 2 == 0 else ("hand", "ours")):
+        for k in ("ours", "hand") if i % 2 == 0 else ("hand", "ours"):
             if i == 0:  # counted step (not timed)
                 c = Collectives()
                 _, lv = step(k, tokens, c, keep_grads=True)
@@ -258,8 +269,18 @@ def _worker(rank: int, a, world: int, results):
             ref_opt.step()
             ref_opt.zero_grad()
             ref_losses.append(loss.item())
-        results.put(dict(times=times, losses=losses, comm=comm, peak=peak, ref=ref_losses, plan_s=plan_s, grad_err=grad_err,
-                         stats={k: v for k, v in plan.pass_stats.items() if k == "bucket_collectives"}))
+        results.put(
+            dict(
+                times=times,
+                losses=losses,
+                comm=comm,
+                peak=peak,
+                ref=ref_losses,
+                plan_s=plan_s,
+                grad_err=grad_err,
+                stats={k: v for k, v in plan.pass_stats.items() if k == "bucket_collectives"},
+            )
+        )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -303,27 +324,37 @@ def main(argv=None):
     results = ctx.SimpleQueue()
     mp.start_processes(_worker, args=(a, 4, results), nprocs=4, start_method="spawn")
     r = results.get()
-    print(f"LLaMA-3 dim {a.dim}, {a.layers} layers, seq {a.seq}, batch {a.batch}, AC {a.ac}, 2x2 gloo"
-          f"{', bucketing off' if a.no_bucket else ''}; plan+apply {r['plan_s']:.1f} s")
+    print(
+        f"LLaMA-3 dim {a.dim}, {a.layers} layers, seq {a.seq}, batch {a.batch}, AC {a.ac}, 2x2 gloo"
+        f"{', bucketing off' if a.no_bucket else ''}; plan+apply {r['plan_s']:.1f} s"
+    )
     med = {k: statistics.median(v) for k, v in r["times"].items()}
-    print(f"  median step: ours {med['ours'] * 1e3:.1f} ms, hand {med['hand'] * 1e3:.1f} ms, "
-          f"ratio {med['ours'] / med['hand']:.3f} ({a.steps} steps each, alternating)")
+    print(
+        f"  median step: ours {med['ours'] * 1e3:.1f} ms, hand {med['hand'] * 1e3:.1f} ms, "
+        f"ratio {med['ours'] / med['hand']:.3f} ({a.steps} steps each, alternating)"
+    )
     for k in ("ours", "hand"):
         n, by, b = r["comm"][k]
-        print(f"  {k}: {n} collectives/step {by}, {b / 2**20:.2f} MiB sent/rank/step, "
-              f"peak live {r['peak'][k] / 2**20:.1f} MiB")
+        print(
+            f"  {k}: {n} collectives/step {by}, {b / 2**20:.2f} MiB sent/rank/step, "
+            f"peak live {r['peak'][k] / 2**20:.1f} MiB"
+        )
     ref = r["ref"]
     for k in ("ours", "hand"):
         dev = max(abs(x - y) for x, y in zip(r["losses"][k], ref))
         print(f"  losses {k}: {[round(x, 5) for x in r['losses'][k][:4]]} ... max |diff| vs single device {dev:.2e}")
     print(f"  reference:   {[round(x, 5) for x in ref[:4]]}")
-    print("  step-1 gradients vs fp64 single device, max over parameters of max|g - g64| / max|g64|: "
-          + ", ".join(f"{k} {e:.2e} ({n})" for k, (e, n) in r["grad_err"].items()))
+    print(
+        "  step-1 gradients vs fp64 single device, max over parameters of max|g - g64| / max|g64|: "
+        + ", ".join(f"{k} {e:.2e} ({n})" for k, (e, n) in r["grad_err"].items())
+    )
     if "bucket_collectives" in r["stats"]:
         for kind, s in r["stats"]["bucket_collectives"].items():
-            print(f"  bucket_collectives {kind}: {s.buckets} buckets replace {s.collectives_merged} {s.by_kind}, "
-                  f"est. peak {s.peak_memory_before} -> {s.peak_memory_after} B, saves ~{s.comm_time_saved_s * 1e6:.0f} us; "
-                  f"copies out {s.copies_out}, copies made unnecessary {s.copies_removed}")
+            print(
+                f"  bucket_collectives {kind}: {s.buckets} buckets replace {s.collectives_merged} {s.by_kind}, "
+                f"est. peak {s.peak_memory_before} -> {s.peak_memory_after} B, saves ~{s.comm_time_saved_s * 1e6:.0f} us; "
+                f"copies out {s.copies_out}, copies made unnecessary {s.copies_removed}"
+            )
 
 
 if __name__ == "__main__":

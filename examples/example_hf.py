@@ -25,7 +25,9 @@ def build(name: str, layers: int | None = None):
     import transformers
 
     if name == "gpt2":
-        config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64, bos_token_id=0, eos_token_id=0)
+        config = transformers.GPT2Config(
+            n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64, bos_token_id=0, eos_token_id=0
+        )
         config.use_cache = False
         return transformers.GPT2LMHeadModel(config), config.vocab_size
     if name == "bert":
@@ -35,16 +37,28 @@ def build(name: str, layers: int | None = None):
         return transformers.BertForMaskedLM(config), config.vocab_size
     if name == "llama":
         config = transformers.LlamaConfig(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=128, use_cache=False,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=128,
+            use_cache=False,
         )
         return transformers.LlamaForCausalLM(config), config.vocab_size
     if name == "mixtral":
         # Any experts_implementation plans: the routed experts are traced as
         # autoparallel's moe_experts op, which can be expert parallel.
         config = transformers.MixtralConfig(
-            hidden_size=64, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=128, use_cache=False,
+            hidden_size=64,
+            intermediate_size=512,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            vocab_size=128,
+            use_cache=False,
         )
         return transformers.MixtralForCausalLM(config), config.vocab_size
     if name == "mixtral-8x7b":
@@ -61,7 +75,9 @@ def main() -> None:
     ap.add_argument("--model", default="gpt2", choices=["gpt2", "bert", "llama", "mixtral", "mixtral-8x7b"])
     ap.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     ap.add_argument("--seq", type=int, default=16, help="sequence length")
-    ap.add_argument("--layers", type=int, default=None, help="mixtral-8x7b: decoder layers (default 2; the real model has 32)")
+    ap.add_argument(
+        "--layers", type=int, default=None, help="mixtral-8x7b: decoder layers (default 2; the real model has 32)"
+    )
     ap.add_argument("--mesh", type=int, nargs=2, default=(2, 2))
     args = ap.parse_args()
     dp, tp = args.mesh

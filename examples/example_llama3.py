@@ -59,54 +59,91 @@ from autoparallel.models.llama3 import LLAMA3_CONFIGS, Transformer, apply_ac, co
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, choices=sorted(LLAMA3_CONFIGS),
-                    help="model config (default: 8B; debug with --real)")
-    ap.add_argument("--mesh", type=int, nargs="+", default=[16, 8],
-                    help="mesh shape: dp [tp [cp [ep]]], or any number of dims named with --mesh-names (e.g. 2 8 8 with dp_replicate dp_shard tp)")
-    ap.add_argument("--mesh-names", nargs="+", default=None,
-                    help="mesh dim names (default: dp tp cp ep); the batch is sharded over every "
-                         "dim whose name starts with 'dp', 'data' or 'batch', e.g. dp_replicate dp_shard tp for HSDP")
+    ap.add_argument(
+        "--model", default=None, choices=sorted(LLAMA3_CONFIGS), help="model config (default: 8B; debug with --real)"
+    )
+    ap.add_argument(
+        "--mesh",
+        type=int,
+        nargs="+",
+        default=[16, 8],
+        help="mesh shape: dp [tp [cp [ep]]], or any number of dims named with --mesh-names (e.g. 2 8 8 with dp_replicate dp_shard tp)",
+    )
+    ap.add_argument(
+        "--mesh-names",
+        nargs="+",
+        default=None,
+        help="mesh dim names (default: dp tp cp ep); the batch is sharded over every "
+        "dim whose name starts with 'dp', 'data' or 'batch', e.g. dp_replicate dp_shard tp for HSDP",
+    )
     ap.add_argument("--layers", type=int, default=None, help="override the config's layer count")
-    ap.add_argument("--dim", type=int, default=None,
-                    help="override the config's model width (default with --real: 256, so that the "
-                         "plan shards the matmuls)")
+    ap.add_argument(
+        "--dim",
+        type=int,
+        default=None,
+        help="override the config's model width (default with --real: 256, so that the plan shards the matmuls)",
+    )
     ap.add_argument("--seq", type=int, default=None, help="sequence length (default: 8192; 64 with --real)")
     ap.add_argument("--batch", type=int, default=None, help="global batch size (default: 32; 8 with --real)")
-    ap.add_argument("--ac", default="selective", choices=["selective", "full", "none"],
-                    help="activation checkpointing of each transformer block")
+    ap.add_argument(
+        "--ac",
+        default="selective",
+        choices=["selective", "full", "none"],
+        help="activation checkpointing of each transformer block",
+    )
     ap.add_argument("--device", default="H100", help="cost-model preset (H100, A100, H200, B200)")
-    ap.add_argument("--memory-high", type=float, default=None,
-                    help="parameter memory budget as a fraction of the replicated size "
-                         "(default: fully sharded)")
-    ap.add_argument("--dump-dir", default=None,
-                    help="write the solver dumps (problem/solution/plan.json) here; off by default "
-                         "(any run: set AUTOPARALLEL_DUMP_DIR)")
-    ap.add_argument("--plan-file", default=None,
-                    help="apply this plan (Plan.dump_json / --save-plan) instead of solving; it must "
-                         "have been made for the same model, mesh and input shape")
+    ap.add_argument(
+        "--memory-high",
+        type=float,
+        default=None,
+        help="parameter memory budget as a fraction of the replicated size (default: fully sharded)",
+    )
+    ap.add_argument(
+        "--dump-dir",
+        default=None,
+        help="write the solver dumps (problem/solution/plan.json) here; off by default "
+        "(any run: set AUTOPARALLEL_DUMP_DIR)",
+    )
+    ap.add_argument(
+        "--plan-file",
+        default=None,
+        help="apply this plan (Plan.dump_json / --save-plan) instead of solving; it must "
+        "have been made for the same model, mesh and input shape",
+    )
     ap.add_argument("--save-plan", default=None, help="write the plan here (JSON; .gz compresses)")
     ap.add_argument("--report", default=None, help="write the HTML report of the plan here")
-    ap.add_argument("--mp", choices=["bf16", "fp32"], default=None,
-                    help="bf16: bf16 compute with fp32 gradient reduction (MixedPrecisionPolicy), as "
-                         "torchtitan trains LLaMA-3; fp32: no mixed precision (default: bf16, "
-                         "fp32 with --real on CPU)")
-    ap.add_argument("--all-kinds", action="store_true",
-                    help="list the placements of every kind of op, not just weights and matmuls")
+    ap.add_argument(
+        "--mp",
+        choices=["bf16", "fp32"],
+        default=None,
+        help="bf16: bf16 compute with fp32 gradient reduction (MixedPrecisionPolicy), as "
+        "torchtitan trains LLaMA-3; fp32: no mixed precision (default: bf16, "
+        "fp32 with --real on CPU)",
+    )
+    ap.add_argument(
+        "--all-kinds", action="store_true", help="list the placements of every kind of op, not just weights and matmuls"
+    )
     ap.add_argument("--no-apply", action="store_true", help="plan only")
-    ap.add_argument("--real", action="store_true",
-                    help="train for real under torchrun (gloo on CPU, NCCL on GPU)")
+    ap.add_argument("--real", action="store_true", help="train for real under torchrun (gloo on CPU, NCCL on GPU)")
     ap.add_argument("--steps", type=int, default=3, help="AdamW steps with --real")
     ap.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate with --real")
     ap.add_argument("-v", "--verbose", action="store_true", help="log every stage")
-    ap.add_argument("--chunk", nargs="*", default=None, metavar="PATTERN=MODE",
-                    help="chunk_regions: split these modules' work in two chunks so one chunk's communication "
-                         "overlaps the other's compute (no value: layers.*.attention=batch layers.*.feed_forward=batch)")
+    ap.add_argument(
+        "--chunk",
+        nargs="*",
+        default=None,
+        metavar="PATTERN=MODE",
+        help="chunk_regions: split these modules' work in two chunks so one chunk's communication "
+        "overlaps the other's compute (no value: layers.*.attention=batch layers.*.feed_forward=batch)",
+    )
     args = ap.parse_args(argv)
     if any(n < 1 for n in args.mesh):
         ap.error(f"--mesh sizes must be positive, got {args.mesh}")
     if args.mesh_names is None and len(args.mesh) > 4:
-        ap.error(f"--mesh {args.mesh} has {len(args.mesh)} dims: name them with --mesh-names "
-                 "(the default names dp tp cp ep cover 4)")
+        ap.error(
+            f"--mesh {args.mesh} has {len(args.mesh)} dims: name them with --mesh-names "
+            "(the default names dp tp cp ep cover 4)"
+        )
     if args.mesh_names is not None and len(set(args.mesh_names)) != len(args.mesh_names):
         ap.error(f"--mesh-names must be distinct, got {args.mesh_names}")
     if args.model is None:
@@ -164,7 +201,9 @@ def plan_model(args: argparse.Namespace, mesh, model, config):
         if args.plan_file:
             if args.memory_high is not None:
                 # the budget shaped the saved plan's solve; a loaded plan is applied as it is
-                print(f"note: --memory-high {args.memory_high} is not used with --plan-file (the plan is not solved again)")
+                print(
+                    f"note: --memory-high {args.memory_high} is not used with --plan-file (the plan is not solved again)"
+                )
             plan = Plan.load_json(args.plan_file)  # checked against this model/mesh on apply
         else:
             plan = autop.optimize_placement()
@@ -215,8 +254,9 @@ def batch_replicas(mesh) -> int:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s: %(message)s"
+    )
     if args.real:
         return run_real(args)
     world = math.prod(args.mesh)
@@ -226,12 +266,16 @@ def main(argv=None) -> None:
         mesh = init_device_mesh("cpu", tuple(args.mesh), mesh_dim_names=names)
         t0 = time.perf_counter()
         model, config = build_model(args)
-        print(f"LLaMA-3 {args.model}: {config.n_layers} layers, dim {config.dim}, "
-              f"{count_params(model) / 1e9:.2f}B parameters, AC {args.ac}")
-        print(f"planning for {world} ranks, mesh {dict(zip(names, args.mesh))}, "
-              f"batch {args.batch} x seq {args.seq}, device model {args.device}, "
-              f"{'bf16 compute, fp32 gradient reduction' if args.mp == 'bf16' else 'fp32'}"
-              + (f", plan from {args.plan_file}" if args.plan_file else ""))
+        print(
+            f"LLaMA-3 {args.model}: {config.n_layers} layers, dim {config.dim}, "
+            f"{count_params(model) / 1e9:.2f}B parameters, AC {args.ac}"
+        )
+        print(
+            f"planning for {world} ranks, mesh {dict(zip(names, args.mesh))}, "
+            f"batch {args.batch} x seq {args.seq}, device model {args.device}, "
+            f"{'bf16 compute, fp32 gradient reduction' if args.mp == 'bf16' else 'fp32'}"
+            + (f", plan from {args.plan_file}" if args.plan_file else "")
+        )
         plan, _, report = plan_model(args, mesh, model, config)
         total = time.perf_counter() - t0 - (report.wall if report else 0.0)
     finally:
@@ -261,8 +305,9 @@ STORY_OPS = (
 )
 
 
-def print_report(plan, total: float, dump_dir: str | None, all_kinds: bool = False,
-                 plan_file: str | None = None) -> None:
+def print_report(
+    plan, total: float, dump_dir: str | None, all_kinds: bool = False, plan_file: str | None = None
+) -> None:
     from autoparallel.problem import memory
     from autoparallel.report import LEGEND, describe, numbers
 
@@ -280,18 +325,21 @@ def print_report(plan, total: float, dump_dir: str | None, all_kinds: bool = Fal
         for phase in ("presolve", "build", "solve"):
             print(f"  solver.{phase:9s} {t.get('solver.' + phase, 0.0):7.2f} s")
     print(f"  {'plan_report':16s} {t.get('plan_report', 0.0):7.2f} s")
-    print(f"  {'total':16s} {total:7.2f} s   (peak RSS "
-          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GB)")
+    print(
+        f"  {'total':16s} {total:7.2f} s   (peak RSS "
+        f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GB)"
+    )
 
     s = plan.solution
     pre = s.presolve
     print("\n== solver ==")
     gap = "-" if s.gap is None else f"{100 * s.gap:.3g}%"
-    print(f"  {s.status} ({s.backend}, gap {gap}), {s.num_variables} variables, "
-          f"{s.num_constraints} constraints")
+    print(f"  {s.status} ({s.backend}, gap {gap}), {s.num_variables} variables, {s.num_constraints} constraints")
     if pre is not None:
-        print(f"  presolve: {pre.decisions_before} -> {pre.decisions_after} decisions, "
-              f"{pre.options_before} -> {pre.options_after} options")
+        print(
+            f"  presolve: {pre.decisions_before} -> {pre.decisions_after} decisions, "
+            f"{pre.options_before} -> {pre.options_after} options"
+        )
 
     print("\n== the plan ==")
     for line in describe(plan):
@@ -312,9 +360,11 @@ def print_report(plan, total: float, dump_dir: str | None, all_kinds: bool = Fal
         if all_kinds or kind.role == "parameter" or kind.op in STORY_OPS:
             print("  " + str(kind))
     if dump_dir:
-        print(f"\nsolver debug dumps: {os.path.abspath(dump_dir)}/"
-              "{problem,solution,plan}.json  (re-solve: python -m solver "
-              f"{os.path.join(dump_dir, 'problem.json')})")
+        print(
+            f"\nsolver debug dumps: {os.path.abspath(dump_dir)}/"
+            "{problem,solution,plan}.json  (re-solve: python -m solver "
+            f"{os.path.join(dump_dir, 'problem.json')})"
+        )
 
 
 @dataclass
@@ -365,9 +415,11 @@ def print_apply_report(plan, report: ApplyReport) -> None:
         print(f"  {stage:18s} {seconds:7.2f} s")
     other = report.wall - sum(report.stages.values())
     print(f"  {'passes + module':18s} {other:7.2f} s")
-    print(f"  {'total':18s} {report.wall:7.2f} s wall, {report.cpu:.2f} s CPU   "
-          f"(graphs: joint {report.nodes['joint']}, forward {report.nodes['forward']}, "
-          f"backward {report.nodes['backward']} nodes)")
+    print(
+        f"  {'total':18s} {report.wall:7.2f} s wall, {report.cpu:.2f} s CPU   "
+        f"(graphs: joint {report.nodes['joint']}, forward {report.nodes['forward']}, "
+        f"backward {report.nodes['backward']} nodes)"
+    )
     from autoparallel.report import numbers
 
     print("\n== rewrite passes ==")
@@ -403,10 +455,12 @@ def run_real(args: argparse.Namespace) -> None:
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
         model, config = build_model(args)
         if rank == 0:
-            print(f"LLaMA-3 {args.model}: {config.n_layers} layers, dim {config.dim}, "
-                  f"{count_params(model) / 1e6:.2f}M parameters, AC {args.ac}; "
-                  f"{world} ranks ({dist.get_backend()}), mesh {dict(zip(names, shape))}, "
-                  f"batch {args.batch} x seq {args.seq}")
+            print(
+                f"LLaMA-3 {args.model}: {config.n_layers} layers, dim {config.dim}, "
+                f"{count_params(model) / 1e6:.2f}M parameters, AC {args.ac}; "
+                f"{world} ranks ({dist.get_backend()}), mesh {dict(zip(names, shape))}, "
+                f"batch {args.batch} x seq {args.seq}"
+            )
         args.no_apply = False
         t0 = time.perf_counter()
         plan, parallel, report = plan_model(args, mesh, model, config)
@@ -438,9 +492,10 @@ def run_real(args: argparse.Namespace) -> None:
             t = time.perf_counter()
             logits = parallel(local_tokens)
             # sum over this rank's tokens / global count: the dp gradient sum is the mean's gradient
-            loss = torch.nn.functional.cross_entropy(
-                logits.flatten(0, 1).float(), local_labels.flatten(), reduction="sum"
-            ) / labels.numel()
+            loss = (
+                torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), local_labels.flatten(), reduction="sum")
+                / labels.numel()
+            )
             opt.zero_grad()
             loss.backward()
             opt.step()

@@ -35,8 +35,13 @@ def main(argv=None) -> None:
     p.add_argument("--seq", type=int, default=16)
     p.add_argument("--batch", type=int, default=None, help="default: one sequence per rank")
     p.add_argument("--pin-ep", action="store_true", help="experts Shard(0) on the last mesh dim")
-    p.add_argument("--chunk", nargs="*", default=None, metavar="PATTERN=MODE",
-                   help="also apply with chunk_regions (no value: layers.*.moe=batch) and print what it did")
+    p.add_argument(
+        "--chunk",
+        nargs="*",
+        default=None,
+        metavar="PATTERN=MODE",
+        help="also apply with chunk_regions (no value: layers.*.moe=batch) and print what it did",
+    )
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     world = 1
@@ -76,9 +81,11 @@ def _apply_chunked(autop, plan, values) -> None:
     pairs = [v.partition("=") for v in (values or ["layers.*.moe=batch"])]
     autop.apply_placement(plan, pass_options=PassOptions(chunk_modules={k: m or "batch" for k, _, m in pairs}))
     st = plan.pass_stats.get("chunk_regions")
-    print(f"chunk_regions: {st.regions_chunked} regions chunked, {st.regions_refused} refused, "
-          f"{st.nodes_added} nodes added; estimated exposed communication of the chunked regions "
-          f"{st.exposed_comm_before_s * 1e3:.3f} -> {st.exposed_comm_after_s * 1e3:.3f} ms")
+    print(
+        f"chunk_regions: {st.regions_chunked} regions chunked, {st.regions_refused} refused, "
+        f"{st.nodes_added} nodes added; estimated exposed communication of the chunked regions "
+        f"{st.exposed_comm_before_s * 1e3:.3f} -> {st.exposed_comm_after_s * 1e3:.3f} ms"
+    )
     for region, why in st.refused.items():
         print(f"  refused {region}: {why}")
 

@@ -29,17 +29,28 @@ def main(argv: list[str] | None = None) -> int:
         description="Re-solve a problem dump (or the problem inside a bundle) and print a summary.",
     )
     parser.add_argument("dump", help="problem or bundle JSON written by solver.serialize.dump")
-    parser.add_argument("--backend", choices=["highs", "cbc"], default=None,
-                        help="ILP backend (default: the fastest available)")
-    parser.add_argument("--time-limit", type=_positive_seconds, default=None, metavar="S",
-                        help="stop after S seconds (> 0) with the best solution found")
-    parser.add_argument("--gap", type=_relative_gap, default=None, metavar="G",
-                        help="stop at relative optimality gap G (0 <= G < 1, e.g. 0.01)")
+    parser.add_argument(
+        "--backend", choices=["highs", "cbc"], default=None, help="ILP backend (default: the fastest available)"
+    )
+    parser.add_argument(
+        "--time-limit",
+        type=_positive_seconds,
+        default=None,
+        metavar="S",
+        help="stop after S seconds (> 0) with the best solution found",
+    )
+    parser.add_argument(
+        "--gap",
+        type=_relative_gap,
+        default=None,
+        metavar="G",
+        help="stop at relative optimality gap G (0 <= G < 1, e.g. 0.01)",
+    )
     parser.add_argument("--no-presolve", action="store_true", help="solve the problem as is")
-    parser.add_argument("--output", metavar="SOLUTION.json",
-                        help="write the new solution (as a bundle with the problem)")
-    parser.add_argument("-v", "--verbose", action="count", default=0,
-                        help="log solver progress (-vv for debug)")
+    parser.add_argument(
+        "--output", metavar="SOLUTION.json", help="write the new solution (as a bundle with the problem)"
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="log solver progress (-vv for debug)")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
@@ -54,9 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         return _error(f"malformed dump: {exc}", EXIT_BAD_INPUT)
     except Exception as exc:  # noqa: BLE001 -- any other fault in the input is still rc 2
         logging.getLogger(__name__).debug("loading %s failed", args.dump, exc_info=True)
-        return _error(
-            f"malformed dump: {args.dump}: {type(exc).__name__}: {exc}", EXIT_BAD_INPUT
-        )
+        return _error(f"malformed dump: {args.dump}: {type(exc).__name__}: {exc}", EXIT_BAD_INPUT)
     previous: Solution | None = None
     if isinstance(obj, Bundle):
         problem, previous = obj.problem, obj.solution
@@ -111,8 +120,7 @@ def summary(sol: Solution) -> str:
         + ("" if sol.bound is None or sol.optimal else f", bound {sol.bound:.9g}"),
         f"objective  {sol.objective:.9g} = unary {sol.unary_cost:.9g} + edge {sol.edge_cost:.9g}",
         f"ILP        {sol.num_variables} variables, {sol.num_constraints} constraints",
-        "timings    "
-        + ", ".join(f"{k} {v:.3f}s" for k, v in sol.timings.items()),
+        "timings    " + ", ".join(f"{k} {v:.3f}s" for k, v in sol.timings.items()),
     ]
     s = sol.presolve
     if s is None:

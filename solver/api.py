@@ -180,8 +180,18 @@ def solve(
         choice = expand(choice)
     timings["extract"] = result.timings.get("extract", 0.0)
     ilp = _checked_solution(
-        problem, choice, result.status, result.bound, result.gap, solver.name, model.num_cols, model.num_rows,
-        stats, timings, t0, t_start,
+        problem,
+        choice,
+        result.status,
+        result.bound,
+        result.gap,
+        solver.name,
+        model.num_cols,
+        model.num_rows,
+        stats,
+        timings,
+        t0,
+        t_start,
     )
     if priced is not None and result.status != "optimal":
         # both stopped short: the better plan, the higher bound
@@ -220,7 +230,12 @@ def _checked_solution(
     timings["total"] = time.perf_counter() - t_start
     logger.info(
         "solved %r with %s: %s, objective %.6g, gap %s, %.3fs",
-        problem.name, backend, status, objective, gap, timings["total"],
+        problem.name,
+        backend,
+        status,
+        objective,
+        gap,
+        timings["total"],
     )
     if status == "optimal":
         bound = objective
@@ -271,8 +286,13 @@ def _try_pricing(reduced: Problem, backend: str | None, time_limit: float | None
     solution = result.solution
     logger.info(
         "option pricing of %r: %s, objective %.6g, bound %s, %d of %d options kept, %.3fs",
-        reduced.name, solution.status, solution.objective, solution.bound,
-        sum(len(k) for k in result.kept.values()), result.stats.options_total, result.stats.seconds.get("total", 0.0),
+        reduced.name,
+        solution.status,
+        solution.objective,
+        solution.bound,
+        sum(len(k) for k in result.kept.values()),
+        result.stats.options_total,
+        result.stats.seconds.get("total", 0.0),
     )
     return solution
 
@@ -295,8 +315,18 @@ def _priced_solution(
         bound = priced.bound
     timings["solve"] = timings.get("solve", 0.0) + timings.get("pricing", 0.0)
     s = _checked_solution(
-        problem, choice, priced.status, bound, None, priced.backend, priced.num_variables,
-        priced.num_constraints, stats, timings, t0, t_start,
+        problem,
+        choice,
+        priced.status,
+        bound,
+        None,
+        priced.backend,
+        priced.num_variables,
+        priced.num_constraints,
+        stats,
+        timings,
+        t0,
+        t_start,
     )
     if s.optimal:
         s.gap = 0.0
@@ -334,7 +364,6 @@ def _infeasible(problem: Problem, backend: str) -> InfeasibleError:
     err = diagnose(problem, backend=backend)
     if err is None:  # should not happen: the reduced problem was infeasible
         return InfeasibleError(
-            "Infeasible: the solver found no solution, but no conflicting "
-            "constraint set could be isolated"
+            "Infeasible: the solver found no solution, but no conflicting constraint set could be isolated"
         )
     return err

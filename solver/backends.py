@@ -40,7 +40,10 @@ import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    import numpy as np
 
 from . import colgen
 from .highs_bb import branch_and_bound
@@ -141,8 +144,12 @@ class HighsBackend(Backend):
             cg = colgen.solve_lp(model, None)
             if cg is not None:
                 x = np.asarray(cg.values[: model.num_x])
-                logger.debug("highs: column generation: %d of %d pair columns, %d rounds",
-                             cg.columns, model.num_cols - model.num_x, cg.rounds)
+                logger.debug(
+                    "highs: column generation: %d of %d pair columns, %d rounds",
+                    cg.columns,
+                    model.num_cols - model.num_x,
+                    cg.rounds,
+                )
                 if np.all(np.minimum(np.abs(x), np.abs(1.0 - x)) <= INTEGRALITY_TOL):
                     objective = cg.objective * scale + off
                     timings.update(solve=time.perf_counter() - t1, extract=0.0)
@@ -189,9 +196,7 @@ class HighsBackend(Backend):
             # root alone took 30 s on the LLaMA), but keeps improving on
             # problems like random grids where cuts pay.
             deadline = None if time_limit is None else t_search + 0.8 * time_limit
-            bb = branch_and_bound(
-                h, model, h.getInfo().objective_function_value, start, deadline, rel_gap
-            )
+            bb = branch_and_bound(h, model, h.getInfo().objective_function_value, start, deadline, rel_gap)
             if bb.values is not None:
                 start = np.asarray(bb.values[: model.num_x])
                 objective = bb.objective * scale + off
@@ -202,8 +207,12 @@ class HighsBackend(Backend):
                     status = "optimal" if bb.proven else "feasible"
                     timings.update(solve=time.perf_counter() - t1, extract=0.0)
                     return BackendResult(
-                        status, bb.values, objective, objective if bb.proven else bound,
-                        0.0 if bb.proven else gap, timings,
+                        status,
+                        bb.values,
+                        objective,
+                        objective if bb.proven else bound,
+                        0.0 if bb.proven else gap,
+                        timings,
                     )
                 incumbent = (bb.values, objective)
             logger.debug("highs: branching on decisions did not finish; solving the MIP")
@@ -266,9 +275,7 @@ class HighsBackend(Backend):
         if optimal:
             gap = 0.0
         timings["extract"] = time.perf_counter() - t2
-        return BackendResult(
-            "optimal" if optimal else "feasible", values, objective, bound, gap, timings
-        )
+        return BackendResult("optimal" if optimal else "feasible", values, objective, bound, gap, timings)
 
     @staticmethod
     def _highs(options: dict, time_limit: float | None):
@@ -353,9 +360,7 @@ def _resource_score(model: IlpModel) -> "np.ndarray":
     score = np.zeros(model.num_x)
     for r in model.resource_rows:
         a, b = model.row_start[r], model.row_start[r + 1]
-        sign = (1.0 if math.isfinite(model.row_upper[r]) else 0.0) - (
-            1.0 if math.isfinite(model.row_lower[r]) else 0.0
-        )
+        sign = (1.0 if math.isfinite(model.row_upper[r]) else 0.0) - (1.0 if math.isfinite(model.row_lower[r]) else 0.0)
         np.add.at(score, model.row_index[a:b], sign * model.row_value[a:b])
     return score
 
@@ -456,19 +461,13 @@ class CbcBackend(Backend):
         result = result.group(1) if result else ""
         # "Optimal solution found", or "... (within gap tolerance)", or
         # "Stopped on time limit" (with an incumbent).
-        proven = (
-            lp.sol_status == pulp.LpSolutionOptimal
-            and result.startswith("Optimal")
-            and "gap" not in result
-        )
+        proven = lp.sol_status == pulp.LpSolutionOptimal and result.startswith("Optimal") and "gap" not in result
         gap = 0.0 if proven else _relative_gap(objective, bound)
         optimal = proven or (gap is not None and gap <= OPTIMAL_GAP)
         if optimal:
             gap = 0.0
         timings["extract"] = time.perf_counter() - t2
-        return BackendResult(
-            "optimal" if optimal else "feasible", values, objective, bound, gap, timings
-        )
+        return BackendResult("optimal" if optimal else "feasible", values, objective, bound, gap, timings)
 
 
 # In order of preference: the first available one is the default.
@@ -493,17 +492,12 @@ def get_backend(name: str | None = None) -> Backend:
     if name is None:
         names = available_backends()
         if not names:
-            raise SolverError(
-                "no MILP backend available: install highspy, or pulp with its CBC"
-            )
+            raise SolverError("no MILP backend available: install highspy, or pulp with its CBC")
         return BACKENDS[names[0]]
     if name not in BACKENDS:
-        raise ValueError(
-            f"unknown solver backend {name!r}; known: {', '.join(BACKENDS)}"
-        )
+        raise ValueError(f"unknown solver backend {name!r}; known: {', '.join(BACKENDS)}")
     if not _is_available(name):
         raise ValueError(
-            f"solver backend {name!r} is not available here; "
-            f"available: {', '.join(available_backends()) or 'none'}"
+            f"solver backend {name!r} is not available here; available: {', '.join(available_backends()) or 'none'}"
         )
     return BACKENDS[name]

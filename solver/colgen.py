@@ -170,8 +170,9 @@ def solve_lp(model: IlpModel, deadline: float | None = None) -> ColgenLP | None:
         h.run()
         rounds += 1
         if h.getModelStatus() != S.kOptimal:
-            logger.debug("column generation: restricted LP %s after %d rounds",
-                         h.modelStatusToString(h.getModelStatus()), rounds)
+            logger.debug(
+                "column generation: restricted LP %s after %d rounds", h.modelStatusToString(h.getModelStatus()), rounds
+            )
             return None
         dual = np.asarray(h.getSolution().row_dual)
         # HiGHS' reduced cost of a column: c - A^T y
@@ -180,9 +181,15 @@ def solve_lp(model: IlpModel, deadline: float | None = None) -> ColgenLP | None:
         )
         reduced[in_model] = 0.0
         enter = np.flatnonzero(reduced < -PRICE_TOL)
-        logger.debug("column generation round %d: %d columns, %d priced in, LP %.12g, %d iterations, %.2fs",
-                     rounds, len(chosen), len(enter), h.getInfo().objective_function_value,
-                     h.getInfo().simplex_iteration_count, time.perf_counter() - t_start)
+        logger.debug(
+            "column generation round %d: %d columns, %d priced in, LP %.12g, %d iterations, %.2fs",
+            rounds,
+            len(chosen),
+            len(enter),
+            h.getInfo().objective_function_value,
+            h.getInfo().simplex_iteration_count,
+            time.perf_counter() - t_start,
+        )
         if not len(enter):
             break
         if len(enter) > cap:
@@ -190,8 +197,14 @@ def solve_lp(model: IlpModel, deadline: float | None = None) -> ColgenLP | None:
         enter.sort()
         s, i, v = _gather(start, index, value, enter)
         h.addCols(
-            len(enter), model.col_cost[enter], np.zeros(len(enter)), model.col_upper[enter],
-            len(i), s[:-1].astype(np.int32), i.astype(np.int32), v,
+            len(enter),
+            model.col_cost[enter],
+            np.zeros(len(enter)),
+            model.col_upper[enter],
+            len(i),
+            s[:-1].astype(np.int32),
+            i.astype(np.int32),
+            v,
         )
         chosen = np.concatenate([chosen, enter])
         in_model[enter] = True

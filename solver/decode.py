@@ -26,6 +26,7 @@ from .serialize import _NONFINITE, SCHEMA, Bundle, DumpError, _key
 
 # ------------------------------------------------------------------ decoding
 
+
 def _show(v: Any) -> str:
     text = json.dumps(v) if isinstance(v, (str, int, float, bool, type(None))) else None
     if text is None:
@@ -92,9 +93,7 @@ def _numbers(v: Any, path: str, special: tuple[str, ...] = ()) -> list:
     if types <= _PLAIN:  # fast path: plain numbers (bool is not int here)
         return list(v)
     if special and types <= _PLAIN_OR_STR:  # "inf" among numbers: decode at C speed
-        dec = _DECODERS.get(special) or _DECODERS.setdefault(
-            special, {k: _NONFINITE[k] for k in special}
-        )
+        dec = _DECODERS.get(special) or _DECODERS.setdefault(special, {k: _NONFINITE[k] for k in special})
         out = list(map(dec.get, v, v))
         if set(map(type, out)) <= _PLAIN:
             return out
@@ -109,9 +108,7 @@ def _matrix(v: Any, path: str, special: tuple[str, ...]) -> list:
         if types <= _PLAIN:
             return [r[:] for r in rows]
         if special and types <= _PLAIN_OR_STR:
-            dec = _DECODERS.get(special) or _DECODERS.setdefault(
-                special, {k: _NONFINITE[k] for k in special}
-            )
+            dec = _DECODERS.get(special) or _DECODERS.setdefault(special, {k: _NONFINITE[k] for k in special})
             out = [list(map(dec.get, r, r)) for r in rows]
             if set(map(type, itertools.chain.from_iterable(out))) <= _PLAIN:
                 return out
@@ -138,9 +135,7 @@ def _header(d: Any, kind: str, path: str, nested: bool = False) -> None:
     if "schema" not in d and not nested:
         raise DumpError(f"{path}: missing key 'schema' (expected {SCHEMA!r})")
     if "schema" in d and d["schema"] != SCHEMA:
-        raise DumpError(
-            f"{path}.schema: unsupported schema {_show(d['schema'])}, expected {SCHEMA!r}"
-        )
+        raise DumpError(f"{path}.schema: unsupported schema {_show(d['schema'])}, expected {SCHEMA!r}")
     if "kind" not in d and not nested:
         raise DumpError(f"{path}: missing key 'kind'")
     if "kind" in d and d["kind"] != kind:
@@ -188,8 +183,12 @@ def _deref(v: Any, tables: dict, table: str, path: str) -> Any:
 
 def _problem(d: Any, path: str, nested: bool = False) -> Problem:
     _header(d, "problem", path, nested)
-    _obj(d, path, ("decisions",), (*_HEADER, "name", "metadata", "edges", "pins", "links",
-                                    "resources", "tables", "status"))
+    _obj(
+        d,
+        path,
+        ("decisions",),
+        (*_HEADER, "name", "metadata", "edges", "pins", "links", "resources", "tables", "status"),
+    )
     tables = _shared(d.get("tables"), f"{path}.tables")
     decisions = []
     for i, x in enumerate(_list(d["decisions"], f"{path}.decisions")):
@@ -197,9 +196,7 @@ def _problem(d: Any, path: str, nested: bool = False) -> Problem:
         _obj(x, where, ("name", "options", "costs"))
         options = _deref(x["options"], tables, "options", f"{where}.options")
         if options is None:
-            options = [
-                _str(o, f"{where}.options[{j}]") for j, o in enumerate(_list(x["options"], f"{where}.options"))
-            ]
+            options = [_str(o, f"{where}.options[{j}]") for j, o in enumerate(_list(x["options"], f"{where}.options"))]
         costs = _deref(x["costs"], tables, "rows", f"{where}.costs")
         if costs is None:
             costs = _numbers(x["costs"], f"{where}.costs", ("inf",))
@@ -223,10 +220,7 @@ def _problem(d: Any, path: str, nested: bool = False) -> Problem:
     for k, x in enumerate(_list(d.get("pins", []), f"{path}.pins")):
         where = f"{path}.pins[{k}]"
         _obj(x, where, ("name", "decision", "allowed"))
-        allowed = [
-            _int(o, f"{where}.allowed[{j}]")
-            for j, o in enumerate(_list(x["allowed"], f"{where}.allowed"))
-        ]
+        allowed = [_int(o, f"{where}.allowed[{j}]") for j, o in enumerate(_list(x["allowed"], f"{where}.allowed"))]
         pins.append(Pin(_str(x["name"], f"{where}.name"), _str(x["decision"], f"{where}.decision"), allowed))
     links = []
     for k, x in enumerate(_list(d.get("links", []), f"{path}.links")):
@@ -313,9 +307,7 @@ def _solution(d: Any, path: str, nested: bool = False) -> Solution:
         optimal=_bool(d["optimal"], f"{path}.optimal"),
         gap=None if gap is None else _number(gap, f"{path}.gap", special),
         backend=_str(d.get("backend", ""), f"{path}.backend"),
-        timings={
-            k: _number(v, _key(f"{path}.timings", k), special) for k, v in timings_in.items()
-        },
+        timings={k: _number(v, _key(f"{path}.timings", k), special) for k, v in timings_in.items()},
         num_variables=_int(d.get("num_variables", 0), f"{path}.num_variables"),
         num_constraints=_int(d.get("num_constraints", 0), f"{path}.num_constraints"),
         presolve=stats,
@@ -333,15 +325,11 @@ def _bundle(d: Any, path: str) -> Bundle:
         if name not in by:
             raise DumpError(f"{_key(where, name)}: no decision {name!r} in the problem")
         if not 0 <= o < by[name].num_options:
-            raise DumpError(
-                f"{_key(where, name)}: option {o} out of range 0..{by[name].num_options - 1}"
-            )
+            raise DumpError(f"{_key(where, name)}: option {o} out of range 0..{by[name].num_options - 1}")
     missing = [d.name for d in p.decisions if d.name not in s.choice]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise DumpError(
-            f"{where}: no option for decision(s) {', '.join(map(repr, missing[:3]))}{more}"
-        )
+        raise DumpError(f"{where}: no option for decision(s) {', '.join(map(repr, missing[:3]))}{more}")
     return Bundle(p, s)
 
 

@@ -85,7 +85,10 @@ def diagnose(problem: Problem, *, backend=None) -> InfeasibleError | None:
             ok = solver.solve(model).status != "infeasible"
         logger.debug(
             "diagnose: check %d (%d x columns): %s in %.3fs",
-            checks, model.num_x, "feasible" if ok else "infeasible", time.perf_counter() - t,
+            checks,
+            model.num_x,
+            "feasible" if ok else "infeasible",
+            time.perf_counter() - t,
         )
         return ok
 
@@ -121,15 +124,10 @@ def diagnose(problem: Problem, *, backend=None) -> InfeasibleError | None:
         if len(keep) == 1:
             msg = f"Infeasible: constraint {names} cannot be satisfied (removing it makes the problem feasible)"
         else:
-            msg = (
-                f"Infeasible: constraints conflict: {names} "
-                "(removing any one of them makes the problem feasible)"
-            )
+            msg = f"Infeasible: constraints conflict: {names} (removing any one of them makes the problem feasible)"
         return InfeasibleError(msg, conflict=keep)
     finally:
-        logger.debug(
-            "diagnose: %d feasibility checks in %.3fs", checks, time.perf_counter() - t0
-        )
+        logger.debug("diagnose: %d feasibility checks in %.3fs", checks, time.perf_counter() - t0)
 
 
 def _deletion_filter(items: list, feasible) -> list:
@@ -154,7 +152,7 @@ def _deletion_filter(items: list, feasible) -> list:
     while True:
         i = 0
         while i < len(keep):
-            trial = keep[:i] + keep[i + chunk:]
+            trial = keep[:i] + keep[i + chunk :]
             if not check(trial):
                 keep = trial
             else:

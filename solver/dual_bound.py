@@ -111,8 +111,10 @@ def resource_filter(quotient: Quotient, allowed: list[np.ndarray]) -> int:
             for sign, bound in ((1.0, r.high), (-1.0, r.low)):
                 if bound is None or not r.weights:
                     continue
-                lightest = {i: float((sign * w)[allowed[i]].min()) if allowed[i].any() else math.inf
-                            for i, w in r.weights.items()}
+                lightest = {
+                    i: float((sign * w)[allowed[i]].min()) if allowed[i].any() else math.inf
+                    for i, w in r.weights.items()
+                }
                 total = math.fsum(lightest.values())
                 if not math.isfinite(total):
                     continue
@@ -153,8 +155,10 @@ class DualAscent:
     def __init__(self, quotient: Quotient, allowed: list[np.ndarray] | None = None):
         self.q = quotient
         classes = quotient.classes
-        self.live = [(c.allowed if allowed is None else a & c.allowed).copy()
-                     for c, a in zip(classes, allowed or [None] * len(classes))]
+        self.live = [
+            (c.allowed if allowed is None else a & c.allowed).copy()
+            for c, a in zip(classes, allowed or [None] * len(classes))
+        ]
         resource_filter(quotient, self.live)
         self.factors = [Factor(e.p, e.c, k, t) for k, e in enumerate(quotient.edges) for t in e.terms]
         self.lam_p = [np.zeros(classes[f.p].num_options) for f in self.factors]
@@ -261,14 +265,14 @@ class DualAscent:
         rank[np.asarray(order)] = np.arange(len(order))
         for i in order:
             if weighted:
-                others = [self.factors[k].c if self.factors[k].p == i else self.factors[k].p
-                          for k in self.incident[i]]
+                others = [self.factors[k].c if self.factors[k].p == i else self.factors[k].p for k in self.incident[i]]
                 self.update(i, rank[np.asarray(others, dtype=np.int64)] > rank[i] if others else None)
             else:
                 self.update(i)
 
-    def run(self, sweeps: int, upper: float | None = None, keep: list[int] | None = None,
-            deadline: float | None = None) -> float:
+    def run(
+        self, sweeps: int, upper: float | None = None, keep: list[int] | None = None, deadline: float | None = None
+    ) -> float:
         """Up to ``sweeps`` sweeps (forward, then backward, alternately),
         pruning against ``upper`` after each; stops early when the bound
         reaches ``upper``, stalls, or at ``deadline`` (perf_counter: no
@@ -289,7 +293,8 @@ class DualAscent:
             # to 8 digits after 30 of them); exact near the plan, where the
             # bound may meet it
             self.lower = self.stats.sweeps < LOWER_SWEEPS and (
-                upper is None or upper - last > LOWER_GAP * max(1.0, abs(upper)))
+                upper is None or upper - last > LOWER_GAP * max(1.0, abs(upper))
+            )
             self.sweep(forward if self.stats.sweeps % 2 == 0 else forward[::-1])
             if upper is not None:
                 self.prune(upper, keep)
@@ -297,14 +302,20 @@ class DualAscent:
             self.stats.sweeps += 1
             self.stats.bounds.append(d)
             self.stats.live.append(self.num_live())
-            logger.info("dual ascent sweep %d: bound %.9g, %d options live, %.1fs",
-                        self.stats.sweeps, d, self.stats.live[-1], time.perf_counter() - t0)
+            logger.info(
+                "dual ascent sweep %d: bound %.9g, %d options live, %.1fs",
+                self.stats.sweeps,
+                d,
+                self.stats.live[-1],
+                time.perf_counter() - t0,
+            )
             if upper is not None and d >= upper - ELIMINATION_RTOL * max(1.0, abs(upper)):
                 break
             scale = (upper - d) if upper is not None and math.isfinite(d) else abs(d)
             if s and not self.lower and d - last <= STALL_RTOL * max(scale, 1e-300):
-                logger.info("dual ascent: stalled after %d sweeps (bound up %.3g, gap %.3g)",
-                            self.stats.sweeps, d - last, scale)
+                logger.info(
+                    "dual ascent: stalled after %d sweeps (bound up %.3g, gap %.3g)", self.stats.sweeps, d - last, scale
+                )
                 self.stalled = True
                 break
             last = d

@@ -71,9 +71,7 @@ def violations(problem: Problem, choice: dict[str, int], *, costs_finite: bool =
     for e in () if costs_finite else problem.edges:
         i, j = choice[e.producer], choice[e.consumer]
         if math.isinf(e.costs[i][j]):
-            out.append(
-                f"edge {e.producer!r} -> {e.consumer!r}: pair ({i}, {j}) is forbidden"
-            )
+            out.append(f"edge {e.producer!r} -> {e.consumer!r}: pair ({i}, {j}) is forbidden")
 
     seen: set[str] = set()
 
@@ -91,8 +89,6 @@ def violations(problem: Problem, choice: dict[str, int], *, costs_finite: bool =
     for r in problem.resources:
         total = sum(w[choice[n]] for n, w in r.terms.items())
         tol = RESOURCE_TOL * max(1.0, abs(total))
-        if (r.low is not None and total < r.low - tol) or (
-            r.high is not None and total > r.high + tol
-        ):
+        if (r.low is not None and total < r.low - tol) or (r.high is not None and total > r.high + tol):
             report(r.name)
     return out

@@ -58,8 +58,13 @@ class BBResult:
 
 
 def branch_and_bound(
-    h, model: IlpModel, root_value: float, start: np.ndarray | None, deadline: float | None,
-    rel_gap: float | None = None, node_budget: int = NODE_BUDGET,
+    h,
+    model: IlpModel,
+    root_value: float,
+    start: np.ndarray | None,
+    deadline: float | None,
+    rel_gap: float | None = None,
+    node_budget: int = NODE_BUDGET,
 ) -> BBResult:
     """Search from the solved LP relaxation in ``h`` (value ``root_value``),
     with ``start`` (binary option values) as the first incumbent; stop when
@@ -149,6 +154,9 @@ def branch_and_bound(
     bound = best if proven else min(open_bound, best)
     logger.debug(
         "branch and bound: %d nodes, %s, objective %s, bound %s",
-        nodes, "proven" if proven else f"{len(heap)} open", best, bound,
+        nodes,
+        "proven" if proven else f"{len(heap)} open",
+        best,
+        bound,
     )
     return BBResult(best_values, float(best), float(bound), proven and best_values is not None, nodes)

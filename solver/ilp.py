@@ -156,25 +156,19 @@ class IlpModel:
                     pulp.LpInteger if binary else pulp.LpContinuous,
                 )
             )
-        lp.setObjective(
-            pulp.LpAffineExpression(
-                [(cols[c], v) for c, v in enumerate(self.col_cost.tolist()) if v]
-            )
-        )
+        lp.setObjective(pulp.LpAffineExpression([(cols[c], v) for c, v in enumerate(self.col_cost.tolist()) if v]))
         EQ, LE, GE = pulp.LpConstraintEQ, pulp.LpConstraintLE, pulp.LpConstraintGE
         start = self.row_start.tolist()
         index = self.row_index.tolist()
         value = self.row_value.tolist()
         for r, (lo, hi) in enumerate(zip(self.row_lower.tolist(), self.row_upper.tolist())):
-            terms = [(cols[c], v) for c, v in zip(index[start[r]:start[r + 1]], value[start[r]:start[r + 1]])]
+            terms = [(cols[c], v) for c, v in zip(index[start[r] : start[r + 1]], value[start[r] : start[r + 1]])]
             if lo == hi:
                 bounds = [(EQ, lo)]
             else:
                 bounds = [(s, v) for s, v in ((GE, lo), (LE, hi)) if math.isfinite(v)]
             for k, (sense, rhs) in enumerate(bounds):
-                lp.addConstraint(
-                    pulp.LpConstraint(pulp.LpAffineExpression(terms), sense, f"r{r}_{k}", rhs)
-                )
+                lp.addConstraint(pulp.LpConstraint(pulp.LpAffineExpression(terms), sense, f"r{r}_{k}", rhs))
         return lp, cols
 
 
@@ -221,9 +215,7 @@ class _Assembler:
 
     def finish(self, model: IlpModel, x_cost: list[float], x_upper: list[float]) -> None:
         model.col_cost = np.concatenate([np.asarray(x_cost, dtype=np.float64), *self.pair_costs])
-        model.col_upper = np.concatenate(
-            [np.asarray(x_upper, dtype=np.float64), np.ones(self.num_pairs)]
-        )
+        model.col_upper = np.concatenate([np.asarray(x_upper, dtype=np.float64), np.ones(self.num_pairs)])
         r0, c0, v0 = self.single
         rows = np.concatenate([np.asarray(r0, dtype=np.int64), *(e[0] for e in self.entries)])
         cols = np.concatenate([np.asarray(c0, dtype=np.int64), *(e[1] for e in self.entries)])
@@ -238,9 +230,7 @@ class _Assembler:
             rows, cols = rows[starts], cols[starts]
         keep = vals != 0
         rows, cols, vals = rows[keep], cols[keep], vals[keep]
-        model.row_start = np.concatenate(
-            ([0], np.cumsum(np.bincount(rows, minlength=self.num_rows)))
-        ).astype(np.int64)
+        model.row_start = np.concatenate(([0], np.cumsum(np.bincount(rows, minlength=self.num_rows)))).astype(np.int64)
         model.row_index = cols
         model.row_value = vals
         model.row_lower = np.asarray(self.lower, dtype=np.float64)
@@ -283,9 +273,7 @@ def build(problem: Problem, *, objective: bool = True, cache: dict | None = None
 
     # ---- allowed options, propagated to a fixpoint ------------------------
     # Domains are bitmasks (bit o set: option o allowed).
-    allowed = [
-        sum(1 << o for o, c in enumerate(d.costs) if c != INF) for d in decisions
-    ]
+    allowed = [sum(1 << o for o, c in enumerate(d.costs) if c != INF) for d in decisions]
     for pin in problem.pins:
         k = index[pin.decision]
         allowed[k] &= sum(1 << o for o in set(pin.allowed))
@@ -362,10 +350,7 @@ def build(problem: Problem, *, objective: bool = True, cache: dict | None = None
                 if ra != rb:
                     parent[max(ra, rb)] = min(ra, rb)
 
-    domain = [
-        [o for o in range(d.num_options) if allowed[k] >> o & 1]
-        for k, d in enumerate(decisions)
-    ]
+    domain = [[o for o in range(d.num_options) if allowed[k] >> o & 1] for k, d in enumerate(decisions)]
     fixed: list[int | None] = [dom[0] if len(dom) == 1 else None for dom in domain]
     col_of_root: dict[int, int] = {}
     option_cols: list[list[int | None]] = []
@@ -529,9 +514,7 @@ def build(problem: Problem, *, objective: bool = True, cache: dict | None = None
         model.objective_scale = big
         model.col_cost = model.col_cost / big
     model.objective_offset = offset
-    model.option_cols = {
-        d.name: option_cols[k] for k, d in enumerate(decisions) if fixed[k] is None
-    }
+    model.option_cols = {d.name: option_cols[k] for k, d in enumerate(decisions) if fixed[k] is None}
     model.stats = {
         "decisions": n,
         "fixed_decisions": len(model.fixed),
@@ -626,10 +609,7 @@ def _add_pairwise(asm: _Assembler, pkey, ckey, m: np.ndarray) -> int:
     last_x = cclass < t - 1
     asm.add(
         np.concatenate([prow + kk, prow + rclass, crow + ll[last_y], crow + cclass[last_x]]),
-        np.concatenate([y, np.asarray(pkey, dtype=np.int64), y[last_y],
-                        np.asarray(ckey, dtype=np.int64)[last_x]]),
-        np.repeat(
-            _SIGNS, [n, len(pkey), int(np.count_nonzero(last_y)), int(np.count_nonzero(last_x))]
-        ),
+        np.concatenate([y, np.asarray(pkey, dtype=np.int64), y[last_y], np.asarray(ckey, dtype=np.int64)[last_x]]),
+        np.repeat(_SIGNS, [n, len(pkey), int(np.count_nonzero(last_y)), int(np.count_nonzero(last_x))]),
     )
     return n

@@ -203,8 +203,9 @@ class _Pricer:
                         continue
                     n = known[name].num_options
                     if ids.min() < 0 or ids.max() >= n:
-                        raise ValueError(f"initial options {sorted(ids.tolist())} for {name!r}: "
-                                         f"option ids are 0..{n - 1}")
+                        raise ValueError(
+                            f"initial options {sorted(ids.tolist())} for {name!r}: option ids are 0..{n - 1}"
+                        )
                     self.add(q, ids if omap is None else np.flatnonzero(np.isin(omap, ids)))
         for q, cls in enumerate(classes):
             if initial is None or not self.kept[q].any():
@@ -268,7 +269,7 @@ class _Pricer:
         total = sum(int(c.allowed.sum()) for c in self.q.classes)
         while True:
             for q in range(len(self.q.classes)):
-                self.add(q, self.cheapest(q, 2 ** level))
+                self.add(q, self.cheapest(q, 2**level))
             self.repair_arcs()
             if self.num_kept() > before or self.num_kept() >= total:
                 return level
@@ -351,7 +352,7 @@ class _Pricer:
             cand = cand[np.lexsort((cand, r[cand]))][:ADD_PER_CLASS]
             picks += [(float(r[o]), q, int(o)) for o in cand]
         picks.sort()
-        return picks[:max(ROUND_CAP_MIN, 2 * len(reduced))]
+        return picks[: max(ROUND_CAP_MIN, 2 * len(reduced))]
 
     def relax(self, q: int, o: int) -> None:
         if not self.kept[q][o]:
@@ -371,13 +372,16 @@ class _Pricer:
         classes = self.q.classes
         S = self.subsets()
         return Problem(
-            decisions=[Decision(c.name, [c.labels[o] for o in s], c.unary[s].tolist())
-                       for c, s in zip(classes, S)],
-            edges=[Edge(classes[e.p].name, classes[e.c].name, 0, e.block(S[e.p], S[e.c]).tolist())
-                   for e in self.q.edges],
-            resources=[ResourceConstraint(r.name, {classes[q].name: w[S[q]].tolist()
-                                                   for q, w in r.weights.items()}, r.low, r.high)
-                       for r in self.q.resources],
+            decisions=[Decision(c.name, [c.labels[o] for o in s], c.unary[s].tolist()) for c, s in zip(classes, S)],
+            edges=[
+                Edge(classes[e.p].name, classes[e.c].name, 0, e.block(S[e.p], S[e.c]).tolist()) for e in self.q.edges
+            ],
+            resources=[
+                ResourceConstraint(
+                    r.name, {classes[q].name: w[S[q]].tolist() for q, w in r.weights.items()}, r.low, r.high
+                )
+                for r in self.q.resources
+            ],
             name="pricing-restricted",
         )
 
@@ -394,8 +398,17 @@ class _Pricer:
         return sol
 
 
-def _gamma(floor: float, lp: LPSolution, k: int, alpha: np.ndarray, beta: np.ndarray,
-           relaxed_p: np.ndarray, relaxed_c: np.ndarray, x_p: np.ndarray, x_c: np.ndarray) -> float:
+def _gamma(
+    floor: float,
+    lp: LPSolution,
+    k: int,
+    alpha: np.ndarray,
+    beta: np.ndarray,
+    relaxed_p: np.ndarray,
+    relaxed_c: np.ndarray,
+    x_p: np.ndarray,
+    x_c: np.ndarray,
+) -> float:
     """Edge ``k``'s split of its floor between the caps of left-out options
     (``floor - gamma`` at the row end, ``gamma`` at the column end).
 
@@ -470,13 +483,17 @@ def solve_by_pricing(
     survivors = sum(int(c.allowed.sum()) for c in quotient.classes)
     pairs = pairs_among(quotient, [c.allowed for c in quotient.classes])
     # the LP rounds leave the rest of the time to the ascent's second run
-    rounds_end = None if deadline is None or ascent is None else min(
-        time.perf_counter() + time_limit * ROUNDS_SHARE, t_start + time_limit * ROUNDS_END_SHARE)
+    rounds_end = (
+        None
+        if deadline is None or ascent is None
+        else min(time.perf_counter() + time_limit * ROUNDS_SHARE, t_start + time_limit * ROUNDS_END_SHARE)
+    )
     # Few enough options left: the ILP over all of them is the proof.
     exhaustive = bool(stats.eliminated) and survivors <= cap and pairs <= DIRECT_PAIRS
     if exhaustive:
-        logger.info("pricing: %d options and %d pairs left after tree elimination: solving over all of them",
-                    survivors, pairs)
+        logger.info(
+            "pricing: %d options and %d pairs left after tree elimination: solving over all of them", survivors, pairs
+        )
         for q, c in enumerate(quotient.classes):
             pr.add(q, np.flatnonzero(c.allowed))
 
@@ -498,13 +515,15 @@ def solve_by_pricing(
             if pr.num_kept() >= stats.options_total:
                 raise InfeasibleError(
                     f"Infeasible: the LP relaxation over all {stats.options_total} options has no "
-                    "solution, so the problem has none")
+                    "solution, so the problem has none"
+                )
             growth = pr.grow(growth + 1)
             logger.info("restricted LP infeasible: seed grown to %d options", pr.num_kept())
             if pr.num_kept() > cap:
                 raise InfeasibleError(
                     f"Infeasible restricted LP: the seed could not be made feasible within "
-                    f"max_options={cap} options ({pr.num_kept()} kept); raise max_options")
+                    f"max_options={cap} options ({pr.num_kept()} kept); raise max_options"
+                )
             continue
         t0 = time.perf_counter()
         reduced = pr.reduced_costs(lp)
@@ -522,15 +541,23 @@ def solve_by_pricing(
         stats.lp_objective_per_round.append(lp.objective)
         stats.bound_per_round.append(lp.objective + violation)
         sec["pricing"] += time.perf_counter() - t0
-        logger.info("pricing round %d: %d exact + %d relaxed options, %d priced in, %d promoted, "
-                    "LP %.12g, bound %.12g, %.2fs", stats.rounds, pr.num_kept(), pr.num_relaxed(),
-                    len(picks), stats.promoted_per_round[-1], lp.objective, lp.objective + violation,
-                    time.perf_counter() - t_start)
+        logger.info(
+            "pricing round %d: %d exact + %d relaxed options, %d priced in, %d promoted, LP %.12g, bound %.12g, %.2fs",
+            stats.rounds,
+            pr.num_kept(),
+            pr.num_relaxed(),
+            len(picks),
+            stats.promoted_per_round[-1],
+            lp.objective,
+            lp.objective + violation,
+            time.perf_counter() - t_start,
+        )
         if not picks and not promote:
             stats.converged = True  # an LP optimum using exact pairs only, no left-out option cheaper
             break
-        if (pr.num_kept() + pr.num_relaxed() + len(picks) > cap
-                or (deadline is not None and time.perf_counter() > (rounds_end or deadline))):
+        if pr.num_kept() + pr.num_relaxed() + len(picks) > cap or (
+            deadline is not None and time.perf_counter() > (rounds_end or deadline)
+        ):
             break
         for _, q, o in picks:
             pr.relax(q, o)
@@ -558,7 +585,8 @@ def solve_by_pricing(
         if pr.num_kept() > cap:
             raise InfeasibleError(
                 f"no feasible choice over {pr.num_kept()} of {stats.options_total} options; "
-                f"raise max_options={cap} to look further")
+                f"raise max_options={cap} to look further"
+            )
         sol = run_ilp()
 
     z = sol.objective
@@ -577,8 +605,8 @@ def solve_by_pricing(
         if ascent is not None:
             plan = [sol.choice[q] for q in range(len(quotient.classes))]
             tree_keep, upper, plan, _ = final_ascent(
-                pr, ascent, z, plan, backend,
-                None if deadline is None else deadline - FINAL_RESERVE * time_limit, stats)
+                pr, ascent, z, plan, backend, None if deadline is None else deadline - FINAL_RESERVE * time_limit, stats
+            )
             if upper < z:  # a decoded plan is cheaper: the restricted ILP finds it
                 for q, o in enumerate(plan):
                     pr.add(q, [o])
@@ -613,8 +641,13 @@ def solve_by_pricing(
         for k, f in zip(with_fix, fix):
             k[f] = True
         fix_pairs = pairs_among(quotient, with_fix)  # the dense restricted ILP holds them all
-        logger.info("reduced-cost fixing: gap %.6g, %d options within it (%d kept, %d pairs with them)",
-                    sol.objective - bound, n_fix, pr.num_kept(), fix_pairs)
+        logger.info(
+            "reduced-cost fixing: gap %.6g, %d options within it (%d kept, %d pairs with them)",
+            sol.objective - bound,
+            n_fix,
+            pr.num_kept(),
+            fix_pairs,
+        )
         if pr.num_kept() + n_fix <= cap and fix_pairs <= DIRECT_PAIRS:
             for q, f in enumerate(fix):
                 pr.add(q, f)
@@ -629,11 +662,17 @@ def solve_by_pricing(
             if proven:
                 bound = sol.objective
         else:
-            logger.info("reduced-cost fixing needs %d options (max_options=%d) and %d pairs (at most %d)",
-                        pr.num_kept() + n_fix, cap, fix_pairs, DIRECT_PAIRS)
+            logger.info(
+                "reduced-cost fixing needs %d options (max_options=%d) and %d pairs (at most %d)",
+                pr.num_kept() + n_fix,
+                cap,
+                fix_pairs,
+                DIRECT_PAIRS,
+            )
             if ascent is not None:
-                found, bound, proven = bisect_targets(pr, ascent, sol.objective, bound, run_ilp,
-                                                     cap, DIRECT_PAIRS, deadline, stats)
+                found, bound, proven = bisect_targets(
+                    pr, ascent, sol.objective, bound, run_ilp, cap, DIRECT_PAIRS, deadline, stats
+                )
                 if found is not None and found.objective < sol.objective:
                     sol = found
                 if proven:
@@ -652,10 +691,17 @@ def solve_by_pricing(
     for q, c in enumerate(quotient.classes):
         for name, omap in c.members:
             kept[name] = sorted(int(o if omap is None else omap[o]) for o in S[q])
-    logger.info("solve_by_pricing %r: objective %.12g, bound %.12g, %s; %d of %d options kept, "
-                "%d entries read, %.2fs", problem.name, objective, bound,
-                "optimal" if optimal else "feasible", pr.num_kept(), stats.options_total,
-                stats.entries_read, sec["total"])
+    logger.info(
+        "solve_by_pricing %r: objective %.12g, bound %.12g, %s; %d of %d options kept, %d entries read, %.2fs",
+        problem.name,
+        objective,
+        bound,
+        "optimal" if optimal else "feasible",
+        pr.num_kept(),
+        stats.options_total,
+        stats.entries_read,
+        sec["total"],
+    )
     solution = Solution(
         choice={d.name: choice[d.name] for d in problem.decisions},
         objective=objective,

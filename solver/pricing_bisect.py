@@ -116,8 +116,9 @@ class Probe:
     seconds: float = 0.0
 
 
-def plans_up_to(pr: _Pricer, ascent: DualAscent, target: float, deadline: float | None,
-                far_over=None) -> tuple[list[np.ndarray], tuple[float, list[int]] | None]:
+def plans_up_to(
+    pr: _Pricer, ascent: DualAscent, target: float, deadline: float | None, far_over=None
+) -> tuple[list[np.ndarray], tuple[float, list[int]] | None]:
     """Per class, the options a plan costing at most ``target`` may use:
     live in the ascent, a belief within ``target - D`` of the class's best,
     and a min-marginal at most ``target`` on the forests over the ascent's
@@ -143,22 +144,36 @@ def plans_up_to(pr: _Pricer, ascent: DualAscent, target: float, deadline: float 
     keep = [k & a for k, a in zip(el.keep, allowed)]
     cheapest, plan, upper = el.cheapest, el.plan, el.upper
     if PASSES > 1 and (far_over is None or not far_over(keep)):
-        more = eliminate(pr.q, upper, trees=TREES, reparam=reparam, max_passes=PASSES - 1, deadline=deadline,
-                         allowed=keep)
+        more = eliminate(
+            pr.q, upper, trees=TREES, reparam=reparam, max_passes=PASSES - 1, deadline=deadline, allowed=keep
+        )
         keep = [k & a for k, a in zip(more.keep, keep)]
         plan = more.plan or plan
         if more.cheapest is not None and (cheapest is None or more.cheapest[0] < cheapest[0]):
             cheapest = more.cheapest
-    logger.debug("target %.9g: %d options live, %d within the beliefs, %d on the forests",
-                 target, ascent.num_live(), sum(int(a.sum()) for a in allowed), sum(int(k.sum()) for k in keep))
+    logger.debug(
+        "target %.9g: %d options live, %d within the beliefs, %d on the forests",
+        target,
+        ascent.num_live(),
+        sum(int(a.sum()) for a in allowed),
+        sum(int(k.sum()) for k in keep),
+    )
     for q, o in enumerate(plan or ()):
         keep[q][o] = True  # a forest plan cheaper than the target: the ILP finds it
     return keep, cheapest
 
 
-def bisect_targets(pr: _Pricer, ascent: DualAscent, upper: float, bound: float, solve_ilp, cap: int,
-                   max_pairs: int, deadline: float | None, stats: PricingStats,
-                   ) -> tuple[Solution | None, float, bool]:
+def bisect_targets(
+    pr: _Pricer,
+    ascent: DualAscent,
+    upper: float,
+    bound: float,
+    solve_ilp,
+    cap: int,
+    max_pairs: int,
+    deadline: float | None,
+    stats: PricingStats,
+) -> tuple[Solution | None, float, bool]:
     """Raise ``bound`` and lower ``upper`` (the best plan's cost, whose
     options ``pr`` keeps) by restricted ILPs at targets between them (module
     docstring). ``solve_ilp(seconds)``: the restricted ILP over ``pr``'s
@@ -187,7 +202,9 @@ def bisect_targets(pr: _Pricer, ascent: DualAscent, upper: float, bound: float, 
         t0 = time.perf_counter()
         target = min(lo + step, hi)
         keep, forest_plan = plans_up_to(pr, ascent, target, end, lambda k: _far_over(pr, k, cap, max_pairs))
-        if forest_plan is not None and forest_plan[0] < hi:  # its options join the restricted ILP, which then finds it or better
+        if (
+            forest_plan is not None and forest_plan[0] < hi
+        ):  # its options join the restricted ILP, which then finds it or better
             for q, o in enumerate(forest_plan[1]):
                 pr.add(q, [o])
         with_them = [k | kept for k, kept in zip(keep, pr.kept)]
@@ -244,21 +261,33 @@ def bisect_targets(pr: _Pricer, ascent: DualAscent, upper: float, bound: float, 
     # downstream (plan report, apply) stays small (2 layers: 42K options
     # kept, 90 s more under load, where ~6K did before).
     pr.kept[:] = kept_before
-    for q, o in (best.choice.items() if best is not None else ()):
+    for q, o in best.choice.items() if best is not None else ():
         pr.add(q, [o])
-    logger.info("target bisection: %d targets in %.1fs, plan %.9g, bound %.9g, %s",
-                len(probes), time.perf_counter() - t_start, hi, lo, "proven" if proven else "not proven")
+    logger.info(
+        "target bisection: %d targets in %.1fs, plan %.9g, bound %.9g, %s",
+        len(probes),
+        time.perf_counter() - t_start,
+        hi,
+        lo,
+        "proven" if proven else "not proven",
+    )
     return best, lo, proven
 
 
 def _far_over(pr: _Pricer, keep: list[np.ndarray], cap: int, max_pairs: int) -> bool:
     with_them = [k | kept for k, kept in zip(keep, pr.kept)]
-    return (sum(int(k.sum()) for k in with_them) > FAR_OVER * cap
-            or pairs_among(pr.q, with_them) > FAR_OVER * max_pairs)
+    return sum(int(k.sum()) for k in with_them) > FAR_OVER * cap or pairs_among(pr.q, with_them) > FAR_OVER * max_pairs
 
 
 def _log(probe: Probe, lo: float, hi: float) -> None:
-    logger.info("target %.9g: %d options, %d pairs, %s%s in %.1fs; bound %.9g, plan %.9g",
-                probe.target, probe.options, probe.pairs, probe.outcome,
-                "" if probe.objective is None else f" (restricted ILP {probe.objective:.9g})",
-                probe.seconds, lo, hi)
+    logger.info(
+        "target %.9g: %d options, %d pairs, %s%s in %.1fs; bound %.9g, plan %.9g",
+        probe.target,
+        probe.options,
+        probe.pairs,
+        probe.outcome,
+        "" if probe.objective is None else f" (restricted ILP {probe.objective:.9g})",
+        probe.seconds,
+        lo,
+        hi,
+    )

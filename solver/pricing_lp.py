@@ -99,8 +99,7 @@ class RestrictedLP:
     def _add_rows(self, lower: np.ndarray, upper: np.ndarray) -> None:
         n = len(lower)
         if n:
-            self.h.addRows(n, lower, upper, 0, np.zeros(n, dtype=np.int32),
-                           np.zeros(0, dtype=np.int32), np.zeros(0))
+            self.h.addRows(n, lower, upper, 0, np.zeros(n, dtype=np.int32), np.zeros(0, dtype=np.int32), np.zeros(0))
 
     def _add_cols(self, costs: list, cols: list, rows: list, vals: list) -> None:
         """Columns ``num_cols + k``; entries given as (local column, row, value) arrays."""
@@ -114,8 +113,16 @@ class RestrictedLP:
         order = np.lexsort((rows, cols))
         start = np.zeros(n, dtype=np.int64)
         np.cumsum(np.bincount(cols, minlength=n)[:-1], out=start[1:])
-        self.h.addCols(n, costs, np.zeros(n), np.full(n, self._highspy.kHighsInf), len(rows),
-                       start.astype(np.int32), rows[order].astype(np.int32), vals[order].astype(float))
+        self.h.addCols(
+            n,
+            costs,
+            np.zeros(n),
+            np.full(n, self._highspy.kHighsInf),
+            len(rows),
+            start.astype(np.int32),
+            rows[order].astype(np.int32),
+            vals[order].astype(float),
+        )
         self.num_cols += n
 
     def sync(self, exact: list[np.ndarray], relaxed: list[np.ndarray]) -> int:
@@ -169,8 +176,10 @@ class RestrictedLP:
         costs, cols, rows, vals = [], [], [], []
         base = self.num_cols
         for k, e in enumerate(edges):
-            for q, marg, fake, cost, sign in ((e.p, self.arow[k], self.zcol[k], e.floor, 1.0),
-                                              (e.c, self.brow[k], self.wcol[k], 0.0, -1.0)):
+            for q, marg, fake, cost, sign in (
+                (e.p, self.arow[k], self.zcol[k], e.floor, 1.0),
+                (e.c, self.brow[k], self.wcol[k], 0.0, -1.0),
+            ):
                 opts = new[q][self.relaxed[q][new[q]]]
                 if not len(opts):
                     continue
@@ -182,12 +191,16 @@ class RestrictedLP:
                 cols += [idx, idx]
         self._add_cols(costs, cols, rows, vals)
         # promoted options: their relaxed-relaxed flow closed
-        fixed = np.concatenate([np.zeros(0, dtype=np.int64)] + [
-            f[p][f[p] >= 0] for k, e in enumerate(edges)
-            for f, p in ((self.zcol[k], promoted[e.p]), (self.wcol[k], promoted[e.c]))])
+        fixed = np.concatenate(
+            [np.zeros(0, dtype=np.int64)]
+            + [
+                f[p][f[p] >= 0]
+                for k, e in enumerate(edges)
+                for f, p in ((self.zcol[k], promoted[e.p]), (self.wcol[k], promoted[e.c]))
+            ]
+        )
         if len(fixed):
-            self.h.changeColsBounds(len(fixed), fixed.astype(np.int32), np.zeros(len(fixed)),
-                                    np.zeros(len(fixed)))
+            self.h.changeColsBounds(len(fixed), fixed.astype(np.int32), np.zeros(len(fixed)), np.zeros(len(fixed)))
         # y columns: pairs with an exact end, not there before
         costs, cols, rows, vals = [], [], [], []
         for k, e in enumerate(edges):
@@ -206,8 +219,11 @@ class RestrictedLP:
                 if not (len(I) and len(J)):
                     continue
                 block = _known_block(e, I, J, self.exact[p], self.exact[c])
-                before = (was_in[p][I][:, None] & was_in[c][J][None, :]
-                          & (was_exact[p][I][:, None] | was_exact[c][J][None, :]))
+                before = (
+                    was_in[p][I][:, None]
+                    & was_in[c][J][None, :]
+                    & (was_exact[p][I][:, None] | was_exact[c][J][None, :])
+                )
                 ii, jj = np.nonzero(np.isfinite(block) & ~before)
                 idx = sum(len(x) for x in costs) + np.arange(len(ii))
                 costs.append(block[ii, jj] * self.scale)
@@ -221,8 +237,7 @@ class RestrictedLP:
         """The optimum over the synced options; ``None`` when infeasible.
         Raises TimeoutError when HiGHS stops without an optimum."""
         h, M = self.h, self._highspy.HighsModelStatus
-        h.setOptionValue("time_limit", self._highspy.kHighsInf if time_limit is None
-                         else max(float(time_limit), 1e-3))
+        h.setOptionValue("time_limit", self._highspy.kHighsInf if time_limit is None else max(float(time_limit), 1e-3))
         run_status = h.run()
         st = h.getModelStatus()
         if st == M.kNotset:
@@ -258,7 +273,7 @@ class RestrictedLP:
             objective=h.getInfo().objective_function_value / s,
             options=L,
             u=y[:n_cls],
-            rho=y[n_cls:n_cls + n_res],
+            rho=y[n_cls : n_cls + n_res],
             gamma=y[self.agg_row],
             has_relaxed=has_relaxed,
             alpha=[y[self.arow[k][L[e.p]]] for k, e in enumerate(edges)],
@@ -269,8 +284,7 @@ class RestrictedLP:
         )
 
 
-def _known_block(e: QuotientEdge, I: np.ndarray, J: np.ndarray, exact_p: np.ndarray,
-                 exact_c: np.ndarray) -> np.ndarray:
+def _known_block(e: QuotientEdge, I: np.ndarray, J: np.ndarray, exact_p: np.ndarray, exact_c: np.ndarray) -> np.ndarray:
     """``C[I, J]`` where the row or the column option is exact (read from
     the cached full rows and columns), ``inf`` elsewhere."""
     out = np.full((len(I), len(J)), np.inf)

@@ -68,8 +68,9 @@ FOREST_ENOUGH_PAIRS = 20_000
 OPT_RTOL = 1e-9
 
 
-def prefilter(pr: _Pricer, backend, time_limit: float | None,
-              stats: PricingStats) -> tuple[int, DualAscent | None, float]:
+def prefilter(
+    pr: _Pricer, backend, time_limit: float | None, stats: PricingStats
+) -> tuple[int, DualAscent | None, float]:
     """Narrow the pricer's classes to the options a plan no dearer than the
     seed's restricted ILP may use (module docstring). Returns how many
     options left, the dual ascent (None when it did not run) and the known
@@ -89,8 +90,9 @@ def prefilter(pr: _Pricer, backend, time_limit: float | None,
         ascend = ASCENT_SHARE > 0 and (time_limit is None or time_limit * ASCENT_SHARE >= 1.0)
         deadline = None if time_limit is None else t0 + time_limit * ASCENT_SHARE
         # one raw forest when the ascent follows (its forests drop the rest)
-        el = eliminate(pr.q, sol.objective, trees=1 if ascend else TREES, max_passes=1 if ascend else MAX_PASSES,
-                       deadline=deadline)
+        el = eliminate(
+            pr.q, sol.objective, trees=1 if ascend else TREES, max_passes=1 if ascend else MAX_PASSES, deadline=deadline
+        )
         if el is None:
             return 0, None, math.inf
         plan = [sol.choice[q] for q in range(len(classes))] if el.plan is None else el.plan
@@ -104,16 +106,24 @@ def prefilter(pr: _Pricer, backend, time_limit: float | None,
             narrow(pr, keep, plan)
         pr.repair_arcs()
         dropped = before - sum(int(c.allowed.sum()) for c in classes)
-        logger.info("elimination before pricing: plan %.9g, forest bound %.9g, dual ascent bound %.9g "
-                    "(%d sweeps), %d of %d options dropped", upper, el.bound,
-                    stats.ascent_bound, stats.ascent_sweeps, dropped, stats.options_total)
+        logger.info(
+            "elimination before pricing: plan %.9g, forest bound %.9g, dual ascent bound %.9g "
+            "(%d sweeps), %d of %d options dropped",
+            upper,
+            el.bound,
+            stats.ascent_bound,
+            stats.ascent_sweeps,
+            dropped,
+            stats.options_total,
+        )
         return dropped, ascent, upper
     finally:
         stats.seconds["trees"] += time.perf_counter() - t0
 
 
-def final_ascent(pr: _Pricer, ascent: DualAscent, upper: float, plan: list[int], backend,
-                 deadline: float | None, stats: PricingStats) -> tuple[list[np.ndarray], float, list[int], float]:
+def final_ascent(
+    pr: _Pricer, ascent: DualAscent, upper: float, plan: list[int], backend, deadline: float | None, stats: PricingStats
+) -> tuple[list[np.ndarray], float, list[int], float]:
     """The ascent of :func:`prefilter` continued against a plan of cost
     ``upper`` (class choices ``plan``) until ``deadline``: per class the
     options a plan costing at most ``upper`` may use, the best plan's cost
@@ -122,8 +132,9 @@ def final_ascent(pr: _Pricer, ascent: DualAscent, upper: float, plan: list[int],
     return _ascend(pr, ascent, upper, plan, backend, deadline, stats)
 
 
-def _ascend(pr: _Pricer, ascent: DualAscent, upper: float, plan: list[int], backend, deadline: float | None,
-            stats: PricingStats) -> tuple[list[np.ndarray], float, list[int], float]:
+def _ascend(
+    pr: _Pricer, ascent: DualAscent, upper: float, plan: list[int], backend, deadline: float | None, stats: PricingStats
+) -> tuple[list[np.ndarray], float, list[int], float]:
     """Sweeps until the bound meets the best plan, stalls or ``deadline``,
     decoding a plan every ASCENT_SWEEPS; then the restricted ILP with each
     class's ILP_PER_CLASS live options of least belief added, and forests
@@ -141,8 +152,11 @@ def _ascend(pr: _Pricer, ascent: DualAscent, upper: float, plan: list[int], back
         cost = choice_cost(pr.q, found)
         if cost < upper:
             upper, plan = cost, found
-        if (bound >= upper - OPT_RTOL * max(1.0, abs(upper)) or ascent.stalled
-                or (sweeps_end is not None and time.perf_counter() > sweeps_end)):
+        if (
+            bound >= upper - OPT_RTOL * max(1.0, abs(upper))
+            or ascent.stalled
+            or (sweeps_end is not None and time.perf_counter() > sweeps_end)
+        ):
             break
     if bound < upper - OPT_RTOL * max(1.0, abs(upper)):
         upper, plan = _ilp_near_duals(pr, ascent, upper, plan, backend, deadline)
@@ -155,9 +169,14 @@ def _ascend(pr: _Pricer, ascent: DualAscent, upper: float, plan: list[int], back
         for q, o in enumerate(plan):
             keep[q][o] = True
         return keep, upper, plan, bound
-    el = eliminate(pr.q, upper, trees=TREES, reparam=ascent.reparam(), deadline=deadline,
-                   enough=lambda keep: pairs_among(pr.q, [k & live for k, live in zip(keep, ascent.live)])
-                   <= FOREST_ENOUGH_PAIRS)
+    el = eliminate(
+        pr.q,
+        upper,
+        trees=TREES,
+        reparam=ascent.reparam(),
+        deadline=deadline,
+        enough=lambda keep: pairs_among(pr.q, [k & live for k, live in zip(keep, ascent.live)]) <= FOREST_ENOUGH_PAIRS,
+    )
     if el.plan is not None:
         upper, plan = el.upper, el.plan
     stats.tree_bound = max(stats.tree_bound, bound, el.bound)
@@ -167,8 +186,9 @@ def _ascend(pr: _Pricer, ascent: DualAscent, upper: float, plan: list[int], back
     return keep, upper, plan, max(bound, el.bound)
 
 
-def _ilp_near_duals(pr: _Pricer, ascent: DualAscent, upper: float, plan: list[int], backend,
-                    deadline: float | None) -> tuple[float, list[int]]:
+def _ilp_near_duals(
+    pr: _Pricer, ascent: DualAscent, upper: float, plan: list[int], backend, deadline: float | None
+) -> tuple[float, list[int]]:
     """The restricted ILP with each class's ILP_PER_CLASS live options of
     least belief added: the plan near the dual's (its decoding alone
     rounds poorly on 4-D meshes) when cheaper than ``upper``/``plan``."""
@@ -180,9 +200,13 @@ def _ilp_near_duals(pr: _Pricer, ascent: DualAscent, upper: float, plan: list[in
     pr.repair_arcs()
     left = None if deadline is None else max(deadline - time.perf_counter(), 1.0)
     sol = pr.solve_ilp(backend, left)
-    logger.info("restricted ILP near the ascent's duals over %d options: %s in %.1fs (plan was %.9g)",
-                pr.num_kept(), "none" if sol is None else f"{sol.objective:.9g} ({sol.status})",
-                time.perf_counter() - t0, upper)
+    logger.info(
+        "restricted ILP near the ascent's duals over %d options: %s in %.1fs (plan was %.9g)",
+        pr.num_kept(),
+        "none" if sol is None else f"{sol.objective:.9g} ({sol.status})",
+        time.perf_counter() - t0,
+        upper,
+    )
     if sol is not None and sol.objective < upper:
         return sol.objective, [sol.choice[q] for q in range(len(pr.q.classes))]
     return upper, plan

@@ -90,7 +90,7 @@ def _min_plus(array: np.ndarray, values: np.ndarray) -> np.ndarray:
         out.fill(math.inf)
         return out
     for s in range(0, array.shape[0], MIN_PLUS_CHUNK):
-        out[s:s + MIN_PLUS_CHUNK] = (array[s:s + MIN_PLUS_CHUNK] - values[None, :]).min(axis=1)
+        out[s : s + MIN_PLUS_CHUNK] = (array[s : s + MIN_PLUS_CHUNK] - values[None, :]).min(axis=1)
     return out
 
 
@@ -159,8 +159,9 @@ class BlockCache:
                 self.entries_read += len(pend)
             else:
                 for s in range(0, len(pend), PAIR_CHUNK):
-                    out[pend[s:s + PAIR_CHUNK]] = np.diagonal(
-                        self._block(r[s:s + PAIR_CHUNK], c[s:s + PAIR_CHUNK]))
+                    out[pend[s : s + PAIR_CHUNK]] = np.diagonal(
+                        self._block(r[s : s + PAIR_CHUNK], c[s : s + PAIR_CHUNK])
+                    )
         return out
 
 
@@ -411,8 +412,9 @@ def build_quotient(problem: Problem) -> Quotient:
                 reason = f"pin {pin.name!r} on {decs[m].name!r} allows {sorted(pin.allowed)}"
         allowed &= np.isfinite(unary)
         unary[~allowed] = math.inf
-        classes.append(OptionClass(root.name, [(decs[m].name, member_map[m]) for m in members],
-                                   allowed, unary, list(root.options)))
+        classes.append(
+            OptionClass(root.name, [(decs[m].name, member_map[m]) for m in members], allowed, unary, list(root.options))
+        )
         why.append(reason)
 
     def ids(m: int) -> np.ndarray:
@@ -480,8 +482,7 @@ def build_quotient(problem: Problem) -> Quotient:
     if empty:
         names = [classes[q].name for q in empty]
         raise InfeasibleError(
-            "Infeasible: no allowed option left for "
-            + "; ".join(f"{classes[q].name!r} ({why[q]})" for q in empty),
+            "Infeasible: no allowed option left for " + "; ".join(f"{classes[q].name!r} ({why[q]})" for q in empty),
             decisions=names,
         )
 
@@ -489,8 +490,14 @@ def build_quotient(problem: Problem) -> Quotient:
     for (p, c), terms in grouped.items():
         ts = list(terms.values())
         edges.append(QuotientEdge(p, c, ts, sum(t.count * t.cache.floor for t in ts), edge_names[(p, c)]))
-    logger.debug("quotient: %d decisions -> %d classes, %d edges -> %d, %d matrix objects",
-                 len(decs), len(classes), len(problem.edges), len(edges), len(caches))
+    logger.debug(
+        "quotient: %d decisions -> %d classes, %d edges -> %d, %d matrix objects",
+        len(decs),
+        len(classes),
+        len(problem.edges),
+        len(edges),
+        len(caches),
+    )
     return Quotient(classes, edges, resources, caches, edge_caches)
 
 

@@ -141,12 +141,7 @@ class Problem:
         earlier error about a matrix."""
         by_name: dict[str, Decision] = {}
         for i, d in enumerate(self.decisions):
-            if (
-                d.name not in by_name
-                and d.options
-                and len(d.costs) == len(d.options)
-                and _all_costs(d.costs)
-            ):
+            if d.name not in by_name and d.options and len(d.costs) == len(d.options) and _all_costs(d.costs):
                 by_name[d.name] = d
                 continue  # fast path: the checks below, without building messages
             where = f"decision {d.name!r} (#{i})"
@@ -155,9 +150,7 @@ class Problem:
             if not d.options:
                 raise ProblemError(f"{where}: has no options")
             if len(d.costs) != len(d.options):
-                raise ProblemError(
-                    f"{where}: {len(d.costs)} costs for {len(d.options)} options"
-                )
+                raise ProblemError(f"{where}: {len(d.costs)} costs for {len(d.options)} options")
             if not _all_costs(d.costs):
                 for j, c in enumerate(d.costs):
                     _check_cost(c, f"{where}, option {j}")
@@ -190,16 +183,12 @@ class Problem:
                 raise ProblemError(f"{where}: self-loop")
             if len(e.costs) != p.num_options:
                 raise ProblemError(
-                    f"{where}: cost matrix has {len(e.costs)} rows, "
-                    f"producer has {p.num_options} options"
+                    f"{where}: cost matrix has {len(e.costs)} rows, producer has {p.num_options} options"
                 )
             n_c = c.num_options
             for i, row in enumerate(e.costs):
                 if len(row) != n_c:
-                    raise ProblemError(
-                        f"{where}: row {i} has {len(row)} entries, "
-                        f"consumer has {n_c} options"
-                    )
+                    raise ProblemError(f"{where}: row {i} has {len(row)} entries, consumer has {n_c} options")
                 if _all_costs(row):
                     continue
                 for j, v in enumerate(row):
@@ -210,9 +199,7 @@ class Problem:
             d = lookup(pin.decision, where)
             for o in pin.allowed:
                 if not isinstance(o, int) or not 0 <= o < d.num_options:
-                    raise ProblemError(
-                        f"{where}: option {o!r} out of range 0..{d.num_options - 1}"
-                    )
+                    raise ProblemError(f"{where}: option {o!r} out of range 0..{d.num_options - 1}")
 
         ranges: dict[int, list[int]] = {}  # n -> list(range(n))
         for link in self.links:
@@ -247,18 +234,14 @@ class Problem:
                 raise ProblemError(f"{where}: links a decision to itself")
             if len(link.mapping) != a.num_options:
                 raise ProblemError(
-                    f"{where}: mapping has {len(link.mapping)} entries, "
-                    f"{link.a!r} has {a.num_options} options"
+                    f"{where}: mapping has {len(link.mapping)} entries, {link.a!r} has {a.num_options} options"
                 )
             seen: set[int] = set()
             for i, o in enumerate(link.mapping):
                 if o is None:
                     continue
                 if not isinstance(o, int) or not 0 <= o < b.num_options:
-                    raise ProblemError(
-                        f"{where}: mapping[{i}] = {o!r} out of range "
-                        f"0..{b.num_options - 1}"
-                    )
+                    raise ProblemError(f"{where}: mapping[{i}] = {o!r} out of range 0..{b.num_options - 1}")
                 if o in seen:
                     raise ProblemError(f"{where}: mapping is not injective ({o} twice)")
                 seen.add(o)
@@ -269,16 +252,13 @@ class Problem:
                 d = lookup(name, where)
                 if len(weights) != d.num_options:
                     raise ProblemError(
-                        f"{where}: {len(weights)} weights for {name!r}, "
-                        f"which has {d.num_options} options"
+                        f"{where}: {len(weights)} weights for {name!r}, which has {d.num_options} options"
                     )
                 for j, w in enumerate(weights):
                     if not isinstance(w, (int, float)) or not math.isfinite(w):
                         raise ProblemError(f"{where}: weight {w!r} for {name!r}[{j}]")
             for bound in (r.low, r.high):
-                if bound is not None and (
-                    not isinstance(bound, (int, float)) or math.isnan(bound)
-                ):
+                if bound is not None and (not isinstance(bound, (int, float)) or math.isnan(bound)):
                     raise ProblemError(f"{where}: bound {bound!r} is not a number")
 
 
@@ -286,11 +266,7 @@ def _matrix_ok(costs: list, n_rows: int, n_cols: int) -> bool:
     """Fast path of :meth:`Problem.validate`'s cost matrix check: ``costs`` has
     ``n_rows`` rows of ``n_cols`` entries, each a number or ``+inf``. False
     does not mean malformed (e.g. numpy floats take the slow path)."""
-    return (
-        len(costs) == n_rows
-        and set(map(len, costs)) == {n_cols}
-        and _all_costs(costs, nested=True)
-    )
+    return len(costs) == n_rows and set(map(len, costs)) == {n_cols} and _all_costs(costs, nested=True)
 
 
 def _all_costs(values: list, nested: bool = False) -> bool:

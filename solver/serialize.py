@@ -160,10 +160,7 @@ def problem_to_json(p: Problem, *, shared: bool = False) -> dict:
         "kind": "problem",
         "name": p.name,
         "metadata": _meta(p.metadata, "$.metadata"),
-        "decisions": [
-            {"name": d.name, "options": list(d.options), "costs": _nums(d.costs)}
-            for d in p.decisions
-        ],
+        "decisions": [{"name": d.name, "options": list(d.options), "costs": _nums(d.costs)} for d in p.decisions],
         "edges": [
             {
                 "producer": e.producer,
@@ -173,14 +170,8 @@ def problem_to_json(p: Problem, *, shared: bool = False) -> dict:
             }
             for e in p.edges
         ],
-        "pins": [
-            {"name": pin.name, "decision": pin.decision, "allowed": list(pin.allowed)}
-            for pin in p.pins
-        ],
-        "links": [
-            {"name": link.name, "a": link.a, "b": link.b, "mapping": list(link.mapping)}
-            for link in p.links
-        ],
+        "pins": [{"name": pin.name, "decision": pin.decision, "allowed": list(pin.allowed)} for pin in p.pins],
+        "links": [{"name": link.name, "a": link.a, "b": link.b, "mapping": list(link.mapping)} for link in p.links],
         "resources": [
             {
                 "name": r.name,
@@ -261,9 +252,7 @@ def to_json(obj: Problem | Solution | Bundle | tuple) -> dict:
     raise TypeError(f"cannot dump a {type(obj).__name__}")
 
 
-def dumps(
-    obj: Problem | Solution | Bundle | tuple, *, indent: int | None = None, shared: bool = False
-) -> str:
+def dumps(obj: Problem | Solution | Bundle | tuple, *, indent: int | None = None, shared: bool = False) -> str:
     """The JSON text of a dump (strict JSON: no NaN/Infinity literals);
     ``shared``: a problem's repeated numbers once (see :func:`problem_to_json`)."""
     separators = (",", ":") if indent is None else None

@@ -105,8 +105,12 @@ def edge_weights(quotient: Quotient, reparam: Reparam | None = None) -> list[flo
     return [m + s * top for m, s in zip(means, inf_share)]
 
 
-def tree_marginals(quotient: Quotient, weights: list[float] | None = None,
-                   reparam: Reparam | None = None, allowed: list[np.ndarray] | None = None) -> TreeMarginals | None:
+def tree_marginals(
+    quotient: Quotient,
+    weights: list[float] | None = None,
+    reparam: Reparam | None = None,
+    allowed: list[np.ndarray] | None = None,
+) -> TreeMarginals | None:
     """Min-marginals of every option over a maximum-weight spanning forest
     of the classes (of the costs rewritten by ``reparam``, plus its
     constant); None when some forest edge's matrix cannot reduce whole rows
@@ -129,8 +133,10 @@ def tree_marginals(quotient: Quotient, weights: list[float] | None = None,
         root = min(comp)
         roots.append(root)
         order.append((root, None, None))
-        order += [(child, parent, forest.edges[parent, child]["edge"])
-                  for parent, child in nx.bfs_edges(forest, root, sort_neighbors=sorted)]
+        order += [
+            (child, parent, forest.edges[parent, child]["edge"])
+            for parent, child in nx.bfs_edges(forest, root, sort_neighbors=sorted)
+        ]
     for child, parent, k in reversed(order):  # leaves first
         if parent is None:
             continue
@@ -231,10 +237,16 @@ class Elimination:
     cheapest: tuple[float, list[int]] | None = None
 
 
-def eliminate(quotient: Quotient, upper: float, trees: int = 2, reparam: Reparam | None = None,
-              max_passes: int = MAX_PASSES, deadline: float | None = None,
-              enough: Callable[[list[np.ndarray]], bool] | None = None,
-              allowed: list[np.ndarray] | None = None) -> Elimination | None:
+def eliminate(
+    quotient: Quotient,
+    upper: float,
+    trees: int = 2,
+    reparam: Reparam | None = None,
+    max_passes: int = MAX_PASSES,
+    deadline: float | None = None,
+    enough: Callable[[list[np.ndarray]], bool] | None = None,
+    allowed: list[np.ndarray] | None = None,
+) -> Elimination | None:
     """Per class, the options whose min-marginal on every one of ``trees``
     spanning forests is at most the best known plan's cost: every choice
     costing at most that uses only those. Each forest's own optimal choice
@@ -278,8 +290,16 @@ def eliminate(quotient: Quotient, upper: float, trees: int = 2, reparam: Reparam
             # the next forest prefers edges this one left out
             for k in tm.tree_edges:
                 weights[k] *= 0.25
-            logger.info("pass %d, tree %d: bound %.9g, its plan %.9g, best plan %.9g, %d options left of %d",
-                        n_pass + 1, t + 1, tm.bound, cost, upper, sum(int(k.sum()) for k in keep), total)
+            logger.info(
+                "pass %d, tree %d: bound %.9g, its plan %.9g, best plan %.9g, %d options left of %d",
+                n_pass + 1,
+                t + 1,
+                tm.bound,
+                cost,
+                upper,
+                sum(int(k.sum()) for k in keep),
+                total,
+            )
             if not all(k.any() for k in keep):
                 break
             if enough is not None and enough(keep):

@@ -64,9 +64,7 @@ def _group_labels(mesh: DeviceMesh) -> tuple[dict[str, int], callable]:
                 ranks = dist.get_process_group_ranks(_resolve_process_group(group))
             except Exception:  # not a group of this process (a graph from elsewhere)
                 ranks = None
-            labels[group] = (
-                whole if ranks == row_major else f"{whole} col-major" if ranks == column_major else group
-            )
+            labels[group] = whole if ranks == row_major else f"{whole} col-major" if ranks == column_major else group
         return labels[group]
 
     return group_dim, label
@@ -148,8 +146,16 @@ def traffic_table(graphs: dict[str, torch.fx.GraphModule], mesh: DeviceMesh, dev
             kind = c.kind.removesuffix("_into_tensor").removesuffix("_tensor").removesuffix("_single")
             row = rows.setdefault(
                 (phase, kind, c.group),
-                {"phase": phase, "kind": kind, "group": c.group, "group_size": n, "count": 0,
-                 "output_bytes": 0, "traffic_bytes": 0.0, "seconds": 0.0},
+                {
+                    "phase": phase,
+                    "kind": kind,
+                    "group": c.group,
+                    "group_size": n,
+                    "count": 0,
+                    "output_bytes": 0,
+                    "traffic_bytes": 0.0,
+                    "seconds": 0.0,
+                },
             )
             row["count"] += 1
             row["output_bytes"] += c.out_bytes

@@ -81,7 +81,7 @@ class LayerFold:
         head = f"{self.prefix}.1."
         if not fqn.startswith(head):
             raise ValueError(f"{fqn} is not a parameter of layer {self.prefix}.1")
-        return f"{self.prefix}.{real_layer}.{fqn[len(head):]}"
+        return f"{self.prefix}.{real_layer}.{fqn[len(head) :]}"
 
 
 def _stack(repeats: RepeatedLayers) -> tuple[str, int]:
@@ -229,9 +229,7 @@ def fold_layers(
         short_strategies[new] = dataclasses.replace(strat, node=new, inputs=inputs)
 
     short_of_real = {0: FIRST, 1: MIDDLE, n_layers - 2: NEXT, n_layers - 1: LAST}
-    slot = {
-        env[n].name: (short_of_real[layer_of[n]], position[n]) for n in env if n in layer_of
-    }
+    slot = {env[n].name: (short_of_real[layer_of[n]], position[n]) for n in env if n in layer_of}
     param_layer: dict[str, tuple[int, str]] = {}
     fqn_at = {(layer_of[n], position[n]): fqn for fqn, n in traced.param_nodes.items() if n in layer_of}
     for fqn, n in traced.param_nodes.items():

@@ -233,9 +233,7 @@ class _Interpreter:
         src_masks = self.masks.get(producer) if producer is not None else None
         dst_masks = self.masks.setdefault(consumer, {}) if consumer is not None else None
         try:
-            out = redistribute(
-                x, src, dst, self.coords, src_masks=src_masks, dst_masks=dst_masks, device=self.device
-            )
+            out = redistribute(x, src, dst, self.coords, src_masks=src_masks, dst_masks=dst_masks, device=self.device)
         except NotImplementedError as e:
             raise ApplyError(f"{what}: cannot redistribute {format_specs(src)} -> {format_specs(dst)}: {e}") from e
         if graph is not None:
@@ -307,8 +305,12 @@ class _Interpreter:
         for k, producer in enumerate(strat.inputs):
             locals_.append(
                 self._redistribute(
-                    self.env[producer], self.spec[producer], in_specs[k], f"{producer.name}->{node.name}",
-                    producer, node,
+                    self.env[producer],
+                    self.spec[producer],
+                    in_specs[k],
+                    f"{producer.name}->{node.name}",
+                    producer,
+                    node,
                 )
             )
             if has_mask_partial(opt.output_specs) and self.masks.get(producer):
@@ -415,7 +417,11 @@ class _Interpreter:
             # the new value of a mutated buffer/input, laid out as its target
             last = graph._root.prev if graph is not None else None
             with fx_traceback.set_current_meta(m.node):
-                outs.append(self._redistribute(self.env[m.node], self.spec[m.node], spec, f"update of {m.kind} {m.target}", m.node))
+                outs.append(
+                    self._redistribute(
+                        self.env[m.node], self.spec[m.node], spec, f"update of {m.kind} {m.target}", m.node
+                    )
+                )
             _set_source(graph, last, m.node)
         for fqn, wants in zip(layout.param_fqns, layout.has_grad):
             grad = traced.grad_nodes.get(fqn)
@@ -486,7 +492,8 @@ def build_local_joint(
     differentiable = sorted(traced.tangent_nodes)
     has_grad = [traced.grad_nodes.get(fqn) is not None for fqn in param_fqns]
     mutation_specs = [
-        buffer_specs[m.target] if m.kind == "buffer" else spec_of(traced.input_nodes[m.target]) for m in traced.mutations
+        buffer_specs[m.target] if m.kind == "buffer" else spec_of(traced.input_nodes[m.target])
+        for m in traced.mutations
     ]
     layout = _Layout(
         param_fqns, buffer_fqns, input_nodes, param_specs, output_specs, differentiable, has_grad, mutation_specs
@@ -494,7 +501,9 @@ def build_local_joint(
 
     def fake_local(spec: DTensorSpec):
         shape = local_shape(spec)
-        return torch.empty_strided(shape, _contiguous_stride(shape), dtype=spec.tensor_meta.dtype, device=mesh.device_type)
+        return torch.empty_strided(
+            shape, _contiguous_stride(shape), dtype=spec.tensor_meta.dtype, device=mesh.device_type
+        )
 
     interp = _Interpreter(traced, strategies, choice, mesh, device)
     interp.use_templates = copy_repeated

@@ -243,9 +243,7 @@ class ParallelModuleMixin:
             if leaf.dtype != meta.dtype:
                 raise ValueError(f"input {name}: dtype {leaf.dtype}, expected {meta.dtype}")
             if leaf.device.type != st.mesh.device_type:
-                raise ValueError(
-                    f"input {name}: on device {leaf.device}, expected a {st.mesh.device_type} tensor"
-                )
+                raise ValueError(f"input {name}: on device {leaf.device}, expected a {st.mesh.device_type} tensor")
             local = leaf.contiguous()
             out.append(local.clone() if ("input", len(callers) - 1) in st.local.mutations and local is leaf else local)
         return out
@@ -284,9 +282,7 @@ def _empty_dtensor(old: DTensor, device) -> DTensor:
 def _meta_dtensor(spec: DTensorSpec, requires_grad: bool = False) -> DTensor:
     meta = spec.tensor_meta
     local = torch.empty(local_shape(spec), dtype=meta.dtype, device="meta")
-    return DTensor.from_local(
-        local, spec.mesh, spec.placements, run_check=False, shape=meta.shape, stride=meta.stride
-    )
+    return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=meta.shape, stride=meta.stride)
 
 
 def _as_dtensor(t: torch.Tensor, spec: DTensorSpec, name: str = "tensor") -> DTensor:

@@ -201,10 +201,7 @@ def _backward_group(gs, xs, idxs, tws, w1s, w3s, w2s, n_experts, ex):
     recv = ex.rows(send, send_splits, recv_splits)
     done = [expert_rows_backward(*a) for a in zip(recv, recv_counts, w1s, w3s, w2s)]
     back = ex.rows([d[0] for d in done], recv_splits, send_splits)
-    return [
-        combine_backward(b, g, order, tw) + d[1:]
-        for b, g, (order, _), tw, d in zip(back, gs, routes, tws, done)
-    ]
+    return [combine_backward(b, g, order, tw) + d[1:] for b, g, (order, _), tw, d in zip(back, gs, routes, tws, done)]
 
 
 # --------------------------------------------------------------------------

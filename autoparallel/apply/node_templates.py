@@ -177,7 +177,9 @@ class Template:
         input_storages = {}
         for k, v in enumerate(inputs):
             input_storages.setdefault(v.untyped_storage()._cdata, k)
-        return Template(nodes, input_of, input_storages, storages, out_spec, refs, requires_grad, redistributed, tags, factory_tag)
+        return Template(
+            nodes, input_of, input_storages, storages, out_spec, refs, requires_grad, redistributed, tags, factory_tag
+        )
 
     def replay(self, tracer, node, producers, inputs):
         from torch.fx.experimental.proxy_tensor import (
@@ -362,8 +364,10 @@ def template_key(node: torch.fx.Node, specs: list, opt, inputs: list, env: dict)
     for v in inputs:
         if not isinstance(v, torch.Tensor):
             return None
-    if has_mask_partial(opt.output_specs) or any(map(has_mask_partial, specs)) or any(
-        map(has_mask_partial, opt.input_specs)
+    if (
+        has_mask_partial(opt.output_specs)
+        or any(map(has_mask_partial, specs))
+        or any(map(has_mask_partial, opt.input_specs))
     ):
         return None
     try:

@@ -79,9 +79,7 @@ def split_joint(local: LocalJoint, partitioner: Partitioner = "min_cut") -> Step
     saved_index = {n.name: j for j, n in enumerate(saved)}
     _tag_saved(saved)
     bw_inputs: list[tuple[str, int]] = []
-    tangent_names = [
-        n.name for n in local.gm.graph.find_nodes(op="placeholder") if "tangents" in str(n.target)
-    ]
+    tangent_names = [n.name for n in local.gm.graph.find_nodes(op="placeholder") if "tangents" in str(n.target)]
     # Random ops recomputed in the backward (e.g. SDPA under full AC) get their
     # RNG state saved by the forward: the partitioner appends those states to
     # the saved values and names the backward placeholders rng_state_output_<k>,

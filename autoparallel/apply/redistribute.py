@@ -122,9 +122,17 @@ def _apply_mask(x: torch.Tensor, mask: torch.Tensor | None, what: str) -> torch.
     return x.masked_fill(mask, 0)
 
 
-def _step(x: torch.Tensor, cur: Placement, dst: Placement, spec: DTensorSpec, mesh_dim: int,
-          logical_shape, coords: torch.Tensor, src_masks: dict | None = None,
-          dst_masks: dict | None = None) -> torch.Tensor:
+def _step(
+    x: torch.Tensor,
+    cur: Placement,
+    dst: Placement,
+    spec: DTensorSpec,
+    mesh_dim: int,
+    logical_shape,
+    coords: torch.Tensor,
+    src_masks: dict | None = None,
+    dst_masks: dict | None = None,
+) -> torch.Tensor:
     mesh = spec.mesh
     n = mesh.size(mesh_dim)
     if isinstance(cur, _MaskPartial):
@@ -157,9 +165,16 @@ def _step(x: torch.Tensor, cur: Placement, dst: Placement, spec: DTensorSpec, me
     raise UnsupportedRedistribution(f"redistribution {cur} -> {dst} on mesh dim {mesh_dim}")
 
 
-def redistribute(x: torch.Tensor, src: DTensorSpec, dst: DTensorSpec, coords: torch.Tensor, *,
-                 src_masks: dict | None = None, dst_masks: dict | None = None,
-                 device: DeviceSpec = H100) -> torch.Tensor:
+def redistribute(
+    x: torch.Tensor,
+    src: DTensorSpec,
+    dst: DTensorSpec,
+    coords: torch.Tensor,
+    *,
+    src_masks: dict | None = None,
+    dst_masks: dict | None = None,
+    device: DeviceSpec = H100,
+) -> torch.Tensor:
     """The local shard of ``x`` (laid out as ``src``) laid out as ``dst``.
 
     Row-sharded embeddings (``_MaskPartial``): partitioning the indices writes

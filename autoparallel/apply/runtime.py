@@ -47,7 +47,9 @@ class _StepFunction(torch.autograd.Function):
             t = grad_outputs[i]
             if t is None:
                 spec = local.output_specs[i]
-                t = torch.zeros(local_shape(spec), dtype=spec.tensor_meta.dtype, device=saved[0].device if saved else None)
+                t = torch.zeros(
+                    local_shape(spec), dtype=spec.tensor_meta.dtype, device=saved[0].device if saved else None
+                )
             tangents.append(t.contiguous())
         args = [saved[j] if kind == "saved" else tangents[j] for kind, j in g.bw_inputs]
         grads = list(g.bw(*args))

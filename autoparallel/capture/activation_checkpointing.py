@@ -243,9 +243,7 @@ class _ACBlock:
             )
         if cfg.mode == "full":
             return checkpoint(inner, *args, use_reentrant=False, **kwargs)
-        return checkpoint(
-            inner, *args, use_reentrant=False, context_fn=policy.context_fn, **kwargs
-        )
+        return checkpoint(inner, *args, use_reentrant=False, context_fn=policy.context_fn, **kwargs)
 
 
 _ac_class_cache: dict[type, type] = {}
@@ -264,9 +262,7 @@ def _default_blocks(model: nn.Module) -> list[nn.Module]:
         return list(layers)
     if isinstance(layers, nn.ModuleDict):
         return list(layers.values())
-    raise ValueError(
-        f"{type(model).__name__} has no `layers` ModuleList/ModuleDict; pass blocks= explicitly"
-    )
+    raise ValueError(f"{type(model).__name__} has no `layers` ModuleList/ModuleDict; pass blocks= explicitly")
 
 
 def _unwrap_class(module: nn.Module) -> None:
@@ -275,8 +271,7 @@ def _unwrap_class(module: nn.Module) -> None:
     cls = type(module)
     if cls.__bases__[0] is not _ACBlock:
         raise RuntimeError(
-            f"cannot remove AC from a {cls.__name__}: its class was swapped again "
-            "after apply_ac (e.g. by fully_shard)"
+            f"cannot remove AC from a {cls.__name__}: its class was swapped again after apply_ac (e.g. by fully_shard)"
         )
     module.__class__ = cls.__bases__[1]
     delattr(module, _AC_ATTR)
@@ -354,9 +349,7 @@ def forward_nodes(gm: fx.GraphModule) -> set[fx.Node]:
         return {n for n in nodes if n.meta.get("partitioner_tag") == "is_forward"}
     backward: set[fx.Node] = set()
     for n in nodes:
-        if _is_tangent(n) or any(
-            isinstance(a, fx.Node) and a in backward for a in n.all_input_nodes
-        ):
+        if _is_tangent(n) or any(isinstance(a, fx.Node) and a in backward for a in n.all_input_nodes):
             backward.add(n)
     return {n for n in nodes if n not in backward and n.op != "output"}
 

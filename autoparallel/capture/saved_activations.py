@@ -127,9 +127,7 @@ def saved_and_needed(
     needed: set[torch.fx.Node] = set()
     # the graph's output node returns the forward's results (held by the
     # caller, not saved) beside the gradients: not a backward reader
-    stack = [
-        a for n in gm.graph.nodes if n not in fwd and n.op != "output" for a in n.all_input_nodes if a in fwd
-    ]
+    stack = [a for n in gm.graph.nodes if n not in fwd and n.op != "output" for a in n.all_input_nodes if a in fwd]
     while stack:
         n = stack.pop()
         if n in needed:
@@ -140,10 +138,7 @@ def saved_and_needed(
     saved = [
         n
         for n in gm.graph.nodes  # graph order
-        if n in needed
-        and n.op == "call_function"
-        and isinstance(n.meta.get("val"), torch.Tensor)
-        and not recomputed(n)
+        if n in needed and n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor) and not recomputed(n)
     ]
     return saved, {n for n in needed if n.op == "call_function" and recomputed(n) and not is_view(n)}
 
@@ -153,9 +148,7 @@ def nbytes(n: torch.fx.Node) -> int:
     return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
-def redistributed_inputs(
-    gm, strategies: dict, chain: set, remade: set, counted: set, terms: dict
-) -> dict[str, list]:
+def redistributed_inputs(gm, strategies: dict, chain: set, remade: set, counted: set, terms: dict) -> dict[str, list]:
     """Lay saved values out as the backward reads them; returns the
     :attr:`StepMemoryModel.recomputed_inputs` of the terms it adds.
 

@@ -82,15 +82,11 @@ class ParamCastWrapper(nn.Module):
             # FSDP's cast_forward_inputs: floating inputs run in param_dtype.
             args, kwargs = tree_map(self._cast_input, (args, kwargs))
         params = {
-            name: MixedPrecisionCast.apply(p, self.param_dtype, self.reduce_dtype)
-            if p.is_floating_point()
-            else p
+            name: MixedPrecisionCast.apply(p, self.param_dtype, self.reduce_dtype) if p.is_floating_point() else p
             # each parameter object once: tie_weights gives its aliases the same cast
             for name, p in self.module.named_parameters()
         }
-        return torch.func.functional_call(
-            self.module, params, args, kwargs, tie_weights=True, strict=False
-        )
+        return torch.func.functional_call(self.module, params, args, kwargs, tie_weights=True, strict=False)
 
 
 class TraceRoot(nn.Module):
@@ -108,7 +104,10 @@ class TraceRoot(nn.Module):
         super().__init__()
         self.names: dict[str, list[str]] = {}
         seen: dict[int, str] = {}
-        for kind, named in (("p", model.named_parameters(remove_duplicate=False)), ("b", model.named_buffers(remove_duplicate=False))):
+        for kind, named in (
+            ("p", model.named_parameters(remove_duplicate=False)),
+            ("b", model.named_buffers(remove_duplicate=False)),
+        ):
             for fqn, t in named:
                 attr = seen.get(id(t))
                 if attr is None:

@@ -135,9 +135,7 @@ def _fake_like(t: torch.Tensor, fake_mode: FakeTensorMode, device: str) -> torch
     return out
 
 
-def fake_model_copy(
-    model: nn.Module, fake_mode: FakeTensorMode, device: str
-) -> tuple[nn.Module, dict[str, str]]:
+def fake_model_copy(model: nn.Module, fake_mode: FakeTensorMode, device: str) -> tuple[nn.Module, dict[str, str]]:
     """Copy ``model`` with every parameter/buffer replaced by a fake tensor.
 
     Tied parameters stay tied. Returns the copy and the tied-alias map.
@@ -188,9 +186,7 @@ def normalize_inputs(inputs: Any) -> tuple[tuple, dict]:
     )
 
 
-def make_fake_inputs(
-    inputs: Any, fake_mode: FakeTensorMode, device: str
-) -> tuple[tuple, dict, list[tuple | None]]:
+def make_fake_inputs(inputs: Any, fake_mode: FakeTensorMode, device: str) -> tuple[tuple, dict, list[tuple | None]]:
     """Fake, global-shaped copies of the example inputs, and DTensor placements."""
     if callable(inputs) and not isinstance(inputs, (torch.Tensor, nn.Module)):
         with torch.device("meta"):
@@ -323,9 +319,13 @@ def trace_training_step(
     )
 
     running: list[str] = []
-    with fake_mode, activation_checkpointing.graph_ac_tracing(), _module_path_annotations(
-        fake_model, running
-    ), _compiling_state_context(), linalg_checks_without_effect_tokens():
+    with (
+        fake_mode,
+        activation_checkpointing.graph_ac_tracing(),
+        _module_path_annotations(fake_model, running),
+        _compiling_state_context(),
+        linalg_checks_without_effect_tokens(),
+    ):
         try:
             joint = aot_export_joint_with_descriptors(stack, to_trace, tuple(tensors), {})
         except _DATA_DEPENDENT as e:

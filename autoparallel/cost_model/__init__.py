@@ -52,7 +52,14 @@ from .compute import (
     op_flops_and_bytes,
 )
 from .devices import A100, B200, H100, H200, DeviceSpec
-from .overlap import GRAD_REDUCE_SCATTER, PARAM_ALL_GATHER, CommOverlapPolicy, ComputeWindows, HiddenComm, apply_discount
+from .overlap import (
+    GRAD_REDUCE_SCATTER,
+    PARAM_ALL_GATHER,
+    CommOverlapPolicy,
+    ComputeWindows,
+    HiddenComm,
+    apply_discount,
+)
 
 __all__ = [
     "DeviceSpec",

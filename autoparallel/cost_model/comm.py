@@ -21,10 +21,10 @@ from torch.distributed.tensor.placement_types import (
     _StridedShard,
 )
 
-logger = logging.getLogger(__name__)
-
 from .compute import _mesh_shape
 from .devices import H100, DeviceSpec
+
+logger = logging.getLogger(__name__)
 
 # Added by the caller to every non-identical transition so that, when costs
 # tie (e.g. a free Replicate -> Shard slice), the ILP prefers fewer
@@ -271,7 +271,9 @@ def _via_replicate_steps(
 ) -> list[tuple[int, Placement, Placement]]:
     """Upper bound: differing mesh dims go to Replicate (inner first), then
     to the target (outer first)."""
-    steps = [(d, a, Replicate()) for d, (a, b) in reversed(list(enumerate(zip(src, dst)))) if a != b and not a.is_replicate()]
+    steps = [
+        (d, a, Replicate()) for d, (a, b) in reversed(list(enumerate(zip(src, dst)))) if a != b and not a.is_replicate()
+    ]
     steps += [(d, Replicate(), b) for d, (a, b) in enumerate(zip(src, dst)) if a != b and not b.is_replicate()]
     return steps
 
@@ -337,9 +339,7 @@ def _plan(src: DTensorSpec, dst: DTensorSpec) -> _Plan:
         raw = _transform_steps(src, dst)
     elif any(_kind(p) == "X" for p in (*src.placements, *dst.placements)):
         raw = _strided_steps(mesh_shape, src.placements, dst.placements)
-    elif DTensorSpec.is_default_device_order(src.shard_order) and DTensorSpec.is_default_device_order(
-        dst.shard_order
-    ):
+    elif DTensorSpec.is_default_device_order(src.shard_order) and DTensorSpec.is_default_device_order(dst.shard_order):
         raw = _greedy_steps(mesh_shape, src.placements, dst.placements)
     else:
         _PLAN_CACHE[base] = _SHAPE_DEPENDENT

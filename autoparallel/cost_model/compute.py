@@ -16,10 +16,11 @@ from torch.distributed.tensor.placement_types import (
 )
 from torch.utils import flop_counter
 
+from .devices import H100, DeviceSpec
+
 logger = logging.getLogger(__name__)
 
 aten = torch.ops.aten
-from .devices import H100, DeviceSpec
 
 # Ops that only produce a view/alias (or metadata): no kernel runs.
 _FREE_PACKETS = frozenset(
@@ -210,7 +211,9 @@ def _sig_tree(x: Any, specs: Sequence[Any] | None, pos: list[int]) -> Any:
     return x
 
 
-_PLAIN_TYPES = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout})
+_PLAIN_TYPES = frozenset(
+    {int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout}
+)
 
 
 def _sig_leaves(x: Any):
@@ -384,6 +387,4 @@ def node_compute_time(
     tensor inputs in argument order."""
     if node.op != "call_function" or is_free_op(node.target):
         return 0.0
-    return op_compute_time(
-        node.target, node.args, node.kwargs, node.meta.get("val"), input_specs, output_specs, device
-    )
+    return op_compute_time(node.target, node.args, node.kwargs, node.meta.get("val"), input_specs, output_specs, device)

@@ -80,9 +80,7 @@ class HiddenComm:
     backward_window: float | None = None  # a parameter gather's re-gather in backward
 
 
-def apply_discount(
-    time: float, kind: str | HiddenComm, policy: CommOverlapPolicy = CommOverlapPolicy()
-) -> float:
+def apply_discount(time: float, kind: str | HiddenComm, policy: CommOverlapPolicy = CommOverlapPolicy()) -> float:
     """``time`` as counted by the policy for ``kind``
     (``"param_all_gather"``, ``"grad_reduce_scatter"``, or a
     :class:`HiddenComm` with its compute window); other kinds and a
@@ -173,4 +171,3 @@ class ComputeWindows:
         if kind == PARAM_ALL_GATHER:
             return HiddenComm(kind, float(f"{self.forward.get(block, 0.0) * share:.4g}"), half_backward)
         return HiddenComm(kind, half_backward)
-

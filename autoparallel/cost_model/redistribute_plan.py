@@ -213,7 +213,7 @@ _SWEEP_ORDER = {"local_copy": 0, "reduce_scatter": 1, "all_to_all": 2, "all_gath
 
 
 def _structure(mesh_shape: tuple[int, ...], shape: tuple[int, ...]) -> _Structure:
-    n, ndim = len(mesh_shape), len(shape)
+    n = len(mesh_shape)
     products = sorted({math.prod(c) for k in range(n + 1) for c in itertools.combinations(mesh_shape, k)})
     even = tuple(tuple(size % p == 0 for p in products) for size in shape)
     key = (mesh_shape, even)
@@ -275,7 +275,9 @@ def _enumerate(mesh_shape: tuple[int, ...], shape: tuple[int, ...]) -> _Structur
     # relaxation order: shrinking steps first, inner mesh dims first (fewer
     # Gauss-Seidel sweeps: ~6 instead of ~8 on LLaMA-3's 4-D tensors)
     edges.sort(key=lambda e: (_SWEEP_ORDER[e[3][0]], -e[0], e[1], e[2]))
-    return _Structure(codes_list, ranks_list, np.array(splits, dtype=np.int64).reshape(len(splits), ndim), default_of, edges)
+    return _Structure(
+        codes_list, ranks_list, np.array(splits, dtype=np.int64).reshape(len(splits), ndim), default_of, edges
+    )
 
 
 def _build(mesh: Any, shape: tuple[int, ...], itemsize: int, device: DeviceSpec) -> StateGraph:
@@ -437,12 +439,22 @@ def min_cost_steps(src: DTensorSpec, dst: DTensorSpec, device: DeviceSpec, greed
     for m, a, b, kinds, u, v in graph.path(s, t):
         new = Replicate() if b == R else Shard(b - S0)
         nbytes = graph.state_bytes[u]
-        steps.append((m, current[m], new, kinds, nbytes, comm.step_time(topo[m], kinds, nbytes, graph.state_bytes[v], device)))
+        steps.append(
+            (m, current[m], new, kinds, nbytes, comm.step_time(topo[m], kinds, nbytes, graph.state_bytes[v], device))
+        )
         current[m] = new
     for m in partition:
         nbytes = graph.state_bytes[t]
-        steps.append((m, current[m], dst.placements[m], comm._step_kinds(current[m], dst.placements[m]), nbytes,
-                      _partition_time(graph, topo, m, t, device)))
+        steps.append(
+            (
+                m,
+                current[m],
+                dst.placements[m],
+                comm._step_kinds(current[m], dst.placements[m]),
+                nbytes,
+                _partition_time(graph, topo, m, t, device),
+            )
+        )
         current[m] = dst.placements[m]
     return steps
 

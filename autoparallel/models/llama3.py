@@ -115,9 +115,7 @@ LLAMA3_CONFIGS: dict[str, ModelArgs] = {
 LLAMA3_CONFIGS["tiny"] = replace(LLAMA3_CONFIGS["debug"])
 
 
-def ffn_hidden_dim(
-    dim: int, multiple_of: int, ffn_dim_multiplier: float | None
-) -> int:
+def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
     """SwiGLU hidden size as in LLaMA: 2/3 of 4*dim, scaled, rounded up.
 
     >>> ffn_hidden_dim(4096, 1024, 1.3)
@@ -149,9 +147,7 @@ class RMSNorm(nn.Module):
         self.reset_parameters()
 
 
-def precompute_rope(
-    head_dim: int, max_seq_len: int, theta: float, device=None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def precompute_rope(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables [max_seq_len, head_dim] for rotate-half RoPE (fp32)."""
     exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)
     inv_freq = 1.0 / (theta ** (exponents / head_dim))
@@ -166,9 +162,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
-def apply_rotary_emb(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> torch.Tensor:
+def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [bsz, seq, heads, head_dim] by cos/sin [seq, head_dim]."""
     cos = cos[None, :, None, :]
     sin = sin[None, :, None, :]
@@ -187,9 +181,7 @@ class Attention(nn.Module):
         self.n_heads = args.n_heads
         self.n_kv_heads = args.kv_heads
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"n_heads={self.n_heads} not a multiple of n_kv_heads={self.n_kv_heads}"
-            )
+            raise ValueError(f"n_heads={self.n_heads} not a multiple of n_kv_heads={self.n_kv_heads}")
         self.n_rep = self.n_heads // self.n_kv_heads
         self.head_dim = args.head_dim
         self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=False)
@@ -197,9 +189,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(
-        self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         xq = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim)
         xk = self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
@@ -208,9 +198,7 @@ class Attention(nn.Module):
         xk = apply_rotary_emb(xk, rope_cos, rope_sin)
         xk = self._repeat_kv(xk)
         xv = self._repeat_kv(xv)
-        out = F.scaled_dot_product_attention(
-            xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), is_causal=True
-        )
+        out = F.scaled_dot_product_attention(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), is_causal=True)
         out = out.transpose(1, 2).reshape(bsz, seqlen, self.n_heads * self.head_dim)
         return self.wo(out)
 
@@ -220,9 +208,7 @@ class Attention(nn.Module):
         if self.n_rep == 1:
             return x
         b, s, kv, d = x.shape
-        return (
-            x.unsqueeze(3).expand(b, s, kv, self.n_rep, d).reshape(b, s, kv * self.n_rep, d)
-        )
+        return x.unsqueeze(3).expand(b, s, kv, self.n_rep, d).reshape(b, s, kv * self.n_rep, d)
 
     def init_weights(self, init_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
@@ -268,9 +254,7 @@ class TransformerBlock(nn.Module):
         else:
             self.weight_init_std = 0.02 / (2 * args.n_layers) ** 0.5
 
-    def forward(
-        self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope_cos, rope_sin)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -293,9 +277,7 @@ def register_rope_buffers(module: nn.Module, args: ModelArgs) -> None:
 def init_rope_buffers(module: nn.Module, args: ModelArgs, buffer_device=None) -> None:
     """(Re)compute the RoPE buffers, e.g. after ``to_empty`` from meta."""
     device = buffer_device if buffer_device is not None else module.freqs_cos.device
-    cos, sin = precompute_rope(
-        args.head_dim, args.max_seq_len, args.rope_theta, device=device
-    )
+    cos, sin = precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta, device=device)
     module.freqs_cos = cos
     module.freqs_sin = sin
 
@@ -307,9 +289,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(
-            TransformerBlock(i, args) for i in range(args.n_layers)
-        )
+        self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
@@ -371,4 +351,3 @@ class Transformer(nn.Module):
 def count_params(model: nn.Module) -> int:
     """Number of distinct parameters (tied weights counted once); meta-safe."""
     return sum(p.numel() for p in model.parameters())
-

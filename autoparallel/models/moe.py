@@ -122,9 +122,7 @@ MOE_CONFIGS: dict[str, MoEArgs] = {
         route_scale=2.5,
     ),
 }
-MOE_CONFIGS["debug_sigmoid"] = replace(
-    MOE_CONFIGS["debug"], score_func="sigmoid", route_norm=True, route_scale=2.0
-)
+MOE_CONFIGS["debug_sigmoid"] = replace(MOE_CONFIGS["debug"], score_func="sigmoid", route_norm=True, route_scale=2.0)
 
 
 # --------------------------------------------------------------------------
@@ -246,9 +244,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out):
     x, idx, tw, w1, w3, w2, ids = ctx.saved_tensors
-    gx, gtw, gw1, gw3, gw2 = moe_experts_backward(
-        grad_out, x, idx, tw, w1, w3, w2, ids, ctx.n_experts
-    )
+    gx, gtw, gw1, gw3, gw2 = moe_experts_backward(grad_out, x, idx, tw, w1, w3, w2, ids, ctx.n_experts)
     gw1, gw3, gw2 = (moe_grad_layout(g) for g in (gw1, gw3, gw2))
     return gx, None, gtw, gw1, gw3, gw2, None, None
 
@@ -284,9 +280,7 @@ class MoE(nn.Module):
         self.w1 = nn.Parameter(torch.empty(e, d, h))
         self.w3 = nn.Parameter(torch.empty(e, d, h))
         self.w2 = nn.Parameter(torch.empty(e, h, d))
-        self.shared = (
-            FeedForward(d, h * args.n_shared_experts) if args.n_shared_experts else None
-        )
+        self.shared = FeedForward(d, h * args.n_shared_experts) if args.n_shared_experts else None
         self.register_buffer("expert_bias", torch.zeros(e, dtype=torch.float32))
         # Which experts this module holds; sharded with the weights under EP.
         self.register_buffer("expert_ids", torch.arange(e), persistent=False)
@@ -327,9 +321,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scores, idx, tw = self.route(x)
-        out = moe_experts(
-            x, idx, tw, self.w1, self.w3, self.w2, self.expert_ids, self.args.n_experts
-        )
+        out = moe_experts(x, idx, tw, self.w1, self.w3, self.w2, self.expert_ids, self.args.n_experts)
         if self.shared is not None:
             out = out + self.shared(x)
         if self.args.aux_loss_alpha > 0 and self.training:

@@ -19,9 +19,7 @@ __all__ = ["FFN", "BlockModel"]
 class FFN(nn.Module):
     """x [..., dim] -> w2(act(w1 x)) [..., dim]; act is "relu" or "gelu"."""
 
-    def __init__(
-        self, dim: int, hidden: int, activation: str = "relu", bias: bool = False
-    ):
+    def __init__(self, dim: int, hidden: int, activation: str = "relu", bias: bool = False):
         super().__init__()
         if activation not in ("relu", "gelu"):
             raise ValueError(f"activation must be 'relu' or 'gelu', got {activation!r}")
@@ -51,9 +49,7 @@ class BlockModel(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.layers = nn.ModuleList(
-            TransformerBlock(i, args) for i in range(args.n_layers)
-        )
+        self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
         register_rope_buffers(self, args)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -74,12 +74,19 @@ class PerCandidateOptions:
             self._handles[op] = hit
         return hit
 
-    def options(self, node: torch.fx.Node, inputs: list[torch.fx.Node], candidates: list, failures: list) -> list[Option]:
+    def options(
+        self, node: torch.fx.Node, inputs: list[torch.fx.Node], candidates: list, failures: list
+    ) -> list[Option]:
         """The node's options given ``candidates`` (one list: its input's);
         the exceptions of candidates DTensor could not propagate are
         appended to ``failures``."""
-        op_key = (node.target, _arg_key(node.args), _arg_key(node.kwargs), _val_key(node.meta.get("val")),
-                  _val_key(inputs[0].meta["val"]))
+        op_key = (
+            node.target,
+            _arg_key(node.args),
+            _arg_key(node.kwargs),
+            _val_key(node.meta.get("val")),
+            _val_key(inputs[0].meta["val"]),
+        )
         memo = self._memo
         missing = [c for c in candidates[0] if (op_key, id(c)) not in memo]
         if missing:

@@ -95,8 +95,10 @@ def _same_structure(out, meta) -> bool:
     if isinstance(meta, TensorMeta):
         return isinstance(out, DTensorSpec)
     if isinstance(meta, (tuple, list)):
-        return isinstance(out, (tuple, list)) and len(out) == len(meta) and all(
-            o is None or _same_structure(o, m) for o, m in zip(out, meta) if m is not None
+        return (
+            isinstance(out, (tuple, list))
+            and len(out) == len(meta)
+            and all(o is None or _same_structure(o, m) for o, m in zip(out, meta) if m is not None)
         )
     return True
 
@@ -191,7 +193,9 @@ class OpSpecConverter:
                     f"DTensor's strategy for {self.node.target} gives output specs {format_specs(out)} "
                     f"for a node with outputs {out_meta}"
                 )
-            pooled = _pooled_out(out, out_meta, self.pool) if _out_placements_ok(out, out_meta, self.pool.mesh) else None
+            pooled = (
+                _pooled_out(out, out_meta, self.pool) if _out_placements_ok(out, out_meta, self.pool.mesh) else None
+            )
             # multi-output: a new tuple per strategy, keyed by its placements
             out_key = id(pooled) if isinstance(pooled, DTensorSpec) else placements_of(out)
             out_hit = self._out_memo[id(raw_out)] = (pooled, out_key, raw_out)
@@ -209,7 +213,9 @@ class OpSpecConverter:
         return (out_key, *map(id, in_specs)), pooled_out, in_specs
 
 
-def _options_from_table(node, strategy: ExpandedStrategy, inputs, in_metas, out_meta, pool: SpecPool) -> list[Option] | None:
+def _options_from_table(
+    node, strategy: ExpandedStrategy, inputs, in_metas, out_meta, pool: SpecPool
+) -> list[Option] | None:
     """What the loop of :func:`_options_from_op_strategy` makes of an
     :class:`ExpandedStrategy`, worked out once per distinct entry (and output
     combination) instead of once per OpSpec: each kept combination becomes a
@@ -257,9 +263,7 @@ def _options_from_table(node, strategy: ExpandedStrategy, inputs, in_metas, out_
     in_pooled: list[list[DTensorSpec]] = []
     for k, p in enumerate(in_cols):
         m = in_metas[k]
-        entry_code, pooled_list = _numbered_distinct(
-            map(_by_id, pool.even_specs(strategy.numbers_at[p], m))
-        )
+        entry_code, pooled_list = _numbered_distinct(map(_by_id, pool.even_specs(strategy.numbers_at[p], m)))
         codes.append(np.array(entry_code + [-1], dtype=np.int64)[table[:, p]])
         in_pooled.append(pooled_list)
     rows = np.stack(codes, axis=1)

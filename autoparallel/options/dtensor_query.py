@@ -25,6 +25,7 @@ from .placements import tensor_meta_of
 
 logger = logging.getLogger(__name__)
 
+
 def _propagator():
     return DTensor._op_dispatcher.sharding_propagator
 
@@ -52,7 +53,8 @@ def _modules_binding(fn) -> list:
         modules = [
             module
             for name, module in list(sys.modules.items())
-            if name.startswith("torch.distributed.tensor") and getattr(module, "generate_redistribute_costs", None) is fn
+            if name.startswith("torch.distributed.tensor")
+            and getattr(module, "generate_redistribute_costs", None) is fn
         ]
         hit = _BINDING[id(fn)] = (modules, len(sys.modules), fn)
     return hit[0]

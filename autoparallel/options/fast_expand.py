@@ -61,9 +61,7 @@ def expand_to_full_mesh_op_strategy(
         or op_schema.is_out_variant_op()
         or input_index == 0
         or any(
-            isinstance(p, _StridedShard)
-            for s in input_args_strategy
-            for p in s.strategies[0].output_spec.placements
+            isinstance(p, _StridedShard) for s in input_args_strategy for p in s.strategies[0].output_spec.placements
         )
     ):
         return _ORIGINAL(
@@ -105,8 +103,12 @@ def expand_to_full_mesh_op_strategy(
         placement_no = np.array([placement_number(r[position]) for r in rows], dtype=np.int64)
         firsts: dict = {}
         first_no = np.array(
-            [firsts.setdefault((rows[r][position] is None, counts_of[r][position], placement_no[r].item()), len(firsts))
-             for r in range(n_rows)],
+            [
+                firsts.setdefault(
+                    (rows[r][position] is None, counts_of[r][position], placement_no[r].item()), len(firsts)
+                )
+                for r in range(n_rows)
+            ],
             dtype=np.int64,
         )
         base = len(_PLACEMENTS)
@@ -129,7 +131,9 @@ def expand_to_full_mesh_op_strategy(
             if is_none:
                 first_info.append(None)
                 continue
-            meta, input_strategy = _meta_at(position, out_count, in_count, input_index, output_tensor_meta, input_args_strategy)
+            meta, input_strategy = _meta_at(
+                position, out_count, in_count, input_index, output_tensor_meta, input_args_strategy
+            )
             shard_prefix = uneven = None
             if input_strategy is not None:
                 shard_prefix = (id(mesh), tuple(input_strategy.shape), allow_unbacked_sharding)
@@ -356,7 +360,9 @@ def _shardable(mesh, shape, numbers: tuple, meta, allow_unbacked_sharding) -> bo
     ok = _SHARDABLE.get(key)
     if ok is None:
         spec = _shared_spec(mesh, placements_of_numbers(numbers), meta)
-        ok = _SHARDABLE[key] = ops_utils.is_tensor_shardable(shape, spec, allow_unbacked_sharding=allow_unbacked_sharding)
+        ok = _SHARDABLE[key] = ops_utils.is_tensor_shardable(
+            shape, spec, allow_unbacked_sharding=allow_unbacked_sharding
+        )
     return ok
 
 
@@ -432,7 +438,10 @@ def fast_expansion():
     original = _ORIGINAL = _ORIGINAL or ops_utils.expand_to_full_mesh_op_strategy
     patched = []
     for name, module in list(sys.modules.items()):
-        if name.startswith("torch.distributed.tensor") and getattr(module, "expand_to_full_mesh_op_strategy", None) is original:
+        if (
+            name.startswith("torch.distributed.tensor")
+            and getattr(module, "expand_to_full_mesh_op_strategy", None) is original
+        ):
             module.expand_to_full_mesh_op_strategy = expand_to_full_mesh_op_strategy
             patched.append(module)
     DTensorSpec.__post_init__ = _memoised_post_init

@@ -83,11 +83,7 @@ def all_placements(shape: torch.Size, mesh: DeviceMesh) -> list[tuple[Placement,
     the order is the deterministic tie-break rule for equal-cost options.
     """
     per_dim: list[Placement] = [Replicate()] + [Shard(d) for d in range(len(shape))]
-    return [
-        combo
-        for combo in itertools.product(per_dim, repeat=mesh.ndim)
-        if is_evenly_sharded(shape, combo, mesh)
-    ]
+    return [combo for combo in itertools.product(per_dim, repeat=mesh.ndim) if is_evenly_sharded(shape, combo, mesh)]
 
 
 def tp_outer_placements(shape: torch.Size, mesh: DeviceMesh) -> list[tuple[Placement, ...]]:

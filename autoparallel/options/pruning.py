@@ -164,7 +164,10 @@ class _Codes:
             placements = spec.placements
             hit = self._by_placements.get(id(placements))
             if hit is None:
-                hit = self._by_placements[id(placements)] = (self.intern(tuple(_code(p) for p in placements)), placements)
+                hit = self._by_placements[id(placements)] = (
+                    self.intern(tuple(_code(p) for p in placements)),
+                    placements,
+                )
             i = self.by_spec[id(spec)] = hit[0]
         return i
 
@@ -208,9 +211,7 @@ class _ListPre:
 
 
 def _held_bits(codes, ndim: int) -> int:
-    return sum(
-        1 << (f * ndim + d) for f, family in enumerate(FAMILIES) for d in range(ndim) if _held(codes, d, family)
-    )
+    return sum(1 << (f * ndim + d) for f, family in enumerate(FAMILIES) for d in range(ndim) if _held(codes, d, family))
 
 
 def _list_pre(options: list[Option], codes: _Codes) -> _ListPre:
@@ -232,7 +233,9 @@ def _list_pre(options: list[Option], codes: _Codes) -> _ListPre:
     if len(widths) == 1 and 0 not in widths:
         out_bits = np.bitwise_or.reduce(bits[np.asarray(outs, dtype=np.int64)], axis=1)
     else:  # outputs of differing arity
-        out_bits = np.asarray([int(np.bitwise_or.reduce(bits[list(slots)])) if slots else 0 for slots in outs], dtype=np.int64)
+        out_bits = np.asarray(
+            [int(np.bitwise_or.reduce(bits[list(slots)])) if slots else 0 for slots in outs], dtype=np.int64
+        )
     n_in = len(ins[0]) if ins else 0
     in_bits = bits[np.asarray(ins, dtype=np.int64).reshape(len(ins), n_in)]
     return _ListPre(codes, outs, ins, None, out_bits, in_bits)
@@ -248,10 +251,7 @@ def _held(code, d: int, family) -> bool:
 
 def _substitute(codes: tuple, d: int, family) -> tuple:
     """Codes with Partial(F) on mesh dim ``d`` replaced by Replicate."""
-    return tuple(
-        c[:d] + (_R,) + c[d + 1 :] if _held(c, d, family) else c
-        for c in codes
-    )
+    return tuple(c[:d] + (_R,) + c[d + 1 :] if _held(c, d, family) else c for c in codes)
 
 
 def _list_info(
@@ -276,7 +276,9 @@ def _list_info(
             break
         if kept_set is None:
             kept_set = set(kept)
-        sub = pre.index().get((pre.codes.substitute(pre.outs[i], d, family, bit), pre.codes.substitute(pre.ins[i], d, family, bit)))
+        sub = pre.index().get(
+            (pre.codes.substitute(pre.outs[i], d, family, bit), pre.codes.substitute(pre.ins[i], d, family, bit))
+        )
         if sub is None or sub not in kept_set:
             why = f"no substitute for {o.label}"
             break
@@ -318,8 +320,7 @@ def prune_partials(
             # per option list: which options hold Partial(F) on d, whether
             # some option outputs / takes it (per input), why it must stay
             info = {
-                key: _list_info(original[key], pre[key], current[key], unary[key], d, family, bit)
-                for key in original
+                key: _list_info(original[key], pre[key], current[key], unary[key], d, family, bit) for key in original
             }
             # vertices: nodes with an option holding Partial(F) on d
             holds = {node for node, strat in strategies.items() if info[id(strat.options)].mask_any}
@@ -359,12 +360,18 @@ def prune_partials(
             if logger.isEnabledFor(logging.DEBUG):
                 for n, reason in why.items():
                     members = [m.name for m in holds if find(m) is find(n)]
-                    logger.debug("P(%s) on dim %d kept at %s (%d nodes joined: %s): %s", name, d, n.name, len(members), " ".join(members[:12]), reason)
+                    logger.debug(
+                        "P(%s) on dim %d kept at %s (%d nodes joined: %s): %s",
+                        name,
+                        d,
+                        n.name,
+                        len(members),
+                        " ".join(members[:12]),
+                        reason,
+                    )
             # a shared option list is pruned only if all its users may be
             prunable_lists = {
-                key
-                for key, nodes in users.items()
-                if all(n in holds and find(n) not in sticky_roots for n in nodes)
+                key for key, nodes in users.items() if all(n in holds and find(n) not in sticky_roots for n in nodes)
             }
             for key in prunable_lists:
                 current[key] = [i for i, m in zip(current[key], info[key].mask) if not m]

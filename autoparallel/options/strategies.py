@@ -32,7 +32,6 @@ from typing import Any, Callable
 import torch
 import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSpec, OpStrategy
 from torch.distributed.tensor.placement_types import Replicate
@@ -178,7 +177,8 @@ class StrategyStats:
             parts.append(f"{op} x{count} ({why}) in {shown}")
         return (
             f"{len(self.fallback_ops)} op(s) have no usable sharding rule and run replicated (correct, "
-            f"but every rank computes them in full): " + "; ".join(parts)
+            f"but every rank computes them in full): "
+            + "; ".join(parts)
             + ". Register a rule with autoparallel.options.strategies.register_rule."
         )
 
@@ -255,7 +255,11 @@ class StrategyEnumerator:
                 last = time.perf_counter()
                 logger.info(
                     "options: %d/%d nodes, %d options, %d lists computed after %.0fs",
-                    self.stats.nodes, total, self.stats.options, self.stats.computed, last - t0,
+                    self.stats.nodes,
+                    total,
+                    self.stats.options,
+                    self.stats.computed,
+                    last - t0,
                 )
             val = node.meta.get("val")
             if node.op == "placeholder":
@@ -387,7 +391,9 @@ def _dtensor_options(node, inputs, candidates, pool: SpecPool, failures: list | 
         if len(candidates[0]) < 2:
             logger.debug("DTensor strategy for %s (%s) failed: %r", op, node.name, e, exc_info=True)
             return []
-        logger.debug("DTensor strategy for %s (%s) failed on all candidates (%r); retrying one by one", op, node.name, e)
+        logger.debug(
+            "DTensor strategy for %s (%s) failed on all candidates (%r); retrying one by one", op, node.name, e
+        )
     options: list[Option] = []
     seen: set = set()
     first = inputs[0]

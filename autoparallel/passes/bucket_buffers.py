@@ -94,5 +94,14 @@ def _values(members: list, srcs: list[fx.Node], size: int, cache: dict) -> dict:
         parts = list(torch.split(mat, sizes, 1))
         copy = [p.clone(memory_format=torch.contiguous_format) for p in parts]
         out = [c.view(o.shape) for c, o in zip(copy, outs)]
-    cache[key] = vals = {"buf2d": buf2d, "flat": flat, "cat": cat, "ag": ag, "mat": mat, "parts": parts, "copy": copy, "out": out}
+    cache[key] = vals = {
+        "buf2d": buf2d,
+        "flat": flat,
+        "cat": cat,
+        "ag": ag,
+        "mat": mat,
+        "parts": parts,
+        "copy": copy,
+        "out": out,
+    }
     return vals

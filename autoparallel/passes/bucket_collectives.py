@@ -242,7 +242,9 @@ def _split_by_bytes(members: list[_Member], limit: int, index: dict[fx.Node, flo
     return [b for b in out if len(b) > 1]
 
 
-def _buckets(gm: fx.GraphModule, ctx: PassContext | None, limit: int, index: dict[fx.Node, float]) -> list[list[_Member]]:
+def _buckets(
+    gm: fx.GraphModule, ctx: PassContext | None, limit: int, index: dict[fx.Node, float]
+) -> list[list[_Member]]:
     """Mergeable gathers grouped by (layer, group, size, dtype), in graph
     order, cut into runs of at most ``limit`` bytes. Gathers of collective
     results (second stages) wait for a later round when a first stage is
@@ -316,10 +318,25 @@ def _grad_layers(gm: fx.GraphModule, ctx: PassContext | None) -> dict[fx.Node, s
 
 # Ops a gradient passes through on its way from the reduction to the output:
 # waits, chained reductions (a two-stage reduce-scatter), buckets' buffers.
-_THROUGH = {_WAIT, _RS, _AR, _aten.cat.default, _aten._chunk_cat.default, _aten.split_with_sizes.default, operator.getitem}
+_THROUGH = {
+    _WAIT,
+    _RS,
+    _AR,
+    _aten.cat.default,
+    _aten._chunk_cat.default,
+    _aten.split_with_sizes.default,
+    operator.getitem,
+}
 # Data movement on a collective's way in or out (a dim-1 shard's chunks
 # reordered by split + cat, a bucket's outputs taken apart).
-_MOVES = {_aten.cat.default, _aten._chunk_cat.default, _aten.split.Tensor, _aten.split_with_sizes.default, _aten.slice.Tensor, operator.getitem}
+_MOVES = {
+    _aten.cat.default,
+    _aten._chunk_cat.default,
+    _aten.split.Tensor,
+    _aten.split_with_sizes.default,
+    _aten.slice.Tensor,
+    operator.getitem,
+}
 
 
 def _is_layout(n: fx.Node) -> bool:
@@ -384,7 +401,9 @@ def _reduction(n: fx.Node) -> tuple[tuple, _Member] | None:
     return key, _Member(n, wait, x, [], xv.numel(), xv.numel() * xv.element_size())
 
 
-def _reduction_buckets(gm: fx.GraphModule, ctx: PassContext | None, limit: int, index: dict[fx.Node, float]) -> list[list[_Member]]:
+def _reduction_buckets(
+    gm: fx.GraphModule, ctx: PassContext | None, limit: int, index: dict[fx.Node, float]
+) -> list[list[_Member]]:
     """Gradient reductions of one layer on the same group, op and dtype, in
     graph order. A member joins the current bucket only when no consumer of
     the bucket's results runs before it (the merged collective goes where
@@ -655,7 +674,10 @@ def bucket_collectives(gm: fx.GraphModule, ctx: PassContext) -> BucketStats:
             return trial
         logger.info(
             "bucket_collectives: %s graph with bucket_bytes=%d raises the estimated peak %d -> %d bytes; halving",
-            getattr(ctx, "graph_kind", None), limit, before, trial.peak_memory_after,
+            getattr(ctx, "graph_kind", None),
+            limit,
+            before,
+            trial.peak_memory_after,
         )
         limit //= 2
     return stats

@@ -45,13 +45,13 @@ _MESH_SIZES: contextvars.ContextVar[frozenset] = contextvars.ContextVar("chunk_m
 _NEW_FACTORIES = {_aten.new_zeros.default, _aten.new_empty.default, _aten.new_ones.default, _aten.new_full.default}
 _SIZE_ARG_NAMES = {"size", "sizes", "input_sizes", "shape", "stride"}
 
+
 class ChunkRefused(Exception):
     """A region cannot be chunked without changing the math; says why."""
 
 
 class _Unknown(Exception):
     """The split dim of a value cannot be told."""
-
 
 
 # ---------------------------------------------------------------------------
@@ -98,8 +98,10 @@ def _view_dim(in_shape, d: int, out_shape, mesh_sizes: frozenset = frozenset()) 
                 if group in mesh_sizes and per % 2 == 0 and per not in mesh_sizes:
                     return j + 1
                 if group in mesh_sizes:
-                    raise _Unknown(f"redistribution reshape {tuple(in_shape)} -> {tuple(out_shape)}: "
-                                   "cannot tell the mesh group factor from the per-rank one")
+                    raise _Unknown(
+                        f"redistribution reshape {tuple(in_shape)} -> {tuple(out_shape)}: "
+                        "cannot tell the mesh group factor from the per-rank one"
+                    )
                 break
             prefix *= s
     prefix = 1
@@ -200,7 +202,11 @@ def _acts_along(node: fx.Node, d: int, rank: int) -> bool:
     for k, a in enumerate(schema.arguments):
         if a.name not in ("dim", "dims"):
             continue
-        v = node.args[k] if k < len(node.args) else node.kwargs.get(a.name, a.default_value if a.has_default_value() else None)
+        v = (
+            node.args[k]
+            if k < len(node.args)
+            else node.kwargs.get(a.name, a.default_value if a.has_default_value() else None)
+        )
         if v is None:
             # dim=None reductions (sum of everything) reduce the split dim
             return "sum" not in str(node.target) and "Optional" in str(a.type)
@@ -218,7 +224,10 @@ REDUCED = "reduced"  # depends on the split values, carries no split dim
 PER_CHUNK = "per_chunk"
 
 # Data movement that keeps a per-chunk value per-chunk.
-_PER_CHUNK_MOVES = {torch.ops._c10d_functional.wait_tensor.default, torch.ops._c10d_functional.all_to_all_single.default}
+_PER_CHUNK_MOVES = {
+    torch.ops._c10d_functional.wait_tensor.default,
+    torch.ops._c10d_functional.all_to_all_single.default,
+}
 
 
 def _per_chunk_rules() -> dict:
@@ -281,13 +290,26 @@ def _rule_states(node: fx.Node, rule, dims: dict, out, full):
 
 
 _FILLS = {
-    _aten.new_zeros.default, _aten.new_ones.default, _aten.new_full.default, _aten.zeros.default,
-    _aten.ones.default, _aten.full.default, _aten.zeros_like.default, _aten.ones_like.default,
-    _aten.full_like.default, _aten.scalar_tensor.default,
+    _aten.new_zeros.default,
+    _aten.new_ones.default,
+    _aten.new_full.default,
+    _aten.zeros.default,
+    _aten.ones.default,
+    _aten.full.default,
+    _aten.zeros_like.default,
+    _aten.ones_like.default,
+    _aten.full_like.default,
+    _aten.scalar_tensor.default,
 }
 _FILL_MOVES = {
-    _aten.index_select.default, _aten.slice.Tensor, _aten.select.int, _aten.clone.default,
-    _aten._to_copy.default, _aten.split.Tensor, _aten.contiguous.default, operator.getitem,
+    _aten.index_select.default,
+    _aten.slice.Tensor,
+    _aten.select.int,
+    _aten.clone.default,
+    _aten._to_copy.default,
+    _aten.split.Tensor,
+    _aten.contiguous.default,
+    operator.getitem,
 }
 
 
@@ -339,9 +361,7 @@ def _full_size_partners(node: fx.Node, dims: dict[fx.Node, Any]) -> dict[fx.Node
     return out
 
 
-def _probe(
-    node: fx.Node, dims: dict[fx.Node, Any], half_vals: dict[fx.Node, Any], implicit: bool = False, fills=None
-):
+def _probe(node: fx.Node, dims: dict[fx.Node, Any], half_vals: dict[fx.Node, Any], implicit: bool = False, fills=None):
     """(chunk value(s), state(s), (args, kwargs)) of ``node`` run on the
     halves: the fake output(s) for one chunk, per output its split dim or
     REDUCED, and the arguments with chunk sizes. ``implicit``: halve the
@@ -366,7 +386,9 @@ def _probe(
     if not implicit:
         for a in partners:
             if not is_fill(a):
-                raise ChunkRefused(f"{node.name} ({node.target}) reads {a.name}, which is full size along the split dim")
+                raise ChunkRefused(
+                    f"{node.name} ({node.target}) reads {a.name}, which is full size along the split dim"
+                )
         if fills is not None:
             fills.update(partners)
     half_vals = dict(half_vals) if partners else half_vals
@@ -404,9 +426,7 @@ def _probe(
         if not changed:
             return REDUCED
         if len(changed) > 1 or full_v.shape[changed[0]] != 2 * half_v.shape[changed[0]]:
-            raise _Unknown(
-                f"{node.name}: split is ambiguous (shape {tuple(full_v.shape)} -> {tuple(half_v.shape)})"
-            )
+            raise _Unknown(f"{node.name}: split is ambiguous (shape {tuple(full_v.shape)} -> {tuple(half_v.shape)})")
         if j is not None and changed[0] != j:
             raise _Unknown(f"{node.name}: sizes rewritten on dim {j} but dim {changed[0]} changed")
         return changed[0]

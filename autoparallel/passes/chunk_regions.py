@@ -249,8 +249,14 @@ def _late_sum_closure(n: fx.Node, members: set[fx.Node]) -> set[fx.Node] | None:
 
 def _is_linear(n: fx.Node) -> bool:
     t = n.target
-    if t in (_c10d.wait_tensor.default, _aten.clone.default, operator.getitem, _aten.cat.default,
-             _aten.split.Tensor, _aten.split_with_sizes.default):
+    if t in (
+        _c10d.wait_tensor.default,
+        _aten.clone.default,
+        operator.getitem,
+        _aten.cat.default,
+        _aten.split.Tensor,
+        _aten.split_with_sizes.default,
+    ):
         return True
     if t in (_c10d.reduce_scatter_tensor.default, _c10d.all_reduce.default):
         return n.args[1] == "sum"
@@ -259,9 +265,7 @@ def _is_linear(n: fx.Node) -> bool:
     return isinstance(t, torch._ops.OpOverload) and t.is_view
 
 
-def _plan_region(
-    region: str, mode: str, members: list[fx.Node], global_dims: dict, early_sums: bool = True
-) -> _Plan:
+def _plan_region(region: str, mode: str, members: list[fx.Node], global_dims: dict, early_sums: bool = True) -> _Plan:
     """Decide what to split, duplicate and rebuild; raise :class:`ChunkRefused`."""
     member_set = set(members)
     if mode == "seq":
@@ -319,7 +323,9 @@ def _plan_region(
             raise ChunkRefused(f"{n.name} ({n.target}): attention under sequence chunking needs every key")
         in_dims = [state[a] for a in deps if isinstance(state.get(a), int)]
         first = next((a for a in deps if isinstance(state.get(a), int)), None)
-        if first is not None and _acts_along(n, state[first], _val(first).dim() if isinstance(_val(first), torch.Tensor) else 0):
+        if first is not None and _acts_along(
+            n, state[first], _val(first).dim() if isinstance(_val(first), torch.Tensor) else 0
+        ):
             if n.target not in sums:
                 raise ChunkRefused(f"{n.name} ({n.target}) acts along the split dim")
         found: dict[fx.Node, int] = {}

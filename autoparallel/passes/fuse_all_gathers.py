@@ -281,9 +281,13 @@ def _rewrite(gm: torch.fx.GraphModule, steps: list[_Step], between, group, reord
             # row-major group: put the gathered chunks in the chain's order
             shape_blocks, perm = _reorder_plan(steps, xval)
             v = g.call_function(_aten.view.default, (out, [*shape_blocks, *xval.shape]))
-            p = g.call_function(_aten.permute.default, (v, list(perm) + list(range(len(shape_blocks), len(shape_blocks) + xval.dim()))))
+            p = g.call_function(
+                _aten.permute.default, (v, list(perm) + list(range(len(shape_blocks), len(shape_blocks) + xval.dim())))
+            )
             c = g.call_function(_aten.clone.default, (p,), {"memory_format": torch.contiguous_format})
-            f = g.call_function(_aten.view.default, (c, list(ag_val.shape) if ag_val is not None else [-1, *xval.shape[1:]]))
+            f = g.call_function(
+                _aten.view.default, (c, list(ag_val.shape) if ag_val is not None else [-1, *xval.shape[1:]])
+            )
             for node in (v, p, c, f):
                 _copy_meta(node, last.wait, None)
             vv = run(lambda: ag_val.view(*shape_blocks, *xval.shape))
@@ -354,7 +358,9 @@ def _reorder_plan(steps: list[_Step], xval) -> tuple[list[int], list[int]]:
 
 
 @register_pass("fuse_all_gathers", "graphs")
-def fuse_all_gathers(gm: torch.fx.GraphModule, ctx: PassContext, *, column_major: str | None = None) -> FuseAllGathersStats:
+def fuse_all_gathers(
+    gm: torch.fx.GraphModule, ctx: PassContext, *, column_major: str | None = None
+) -> FuseAllGathersStats:
     """Replace chains of per-mesh-dim all-gathers in ``gm`` by one all-gather
     over the whole mesh (see the module docstring). ``column_major``:
     "group" (a permuted process group) or "reorder" (row-major group and a
@@ -387,7 +393,9 @@ def fuse_all_gathers(gm: torch.fx.GraphModule, ctx: PassContext, *, column_major
             )
             continue
         if any(s.ag.args[1] != mesh.size(s.mesh_dim) for s in steps):
-            stats.rejected["group size differs from its mesh dim"] = stats.rejected.get("group size differs from its mesh dim", 0) + 1
+            stats.rejected["group size differs from its mesh dim"] = (
+                stats.rejected.get("group size differs from its mesh dim", 0) + 1
+            )
             continue
         order = tuple(s.mesh_dim for s in steps) + tuple(d for d in range(mesh.ndim) if d not in active)
         name = _order_name(order, mesh.ndim)

@@ -13,6 +13,7 @@ import torch.fx as fx
 from . import PassContext
 from .overlap_model import AG, STARTS, WAIT, Info
 
+
 def _layer_of(fqn: str) -> str:
     m = re.match(r"^(.*?\.\d+)(\.|$)", fqn)
     return m.group(1) if m else fqn
@@ -48,9 +49,11 @@ def _param_chains(gm: fx.GraphModule, ctx: PassContext | None) -> dict[fx.Node, 
         fqn_of = dict(zip(local.primal_names(), fqns))
     placeholders = [p for p in gm.graph.find_nodes(op="placeholder")]
     # in a forward/backward graph the parameter shards keep their joint names
-    params = [p for p in placeholders if p.name in fqn_of] if fqn_of else [
-        p for p in placeholders if "tangents" not in p.name
-    ]
+    params = (
+        [p for p in placeholders if p.name in fqn_of]
+        if fqn_of
+        else [p for p in placeholders if "tangents" not in p.name]
+    )
     out: dict[fx.Node, tuple[str, list[fx.Node]]] = {}
     for p, chain in param_gather_chains(gm, None, params=params, forward_only=False).items():
         layer = _layer_of(fqn_of.get(p.name, p.name))
@@ -96,7 +99,12 @@ def _bucket_chain(ag: fx.Node, rank: dict[fx.Node, int]) -> tuple[fx.Node, list[
     stack = [ag]
     while stack:  # the wait and the layout ops after it
         for u in stack.pop().users:
-            if u not in chain and _is_chain_op(u) and u.target not in STARTS and all(a in chain for a in u.all_input_nodes):
+            if (
+                u not in chain
+                and _is_chain_op(u)
+                and u.target not in STARTS
+                and all(a in chain for a in u.all_input_nodes)
+            ):
                 chain.add(u)
                 stack.append(u)
     return min(roots, key=rank.__getitem__), list(chain)

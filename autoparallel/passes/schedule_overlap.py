@@ -137,7 +137,6 @@ class ScheduleStats:
 # the scheduler
 
 
-
 def _schedule(
     gm: fx.GraphModule,
     ctx: PassContext | None,
@@ -154,7 +153,7 @@ def _schedule(
     if info is None or info.nodes != nodes:
         info = Info(nodes, costs)
     index = info.index
-    ins, kind, times, compute, reductions = info.ins, info.kind, info.time, info.compute, info.reductions
+    ins, kind, compute, reductions = info.ins, info.kind, info.compute, info.reductions
     output = nodes[-1]
 
     ag_layer = _param_chains(gm, ctx)
@@ -346,7 +345,9 @@ def _schedule(
                 # from the gather's own place on, the original order holds
                 # the gathered bytes already, if it keeps them to the need
                 base, gathered, at = orig_live[i - 1 if i else 0], nbytes(ag.meta.get("val")), index[ag]
-                if at < i or orig_last.get(ag, at) < need_of[ag]:  # (or the original frees it before the need: a copy-out)
+                if (
+                    at < i or orig_last.get(ag, at) < need_of[ag]
+                ):  # (or the original frees it before the need: a copy-out)
                     rise = max(range_max(i, need_of[ag] + 1) - base, 0) + gathered
                 else:
                     rise = max(range_max(i, at) - base + gathered, range_max(at, need_of[ag] + 1) - base, gathered)
@@ -426,8 +427,6 @@ def _schedule(
             ensure(n)
     emit(output)
     return order
-
-
 
 
 def _only_output_reads(wait: fx.Node | None, output: fx.Node) -> bool:

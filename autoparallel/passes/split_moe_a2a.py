@@ -78,7 +78,9 @@ class _Emitter:
         return self(operator.getitem, t, 0), self(operator.getitem, t, 1)
 
     def exchange(self, rows, send_counts, recv_counts, group) -> fx.Node:
-        return self(_c10d.wait_tensor.default, self(_ops.moe_a2a_exchange.default, rows, send_counts, recv_counts, group))
+        return self(
+            _c10d.wait_tensor.default, self(_ops.moe_a2a_exchange.default, rows, send_counts, recv_counts, group)
+        )
 
     def route(self, idx, n_experts, e_local, group) -> tuple[fx.Node, fx.Node, fx.Node]:
         order, counts = self.pair(_ops.moe_a2a_route.default, idx, n_experts)

@@ -180,11 +180,7 @@ def _unreducible_grad_nodes(traced: TracedStep, reduce_dtype: torch.dtype | None
             continue
         if node in grads or (node.users and all(u in grad_only for u in node.users)):
             grad_only.add(node)
-    return {
-        n
-        for n in grad_only
-        if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dtype != reduce_dtype
-    }
+    return {n for n in grad_only if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dtype != reduce_dtype}
 
 
 @dataclass(frozen=True)
@@ -248,7 +244,9 @@ def _with_compute_windows(traced, strategies, unary, redist_edges: list[RedistEd
 
     def param_fqn(e: RedistEdge) -> str | None:
         node = e.producer if e.kind == cost_model.PARAM_ALL_GATHER else e.consumer
-        while node not in fqn_of and node.op == "call_function" and node.args and isinstance(node.args[0], torch.fx.Node):
+        while (
+            node not in fqn_of and node.op == "call_function" and node.args and isinstance(node.args[0], torch.fx.Node)
+        ):
             node = node.args[0]  # the forward chain of layout/cast ops back to the parameter
         return fqn_of.get(node)
 
@@ -263,16 +261,17 @@ def _with_compute_windows(traced, strategies, unary, redist_edges: list[RedistEd
         block = next(iter(windows.forward))
         logger.info(
             "overlap windows of %s: forward %.2f ms, backward %.2f ms, %.1f MB of parameters",
-            block, windows.forward[block] * 1e3, windows.backward.get(block, 0.0) * 1e3, windows.param_bytes.get(block, 0) / 1e6,
+            block,
+            windows.forward[block] * 1e3,
+            windows.backward.get(block, 0.0) * 1e3,
+            windows.param_bytes.get(block, 0) / 1e6,
         )
     fqns = {e: param_fqn(e) for e in redist_edges if e.kind is not None}
     edges_per: dict = {}
     for e, fqn in fqns.items():
         edges_per[(fqn, e.kind)] = edges_per.get((fqn, e.kind), 0) + 1
     return [
-        replace(e, kind=windows.kind(e.kind, fqns[e], edges_per[(fqns[e], e.kind)]))
-        if fqns.get(e) is not None
-        else e
+        replace(e, kind=windows.kind(e.kind, fqns[e], edges_per[(fqns[e], e.kind)])) if fqns.get(e) is not None else e
         for e in redist_edges
     ]
 
@@ -334,7 +333,8 @@ def build_problem(
         if lazy:
             logger.info(
                 "dense problem estimated at %.2f GiB, over max_problem_bytes (%.2f GiB): lazy edge matrices and option pricing",
-                size.estimated_bytes / 2**30, constraints.max_problem_bytes / 2**30,
+                size.estimated_bytes / 2**30,
+                constraints.max_problem_bytes / 2**30,
             )
     if lazy:
         check_lazy_size(size, mesh, constraints.max_problem_bytes)
@@ -399,9 +399,7 @@ def build_problem(
     for name, (cname, placements) in constraints.pins.items():
         node = next(n for n in nodes if n.name == name)
         allowed = [
-            i
-            for i, o in enumerate(strategies[node].options)
-            if placements_of(o.output_specs) == tuple(placements)
+            i for i, o in enumerate(strategies[node].options) if placements_of(o.output_specs) == tuple(placements)
         ]
         pins.append(solver.Pin(cname, name, allowed))
 

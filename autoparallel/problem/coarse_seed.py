@@ -196,7 +196,9 @@ def lifted_plan(
     return _lifted(coarse, _solve(coarse, backend, time_limit), strategies, option_index or _OptionIndex())
 
 
-def _coarse_problem(traced, mesh: DeviceMesh, constraints: Constraints, *, device, overlap, repeats, merge: int) -> _CoarseProblem | None:
+def _coarse_problem(
+    traced, mesh: DeviceMesh, constraints: Constraints, *, device, overlap, repeats, merge: int
+) -> _CoarseProblem | None:
     """The coarse mesh's dense problem; None when a pin places the merged
     dims differently or the problem cannot be built (too big)."""
     i = merge
@@ -257,12 +259,21 @@ def _lifted(coarse: _CoarseProblem, sol: solver.Solution | None, strategies, ind
             continue
         o = strat.options[sol.choice[node.name]]
         k = index.find(
-            full.options, _lift(placements_of(o.output_specs), i), tuple(_lift(placements_of(s), i) for s in o.input_specs)
+            full.options,
+            _lift(placements_of(o.output_specs), i),
+            tuple(_lift(placements_of(s), i) for s in o.input_specs),
         )
         if k is not None:
             lifted[node.name] = k
     logger.info(
         "coarse mesh %s (dims %d and %d merged): plan %.6g (%s) lifted to %d of %d nodes in %.1fs",
-        coarse.shape, i, i + 1, sol.objective, sol.status, len(lifted), len(strategies), time.perf_counter() - coarse.started,
+        coarse.shape,
+        i,
+        i + 1,
+        sol.objective,
+        sol.status,
+        len(lifted),
+        len(strategies),
+        time.perf_counter() - coarse.started,
     )
     return lifted

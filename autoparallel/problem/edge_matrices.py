@@ -112,7 +112,9 @@ class EdgeMatrices:
         if class_rows is None:
             # as lists: dense rows then share these float objects (one per
             # class pair, not one per option pair)
-            class_rows = self._classes[class_key] = self._class_matrix(src_specs, dst_specs, kind, keep_partial).tolist()
+            class_rows = self._classes[class_key] = self._class_matrix(
+                src_specs, dst_specs, kind, keep_partial
+            ).tolist()
         return class_rows, row_class, col_class
 
     def drop_pair_cache(self) -> None:
@@ -153,7 +155,9 @@ class EdgeMatrices:
         if hit is not None:
             return hit[0]
         if self.lazy:
-            src_specs, row_class, dst_specs, col_class, class_key = self._class_specs(prod, cons, arg, kind, keep_partial)
+            src_specs, row_class, dst_specs, col_class, class_key = self._class_specs(
+                prod, cons, arg, kind, keep_partial
+            )
             grid = self._grids.get(class_key)
             if grid is None:
                 grid = self._grids[class_key] = _ClassGrid(
@@ -273,9 +277,6 @@ def _spec_classes(specs: list) -> tuple[list, list[int]]:
                 distinct.append(spec)
         classes.append(cls)
     return distinct, classes
-
-
-
 
 
 class _ClassGrid:

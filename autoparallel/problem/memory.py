@@ -158,7 +158,9 @@ def breakdown(plan, *, optimizer: OptimizerSpec | None = None, hbm_bytes: float 
             continue
         pbytes = DTYPE_BYTES.get(n.dtype or "float32", 4)
         gbytes = DTYPE_BYTES.get(reduce_dtype, pbytes) if reduce_dtype not in (None, "None") else pbytes
-        p, g, o = param_state_bytes(math.prod(n.shape), shard_factor(n.output_placements, mesh), pbytes, gbytes, optimizer)
+        p, g, o = param_state_bytes(
+            math.prod(n.shape), shard_factor(n.output_placements, mesh), pbytes, gbytes, optimizer
+        )
         params, grads, opt = params + p, grads + g, opt + o
     notes = hbm_notes
     activations, source = 0.0, ""

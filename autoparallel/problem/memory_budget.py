@@ -61,7 +61,7 @@ import torch.fx
 import solver
 
 from .memory import ADAMW, HBM_BYTES, OptimizerSpec, shard_factor
-from ..options.placements import SpecLabels, format_specs
+from ..options.placements import SpecLabels
 from ..capture.saved_activations import (  # noqa: F401  (saved_activation_nodes: public here too)
     nbytes,
     redistributed_inputs,
@@ -104,9 +104,7 @@ class MemoryBudget:
             raise ValueError("memory budget: give bytes or fraction (of the device's HBM), not both")
         if self.bytes is not None and not (isinstance(self.bytes, (int, float)) and self.bytes > 0):
             raise ValueError(f"memory budget: bytes must be a positive number, got {self.bytes!r}")
-        if self.fraction is not None and not (
-            isinstance(self.fraction, (int, float)) and 0 < self.fraction <= 1
-        ):
+        if self.fraction is not None and not (isinstance(self.fraction, (int, float)) and 0 < self.fraction <= 1):
             raise ValueError(f"memory budget: fraction (of HBM) must be in (0, 1], got {self.fraction!r}")
         if not isinstance(self.optimizer, OptimizerSpec):
             raise TypeError(f"memory budget: optimizer must be an OptimizerSpec, got {self.optimizer!r}")

@@ -160,7 +160,11 @@ def _close_over_structural_edges(problem: solver.Problem, seeds: dict[str, set[i
                 ok = allowed.get(other)
                 for k in np.flatnonzero(~np.isfinite(block).any(axis=1)):
                     everything = np.arange(m.shape[1] if by_row else m.shape[0], dtype=np.int64)
-                    row = m.block(have[k:k + 1], everything)[0] if by_row else m.block(everything, have[k:k + 1])[:, 0]
+                    row = (
+                        m.block(have[k : k + 1], everything)[0]
+                        if by_row
+                        else m.block(everything, have[k : k + 1])[:, 0]
+                    )
                     partner = next((int(j) for j in np.flatnonzero(np.isfinite(row)) if ok is None or j in ok), None)
                     if partner is not None:
                         seeds[other].add(partner)
@@ -198,8 +202,11 @@ def solve_lazy(problem: solver.Problem, strategies, *, plans=(), backend=None, t
     kept = sum(len(v) for v in result.kept.values())
     logger.info(
         "option pricing: %s, objective %.6g, bound %.6g, kept %d of %d options",
-        result.solution.status, result.solution.objective, result.solution.bound or float("nan"),
-        kept, sum(d.num_options for d in problem.decisions),
+        result.solution.status,
+        result.solution.objective,
+        result.solution.bound or float("nan"),
+        kept,
+        sum(d.num_options for d in problem.decisions),
     )
     return result
 
@@ -261,9 +268,7 @@ def _with_compute_bound(sol: solver.Solution, bound: float) -> solver.Solution:
     return dataclasses.replace(sol, bound=bound, gap=gap)
 
 
-def narrowed_solution(
-    result: PricingResult, dense: solver.Problem, choice: dict[str, int]
-) -> solver.Solution:
+def narrowed_solution(result: PricingResult, dense: solver.Problem, choice: dict[str, int]) -> solver.Solution:
     """The pricing solution over the narrowed dense problem: its choice
     mapped, its cost re-evaluated there (it must equal the priced one: the
     narrowed problem holds the same costs), status and bound from pricing."""

@@ -156,7 +156,8 @@ def check_problem_size(size: ProblemSize, mesh: DeviceMesh, limit: float | None)
         return
     biggest = "; ".join(f"{p} x {c}: {n:,} pairs" for n, p, c in size.largest)
     ops = "; ".join(
-        f"{op}: {nodes} nodes, {options:,} options, {pairs:,} pairs into them" for op, nodes, options, pairs in size.by_op
+        f"{op}: {nodes} nodes, {options:,} options, {pairs:,} pairs into them"
+        for op, nodes, options, pairs in size.by_op
     )
     raise ProblemTooLarge(
         f"planning problem too large to build: {size.describe()}, over the limit of "

@@ -95,15 +95,14 @@ def _timeline_svg(timeline: dict) -> str:
             f"{t['end'] * 1e3:.1f} ms</text>"
         )
         x0 += t["end"]
-        parts.append(f'<line x1="{left + x0 * scale:.1f}" x2="{left + x0 * scale:.1f}" y1="4" y2="{2 * lane + 20}" stroke="#999"/>')
+        parts.append(
+            f'<line x1="{left + x0 * scale:.1f}" x2="{left + x0 * scale:.1f}" y1="4" y2="{2 * lane + 20}" stroke="#999"/>'
+        )
     labels = (
         f'<text x="4" y="{10 + lane - 5}" font-size="11">compute</text>'
         f'<text x="4" y="{14 + 2 * lane - 5}" font-size="11">communication</text>'
     )
-    return (
-        f'<svg width="{width}" height="{height}" role="img" '
-        f'aria-label="timeline">{labels}{"".join(parts)}</svg>'
-    )
+    return f'<svg width="{width}" height="{height}" role="img" aria-label="timeline">{labels}{"".join(parts)}</svg>'
 
 
 def _rect(x, y, w, h, color, title=None) -> str:

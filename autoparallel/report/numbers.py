@@ -91,10 +91,14 @@ def pass_stat_lines(plan) -> list[str]:
     """One short line per pass and graph, figures rounded, zeros left out."""
     out = []
     for name, stats in stats_to_json(plan.pass_stats or {}).items():
-        per_graph = stats if isinstance(stats, dict) and all(isinstance(v, dict) for v in stats.values()) else {"": stats}
+        per_graph = (
+            stats if isinstance(stats, dict) and all(isinstance(v, dict) for v in stats.values()) else {"": stats}
+        )
         for graph, s in per_graph.items():
             if isinstance(s, dict):
-                fields = ", ".join(f"{k} {_fmt(v)}" for k, v in s.items() if v not in (0, 0.0, "", None, [], {}) and k != "graph")
+                fields = ", ".join(
+                    f"{k} {_fmt(v)}" for k, v in s.items() if v not in (0, 0.0, "", None, [], {}) and k != "graph"
+                )
             else:
                 fields = _fmt(s)
             out.append(f"  {name:22s} {graph:9s} {fields or '(nothing to do)'}")

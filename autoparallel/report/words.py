@@ -89,9 +89,7 @@ def expert_role(inputs: list[str], d: int) -> str:
     if d >= min(len(x), len(w1)):
         return "other"
     if _kind(w1[d]) == "S" and _dim(w1[d]) == 0:
-        return "expert parallel (tokens by all-to-all)" if _kind(x[d]) == "S" else (
-            "expert parallel (tokens gathered)"
-        )
+        return "expert parallel (tokens by all-to-all)" if _kind(x[d]) == "S" else ("expert parallel (tokens gathered)")
     if _kind(w1[d]) == "S":
         return "hidden split (TP)"
     if _kind(x[d]) == "S":
@@ -195,8 +193,10 @@ def describe(plan) -> list[str]:
                 else "HSDP replicate-across (data parallel, weights replicated across replicas, gradients all-reduced)"
             )
         elif main == "data":
-            what = "FSDP (data parallel, weights sharded, gathered for compute)" if weights_sharded else (
-                "DDP (data parallel, weights replicated)"
+            what = (
+                "FSDP (data parallel, weights sharded, gathered for compute)"
+                if weights_sharded
+                else ("DDP (data parallel, weights replicated)")
             )
         elif main in ("column", "row"):
             what = "tensor parallel (TP)"
@@ -213,8 +213,9 @@ def describe(plan) -> list[str]:
         for fam, per_dim in roles.items():
             role = per_dim[d].most_common(1)[0][0]
             if role != main:
-                odd["tensor parallel" if role in ("column", "row") else (
-                    "data parallel" if role == "data" else role)].append("logits" if fam == logits_family else fam)
+                odd[
+                    "tensor parallel" if role in ("column", "row") else ("data parallel" if role == "data" else role)
+                ].append("logits" if fam == logits_family else fam)
         if odd:
             what += "; except " + "; ".join(f"{k} for {', '.join(v)}" for k, v in odd.items())
         overall.append(f"{name} ({mesh[d]}): {what}")
@@ -244,8 +245,10 @@ def describe(plan) -> list[str]:
                 w = f"vocab-parallel over {names[d]} (column-parallel logits)"
             elif role in ("column", "row"):
                 kinds = sorted(k for k in counter if k in ("column", "row"))
-                w = f"tensor parallel over {names[d]} ({' then '.join(kinds)}-parallel)" if len(kinds) > 1 else (
-                    f"{role}-parallel over {names[d]} (TP)"
+                w = (
+                    f"tensor parallel over {names[d]} ({' then '.join(kinds)}-parallel)"
+                    if len(kinds) > 1
+                    else (f"{role}-parallel over {names[d]} (TP)")
                 )
             elif role == "replicated":
                 w = f"replicated over {names[d]}"
@@ -253,9 +256,12 @@ def describe(plan) -> list[str]:
                 w = f"other split over {names[d]}"
             if mixed and not set(counter) <= {"column", "row"}:
                 # say which projection does what
-                w = ", ".join(
-                    f"{'/'.join(leaves[(fam, d, r)])} {_ROLE_WORDS.get(r, r)}" for r, _ in counter.most_common()
-                ) + f" over {names[d]}"
+                w = (
+                    ", ".join(
+                        f"{'/'.join(leaves[(fam, d, r)])} {_ROLE_WORDS.get(r, r)}" for r, _ in counter.most_common()
+                    )
+                    + f" over {names[d]}"
+                )
             words.append(w)
         label = "logits" if fam == logits_family and len(roles) > 1 else fam
         lines.append(f"{label} matmuls: " + ", ".join(words))

@@ -183,8 +183,7 @@ class MergePhase:
                 if find(a) not in roots:
                     continue
                 if k in general:
-                    mp = np.array([-1 if o is None else o for o in link.mapping],
-                                  dtype=np.int64)
+                    mp = np.array([-1 if o is None else o for o in link.mapping], dtype=np.int64)
                 else:
                     mp = None  # identity
                 adj.setdefault(a, []).append((k, b, mp, True))
@@ -244,17 +243,12 @@ class MergePhase:
         else:
             cause = self._link_cause(members, adj)
         base = omap[root]
-        omaps = [
-            None if omap[m] is base and len(decs[m].options) == n_root else omap[m]
-            for m in members
-        ]
+        omaps = [None if omap[m] is base and len(decs[m].options) == n_root else omap[m] for m in members]
         return members, omaps, valid, cause
 
     def _link_cause(self, members: list[int], adj: dict[int, list]) -> str:
         p = self.p
-        names = list(dict.fromkeys(
-            p.links[k].name for m in members for k, _, _, forward in adj[m] if forward
-        ))
+        names = list(dict.fromkeys(p.links[k].name for m in members for k, _, _, forward in adj[m] if forward))
         return (
             f"links {', '.join(map(repr, names))} leave no consistent "
             f"correspondence between the options of "
@@ -344,8 +338,7 @@ class MergePhase:
                 if n_same > 1:
                     A = A * n_same
                 if len(mats) > 1:
-                    rest = np.fromiter(_chain(_chain(mats[1:])), float,
-                                       (len(mats) - 1) * n_p * n_c)
+                    rest = np.fromiter(_chain(_chain(mats[1:])), float, (len(mats) - 1) * n_p * n_c)
                     A = A + rest.reshape(len(mats) - 1, n_p, n_c).sum(0)
                 rows, cols = sel[ip], sel[ic]
                 if rows is not None and cols is not None:

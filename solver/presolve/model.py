@@ -75,9 +75,7 @@ class Presolved:
                 raise KeyError(f"reduced choice has no option for {name!r}")
             t = reduced_choice[name]
             if not isinstance(t, (int, np.integer)) or not 0 <= t < len(alive):
-                raise ValueError(
-                    f"reduced choice {t!r} for {name!r} out of range 0..{len(alive) - 1}"
-                )
+                raise ValueError(f"reduced choice {t!r} for {name!r} out of range 0..{len(alive) - 1}")
             root[g] = int(alive[t])
         for step in reversed(self._steps):
             kind, g = step[0], step[1]

@@ -6,7 +6,17 @@ import logging
 
 import numpy as np
 
-from .model import DENSE_DOMINANCE_MAX, DOMINANCE_ROUNDS, PAIR_RTOL, SPARSE_GAIN_RTOL, PresolveInfeasible, _Resource, _and, _separable, _slack
+from .model import (
+    DENSE_DOMINANCE_MAX,
+    DOMINANCE_ROUNDS,
+    PAIR_RTOL,
+    SPARSE_GAIN_RTOL,
+    PresolveInfeasible,
+    _Resource,
+    _and,
+    _separable,
+    _slack,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -214,7 +224,7 @@ class ReducePhase:
         rows = np.arange(n)
         scale = float(np.abs(udiff[np.isfinite(udiff)]).max(initial=0.0))
         for a, w in zip(starts.tolist(), widths):
-            Ce, Cke = C[:, a:a + w], Ck[:, a:a + w]
+            Ce, Cke = C[:, a : a + w], Ck[:, a : a + w]
             finite = Ce[np.isfinite(Ce)]
             scale += float(np.abs(finite).max(initial=0.0))
             ji = np.argmin(Ce, axis=1)  # i's cheapest partner
@@ -235,7 +245,7 @@ class ReducePhase:
         width = C.shape[1]
         step = max(1, DENSE_DOMINANCE_MAX // max(1, width))
         for s in range(0, len(kc), step):
-            k, i = kc[s:s + step], ic[s:s + step]
+            k, i = kc[s : s + step], ic[s : s + step]
             D = Ck[k] - C[i]
             gain[k, i] = udiff[k, i] + np.maximum.reduceat(D, starts, axis=1).sum(1)
         return gain
@@ -247,7 +257,7 @@ class ReducePhase:
         finite = np.isfinite(C)
         # Strictly below -tol: rounding can neither fake nor cycle a strict gain.
         scale = float(np.abs(u).max()) + sum(
-            float(np.abs(np.where(finite[:, a:a + w], C[:, a:a + w], 0.0)).max())
+            float(np.abs(np.where(finite[:, a : a + w], C[:, a : a + w], 0.0)).max())
             for a, w in zip(starts.tolist(), widths)
         )
         tol = PAIR_RTOL * scale
@@ -265,9 +275,9 @@ class ReducePhase:
         out = []
         for t, (a, w) in enumerate(zip(starts.tolist(), widths)):
             rest = udiff + before[:, :, t] + after[:, :, t]
-            cond = (rest[:, :, None] + D[:, :, a:a + w]) < -tol
+            cond = (rest[:, :, None] + D[:, :, a : a + w]) < -tol
             cond &= allowed[:, :, None]
-            cut = cond.any(0) & finite[:, a:a + w]  # [i, j], newly forbidden only
+            cut = cond.any(0) & finite[:, a : a + w]  # [i, j], newly forbidden only
             out.append(cut if cut.any() else None)
         return out
 
@@ -309,7 +319,7 @@ class ReducePhase:
             e = self.edges[eid]
             mats.append((nb, e.M if e.u == g else e.M.T))
         if len(mats) == 1:
-            (a, Ma), = mats
+            ((a, Ma),) = mats
             T = u + Ma.T  # [a, g]
             arg = T.argmin(1)
             best = T[np.arange(T.shape[0]), arg]
@@ -368,9 +378,7 @@ class ReducePhase:
                 keep &= sum_lo - lo[g] + w <= res.high + _slack(res.high)
             if res.low is not None:
                 keep &= sum_hi - hi[g] + w >= res.low - _slack(res.low)
-            self._restrict(
-                g, keep, f"resource constraint {res.name!r} cannot be met with these options"
-            )
+            self._restrict(g, keep, f"resource constraint {res.name!r} cannot be met with these options")
 
     def _check_constant_resource(self, res: _Resource) -> None:
         if (res.high is not None and 0.0 > res.high + _slack(res.high)) or (

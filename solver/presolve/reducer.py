@@ -64,9 +64,7 @@ class Reducer(MergePhase, ReducePhase):
         self._push(e.u)
         self._push(e.v)
 
-    def _add_unary(
-        self, g: int, vec: np.ndarray, why: str = "a decided neighbour forbids it"
-    ) -> None:
+    def _add_unary(self, g: int, vec: np.ndarray, why: str = "a decided neighbour forbids it") -> None:
         self.unary[g] = self.unary[g] + vec
         self._push(g)
         bad = ~np.isfinite(self.unary[g])
@@ -100,9 +98,7 @@ class Reducer(MergePhase, ReducePhase):
             unary = self.unary[g]
             if not decisions and self.const:
                 unary = unary + self.const  # the constant rides on one decision
-            decisions.append(
-                Decision(name, [labels[r] for r in self.alive[g].tolist()], unary.tolist())
-            )
+            decisions.append(Decision(name, [labels[r] for r in self.alive[g].tolist()], unary.tolist()))
             final[name] = (g, self.alive[g])
         s = self.stats
         # Counted before the stand-in below: it decides nothing.

@@ -81,7 +81,10 @@ def count_hand_step(model: torch.nn.Module, tokens: torch.Tensor, loss_fn) -> Co
     counts = Counter()
     for op, n in comm.get_comm_counts().items():
         name = str(op).replace("_", "")  # functional and c10d spellings alike
-        kind = next((k for k in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all") if k.replace("_", "") in name), str(op))
+        kind = next(
+            (k for k in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all") if k.replace("_", "") in name),
+            str(op),
+        )
         counts[kind] += n
     return counts
 

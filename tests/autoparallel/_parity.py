@@ -49,9 +49,7 @@ def slow_compute_device() -> DeviceSpec:
     """H100 with ~1e6x slower compute and memory: communication is free by
     comparison, so the plan splits every op it can."""
     h100 = DeviceSpec.get("H100")
-    return dataclasses.replace(
-        h100, name="slow-compute", peak_bf16=1e9, peak_fp32=1e9, peak_tf32=1e9, hbm_bw=1e9
-    )
+    return dataclasses.replace(h100, name="slow-compute", peak_bf16=1e9, peak_fp32=1e9, peak_tf32=1e9, hbm_bw=1e9)
 
 
 def sharded_matmul_fraction(plan) -> float:

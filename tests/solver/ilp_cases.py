@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import math
 import random
 
 from solver.problem import INF, Decision, Edge, Link, Pin, Problem, ResourceConstraint
@@ -22,10 +21,7 @@ def random_matrix(rng: random.Random, rows: int, cols: int, kind: str) -> list[l
         s = [rng.uniform(-2, 5) for _ in range(cols)]
         return [[ri + sj for sj in s] for ri in r]
     if kind == "comm":  # free when "the same" option, a price otherwise
-        return [
-            [0.0 if i == j else rng.choice([1.0, 2.0, 4.0]) for j in range(cols)]
-            for i in range(rows)
-        ]
+        return [[0.0 if i == j else rng.choice([1.0, 2.0, 4.0]) for j in range(cols)] for i in range(rows)]
     if kind == "blocks":  # interchangeable options: repeated rows and columns
         block = [[0.0, rng.choice([1.0, 3.5, INF])], [rng.choice([2.0, 6.0]), 0.0]]
         rclass = ([0, 1] + [rng.randrange(2) for _ in range(rows)])[:rows]
@@ -98,9 +94,7 @@ def random_problem(seed: int, *, max_decisions: int = 6, max_options: int = 4) -
     resources = []
     for t in range(rng.randint(0, 2)):
         chosen = rng.sample(decisions, rng.randint(1, n))
-        terms = {
-            d.name: [float(rng.randint(0, 8)) for _ in range(d.num_options)] for d in chosen
-        }
+        terms = {d.name: [float(rng.randint(0, 8)) for _ in range(d.num_options)] for d in chosen}
         lo_sum = sum(min(w) for w in terms.values())
         hi_sum = sum(max(w) for w in terms.values())
         low = high = None
@@ -138,9 +132,7 @@ def feasible_choice(problem: Problem, choice: dict[str, int], groups: set[str] |
         if groups is not None and r.name not in groups:
             continue
         total = sum(w[choice[n]] for n, w in r.terms.items())
-        if (r.low is not None and total < r.low - 1e-9) or (
-            r.high is not None and total > r.high + 1e-9
-        ):
+        if (r.low is not None and total < r.low - 1e-9) or (r.high is not None and total > r.high + 1e-9):
             return False
     return True
 
@@ -167,9 +159,18 @@ def brute_force(problem: Problem, groups: set[str] | None = None):
 
 _LABELS = ("R", "S0", "S1", "P")
 _COMM = {  # cost factor of turning label a into label b on one mesh dim
-    ("R", "S0"): 0.0, ("R", "S1"): 0.0, ("S0", "R"): 1.0, ("S1", "R"): 1.0,
-    ("S0", "S1"): 1.0, ("S1", "S0"): 1.0, ("P", "R"): 2.0, ("P", "S0"): 1.0,
-    ("P", "S1"): 1.0, ("R", "P"): INF, ("S0", "P"): INF, ("S1", "P"): INF,
+    ("R", "S0"): 0.0,
+    ("R", "S1"): 0.0,
+    ("S0", "R"): 1.0,
+    ("S1", "R"): 1.0,
+    ("S0", "S1"): 1.0,
+    ("S1", "S0"): 1.0,
+    ("P", "R"): 2.0,
+    ("P", "S0"): 1.0,
+    ("P", "S1"): 1.0,
+    ("R", "P"): INF,
+    ("S0", "P"): INF,
+    ("S1", "P"): INF,
 }
 
 
@@ -206,9 +207,7 @@ def transformer_problem(
         others = [p for p in all_places if p != replicated]
         places = [replicated] + rng.sample(others, min(n_opt, len(all_places)) - 1)
         flops = rng.uniform(1, 10)
-        unary = [
-            flops / (1 + sum(lbl != "R" for lbl in pl)) + rng.uniform(0, 0.01) for pl in places
-        ]
+        unary = [flops / (1 + sum(lbl != "R" for lbl in pl)) + rng.uniform(0, 0.01) for pl in places]
         inputs = []
         if k > 0:
             inputs.append((k - 1, rng.uniform(0.5, 4)))
@@ -218,9 +217,7 @@ def transformer_problem(
 
     def layer(prefix: str, scale: float, decisions, edges):
         for k, (places, unary, inputs) in enumerate(ops):
-            decisions.append(
-                Decision(f"{prefix}op{k}", ["".join(p) for p in places], [u * scale for u in unary])
-            )
+            decisions.append(Decision(f"{prefix}op{k}", ["".join(p) for p in places], [u * scale for u in unary]))
             for arg, (src, size) in enumerate(inputs):
                 src_places = ops[src][0]
                 m = [[_redistribute(a, b, size) * scale for b in places] for a in src_places]
@@ -240,9 +237,7 @@ def transformer_problem(
             layer(f"L{li}.", 1.0, decisions, edges)
             if li > 0:
                 for k, (places, _, _) in enumerate(ops):
-                    links.append(
-                        Link("repeated layers", f"L0.op{k}", f"L{li}.op{k}", list(range(len(places))))
-                    )
+                    links.append(Link("repeated layers", f"L0.op{k}", f"L{li}.op{k}", list(range(len(places)))))
             if li > 0:  # the residual stream flows from one layer into the next
                 last = ops[-1][0]
                 first = ops[0][0]

@@ -108,7 +108,7 @@ def _huge_int(where: str) -> bytes:
         (bytes(range(256)) * 4, "not a JSON text file"),
         (b"\xff\xfe{}", "not a JSON text file"),
         (b"", "not valid JSON"),
-        (b"{" * 1 + b"\"schema\": ", "not valid JSON"),
+        (b"{" * 1 + b'"schema": ', "not valid JSON"),
         (b"[" * 200000, "nested too deeply"),
         (b'{"schema": NaN}', "non-standard JSON constant"),
         (_huge_int("cost"), "decision 'a' (#0), option 0: cost is an integer of 401 digits"),
@@ -116,8 +116,18 @@ def _huge_int(where: str) -> bytes:
         (_huge_int("bound"), "$.resources[0].high: number too large for a float"),
         (json.dumps(_valid_dict()).replace('"costs"', '"kosts"').encode(), "missing key 'costs'"),
     ],
-    ids=["binary", "bom-ish", "empty", "truncated", "deep", "nan", "huge-cost", "huge-edge-cost",
-         "huge-bound", "missing-key"],
+    ids=[
+        "binary",
+        "bom-ish",
+        "empty",
+        "truncated",
+        "deep",
+        "nan",
+        "huge-cost",
+        "huge-edge-cost",
+        "huge-bound",
+        "missing-key",
+    ],
 )
 def test_malformed_dump_is_2(tmp_path, capsys, data, words):
     code, err = _run([_write_bytes(tmp_path, data)], capsys)
@@ -136,9 +146,7 @@ def test_real_process_exit_codes(good, tmp_path):
     binary = _write_bytes(tmp_path, bytes(range(256)))
 
     def rc(*args):
-        return subprocess.run(
-            [sys.executable, "-m", "solver", *map(str, args)], capture_output=True, text=True
-        )
+        return subprocess.run([sys.executable, "-m", "solver", *map(str, args)], capture_output=True, text=True)
 
     ok, bad_arg, bad_file = rc(good), rc(good, "--gap", "nan", "--time-limit", "-1"), rc(binary)
     assert ok.returncode == 0, ok.stderr

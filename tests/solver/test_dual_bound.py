@@ -70,8 +70,10 @@ def test_rewritten_costs_are_exact_and_edges_never_negative():
             if not math.isfinite(cost):
                 continue
             again = r.constant + sum(r.unary[i][o] for i, o in enumerate(choice))
-            again += sum(float(e.block(np.array([choice[e.p]]), np.array([choice[e.c]]))[0, 0])
-                         - a[choice[e.p]] - b[choice[e.c]] for e, a, b in zip(q.edges, r.alpha, r.beta))
+            again += sum(
+                float(e.block(np.array([choice[e.p]]), np.array([choice[e.c]]))[0, 0]) - a[choice[e.p]] - b[choice[e.c]]
+                for e, a, b in zip(q.edges, r.alpha, r.beta)
+            )
             assert again == pytest.approx(cost, rel=1e-9, abs=1e-9)
             assert cost >= d.bound() - 1e-9
 
@@ -129,14 +131,16 @@ def test_budget_at_the_lightest_total_pins_its_classes():
     """A memory budget only the lightest options meet (the parameters
     fully sharded): the filter leaves those alone, and the ascent's bound
     then counts what they cost."""
-    d = [Decision("w", ["shard", "replicate"], [0.0, 0.0]),
-         Decision("x", ["A", "B"], [1.0, 1.0])]
+    d = [Decision("w", ["shard", "replicate"], [0.0, 0.0]), Decision("x", ["A", "B"], [1.0, 1.0])]
     e = [Edge("w", "x", 0, [[5.0, 0.0], [0.0, 5.0]])]
     p = Problem(d, e, resources=[ResourceConstraint("mem", {"w": [1.0, 8.0]}, None, 1.0)])
     q = build_quotient(p)
     bound = DualAscent(q).run(10)
     assert bound == pytest.approx(1.0)  # x at B, w at shard: 1 + 0
     assert DualAscent(build_quotient(Problem(d, e))).run(10) == pytest.approx(1.0)
-    p2 = Problem(d, [Edge("w", "x", 0, [[5.0, 5.0], [0.0, 0.0]])],
-                 resources=[ResourceConstraint("mem", {"w": [1.0, 8.0]}, None, 1.0)])
+    p2 = Problem(
+        d,
+        [Edge("w", "x", 0, [[5.0, 5.0], [0.0, 0.0]])],
+        resources=[ResourceConstraint("mem", {"w": [1.0, 8.0]}, None, 1.0)],
+    )
     assert DualAscent(build_quotient(p2)).run(10) == pytest.approx(6.0)  # without the filter: 1.0

@@ -4,7 +4,6 @@ shortcuts, backends and the solve() contract."""
 from __future__ import annotations
 
 import importlib.util
-import math
 import random
 
 import pytest
@@ -34,9 +33,7 @@ def check_against_brute_force(problem: Problem, backend: str, presolve: bool) ->
     unary, edge = evaluate(problem, s.choice)
     assert s.objective == pytest.approx(unary + edge, rel=1e-12, abs=1e-12)
     assert (s.unary_cost, s.edge_cost) == (unary, edge)
-    assert s.objective == pytest.approx(expected[0], rel=1e-6, abs=1e-15), (
-        f"brute force {expected}, got {s.choice}"
-    )
+    assert s.objective == pytest.approx(expected[0], rel=1e-6, abs=1e-15), f"brute force {expected}, got {s.choice}"
 
 
 @pytest.mark.parametrize("presolve", PRESOLVE)
@@ -51,8 +48,18 @@ def test_random_problems_match_brute_force(backend, presolve, chunk):
 
 def test_random_problems_cover_every_case():
     """The random suite really exercises what it claims to."""
-    seen = {"infeasible": 0, "separable": 0, "pairwise": 0, "fixed": 0, "links": 0,
-            "resources": 0, "pins": 0, "inf pairs": 0, "diagonal": 0, "blocks": 0}
+    seen = {
+        "infeasible": 0,
+        "separable": 0,
+        "pairwise": 0,
+        "fixed": 0,
+        "links": 0,
+        "resources": 0,
+        "pins": 0,
+        "inf pairs": 0,
+        "diagonal": 0,
+        "blocks": 0,
+    }
     for seed in range(240):
         p = random_problem(seed)
         m = build(p)
@@ -129,8 +136,7 @@ def test_parallel_and_linked_edges_are_summed():
         decisions += [two(f"u{layer}", [1, 2, 3]), two(f"v{layer}", [2, 1, 1])]
         edges += [Edge(f"u{layer}", f"v{layer}", 0, comm), Edge(f"u{layer}", f"v{layer}", 1, comm)]
         if layer:
-            links += [Link("layers", "u0", f"u{layer}", [0, 1, 2]),
-                      Link("layers", "v0", f"v{layer}", [0, 1, 2])]
+            links += [Link("layers", "u0", f"u{layer}", [0, 1, 2]), Link("layers", "v0", f"v{layer}", [0, 1, 2])]
     p = Problem(decisions, edges, links=links)
     m = build(p)
     assert m.num_x == 6 and m.num_cols - m.num_x == 9
@@ -280,8 +286,7 @@ def _coupled_budget(seed: int) -> Problem:
     n = rng.randint(4, 6)
     names = [f"d{i}" for i in range(n)]
     decisions = [
-        Decision(name, ["heavy", "light", "mid"], [0.0, 1.0 + rng.random(), 0.5 + rng.random()])
-        for name in names
+        Decision(name, ["heavy", "light", "mid"], [0.0, 1.0 + rng.random(), 0.5 + rng.random()]) for name in names
     ]
     agree = [[0.0 if i == j else 3.0 + rng.random() for j in range(3)] for i in range(3)]
     edges = [Edge(a, b, 0, agree) for a, b in zip(names, names[1:])]

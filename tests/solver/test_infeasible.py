@@ -57,9 +57,7 @@ def test_feasible_problem_does_not_raise(backend, presolve):
 @pytest.mark.parametrize("presolve", PRESOLVE)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_known_conflicting_pair_is_named_exactly(backend, presolve):
-    p = model_problem(
-        extra_resources=[ResourceConstraint("replicated input too big", {"input": [9, 0, 0]}, high=5)]
-    )
+    p = model_problem(extra_resources=[ResourceConstraint("replicated input too big", {"input": [9, 0, 0]}, high=5)])
     with pytest.raises(InfeasibleError) as info:
         solve(p, backend=backend, presolve=presolve)
     assert info.value.conflict == ["input constraint 0", "replicated input too big"]
@@ -81,9 +79,7 @@ def test_known_conflicting_triple_is_named_exactly(backend, presolve):
 
 
 def test_conflicting_pair_message():
-    p = model_problem(
-        extra_resources=[ResourceConstraint("replicated input too big", {"input": [9, 0, 0]}, high=5)]
-    )
+    p = model_problem(extra_resources=[ResourceConstraint("replicated input too big", {"input": [9, 0, 0]}, high=5)])
     err = diagnose(p)
     assert err.conflict == ["input constraint 0", "replicated input too big"]
     assert str(err) == (
@@ -107,8 +103,7 @@ def test_single_unsatisfiable_constraint():
         solve(p, presolve=False)
     assert info.value.conflict == ["want shard"]
     assert str(info.value) == (
-        "Infeasible: constraint 'want shard' cannot be satisfied "
-        "(removing it makes the problem feasible)"
+        "Infeasible: constraint 'want shard' cannot be satisfied (removing it makes the problem feasible)"
     )
 
 
@@ -128,8 +123,11 @@ def test_decision_with_all_options_forbidden_is_named():
 def test_edge_forbidding_every_pair_is_named():
     p = Problem(
         [dec("a", 2, [1, INF]), dec("b", 2), dec("c", 2)],
-        [Edge("a", "b", 0, [[INF, 0], [0, 0]]), Edge("b", "c", 0, [[0, INF], [INF, 0]]),
-         Edge("a", "c", 0, [[0, INF], [0, 0]])],
+        [
+            Edge("a", "b", 0, [[INF, 0], [0, 0]]),
+            Edge("b", "c", 0, [[0, INF], [INF, 0]]),
+            Edge("a", "c", 0, [[0, INF], [0, 0]]),
+        ],
     )
     err = diagnose(p)
     # a=0 forces c=0, c=0 forces b=0, but a=0 forbids b=0.

@@ -106,9 +106,7 @@ def random_problem(
     decisions = []
     for i in range(n):
         k = rng.randint(1, 4)
-        decisions.append(
-            Decision(f"d{i}", [f"o{j}" for j in range(k)], [_cost(rng, p_inf) for _ in range(k)])
-        )
+        decisions.append(Decision(f"d{i}", [f"o{j}" for j in range(k)], [_cost(rng, p_inf) for _ in range(k)]))
     edges = []
     for _ in range(rng.randint(0, 2 * n)):
         a, b = rng.sample(range(n), 2) if n > 1 else (0, 0)
@@ -151,10 +149,7 @@ def random_problem(
     res = []
     if resources and rng.random() < 0.4:
         members = rng.sample(range(n), rng.randint(1, n))
-        terms = {
-            f"d{i}": [float(rng.randint(0, 5)) for _ in range(decisions[i].num_options)]
-            for i in members
-        }
+        terms = {f"d{i}": [float(rng.randint(0, 5)) for _ in range(decisions[i].num_options)] for i in members}
         lo_sum = sum(min(w) for w in terms.values())
         hi_sum = sum(max(w) for w in terms.values())
         mid = rng.uniform(lo_sum, hi_sum)
@@ -173,8 +168,7 @@ def test_random_problems_keep_their_optimum(seed):
 @pytest.mark.parametrize("seed", range(100))
 def test_random_unconstrained_problems(seed):
     rng = random.Random(10_000 + seed)
-    check_exact(random_problem(rng, n=rng.randint(4, 7), links=False, pins=False,
-                               resources=False, p_inf=0.0))
+    check_exact(random_problem(rng, n=rng.randint(4, 7), links=False, pins=False, resources=False, p_inf=0.0))
 
 
 @pytest.mark.parametrize("seed", range(60))
@@ -183,11 +177,13 @@ def test_random_link_cycles(seed):
     rng = random.Random(20_000 + seed)
     n, k = rng.randint(3, 5), rng.randint(2, 4)
     p = random_problem(rng, n=n, links=False)
-    p.decisions = [Decision(f"d{i}", [f"o{j}" for j in range(k)],
-                            [float(rng.randint(0, 6)) for _ in range(k)]) for i in range(n)]
-    p.edges = [Edge(f"d{i}", f"d{(i + 1) % n}", 0,
-                    [[float(rng.randint(0, 5)) for _ in range(k)] for _ in range(k)])
-               for i in range(n)]
+    p.decisions = [
+        Decision(f"d{i}", [f"o{j}" for j in range(k)], [float(rng.randint(0, 6)) for _ in range(k)]) for i in range(n)
+    ]
+    p.edges = [
+        Edge(f"d{i}", f"d{(i + 1) % n}", 0, [[float(rng.randint(0, 5)) for _ in range(k)] for _ in range(k)])
+        for i in range(n)
+    ]
     p.pins, p.resources = [], []
     for i in range(n):
         perm = list(range(k))
@@ -236,9 +232,11 @@ def test_links_merge_repeated_layers_and_sum_their_edges():
 def test_expand_respects_link_mappings():
     # b's option i corresponds to a's option 2 - i.
     p = Problem(
-        [Decision("a", ["x", "y", "z"], [0.0, 1.0, 2.0]),
-         Decision("b", ["z", "y", "x"], [5.0, 0.0, 0.0]),
-         Decision("c", ["x", "y"], [0.0, 0.0])],
+        [
+            Decision("a", ["x", "y", "z"], [0.0, 1.0, 2.0]),
+            Decision("b", ["z", "y", "x"], [5.0, 0.0, 0.0]),
+            Decision("c", ["x", "y"], [0.0, 0.0]),
+        ],
         [Edge("a", "c", 0, [[0.0, 9.0], [9.0, 0.0], [4.0, 4.0]])],
         links=[Link("rev", "a", "b", [2, 1, 0])],
     )
@@ -249,8 +247,7 @@ def test_expand_respects_link_mappings():
 
 def test_partial_mapping_forbids_unmapped_options():
     p = Problem(
-        [Decision("a", ["x", "y", "z"], [0.0, 5.0, 5.0]),
-         Decision("b", ["x", "y"], [0.0, 0.0])],
+        [Decision("a", ["x", "y", "z"], [0.0, 5.0, 5.0]), Decision("b", ["x", "y"], [0.0, 0.0])],
         links=[Link("l", "a", "b", [None, 0, 1])],
     )
     pre = check_exact(p)
@@ -274,8 +271,7 @@ def test_edge_inside_a_link_group_becomes_unary():
 def test_inconsistent_link_cycle_is_infeasible():
     p = Problem(
         [Decision(n, ["x", "y"], [0.0, 0.0]) for n in "abc"],
-        links=[Link("ab", "a", "b", [0, 1]), Link("bc", "b", "c", [0, 1]),
-               Link("ca", "c", "a", [1, 0])],
+        links=[Link("ab", "a", "b", [0, 1]), Link("bc", "b", "c", [0, 1]), Link("ca", "c", "a", [1, 0])],
     )
     with pytest.raises(PresolveInfeasible, match=r"'a'.*links 'ab', 'ca'|'a'.*links"):
         presolve(p)
@@ -311,15 +307,18 @@ def test_resource_bound_that_cannot_be_met_is_infeasible():
 
 def test_dominance_drops_options_and_keeps_lowest_id_among_equals():
     p = Problem(
-        [Decision("a", ["x", "y", "z", "w"], [1.0, 1.0, 3.0, 1.0]),
-         Decision("b", ["x", "y"], [0.0, 0.0]),
-         Decision("c", ["x", "y"], [0.0, 0.0])],
-        [Edge("a", "b", 0, [[0.0, 2.0], [0.0, 2.0], [0.0, 2.0], [0.0, 1.0]]),
-         Edge("a", "c", 0, [[1.0, 0.0], [1.0, 0.0], [1.0, 0.0], [0.0, 3.0]]),
-         Edge("b", "c", 0, [[0.0, 5.0], [5.0, 0.0]])],
+        [
+            Decision("a", ["x", "y", "z", "w"], [1.0, 1.0, 3.0, 1.0]),
+            Decision("b", ["x", "y"], [0.0, 0.0]),
+            Decision("c", ["x", "y"], [0.0, 0.0]),
+        ],
+        [
+            Edge("a", "b", 0, [[0.0, 2.0], [0.0, 2.0], [0.0, 2.0], [0.0, 1.0]]),
+            Edge("a", "c", 0, [[1.0, 0.0], [1.0, 0.0], [1.0, 0.0], [0.0, 3.0]]),
+            Edge("b", "c", 0, [[0.0, 5.0], [5.0, 0.0]]),
+        ],
         # In a resource constraint (equal weights): not eliminated, only dominated.
-        resources=[ResourceConstraint("mem", {"a": [1.0] * 4, "b": [1.0, 2.0], "c": [0.0, 0.0]},
-                                      high=10.0)],
+        resources=[ResourceConstraint("mem", {"a": [1.0] * 4, "b": [1.0, 2.0], "c": [0.0, 0.0]}, high=10.0)],
     )
     pre = check_exact(p)
     # y equals x (higher id goes), z is worse than x; w is not comparable.
@@ -363,8 +362,7 @@ def test_everything_decided_leaves_one_constant_decision():
 def test_stats_are_consistent(keep):
     p = layered(4)
     if keep:  # unbounded resource terms keep decisions from being eliminated
-        p.resources = [ResourceConstraint("tag", {d.name: [0.0] * d.num_options
-                                                  for d in p.decisions})]
+        p.resources = [ResourceConstraint("tag", {d.name: [0.0] * d.num_options for d in p.decisions})]
     pre = presolve(p)
     s = pre.stats
     assert isinstance(s, PresolveStats)
@@ -379,8 +377,7 @@ def test_stats_are_consistent(keep):
     assert s.edges_after == len(pre.problem.edges)
     assert s.pairs_after == sum(len(e.costs) * len(e.costs[0]) for e in pre.problem.edges)
     assert s.merged_by_links == 6  # 4 layers x 2 decisions -> 2 groups
-    assert s.decisions_after + s.decisions_fixed + s.decisions_eliminated + s.merged_by_links \
-        == s.decisions_before
+    assert s.decisions_after + s.decisions_fixed + s.decisions_eliminated + s.merged_by_links == s.decisions_before
     assert s.pairs_after <= s.pairs_before
     assert set(pre.timings) == {"merge", "reduce", "emit"}
 
@@ -412,12 +409,16 @@ def test_conditional_dominance_forbids_pairs_no_optimum_uses():
     # neither option of a dominates the other, but pairs (x, y), (y, x) go.
     free = ResourceConstraint("tag", {n: [0.0, 0.0] for n in "abc"})
     p = Problem(
-        [Decision("a", ["x", "y"], [0.0, 0.0]),
-         Decision("b", ["x", "y"], [0.0, 1.0]),
-         Decision("c", ["x", "y"], [1.0, 0.0])],
-        [Edge("a", "b", 0, [[0.0, 5.0], [5.0, 0.0]]),
-         Edge("a", "c", 0, [[0.0, 1.0], [1.0, 0.0]]),
-         Edge("b", "c", 0, [[0.0, 2.0], [2.0, 0.0]])],
+        [
+            Decision("a", ["x", "y"], [0.0, 0.0]),
+            Decision("b", ["x", "y"], [0.0, 1.0]),
+            Decision("c", ["x", "y"], [1.0, 0.0]),
+        ],
+        [
+            Edge("a", "b", 0, [[0.0, 5.0], [5.0, 0.0]]),
+            Edge("a", "c", 0, [[0.0, 1.0], [1.0, 0.0]]),
+            Edge("b", "c", 0, [[0.0, 2.0], [2.0, 0.0]]),
+        ],
         resources=[free],
     )
     pre = check_exact(p)
@@ -431,8 +432,9 @@ def test_conditional_dominance_forbids_pairs_no_optimum_uses():
 def test_random_problems_without_elimination(seed):
     """Every decision in an unbounded resource constraint: dominance does the work."""
     rng = random.Random(30_000 + seed)
-    p = random_problem(rng, n=rng.randint(3, 6), links=rng.random() < 0.3, pins=False,
-                       resources=False, p_inf=rng.choice([0.0, 0.05]))
+    p = random_problem(
+        rng, n=rng.randint(3, 6), links=rng.random() < 0.3, pins=False, resources=False, p_inf=rng.choice([0.0, 0.05])
+    )
     p.resources = [ResourceConstraint("tag", {d.name: [0.0] * d.num_options for d in p.decisions})]
     check_exact(p)
 
@@ -440,9 +442,7 @@ def test_random_problems_without_elimination(seed):
 def _without_pair_cuts(monkeypatch):
     from solver.presolve.reduce import ReducePhase
 
-    monkeypatch.setattr(
-        ReducePhase, "_pair_cuts", staticmethod(lambda u, C, D, *rest: [None] * D.shape[2])
-    )
+    monkeypatch.setattr(ReducePhase, "_pair_cuts", staticmethod(lambda u, C, D, *rest: [None] * D.shape[2]))
 
 
 def _reduced(pre) -> tuple:
@@ -464,8 +464,14 @@ def test_sparse_dominance_drops_what_the_dense_test_drops(monkeypatch):
     removed = 0
     for seed in range(150):
         rng = random.Random(40_000 + seed)
-        p = random_problem(rng, n=rng.randint(3, 6), links=rng.random() < 0.3, pins=False,
-                           resources=False, p_inf=rng.choice([0.0, 0.05, 0.2]))
+        p = random_problem(
+            rng,
+            n=rng.randint(3, 6),
+            links=rng.random() < 0.3,
+            pins=False,
+            resources=False,
+            p_inf=rng.choice([0.0, 0.05, 0.2]),
+        )
         p.resources = [ResourceConstraint("tag", {d.name: [0.0] * d.num_options for d in p.decisions})]
         try:
             dense = _reduced(presolve(p))

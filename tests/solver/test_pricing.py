@@ -85,8 +85,9 @@ def test_small_random_problems_dense_and_lazy():
         check(lazy_copy(p)[0], one_option_each(p), dense=p)
 
 
-def layered_problem(seed: int, *, layers=3, ops=4, options=12, pins=True, resource=True,
-                    inf_rate=0.05, lazy=True) -> Problem:
+def layered_problem(
+    seed: int, *, layers=3, ops=4, options=12, pins=True, resource=True, inf_rate=0.05, lazy=True
+) -> Problem:
     """Repeated layers (identity links, shared matrix objects) of a small
     op graph with a residual edge (an undirected cycle), an input feeding
     every layer (parallel edges between classes), pins, inf entries and a
@@ -277,14 +278,19 @@ def test_reduced_cost_fixing_and_the_max_options_cap(monkeypatch):
 
 
 def test_fixed_decisions_no_edges_and_infeasible_seed():
-    d = [Decision("a", ["x", "y", "z"], [3.0, 1.0, 2.0]),
-         Decision("b", ["x", "y", "z"], [0.0, 0.0, 0.0]),
-         Decision("lonely", ["x", "y"], [2.0, 1.5]),
-         Decision("fixed", ["x"], [0.25])]
+    d = [
+        Decision("a", ["x", "y", "z"], [3.0, 1.0, 2.0]),
+        Decision("b", ["x", "y", "z"], [0.0, 0.0, 0.0]),
+        Decision("lonely", ["x", "y"], [2.0, 1.5]),
+        Decision("fixed", ["x"], [0.25]),
+    ]
     m = [[0.0, math.inf, math.inf], [math.inf, math.inf, 1.0], [math.inf, 0.0, math.inf]]
-    p = Problem(d, [Edge("a", "b", 0, m), Edge("fixed", "b", 0, [[1.0, 0.0, 5.0]])],
-                pins=[Pin("b not x", "b", [1, 2])],
-                resources=[ResourceConstraint("mem", {"lonely": [0.0, 5.0]}, high=1.0)])
+    p = Problem(
+        d,
+        [Edge("a", "b", 0, m), Edge("fixed", "b", 0, [[1.0, 0.0, 5.0]])],
+        pins=[Pin("b not x", "b", [1, 2])],
+        resources=[ResourceConstraint("mem", {"lonely": [0.0, 5.0]}, high=1.0)],
+    )
     # seed {a: y, b: y}: the pair is forbidden (arc repair adds partners);
     # lonely's y breaks the memory row: the LP is infeasible until grown
     res = check(p, {"a": [1], "b": [1], "lonely": [1]})
@@ -293,8 +299,9 @@ def test_fixed_decisions_no_edges_and_infeasible_seed():
 
 def test_infeasible_problem_raises():
     d = [Decision("a", ["x", "y"], [0.0, 0.0]), Decision("b", ["x", "y"], [0.0, 0.0])]
-    p = Problem(d, [Edge("a", "b", 0, [[math.inf, 0.0], [0.0, math.inf]])],
-                pins=[Pin("a x", "a", [0]), Pin("b x", "b", [0])])
+    p = Problem(
+        d, [Edge("a", "b", 0, [[math.inf, 0.0], [0.0, math.inf]])], pins=[Pin("a x", "a", [0]), Pin("b x", "b", [0])]
+    )
     with pytest.raises(InfeasibleError):
         solve_by_pricing(p)
 
@@ -318,8 +325,10 @@ def test_time_limit_still_answers_with_a_valid_bound():
 
 
 def test_no_edges_and_bad_initial():
-    p = Problem([Decision("a", ["x", "y"], [2.0, 1.0]), Decision("b", ["x"], [0.5])],
-                resources=[ResourceConstraint("mem", {"a": [1.0, 3.0]}, high=2.0)])
+    p = Problem(
+        [Decision("a", ["x", "y"], [2.0, 1.0]), Decision("b", ["x"], [0.5])],
+        resources=[ResourceConstraint("mem", {"a": [1.0, 3.0]}, high=2.0)],
+    )
     res = check(p, {})
     assert res.solution.choice == {"a": 0, "b": 0}
     with pytest.raises(ValueError, match="0..1"):
@@ -390,8 +399,14 @@ def test_whole_row_pricing_tightens_the_bound_and_stays_exact():
     tighter = eliminated = direct = 0
     for seed in range(10):
         base = layered_problem(seed, inf_rate=0.1, pins=False)
-        dense = Problem(base.decisions, [Edge(e.producer, e.consumer, e.arg_index, e.costs.array.tolist())
-                                         for e in base.edges], base.pins, base.links, base.resources, base.name)
+        dense = Problem(
+            base.decisions,
+            [Edge(e.producer, e.consumer, e.arg_index, e.costs.array.tolist()) for e in base.edges],
+            base.pins,
+            base.links,
+            base.resources,
+            base.name,
+        )
         reducing = reducing_copy(base)
         floor_res = check(base, one_option_each(base), dense=dense)
         exact_res = check(reducing, one_option_each(base), dense=dense)

@@ -78,8 +78,8 @@ def test_bisection_closes_a_loose_relaxation_to_the_brute_force_optimum():
         assert bound <= want + tol
         loose += bound < want - 1e-3  # the local polytope sits under the optimum
         found, reached, proven = pricing_bisect.bisect_targets(
-            pr, ascent, start.objective, bound, lambda _: pr.solve_ilp(None, None), 10**6, 10**9, None,
-            PricingStats())
+            pr, ascent, start.objective, bound, lambda _: pr.solve_ilp(None, None), 10**6, 10**9, None, PricingStats()
+        )
         assert proven, (seed, bound, reached, want)
         best = start.objective if found is None else found.objective
         assert best == pytest.approx(want, rel=1e-9)
@@ -97,8 +97,8 @@ def test_bisection_cut_short_reports_a_valid_bound():
         want = solve(frustrated_cycles(seed)).objective
         pr, start, ascent, bound = _ascended(p, sweeps=5)
         found, reached, proven = pricing_bisect.bisect_targets(
-            pr, ascent, start.objective, bound, lambda _: pr.solve_ilp(None, None), 10**6, 30, None,
-            PricingStats())
+            pr, ascent, start.objective, bound, lambda _: pr.solve_ilp(None, None), 10**6, 30, None, PricingStats()
+        )
         tol = 1e-9 * max(1.0, abs(want))
         assert bound - tol <= reached <= want + tol
         best = start.objective if found is None else found.objective

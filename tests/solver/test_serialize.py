@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 import subprocess
 import sys
@@ -45,7 +44,7 @@ def sample_problem() -> Problem:
             Decision("embed", ["R", "S0", "S1"], [1.0, 0.5, INF]),
             Decision("layers.0.mlp", ["R", "S0"], [2, 0.25]),  # an int cost stays an int
             Decision("layers.1.mlp", ["R", "S0"], [2.0, 0.25]),
-            Decision("odd name \"x\"", ["R"], [0.0]),
+            Decision('odd name "x"', ["R"], [0.0]),
         ],
         edges=[
             Edge("embed", "layers.0.mlp", 0, [[0.0, 1e-9], [INF, 0.0], [3.5, INF]]),
@@ -57,10 +56,8 @@ def sample_problem() -> Problem:
             Link("partial", "embed", "layers.0.mlp", [None, 1, 0]),
         ],
         resources=[
-            ResourceConstraint(
-                "memory", {"embed": [4.0, 2.0, 2.0], "layers.0.mlp": [1.0, 0.5]}, low=None, high=5.5
-            ),
-            ResourceConstraint("unbounded above", {"odd name \"x\"": [1.0]}, low=-INF, high=INF),
+            ResourceConstraint("memory", {"embed": [4.0, 2.0, 2.0], "layers.0.mlp": [1.0, 0.5]}, low=None, high=5.5),
+            ResourceConstraint("unbounded above", {'odd name "x"': [1.0]}, low=-INF, high=INF),
         ],
         name="sample",
         metadata={
@@ -74,7 +71,7 @@ def sample_problem() -> Problem:
 
 def sample_solution() -> Solution:
     return Solution(
-        choice={"embed": 1, "layers.0.mlp": 1, "layers.1.mlp": 1, "odd name \"x\"": 0},
+        choice={"embed": 1, "layers.0.mlp": 1, "layers.1.mlp": 1, 'odd name "x"': 0},
         objective=3.75,
         unary_cost=1.25,
         edge_cost=2.5,
@@ -85,8 +82,9 @@ def sample_solution() -> Solution:
         timings={"presolve": 0.01, "build": 0.02, "solve": 0.5},
         num_variables=12,
         num_constraints=7,
-        presolve=PresolveStats(decisions_before=4, decisions_after=2, merged_by_links=1,
-                               decisions_fixed=1, edges_folded=2),
+        presolve=PresolveStats(
+            decisions_before=4, decisions_after=2, merged_by_links=1, decisions_fixed=1, edges_folded=2
+        ),
     )
 
 
@@ -154,41 +152,55 @@ def mutated(edit) -> dict:
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda d: d["decisions"][1]["costs"].__setitem__(1, "abc"),
-         r'\$\.decisions\[1\]\.costs\[1\]: expected a number or "inf", got "abc"'),
-        (lambda d: d["decisions"][0]["costs"].__setitem__(0, "-inf"),
-         r'\$\.decisions\[0\]\.costs\[0\]: expected a number or "inf", got "-inf"'),
-        (lambda d: d["edges"][0]["costs"][2].__setitem__(0, None),
-         r'\$\.edges\[0\]\.costs\[2\]\[0\]: expected a number or "inf", got null'),
-        (lambda d: d["edges"][1].__setitem__("arg_index", 1.5),
-         r"\$\.edges\[1\]\.arg_index: expected an integer, got 1\.5"),
-        (lambda d: d["edges"][1].__setitem__("costs", {"a": 1}),
-         r"\$\.edges\[1\]\.costs: expected an array, got an object"),
-        (lambda d: d["decisions"][2].pop("options"),
-         r"\$\.decisions\[2\]: missing key 'options'"),
-        (lambda d: d["decisions"][2].__setitem__("colour", "red"),
-         r"\$\.decisions\[2\]: unexpected key 'colour'"),
-        (lambda d: d["links"][1]["mapping"].__setitem__(0, True),
-         r"\$\.links\[1\]\.mapping\[0\]: expected an integer, got true"),
-        (lambda d: d["pins"][0].__setitem__("allowed", "0,1"),
-         r'\$\.pins\[0\]\.allowed: expected an array, got "0,1"'),
-        (lambda d: d["resources"][0]["terms"].__setitem__("layers.0.mlp", [1.0, "inf"]),
-         r'\$\.resources\[0\]\.terms\["layers\.0\.mlp"\]\[1\]: expected a number, got "inf"'),
-        (lambda d: d["resources"][0].__setitem__("high", "lots"),
-         r'\$\.resources\[0\]\.high: expected a number or "inf" or "-inf", got "lots"'),
-        (lambda d: d.__setitem__("decisions", None),
-         r"\$\.decisions: expected an array, got null"),
-        (lambda d: d.__setitem__("schema", "autoparallel.solver/0"),
-         r'\$\.schema: unsupported schema "autoparallel\.solver/0", expected '
-         r"'autoparallel\.solver/1'"),
+        (
+            lambda d: d["decisions"][1]["costs"].__setitem__(1, "abc"),
+            r'\$\.decisions\[1\]\.costs\[1\]: expected a number or "inf", got "abc"',
+        ),
+        (
+            lambda d: d["decisions"][0]["costs"].__setitem__(0, "-inf"),
+            r'\$\.decisions\[0\]\.costs\[0\]: expected a number or "inf", got "-inf"',
+        ),
+        (
+            lambda d: d["edges"][0]["costs"][2].__setitem__(0, None),
+            r'\$\.edges\[0\]\.costs\[2\]\[0\]: expected a number or "inf", got null',
+        ),
+        (
+            lambda d: d["edges"][1].__setitem__("arg_index", 1.5),
+            r"\$\.edges\[1\]\.arg_index: expected an integer, got 1\.5",
+        ),
+        (
+            lambda d: d["edges"][1].__setitem__("costs", {"a": 1}),
+            r"\$\.edges\[1\]\.costs: expected an array, got an object",
+        ),
+        (lambda d: d["decisions"][2].pop("options"), r"\$\.decisions\[2\]: missing key 'options'"),
+        (lambda d: d["decisions"][2].__setitem__("colour", "red"), r"\$\.decisions\[2\]: unexpected key 'colour'"),
+        (
+            lambda d: d["links"][1]["mapping"].__setitem__(0, True),
+            r"\$\.links\[1\]\.mapping\[0\]: expected an integer, got true",
+        ),
+        (lambda d: d["pins"][0].__setitem__("allowed", "0,1"), r'\$\.pins\[0\]\.allowed: expected an array, got "0,1"'),
+        (
+            lambda d: d["resources"][0]["terms"].__setitem__("layers.0.mlp", [1.0, "inf"]),
+            r'\$\.resources\[0\]\.terms\["layers\.0\.mlp"\]\[1\]: expected a number, got "inf"',
+        ),
+        (
+            lambda d: d["resources"][0].__setitem__("high", "lots"),
+            r'\$\.resources\[0\]\.high: expected a number or "inf" or "-inf", got "lots"',
+        ),
+        (lambda d: d.__setitem__("decisions", None), r"\$\.decisions: expected an array, got null"),
+        (
+            lambda d: d.__setitem__("schema", "autoparallel.solver/0"),
+            r'\$\.schema: unsupported schema "autoparallel\.solver/0", expected '
+            r"'autoparallel\.solver/1'",
+        ),
         (lambda d: d.pop("schema"), r"\$: missing key 'schema'"),
-        (lambda d: d.__setitem__("kind", "plan"),
-         r'\$\.kind: expected "problem", "solution" or "bundle", got "plan"'),
+        (lambda d: d.__setitem__("kind", "plan"), r'\$\.kind: expected "problem", "solution" or "bundle", got "plan"'),
         # Well-formed JSON, but not a valid problem: Problem.validate() speaks.
-        (lambda d: d["edges"][0].__setitem__("consumer", "nope"),
-         r"\$: invalid problem: edge #0 .*unknown decision 'nope'"),
-        (lambda d: d["edges"][1]["costs"][0].pop(),
-         r"\$: invalid problem: edge #1 .*row 0 has 1 entries"),
+        (
+            lambda d: d["edges"][0].__setitem__("consumer", "nope"),
+            r"\$: invalid problem: edge #0 .*unknown decision 'nope'",
+        ),
+        (lambda d: d["edges"][1]["costs"][0].pop(), r"\$: invalid problem: edge #1 .*row 0 has 1 entries"),
     ],
 )
 def test_malformed_problem_dumps_name_the_path(edit, message):
@@ -222,8 +234,10 @@ def test_load_reports_bad_json_and_the_file(tmp_path):
     path.write_text('{"schema": "autoparallel.solver/1", "kind": ')
     with pytest.raises(DumpError, match=r"broken\.json: not valid JSON"):
         load(path)
-    path.write_text('{"schema": "autoparallel.solver/1", "kind": "problem", '
-                    '"decisions": [{"name": "a", "options": ["R"], "costs": [Infinity]}]}')
+    path.write_text(
+        '{"schema": "autoparallel.solver/1", "kind": "problem", '
+        '"decisions": [{"name": "a", "options": ["R"], "costs": [Infinity]}]}'
+    )
     with pytest.raises(DumpError, match=r'broken\.json: .*Infinity.*"inf"'):
         load(path)
     path.write_text("[1, 2]")
@@ -244,7 +258,11 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run(
         [sys.executable, "-m", "solver", *args],
-        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
     )
 
 
@@ -254,8 +272,7 @@ def test_cli_solves_a_problem_dump_and_prints_a_summary(tmp_path):
     out_path = tmp_path / "solution.json"
     r = run_cli(str(path), "--backend", "cbc", "--output", str(out_path))
     assert r.returncode == 0, r.stderr
-    for word in ("status", "optimal", "objective", "unary", "edge", "timings", "presolve",
-                 "variables", "constraints"):
+    for word in ("status", "optimal", "objective", "unary", "edge", "timings", "presolve", "variables", "constraints"):
         assert word in r.stdout
     bundle = load(out_path)
     assert isinstance(bundle, Bundle) and bundle.solution.optimal

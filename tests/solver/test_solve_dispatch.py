@@ -76,10 +76,20 @@ def _fake_pricing(monkeypatch, status, objective_shift, bound_shift):
         if objective_shift:
             choice[d.name] = max(range(len(d.options)), key=lambda o: d.costs[o])
         unary, edge = evaluate(problem, choice)
-        sol = Solution(choice, unary + edge, unary, edge, status, status == "optimal", None, "pricing+fake",
-                       exact.objective - bound_shift)
-        return pricing_mod.PricingResult(sol, {d.name: list(range(len(d.options))) for d in problem.decisions},
-                                         pricing_mod.PricingStats())
+        sol = Solution(
+            choice,
+            unary + edge,
+            unary,
+            edge,
+            status,
+            status == "optimal",
+            None,
+            "pricing+fake",
+            exact.objective - bound_shift,
+        )
+        return pricing_mod.PricingResult(
+            sol, {d.name: list(range(len(d.options))) for d in problem.decisions}, pricing_mod.PricingStats()
+        )
 
     monkeypatch.setattr(pricing_mod, "solve_by_pricing", fake)
     return calls

@@ -23,8 +23,7 @@ def grid(n: int, k: int, seed: int) -> Problem:
         for j in range(n)
     ]
     es = [
-        Edge(f"v{i}_{j}", f"v{i + di}_{j + dj}", 0,
-             [[round(rng.uniform(0, 2), 3) for _ in range(k)] for _ in range(k)])
+        Edge(f"v{i}_{j}", f"v{i + di}_{j + dj}", 0, [[round(rng.uniform(0, 2), 3) for _ in range(k)] for _ in range(k)])
         for i in range(n)
         for j in range(n)
         for di, dj in ((0, 1), (1, 0))

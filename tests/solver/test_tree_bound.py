@@ -16,8 +16,9 @@ from solver.tree_bound import choice_cost, eliminate, tree_marginals
 
 def random_problem(seed: int, n: int, k: int, extra_edges: int, link: bool = False) -> Problem:
     rng = np.random.default_rng(seed)
-    decisions = [Decision(f"d{i}", [f"o{j}" for j in range(k)], rng.uniform(0, 3, k).round(3).tolist())
-                 for i in range(n)]
+    decisions = [
+        Decision(f"d{i}", [f"o{j}" for j in range(k)], rng.uniform(0, 3, k).round(3).tolist()) for i in range(n)
+    ]
     pairs = [(i - 1 - int(rng.integers(0, i)) if i > 1 else 0, i) for i in range(1, n)]  # a tree
     for _ in range(extra_edges):
         a, b = sorted(rng.choice(n, 2, replace=False).tolist())
@@ -119,7 +120,9 @@ def test_forest_over_dual_rewritten_costs_bounds_between_lp_bound_and_optimum():
     """Rewritten by a restricted LP's extended duals, a forest bounds at
     least as high as the LP bound (lp + sum of negative reduced costs) and
     never above the optimum; options of optimal plans survive elimination."""
-    import sys, os
+    import sys
+    import os
+
     sys.path.insert(0, os.path.dirname(__file__))
     from test_pricing import layered_problem, reducing_copy
     from solver import solve
@@ -136,8 +139,14 @@ def test_forest_over_dual_rewritten_costs_bounds_between_lp_bound_and_optimum():
             continue
         r = pr.reduced_costs(lp)
         lp_bound = lp.objective + sum(min(0.0, float(x.min())) for x in r)
-        dense = Problem(p.decisions, [Edge(e.producer, e.consumer, e.arg_index, e.costs.array.tolist())
-                                      for e in p.edges], p.pins, p.links, p.resources, p.name)
+        dense = Problem(
+            p.decisions,
+            [Edge(e.producer, e.consumer, e.arg_index, e.costs.array.tolist()) for e in p.edges],
+            p.pins,
+            p.links,
+            p.resources,
+            p.name,
+        )
         ref = solve(dense)
         tm = tree_marginals(q, reparam=pr.reparam)
         tol = 1e-7 * max(1.0, abs(ref.objective))

@@ -49,12 +49,15 @@ def test_valid_layers_agree():
     assert b.presolve.pairs_before == 3 * 6
 
 
-@pytest.mark.parametrize("bad, message", [
-    (math.nan, "entry [1][0]: cost nan is not a number or +inf"),
-    (-INF, "entry [1][0]: cost -inf is not a number or +inf"),
-    ("1.0", "entry [1][0]: cost '1.0' is not a number or +inf"),
-    (None, "entry [1][0]: cost None is not a number or +inf"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (math.nan, "entry [1][0]: cost nan is not a number or +inf"),
+        (-INF, "entry [1][0]: cost -inf is not a number or +inf"),
+        ("1.0", "entry [1][0]: cost '1.0' is not a number or +inf"),
+        (None, "entry [1][0]: cost None is not a number or +inf"),
+    ],
+)
 @pytest.mark.parametrize("k", [0, 1, 2])
 def test_bad_entry_in_one_copy_names_its_edge(bad, message, k):
     p = layers()
@@ -80,16 +83,14 @@ def test_bad_shapes_in_one_copy():
     assert errors(p) == ["edge #2 ('a2' -> 'b2'): row 1 has 2 entries, consumer has 3 options"] * 3
     p = layers()
     p.edges[1].costs.append([0.0, 0.0, 0.0])
-    assert errors(p) == [
-        "edge #1 ('a1' -> 'b1'): cost matrix has 3 rows, producer has 2 options"] * 3
+    assert errors(p) == ["edge #1 ('a1' -> 'b1'): cost matrix has 3 rows, producer has 2 options"] * 3
 
 
 def test_bad_entry_on_an_edge_between_linked_decisions():
     p = layers(diag=True)
     assert solve(p).objective == pytest.approx(solve(p, presolve=False).objective)
     p.edges[-1].costs[1][0] = math.nan  # off the diagonal: presolve would not read it
-    assert errors(p) == [
-        "edge #3 ('a0' -> 'a1'), entry [1][0]: cost nan is not a number or +inf"] * 3
+    assert errors(p) == ["edge #3 ('a0' -> 'a1'), entry [1][0]: cost nan is not a number or +inf"] * 3
 
 
 def test_first_error_wins_across_kinds():

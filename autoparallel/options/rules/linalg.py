@@ -100,9 +100,7 @@ def _runs_locally(node, option) -> bool:
     outs = tree_leaves(out)
     out_specs = tree_leaves(option.output_specs, is_leaf=lambda s: s is None or hasattr(s, "placements"))
     return all(
-        s is None or list(o.shape) == _local_shape(s)
-        for o, s in zip(outs, out_specs)
-        if isinstance(o, torch.Tensor)
+        s is None or list(o.shape) == _local_shape(s) for o, s in zip(outs, out_specs) if isinstance(o, torch.Tensor)
     )
 
 

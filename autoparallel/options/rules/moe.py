@@ -75,6 +75,7 @@ from ..strategies import InOpWork, Option, is_evenly_sharded, register_rule, ten
 _ops = torch.ops.autoparallel
 R, P = Replicate(), Partial()
 
+
 # Per-mode placements: (x, topk_idx, topk_w, w1, w3, w2, expert_ids) -> out,
 # and for the backward (grad_out, *those) -> (gx, gtw, gw1, gw3, gw2).
 def _modes(token_dims: tuple[int, ...]):
@@ -115,7 +116,7 @@ def _a2a_work(names, vals, in_specs, mesh, backward: bool) -> InOpWork | None:
         return None
     ep = mesh.size(m)
     off = 1 if backward else 0
-    x, idx, w1 = vals[off], vals[off + 1], vals[off + 3]
+    x, _idx, w1 = vals[off], vals[off + 1], vals[off + 3]
     x_spec, idx_spec, w1_spec = in_specs[off], in_specs[off + 1], in_specs[off + 3]
     dim, itemsize = x.shape[-1], x.element_size()
     rows = 1

@@ -37,13 +37,16 @@ def test_plan_and_apply_small_config(tmp_path, capsys, monkeypatch):
     # main() points the solver dumps at --dump-dir through the environment
     monkeypatch.setenv("AUTOPARALLEL_DUMP_DIR", str(tmp_path))
     example = _load_example()
-    example.main(["--model", "debug", "--mesh", "2", "4", "--seq", "64", "--batch", "8",
-                  "--dump-dir", str(tmp_path)])
+    example.main(["--model", "debug", "--mesh", "2", "4", "--seq", "64", "--batch", "8", "--dump-dir", str(tmp_path)])
     assert not dist.is_initialized()
     out = capsys.readouterr().out
     # the planning report (issue 3) ...
-    for section in ("== planning time ==", "== solver ==", "== placements by kind",
-                    "== estimated per step and rank =="):
+    for section in (
+        "== planning time ==",
+        "== solver ==",
+        "== placements by kind",
+        "== estimated per step and rank ==",
+    ):
         assert section in out
     assert (tmp_path / "plan.json").exists()
     # ... then apply
@@ -53,15 +56,31 @@ def test_plan_and_apply_small_config(tmp_path, capsys, monkeypatch):
     assert rows, out
     phases = {r[0] for r in rows}
     assert phases == {"forward", "backward"}
-    assert all(r[1] in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single")
-               for r in rows)
+    assert all(
+        r[1] in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single") for r in rows
+    )
 
 
 @pytest.mark.slow
 def test_real_torchrun_gloo(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           str(EXAMPLE), "--real", "--mesh", "2", "2", "--steps", "3", "--dump-dir", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        str(EXAMPLE),
+        "--real",
+        "--mesh",
+        "2",
+        "2",
+        "--steps",
+        "3",
+        "--dump-dir",
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, cwd=EXAMPLE.parents[1], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "mesh {'dp': 2, 'tp': 2}" in proc.stdout
@@ -81,7 +100,9 @@ def test_plan_and_apply_4d_mesh(capsys):
     if dist.is_initialized():
         dist.destroy_process_group()
     example = _load_example()
-    example.main(["--model", "debug", "--mesh", "2", "2", "2", "2", "--mesh-names", "dp_replicate", "dp_shard", "cp", "tp"])
+    example.main(
+        ["--model", "debug", "--mesh", "2", "2", "2", "2", "--mesh-names", "dp_replicate", "dp_shard", "cp", "tp"]
+    )
     out = capsys.readouterr().out
     assert "estimated step" in out and "collectives" in out, out[-2000:]
 
@@ -117,8 +138,9 @@ def test_bf16_priced_plan_equals_the_dense_solve(fake_world, monkeypatch):
     plans = {}
     for pricing_on in (False, True):
         inputs = torch.randint(0, config.vocab_size, (args.batch, args.seq), device="meta")
-        with AutoParallel(model, mesh, inputs, mp_policy=example.mp_policy(args), time_limit=None,
-                          option_pricing=pricing_on) as autop:
+        with AutoParallel(
+            model, mesh, inputs, mp_policy=example.mp_policy(args), time_limit=None, option_pricing=pricing_on
+        ) as autop:
             autop.add_input_constraints([example.data_placements(mesh)])
             autop.add_output_constraints([example.data_placements(mesh)])
             autop.add_parameter_memory_constraint()

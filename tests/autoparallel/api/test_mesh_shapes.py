@@ -113,15 +113,34 @@ def test_example_cli_refuses_bad_meshes(capsys):
 @pytest.mark.parametrize(
     "shape, batch, placements, message",
     [
-        ((2, 2, 2), 8, (Shard(0), Replicate()), "2 placements given for a 3-D mesh (2, 2, 2) ('dp_replicate', 'dp_shard', 'tp'); give one per mesh dim"),
-        ((2, 2, 2), 8, (Shard(0),) + (Replicate(),) * 3, "4 placements given for a 3-D mesh (2, 2, 2) ('dp_replicate', 'dp_shard', 'tp'); give one per mesh dim"),
+        (
+            (2, 2, 2),
+            8,
+            (Shard(0), Replicate()),
+            "2 placements given for a 3-D mesh (2, 2, 2) ('dp_replicate', 'dp_shard', 'tp'); give one per mesh dim",
+        ),
+        (
+            (2, 2, 2),
+            8,
+            (Shard(0),) + (Replicate(),) * 3,
+            "4 placements given for a 3-D mesh (2, 2, 2) ('dp_replicate', 'dp_shard', 'tp'); give one per mesh dim",
+        ),
         # batch 6 over dp_replicate x dp_shard (4 ranks) does not divide
-        ((2, 2, 2), 6, (Shard(0), Shard(0), Replicate()), "size 6 on dim 0, which Shard(0) cannot split over "
-         "'dp_replicate' x 'dp_shard' (4 ranks): dims must divide evenly"),
+        (
+            (2, 2, 2),
+            6,
+            (Shard(0), Shard(0), Replicate()),
+            "size 6 on dim 0, which Shard(0) cannot split over "
+            "'dp_replicate' x 'dp_shard' (4 ranks): dims must divide evenly",
+        ),
         # the size-1 dim takes no share: only dp_shard's 4 ranks count
         ((1, 4, 2), 6, (Shard(0), Shard(0), Replicate()), "cannot split over 'dp_shard' (4 ranks)"),
-        ((3, 2, 2), 8, (Shard(0), Replicate(), Replicate()), "size 8 on dim 0, which Shard(0) cannot split over "
-         "'dp_replicate' (3 ranks)"),
+        (
+            (3, 2, 2),
+            8,
+            (Shard(0), Replicate(), Replicate()),
+            "size 8 on dim 0, which Shard(0) cannot split over 'dp_replicate' (3 ranks)",
+        ),
     ],
 )
 def test_bad_input_constraints_on_3d_meshes(fake_world, shape, batch, placements, message):
@@ -164,7 +183,9 @@ def test_saved_plan_with_other_input_layout_is_refused(fake_world, tmp_path):
     plan = Plan.load_json(tmp_path / "plan.json")
     with context() as autop:
         autop.add_input_constraints([(Replicate(), Replicate(), Shard(0))])
-        with pytest.raises(PlanMismatch, match=r"input constraint 0 asks for RRS\(0\) but the plan lays node \S+ out as RS\(0\)R"):
+        with pytest.raises(
+            PlanMismatch, match=r"input constraint 0 asks for RRS\(0\) but the plan lays node \S+ out as RS\(0\)R"
+        ):
             autop.apply_placement(plan, pass_options=LOCAL_TENSOR_PASSES)
     with context() as autop:
         # Shard(0) on the size-1 dim is the same layout as Replicate there

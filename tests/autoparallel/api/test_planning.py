@@ -41,7 +41,11 @@ def _plan(mesh, high=None, model=None):
 
 
 def _param_placements(plan):
-    return {n.module_path: n.output_placements for n in plan.nodes.values() if n.name.startswith("primals") and n.module_path}
+    return {
+        n.module_path: n.output_placements
+        for n in plan.nodes.values()
+        if n.name.startswith("primals") and n.module_path
+    }
 
 
 def test_ddp_when_replication_allowed(fake_world):
@@ -51,7 +55,11 @@ def test_ddp_when_replication_allowed(fake_world):
     params = _param_placements(plan)
     assert params == {"w1.weight": "R", "w1.bias": "R", "w2.weight": "R", "w2.bias": "R"}
     # weight gradients come out of the matmul as Partial and get reduced
-    grad_mms = [n for n in plan.nodes.values() if n.phase == "backward" and n.op == "aten.mm.default" and n.output_placements == "P"]
+    grad_mms = [
+        n
+        for n in plan.nodes.values()
+        if n.phase == "backward" and n.op == "aten.mm.default" and n.output_placements == "P"
+    ]
     assert len(grad_mms) == 2
     assert plan.solution.optimal
 
@@ -89,7 +97,18 @@ def test_explain_and_dump_fields(fake_world, tmp_path):
     assert "addmm" in text and "options considered" in text
     plan.dump_json(str(tmp_path / "p.json"))
     node = json.loads((tmp_path / "p.json").read_text())["nodes"][0]
-    for key in ("name", "op", "module_path", "phase", "shape", "dtype", "output_placements", "num_options", "compute_cost", "comm_cost"):
+    for key in (
+        "name",
+        "op",
+        "module_path",
+        "phase",
+        "shape",
+        "dtype",
+        "output_placements",
+        "num_options",
+        "compute_cost",
+        "comm_cost",
+    ):
         assert key in node
 
 

@@ -278,8 +278,14 @@ def test_before_to_empty(ffn_parallel):
 @pytest.mark.parametrize(
     "make_input, message",
     [
-        (lambda: torch.randn(BATCH, SEQ, 16), r"input args\[0\]: local shape \(8, 16, 16\), expected the local shard \(1, 16, 16\)"),
-        (lambda: torch.randn(1, SEQ, 16, dtype=torch.float64), r"input args\[0\]: dtype torch.float64, expected torch.float32"),
+        (
+            lambda: torch.randn(BATCH, SEQ, 16),
+            r"input args\[0\]: local shape \(8, 16, 16\), expected the local shard \(1, 16, 16\)",
+        ),
+        (
+            lambda: torch.randn(1, SEQ, 16, dtype=torch.float64),
+            r"input args\[0\]: dtype torch.float64, expected torch.float32",
+        ),
         (lambda: torch.empty(1, SEQ, 16, device="meta"), r"input args\[0\]: on device meta"),
     ],
 )

@@ -158,7 +158,9 @@ def _agreement(rank: int, world: int, mesh_shape, use_init: bool, n_layers=None)
         parallel.init_weights()  # RoPE buffers
         parallel.load_state_dict(ref.state_dict())
 
-    with pytest.raises(ValueError, match=rf"input args\[0\]: local shape \({BATCH}, {SEQ}\), expected the local shard \({per}, {SEQ}\)"):
+    with pytest.raises(
+        ValueError, match=rf"input args\[0\]: local shape \({BATCH}, {SEQ}\), expected the local shard \({per}, {SEQ}\)"
+    ):
         parallel(x)
     with pytest.raises(ValueError, match=r"input args\[0\]: dtype torch.int32"):
         parallel(local_x.int())
@@ -181,9 +183,7 @@ def _agreement(rank: int, world: int, mesh_shape, use_init: bool, n_layers=None)
     torch.testing.assert_close(total, ref_loss.detach(), rtol=1e-5, atol=1e-7)
     for name, p in parallel.named_parameters():
         assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements, name
-        torch.testing.assert_close(
-            p.grad.full_tensor(), ref.get_parameter(name).grad, rtol=1e-4, atol=1e-6, msg=name
-        )
+        torch.testing.assert_close(p.grad.full_tensor(), ref.get_parameter(name).grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def _dcp_reshard(rank: int, world: int, ckpt_dir: str) -> None:

@@ -92,12 +92,16 @@ def _check(fake_world, mesh_shape, shape, pairs, device=H100) -> list:
         partial_full = lm.rank_map(lambda r: full * (r + 1))
         for src, dst in pairs:
             if any(p.is_partial() for p in src):
-                local = distribute_tensor(partial_full, mesh, [R if p.is_partial() else p for p in src], src_data_rank=None)
+                local = distribute_tensor(
+                    partial_full, mesh, [R if p.is_partial() else p for p in src], src_data_rank=None
+                )
                 a = DTensor.from_local(local.to_local(), mesh, src, run_check=False)
             else:
                 a = distribute_tensor(full, mesh, src, src_data_rank=None)
             dst_spec = DTensorSpec(mesh, dst, tensor_meta=a._spec.tensor_meta)
-            if math.isinf(cost_model.redistribute_time(a._spec, dst_spec, device)) or not (_even(a._spec) and _even(dst_spec)):
+            if math.isinf(cost_model.redistribute_time(a._spec, dst_spec, device)) or not (
+                _even(a._spec) and _even(dst_spec)
+            ):
                 continue  # forbidden (Shard -> Partial), or uneven (apply raises, as planning avoids)
             plan = comm.min_cost_plan(a._spec, dst_spec, device)
             if plan is not None:
@@ -115,6 +119,7 @@ def _check(fake_world, mesh_shape, shape, pairs, device=H100) -> list:
             if not any(p.is_partial() for p in (*src, *dst)):
                 want = distribute_tensor(full, mesh, dst, src_data_rank=None).to_local()
             for r in range(world):
-                torch.testing.assert_close(got._local_tensors[r], want._local_tensors[r], rtol=0, atol=0,
-                                           msg=f"{src} -> {dst} rank {r}")
+                torch.testing.assert_close(
+                    got._local_tensors[r], want._local_tensors[r], rtol=0, atol=0, msg=f"{src} -> {dst} rank {r}"
+                )
     return min_cost

@@ -59,7 +59,11 @@ def _plan_and_apply(mesh, passes=None, mp_policy=None):
         plan = autop.optimize_placement()
         # one decision per parameter object: the aliases are not graph inputs
         assert set(autop.traced.param_nodes) == {"emb.weight", "shared.weight", "shared.bias"}
-        assert autop.traced.tied_params == {"again.weight": "shared.weight", "again.bias": "shared.bias", "head.weight": "emb.weight"}
+        assert autop.traced.tied_params == {
+            "again.weight": "shared.weight",
+            "again.bias": "shared.bias",
+            "head.weight": "emb.weight",
+        }
         return autop.apply_placement(plan, pass_options=passes)
 
 
@@ -135,7 +139,9 @@ def _dcp_rank(rank, world, path):
     local_out.pow(2).sum().div(out.numel()).backward()
     torch.testing.assert_close(local_out, out.detach()[dp * per : (dp + 1) * per], rtol=1e-5, atol=1e-6)
     for name, p in ref.named_parameters():
-        torch.testing.assert_close(parallel.get_parameter(name).grad.full_tensor(), p.grad, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(
+            parallel.get_parameter(name).grad.full_tensor(), p.grad, rtol=1e-4, atol=1e-6, msg=name
+        )
     dcp.save(parallel.state_dict(), checkpoint_id=path)
     # a second copy, zeroed, loads the checkpoint in place
     other = _plan_and_apply(mesh)
@@ -186,8 +192,15 @@ def _hf_gpt2():
     import transformers
 
     cfg = transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=DIM, n_layer=1, n_head=4, n_positions=SEQ, use_cache=False,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        vocab_size=VOCAB,
+        n_embd=DIM,
+        n_layer=1,
+        n_head=4,
+        n_positions=SEQ,
+        use_cache=False,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )
     return transformers.GPT2LMHeadModel(cfg), ("lm_head.weight", "transformer.wte.weight")
 
@@ -196,10 +209,19 @@ def _hf_bert():
     import transformers
 
     cfg = transformers.BertConfig(
-        vocab_size=VOCAB, hidden_size=DIM, num_hidden_layers=1, num_attention_heads=4, intermediate_size=32,
-        max_position_embeddings=SEQ, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        vocab_size=VOCAB,
+        hidden_size=DIM,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=32,
+        max_position_embeddings=SEQ,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
     )
-    return transformers.BertForMaskedLM(cfg), ("cls.predictions.decoder.weight", "bert.embeddings.word_embeddings.weight")
+    return transformers.BertForMaskedLM(cfg), (
+        "cls.predictions.decoder.weight",
+        "bert.embeddings.word_embeddings.weight",
+    )
 
 
 @pytest.mark.parametrize("build", [_hf_gpt2, _hf_bert], ids=["gpt2", "bert"])

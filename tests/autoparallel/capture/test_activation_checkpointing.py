@@ -117,10 +117,7 @@ def _partition(gm, partitioner, fake_mode):
 def _is_rng_state(node):
     # recomputed random ops (SDPA counts as one) get their RNG state saved by
     # the partitioner's functionalize_rng_ops
-    return (
-        node.target is operator.getitem
-        and node.args[0].target is torch.ops.higher_order.run_and_save_rng_state
-    )
+    return node.target is operator.getitem and node.args[0].target is torch.ops.higher_order.run_and_save_rng_state
 
 
 def _live_names(gm, target=None):
@@ -185,8 +182,7 @@ def test_selective_tags_follow_the_eager_policy_in_graph_order():
         mm_tags = [n.meta["recompute"] for n in nodes if n.target == aten.mm.default]
         # 1st, 3rd, 5th, 7th mm saved; every second one recomputed
         assert mm_tags == [
-            CheckpointPolicy.MUST_SAVE if i % 2 == 0 else CheckpointPolicy.PREFER_RECOMPUTE
-            for i in range(MM_PER_BLOCK)
+            CheckpointPolicy.MUST_SAVE if i % 2 == 0 else CheckpointPolicy.PREFER_RECOMPUTE for i in range(MM_PER_BLOCK)
         ]
         (sdpa,) = [n for n in nodes if n.target == aten._scaled_dot_product_flash_attention_for_cpu.default]
         assert sdpa.meta["recompute"] == CheckpointPolicy.MUST_SAVE
@@ -376,9 +372,7 @@ def test_compiled_graph_ac_matches_eager_ac(mode):
     tag_recompute(gm)
     jd.graph_module = gm
     # aot_compile_joint_with_descriptors partitions with default_partition
-    step = aot_compile_joint_with_descriptors(
-        jd, fw_compiler=capture("fw"), bw_compiler=capture("bw")
-    )
+    step = aot_compile_joint_with_descriptors(jd, fw_compiler=capture("fw"), bw_compiler=capture("bw"))
     params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
     out = step(*(params[n] for n in jd.params_spec), *(buffers[n] for n in jd.buffers_spec), x)
     out = out[0] if isinstance(out, (tuple, list)) else out

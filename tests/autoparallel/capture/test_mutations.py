@@ -43,8 +43,15 @@ class ConvBN(nn.Module):
 # compute so slow that the plan shards it (conv over the batch, BatchNorm
 # over channels): the updates then come from sharded compute
 SLOW_COMPUTE = DeviceSpec(
-    name="slow", peak_bf16=1e9, peak_fp32=1e9, peak_tf32=1e9, peak_fp8=None, hbm_bw=1e9,
-    intra_node_bw=1e12, inter_node_bw=1e12, launch_floor=0.0,
+    name="slow",
+    peak_bf16=1e9,
+    peak_fp32=1e9,
+    peak_tf32=1e9,
+    peak_fp8=None,
+    hbm_bw=1e9,
+    intra_node_bw=1e12,
+    inter_node_bw=1e12,
+    launch_floor=0.0,
 )
 
 
@@ -105,7 +112,9 @@ def test_batchnorm_running_stats_and_input_update(fake_world, buffers, device):
     meta = (torch.empty(BATCH, 3, 6, 6, device="meta"), torch.empty(BATCH, 4, device="meta"))
     parallel = _plan(ConvBN, meta, [BATCH_ON_DP, BATCH_ON_DP], mesh, buffers=buffers, device=device)
     if device is SLOW_COMPUTE:
-        conv = [n for n in parallel.parallel_state.local.gm.graph.nodes if n.target == torch.ops.aten.convolution.default]
+        conv = [
+            n for n in parallel.parallel_state.local.gm.graph.nodes if n.target == torch.ops.aten.convolution.default
+        ]
         assert conv and all(n.meta["val"].shape[0] < BATCH or n.meta["val"].shape[1] < 8 for n in conv)
     if buffers:
         assert parallel.bn.running_var.placements == (Shard(0), Shard(0))

@@ -25,8 +25,15 @@ def _tokens(*shape):
 
 def _llama():
     cfg = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, use_cache=False, attn_implementation="sdpa",
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+        attn_implementation="sdpa",
     )
     return transformers.LlamaForCausalLM(cfg), {"input_ids": _tokens(4, 16)}
 
@@ -38,7 +45,11 @@ def _gpt2():
 
 def _bert():
     cfg = transformers.BertConfig(
-        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        vocab_size=128,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
         max_position_embeddings=64,
     )
     return transformers.BertForMaskedLM(cfg), {"input_ids": _tokens(4, 16)}
@@ -46,7 +57,10 @@ def _bert():
 
 def _t5():
     cfg = transformers.T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, use_cache=False)
-    return transformers.T5ForConditionalGeneration(cfg), {"input_ids": _tokens(4, 16), "decoder_input_ids": _tokens(4, 8)}
+    return transformers.T5ForConditionalGeneration(cfg), {
+        "input_ids": _tokens(4, 16),
+        "decoder_input_ids": _tokens(4, 8),
+    }
 
 
 # model -> (builder, tied aliases expected: alias FQN -> canonical FQN)
@@ -70,7 +84,9 @@ def test_hugging_face_models_trace(name):
     assert len(traced.param_nodes) == n_unique
     for alias, canonical in tied.items():
         assert traced.tied_params[alias] == canonical
-    assert set(traced.param_nodes) | set(traced.tied_params) == {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    assert set(traced.param_nodes) | set(traced.tied_params) == {
+        n for n, _ in model.named_parameters(remove_duplicate=False)
+    }
     # the loss-free forward output (logits) has a tangent and every used
     # parameter a gradient
     assert traced.output_nodes and traced.tangent_nodes

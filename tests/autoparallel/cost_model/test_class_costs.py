@@ -408,11 +408,17 @@ def test_term_min_plus_by_classes_equals_general_path(seed):
     n_rc, n_cc = int(rng.integers(1, 12)), int(rng.integers(1, 12))
     costs = _random_costs(rng, (n_rc, n_cc), 0.3)
     rows, cols = int(rng.integers(1, 25)), int(rng.integers(1, 25))
-    matrix = LazyClassMatrix(_ClassGrid(lambda: costs, n_rc, n_cc),
-                             rng.integers(0, n_rc, rows).tolist(), rng.integers(0, n_cc, cols).tolist())
+    matrix = LazyClassMatrix(
+        _ClassGrid(lambda: costs, n_rc, n_cc),
+        rng.integers(0, n_rc, rows).tolist(),
+        rng.integers(0, n_cc, cols).tolist(),
+    )
     transposed, count = bool(seed % 2), int(rng.integers(1, 4))
     obj_rows, obj_cols = (cols, rows) if transposed else (rows, cols)  # the term's sides, in object ids
-    rmap, cmap = rng.integers(0, obj_rows, int(rng.integers(1, 20))), rng.integers(0, obj_cols, int(rng.integers(1, 20)))
+    rmap, cmap = (
+        rng.integers(0, obj_rows, int(rng.integers(1, 20))),
+        rng.integers(0, obj_cols, int(rng.integers(1, 20))),
+    )
     fast = Term(BlockCache(matrix), rmap, cmap, transposed, count)
     general = Term(BlockCache(_RowsColsOnly(matrix)), rmap, cmap, transposed, count)
     full = matrix.block(np.arange(rows), np.arange(cols))
@@ -444,7 +450,9 @@ def test_lower_min_plus_is_a_close_lower_bound(seed):
         best[rng.random(len(best)) < 0.2] = -math.inf
         exact = matrix.min_plus_classes(best, own_rows)
         low = matrix.min_plus_classes(best, own_rows, lower=True)
-        assert np.array_equal(np.isinf(low), np.isinf(exact)) and np.array_equal(low[np.isinf(low)], exact[np.isinf(exact)])
+        assert np.array_equal(np.isinf(low), np.isinf(exact)) and np.array_equal(
+            low[np.isinf(low)], exact[np.isinf(exact)]
+        )
         finite = np.isfinite(exact)
         assert (low[finite] <= exact[finite]).all()
         top = np.abs(costs[np.isfinite(costs)]).max(initial=0.0) + np.abs(best[np.isfinite(best)]).max(initial=0.0)

@@ -99,9 +99,19 @@ def test_roofline_and_launch_floor():
 
 
 def test_views_are_free():
-    for op in (aten.view.default, aten._unsafe_view.default, aten.t.default, aten.transpose.int,
-               aten.permute.default, aten.expand.default, aten.detach.default, aten.split.Tensor,
-               aten.slice.Tensor, aten.unsqueeze.default, aten.as_strided.default):
+    for op in (
+        aten.view.default,
+        aten._unsafe_view.default,
+        aten.t.default,
+        aten.transpose.int,
+        aten.permute.default,
+        aten.expand.default,
+        aten.detach.default,
+        aten.split.Tensor,
+        aten.slice.Tensor,
+        aten.unsqueeze.default,
+        aten.as_strided.default,
+    ):
         assert is_free_op(op), op
     import operator
 
@@ -247,7 +257,9 @@ def test_all_to_all_cheaper_than_allgather(mesh):
     a2a = redistribute_time(spec(mesh, (Replicate(), Shard(0))), spec(mesh, (Replicate(), Shard(1))))
     ag = redistribute_time(spec(mesh, (Replicate(), Shard(0))), spec(mesh, (Replicate(), Replicate())))
     assert 0 < a2a < ag
-    assert [s.kind for s in redistribute_steps(spec(mesh, (Replicate(), Shard(0))), spec(mesh, (Replicate(), Shard(1))))] == ["all_to_all"]
+    assert [
+        s.kind for s in redistribute_steps(spec(mesh, (Replicate(), Shard(0))), spec(mesh, (Replicate(), Shard(1))))
+    ] == ["all_to_all"]
 
 
 def _dtensor_plan(src, dst):
@@ -294,7 +306,10 @@ def test_strided_shard_costs_via_gather(mesh, monkeypatch):
 
 def test_forbidden_transitions(mesh):
     assert redistribute_time(spec(mesh, (Shard(0), Replicate())), spec(mesh, (Partial(), Replicate()))) == math.inf
-    assert redistribute_time(spec(mesh, (Partial("sum"), Replicate())), spec(mesh, (Partial("max"), Replicate()))) == math.inf
+    assert (
+        redistribute_time(spec(mesh, (Partial("sum"), Replicate())), spec(mesh, (Partial("max"), Replicate())))
+        == math.inf
+    )
 
 
 def test_replicate_to_shard_is_cheap_local_copy(mesh):
@@ -346,7 +361,10 @@ def test_monotonic_in_size(mesh):
         ((Partial(), Partial()), (Replicate(), Replicate())),
         ((Replicate(), Shard(0)), (Replicate(), Shard(1))),
     ]:
-        times = [redistribute_time(spec(mesh, src_p, (n, 1024)), spec(mesh, dst_p, (n, 1024))) for n in (256, 1024, 4096, 16384)]
+        times = [
+            redistribute_time(spec(mesh, src_p, (n, 1024)), spec(mesh, dst_p, (n, 1024)))
+            for n in (256, 1024, 4096, 16384)
+        ]
         assert times == sorted(times) and times[0] < times[-1], (src_p, dst_p, times)
 
 
@@ -390,7 +408,13 @@ def test_overlap_compute_windows():
         def __init__(self, numel):
             self.meta = {"val": torch.empty(numel, device="meta")}
 
-    paths = {"a": "layers.0.attention", "b": "layers.0.feed_forward", "c": "layers.1.attention", "d": "norm", "e": "layers.0.attention"}
+    paths = {
+        "a": "layers.0.attention",
+        "b": "layers.0.feed_forward",
+        "c": "layers.1.attention",
+        "d": "norm",
+        "e": "layers.0.attention",
+    }
     windows = ComputeWindows.of(
         ["a", "b", "c", "d", "e"],
         {"layers.0.w1.weight": Param(300), "layers.0.w2.weight": Param(100), "norm.weight": Param(10)},

@@ -48,15 +48,24 @@ class LMLoss(nn.Module):
 
 def _common(impl):
     return dict(
-        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=64, use_cache=False, experts_implementation=impl,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+        experts_implementation=impl,
     )
 
 
 def mixtral(impl="grouped_mm", intermediate=128):
     def build():
         cfg = transformers.MixtralConfig(
-            intermediate_size=intermediate, num_local_experts=4, num_experts_per_tok=2, attn_implementation="sdpa",
+            intermediate_size=intermediate,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            attn_implementation="sdpa",
             **_common(impl),
         )
         return LMLoss(transformers.MixtralForCausalLM(cfg))
@@ -67,8 +76,13 @@ def mixtral(impl="grouped_mm", intermediate=128):
 def qwen3_moe(impl="grouped_mm"):
     def build():
         cfg = transformers.Qwen3MoeConfig(
-            intermediate_size=128, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, head_dim=16,
-            attn_implementation="sdpa", **_common(impl),
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            num_experts=4,
+            num_experts_per_tok=2,
+            head_dim=16,
+            attn_implementation="sdpa",
+            **_common(impl),
         )
         return LMLoss(transformers.Qwen3MoeForCausalLM(cfg))
 
@@ -78,8 +92,13 @@ def qwen3_moe(impl="grouped_mm"):
 def qwen2_moe(impl="grouped_mm"):
     def build():
         cfg = transformers.Qwen2MoeConfig(
-            intermediate_size=128, moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=4,
-            num_experts_per_tok=2, attn_implementation="sdpa", **_common(impl),
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+            num_experts=4,
+            num_experts_per_tok=2,
+            attn_implementation="sdpa",
+            **_common(impl),
         )
         return LMLoss(transformers.Qwen2MoeForCausalLM(cfg))
 
@@ -89,9 +108,20 @@ def qwen2_moe(impl="grouped_mm"):
 def deepseek_v3(impl="grouped_mm"):
     def build():
         cfg = transformers.DeepseekV3Config(
-            intermediate_size=128, moe_intermediate_size=64, n_routed_experts=4, n_shared_experts=1,
-            num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
-            q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=8, attn_implementation="sdpa",
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            kv_lora_rank=16,
+            q_lora_rank=32,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            qk_nope_head_dim=8,
+            attn_implementation="sdpa",
             **{**_common(impl), "num_key_value_heads": 4},
         )
         return LMLoss(transformers.DeepseekV3ForCausalLM(cfg))
@@ -102,8 +132,13 @@ def deepseek_v3(impl="grouped_mm"):
 def gpt_oss(impl="grouped_mm"):
     def build():
         cfg = transformers.GptOssConfig(
-            intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, head_dim=16,
-            attn_implementation="eager", layer_types=["full_attention"] * 2, **_common(impl),
+            intermediate_size=64,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            head_dim=16,
+            attn_implementation="eager",
+            layer_types=["full_attention"] * 2,
+            **_common(impl),
         )
         return LMLoss(transformers.GptOssForCausalLM(cfg))
 
@@ -118,11 +153,13 @@ def compute_bound_device() -> DeviceSpec:
     """H100 with 1e4x slower compute (memory and links unchanged): the tiny
     model's step is compute-bound, as a real MoE step is, so the plan splits
     the experts' work rather than replicating it."""
-    return dataclasses.replace(DeviceSpec.get("H100"), name="compute-bound", peak_bf16=1e11, peak_fp32=1e11, peak_tf32=1e11)
+    return dataclasses.replace(
+        DeviceSpec.get("H100"), name="compute-bound", peak_bf16=1e11, peak_fp32=1e11, peak_tf32=1e11
+    )
 
 
 def _per_dim(placements: str) -> list[str]:
-    """"S(0)P" -> ["S(0)", "P"] (a plan's placement string, one per mesh dim)."""
+    """ "S(0)P" -> ["S(0)", "P"] (a plan's placement string, one per mesh dim)."""
     return re.findall(r"_StridedShard\([^)]*\)|[SRP](?:\([^)]*\))?", placements)
 
 
@@ -143,7 +180,9 @@ def test_mixtral_every_experts_implementation_traces_as_moe_op(caplog):
     for impl in IMPLS:
         with caplog.at_level(logging.INFO, logger="autoparallel.capture.trace_wrappers"):
             graphs[impl] = _trace(mixtral(impl))
-        assert f"Hugging Face experts traced as moe_experts (was {impl}): model.model.layers.0.mlp.experts" in caplog.text
+        assert (
+            f"Hugging Face experts traced as moe_experts (was {impl}): model.model.layers.0.mlp.experts" in caplog.text
+        )
         caplog.clear()
     ops = graphs["grouped_mm"]
     assert ops.count("autoparallel.moe_experts.default") == 2
@@ -267,7 +306,8 @@ def test_mixtral_plan_apply_matches(fake_world, impl):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "case", [qwen3_moe(), qwen2_moe(), deepseek_v3(), gpt_oss("eager"), gpt_oss("grouped_mm")],
+    "case",
+    [qwen3_moe(), qwen2_moe(), deepseek_v3(), gpt_oss("eager"), gpt_oss("grouped_mm")],
     ids=["qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss_eager", "gpt_oss_grouped_mm"],
 )
 def test_other_hf_moe_plan_apply_matches(fake_world, case):
@@ -317,8 +357,13 @@ def test_mixtral_training_loss_with_router_aux_loss(fake_world):
 
     def build():
         cfg = transformers.MixtralConfig(
-            intermediate_size=128, num_local_experts=4, num_experts_per_tok=2, attn_implementation="sdpa",
-            output_router_logits=True, router_aux_loss_coef=0.02, **_common("grouped_mm"),
+            intermediate_size=128,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            attn_implementation="sdpa",
+            output_router_logits=True,
+            router_aux_loss_coef=0.02,
+            **_common("grouped_mm"),
         )
         return TrainingLoss(transformers.MixtralForCausalLM(cfg))
 

@@ -44,12 +44,12 @@ def test_moe_experts_op_matches_dense_and_gradcheck():
     x, idx, tw, (w1, w3, w2) = _op_inputs()
     E = w1.shape[0]
     ids = torch.arange(E)
-    ref = sum(
-        ((F.silu(x @ w1[e]) * (x @ w3[e])) @ w2[e]) * ((idx == e) * tw).sum(-1, keepdim=True) for e in range(E)
-    )
+    ref = sum(((F.silu(x @ w1[e]) * (x @ w3[e])) @ w2[e]) * ((idx == e) * tw).sum(-1, keepdim=True) for e in range(E))
     torch.testing.assert_close(moe_experts(x, idx, tw, w1, w3, w2, ids, E), ref)
     # expert-parallel pieces sum to the whole (what the EP rule relies on)
-    halves = sum(moe_experts(x, idx, tw, w1[i : i + 2], w3[i : i + 2], w2[i : i + 2], ids[i : i + 2], E) for i in (0, 2))
+    halves = sum(
+        moe_experts(x, idx, tw, w1[i : i + 2], w3[i : i + 2], w2[i : i + 2], ids[i : i + 2], E) for i in (0, 2)
+    )
     torch.testing.assert_close(halves, ref)
     assert torch.autograd.gradcheck(lambda *a: moe_experts(a[0], idx, a[1], *a[2:], ids, E), (x, tw, w1, w3, w2))
 
@@ -87,7 +87,11 @@ def _plan(mesh, args, pin=None, routed_out=None):
         if pin is not None:
             # one layout for the three expert weights, or one per name ("w1": ...)
             pins = pin if isinstance(pin, dict) else dict.fromkeys(("w1", "w2", "w3"), pin)
-            pinned = [(n, pins[fqn[-2:]]) for fqn, n in autop.traced.param_nodes.items() if fqn.endswith(("moe.w1", "moe.w2", "moe.w3"))]
+            pinned = [
+                (n, pins[fqn[-2:]])
+                for fqn, n in autop.traced.param_nodes.items()
+                if fqn.endswith(("moe.w1", "moe.w2", "moe.w3"))
+            ]
             assert len(pinned) == 3 * (args.n_layers - args.n_dense_layers)
             for n, placements in pinned:
                 autop.add_node_constraint(n, placements)
@@ -160,7 +164,9 @@ def _compare_one_step(parallel, mesh, args, steps=1):
 
 
 def _expert_param_placements(parallel):
-    return {n: tuple(p.placements) for n, p in parallel.named_parameters() if n.endswith(("moe.w1", "moe.w2", "moe.w3"))}
+    return {
+        n: tuple(p.placements) for n, p in parallel.named_parameters() if n.endswith(("moe.w1", "moe.w2", "moe.w3"))
+    }
 
 
 def _routed_ops(plan):
@@ -215,7 +221,9 @@ def test_moe_plan_apply_3d_dp_ep_tp(fake_world, monkeypatch):
     assert set(_expert_param_placements(parallel).values()) == set(pins.values())
     fwd = [n for n in _routed_ops(plan) if n.phase == "forward"]
     # experts split over ep, their hidden dim over tp; output partial over both
-    assert fwd and all([p[-8:] for p in n.input_placements[3:6]] == ["S(0)S(2)", "S(0)S(2)", "S(0)S(1)"] for n in fwd), fwd
+    assert fwd and all(
+        [p[-8:] for p in n.input_placements[3:6]] == ["S(0)S(2)", "S(0)S(2)", "S(0)S(1)"] for n in fwd
+    ), fwd
     assert all(n.output_placements.endswith("PP") for n in fwd), fwd
     _compare_one_step(parallel, mesh, SMALL)
 
@@ -254,7 +262,9 @@ def test_moe_a2a_op_local_tensor(fake_world):
         exp = lambda t: lm.rank_map(lambda r: t[(r % 2) * 2 : (r % 2) * 2 + 2].clone())  # noqa: E731
         wl = [exp(w) for w in ws]
         out = torch.ops.autoparallel.moe_experts_a2a(tok(x), tok(idx), tok(tw), *wl, exp(ids), E, group)
-        bk = torch.ops.autoparallel.moe_experts_a2a_backward(tok(gout), tok(x), tok(idx), tok(tw), *wl, exp(ids), E, group)
+        bk = torch.ops.autoparallel.moe_experts_a2a_backward(
+            tok(gout), tok(x), tok(idx), tok(tw), *wl, exp(ids), E, group
+        )
     cat = lambda t: torch.cat([t._local_tensors[r] for r in range(4)])  # noqa: E731
     torch.testing.assert_close(cat(out), ref)
     torch.testing.assert_close(cat(bk[0]), refb[0])
@@ -354,8 +364,12 @@ def test_moe_plan_apply_2x2_a2a(fake_world, monkeypatch):
     st = plan.pass_stats
     fwd = [n for n in _routed_ops(plan) if n.phase == "forward"]
     bwd = [n for n in _routed_ops(plan) if n.phase == "backward"]
-    assert fwd and all(n.input_placements[0] == "S(0)S(0)" and n.input_placements[3] == "RS(0)" for n in fwd), [(n.input_placements, n.output_placements) for n in fwd]
-    assert bwd and all(n.input_placements[1].endswith("S(0)") and n.input_placements[4] == "RS(0)" for n in bwd), [(n.input_placements, n.output_placements) for n in bwd]
+    assert fwd and all(n.input_placements[0] == "S(0)S(0)" and n.input_placements[3] == "RS(0)" for n in fwd), [
+        (n.input_placements, n.output_placements) for n in fwd
+    ]
+    assert bwd and all(n.input_placements[1].endswith("S(0)") and n.input_placements[4] == "RS(0)" for n in bwd), [
+        (n.input_placements, n.output_placements) for n in bwd
+    ]
     targets = [n.target for n in parallel.parallel_graph.graph.nodes]
     ops = torch.ops.autoparallel
     # lowered to the fused all-to-all ops, which split_moe_a2a splits into phases

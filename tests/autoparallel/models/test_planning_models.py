@@ -23,8 +23,9 @@ MM = "aten.mm.default"
 
 
 def _block(dim=2048, heads=16):
-    args = ModelArgs(dim=dim, n_layers=1, n_heads=heads, n_kv_heads=heads // 2, vocab_size=1,
-                     multiple_of=256, max_seq_len=4096)
+    args = ModelArgs(
+        dim=dim, n_layers=1, n_heads=heads, n_kv_heads=heads // 2, vocab_size=1, multiple_of=256, max_seq_len=4096
+    )
     with torch.device("meta"):
         return BlockModel(args), args
 
@@ -71,8 +72,9 @@ def test_block_1d_ddp_or_fsdp_from_the_memory_budget(fake_world, high):
         assert mm.input_placements == ["S(0)", "R"], mm.name
     if high == 1.0:  # DDP: replicated weights, partial weight gradients reduced
         assert all(p.output_placements == "R" for p in params.values())
-        weight_grads = [n for n in plan.nodes.values() if n.op == MM and n.phase == "backward"
-                        and n.output_placements == "P"]
+        weight_grads = [
+            n for n in plan.nodes.values() if n.op == MM and n.phase == "backward" and n.output_placements == "P"
+        ]
         assert len(weight_grads) == 7
     else:  # FSDP: every parameter sharded, all-gathered before use
         assert all(p.output_placements.startswith("S(") for p in params.values())
@@ -117,8 +119,7 @@ def test_tiny_llama_4x2_linked_layers_and_sac_tags(fake_world):
 
     # Every node of layers 1-3 is linked to its twin in layer 0 and placed alike.
     reference = autop.repeats.reference
-    linked_layers = {plan.nodes[n.name].module_path.split(".")[1] for n in reference
-                     if plan.nodes[n.name].module_path}
+    linked_layers = {plan.nodes[n.name].module_path.split(".")[1] for n in reference if plan.nodes[n.name].module_path}
     assert linked_layers == {"1", "2", "3"}
     assert len(reference) > 3 * 100
     for node, ref in reference.items():
@@ -130,8 +131,7 @@ def test_tiny_llama_4x2_linked_layers_and_sac_tags(fake_world):
     assert autop.traced.ac_stats.regions == 4
     for layer in range(4):
         prefix = f"layers.{layer}."
-        fwd = [n for n in plan.nodes.values() if n.phase == "forward"
-               and (n.module_path or "").startswith(prefix)]
+        fwd = [n for n in plan.nodes.values() if n.phase == "forward" and (n.module_path or "").startswith(prefix)]
         mm_tags = [n.recompute for n in fwd if n.op == MM]
         assert mm_tags == ["MUST_SAVE", "PREFER_RECOMPUTE"] * 3 + ["MUST_SAVE"]
         sdpa = [n for n in fwd if "scaled_dot_product" in n.op]

@@ -49,43 +49,83 @@ def _hf(config_cls, model_cls, **config):
 
 def _llama():
     return _hf(
-        transformers.LlamaConfig, transformers.LlamaForCausalLM,
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        attn_implementation="sdpa", use_cache=False,
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+        use_cache=False,
     ), (_tokens(),)
 
 
 def _gpt2():
     return _hf(
-        transformers.GPT2Config, transformers.GPT2LMHeadModel,
-        vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=64,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, attn_implementation="eager",
+        transformers.GPT2Config,
+        transformers.GPT2LMHeadModel,
+        vocab_size=VOCAB,
+        n_embd=HIDDEN,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+        attn_implementation="eager",
     ), (_tokens(),)
 
 
 def _bert():
     return _hf(
-        transformers.BertConfig, transformers.BertForMaskedLM,
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=64, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0, attn_implementation="eager",
+        transformers.BertConfig,
+        transformers.BertForMaskedLM,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        attn_implementation="eager",
     ), (_tokens(),)
 
 
 def _t5():
     return _hf(
-        transformers.T5Config, transformers.T5ForConditionalGeneration,
-        vocab_size=VOCAB, d_model=HIDDEN, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
-        num_heads=4, dropout_rate=0.0, use_cache=False, decoder_start_token_id=0,
+        transformers.T5Config,
+        transformers.T5ForConditionalGeneration,
+        vocab_size=VOCAB,
+        d_model=HIDDEN,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        dropout_rate=0.0,
+        use_cache=False,
+        decoder_start_token_id=0,
     ), {"input_ids": _tokens(1), "decoder_input_ids": _tokens(2)}
 
 
 def _vit():
     return _hf(
-        transformers.ViTConfig, transformers.ViTForImageClassification,
-        image_size=16, patch_size=4, num_channels=3, hidden_size=HIDDEN, intermediate_size=64,
-        num_hidden_layers=2, num_attention_heads=4, num_labels=8, hidden_dropout_prob=0.0,
+        transformers.ViTConfig,
+        transformers.ViTForImageClassification,
+        image_size=16,
+        patch_size=4,
+        num_channels=3,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_labels=8,
+        hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     ), (torch.randn(B, 3, 16, 16, generator=torch.Generator().manual_seed(1)),)
 
@@ -94,9 +134,14 @@ class ConvNet(nn.Module):
     def __init__(self):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-            nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.Conv2d(8, 16, 3, stride=2, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
         )
         self.head = nn.Linear(16, 10)
 
@@ -140,6 +185,7 @@ CASES = [
     pytest.param("llama3_debug", _llama3_debug),
 ]
 
+
 @pytest.mark.parametrize("cost", ["default", "sharded_compute"])
 @pytest.mark.parametrize("name,case", CASES)
 def test_zoo(fake_world, name, case, cost):
@@ -162,8 +208,12 @@ MESH_3D = dict(mesh_shape=(2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard",
 # pricing after presolve (solver.api.PRICING_MIN_PAIRS): 42 s and 27 s
 # each, plan and apply, at load 6-7 on 2 cores (their planning: 8.8 s and
 # 5.1 s CPU, from 25.4 s and 21.1 s).
-SLOW_3D = {("t5", "sharded_compute"), ("gpt2", "sharded_compute"), ("llama", "sharded_compute"),
-           ("llama3_debug", "sharded_compute")}
+SLOW_3D = {
+    ("t5", "sharded_compute"),
+    ("gpt2", "sharded_compute"),
+    ("llama", "sharded_compute"),
+    ("llama3_debug", "sharded_compute"),
+}
 
 
 @pytest.mark.parametrize(
@@ -209,8 +259,10 @@ def test_t5_blocks_partly_linked(fake_world):
     with AutoParallel(model, mesh, tree_map(lambda t: t.to("meta"), inputs)) as autop:
         repeats = autop.repeats
         assert repeats.mismatched == []
-        stacks = {("model.encoder.block", 1): ("model.encoder.block", 0),
-                  ("model.decoder.block", 1): ("model.decoder.block", 0)}
+        stacks = {
+            ("model.encoder.block", 1): ("model.encoder.block", 0),
+            ("model.decoder.block", 1): ("model.decoder.block", 0),
+        }
         assert {k: ref for k, (ref, _, _) in repeats.partial.items()} == stacks
         for key, ref_key in stacks.items():
             _, linked, free = repeats.partial[key]
@@ -227,7 +279,10 @@ def test_t5_blocks_partly_linked(fake_world):
     for node, ref in repeats.reference.items():
         if node.name in plan.nodes and ref.name in plan.nodes:
             mine, theirs = plan.nodes[node.name], plan.nodes[ref.name]
-            assert (mine.input_placements, mine.output_placements) == (theirs.input_placements, theirs.output_placements), node.name
+            assert (mine.input_placements, mine.output_placements) == (
+                theirs.input_placements,
+                theirs.output_placements,
+            ), node.name
 
 
 def _gloo_rank(rank: int, world: int, name: str) -> None:
@@ -240,9 +295,7 @@ def _gloo_rank(rank: int, world: int, name: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "name", ["gpt2", "bert"]
-)
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
 def test_zoo_gloo(name):
     """Every one of 4 real gloo processes plans (compute-sharding cost model),
     applies and takes one step equal to single-device."""

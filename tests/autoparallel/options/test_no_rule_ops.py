@@ -33,7 +33,9 @@ def _row_scale_backward(ctx, grad):
     return grad / s - (grad * x).sum(-1, keepdim=True) * torch.sign(x) / s**2
 
 
-row_scale.register_autograd(_row_scale_backward, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(inputs[0]))
+row_scale.register_autograd(
+    _row_scale_backward, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(inputs[0])
+)
 
 
 class Scaler(nn.Module):

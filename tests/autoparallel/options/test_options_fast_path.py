@@ -151,7 +151,7 @@ def test_expanded_strategy_reads_as_dtensors_own(fake_world):
 
     from torch.distributed.tensor._ops.single_dim_strategy import _expand_single_dim_strategy_to_mesh
 
-    r, s0, s1 = Replicate(), Shard(0), Shard(1)
+    r, s0 = Replicate(), Shard(0)
     a = strategy_of((8, 16), [(s0, r, r, r)])
     b = strategy_of((16, 4), [(r, r, r, r)])
     out = torch.empty(8, 4, device="meta")
@@ -163,7 +163,9 @@ def test_expanded_strategy_reads_as_dtensors_own(fake_world):
         # (the expansion binds expand_to_full_mesh_op_strategy when made)
         plain = _expand_single_dim_strategy_to_mesh(mesh, schema, info, meta)(op, schema.args_meta, schema.kwargs_meta)
         with fast_expand.fast_expansion():
-            fast = _expand_single_dim_strategy_to_mesh(mesh, schema, info, meta)(op, schema.args_meta, schema.kwargs_meta)
+            fast = _expand_single_dim_strategy_to_mesh(mesh, schema, info, meta)(
+                op, schema.args_meta, schema.kwargs_meta
+            )
         assert isinstance(fast, ExpandedStrategy) and not isinstance(plain, ExpandedStrategy)
         assert len(fast.strategies) == len(plain.strategies) > 100
         for f, p in zip(fast.strategies, plain.strategies):

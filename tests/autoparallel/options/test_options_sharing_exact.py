@@ -47,7 +47,11 @@ def _enumerate(traced, mesh, share: bool):
         enumerator = strategies.StrategyEnumerator(mesh, share=share)
         found = enumerator.enumerate(traced.gm, set(traced.param_nodes.values()))
     rows = {
-        node.name: (s.source, s.getitem_index, [(_spec_key(o.output_specs), _spec_key(o.input_specs), o.in_op) for o in s.options])
+        node.name: (
+            s.source,
+            s.getitem_index,
+            [(_spec_key(o.output_specs), _spec_key(o.input_specs), o.in_op) for o in s.options],
+        )
         for node, s in found.items()
     }
     return rows, enumerator

@@ -142,7 +142,9 @@ def test_redistribute_matches_dtensor(mesh, shape, dim):
             if P in src:
                 a = DTensor.from_local(
                     distribute_tensor(base, mesh, [R if p == P else p for p in src], src_data_rank=None).to_local(),
-                    mesh, src, run_check=False,
+                    mesh,
+                    src,
+                    run_check=False,
                 )
             else:
                 a = distribute_tensor(base, mesh, src, src_data_rank=None)
@@ -150,8 +152,9 @@ def test_redistribute_matches_dtensor(mesh, shape, dim):
             got = redistribute(a.to_local(), a._spec, DTensorSpec(mesh, dst, tensor_meta=a._spec.tensor_meta), coords)
             assert got.shape == local_shape(DTensorSpec(mesh, dst, tensor_meta=a._spec.tensor_meta))
             for r in range(8):
-                torch.testing.assert_close(got._local_tensors[r], want._local_tensors[r], rtol=0, atol=0,
-                                           msg=f"{src} -> {dst} rank {r}")
+                torch.testing.assert_close(
+                    got._local_tensors[r], want._local_tensors[r], rtol=0, atol=0, msg=f"{src} -> {dst} rank {r}"
+                )
 
 
 # -- plan + apply ------------------------------------------------------------------------------
@@ -249,5 +252,6 @@ def test_pinned_tp_outer_state_dict_and_init(mesh):
         local = sd["w1.weight"].to_local()
         for r, (i, j) in zip(range(8), itertools.product(range(2), range(4))):
             c = j * 2 + i
-            torch.testing.assert_close(local._local_tensors[r], 2 * ref.w1.weight[:, c * 2 : (c + 1) * 2],
-                                       rtol=0, atol=0)
+            torch.testing.assert_close(
+                local._local_tensors[r], 2 * ref.w1.weight[:, c * 2 : (c + 1) * 2], rtol=0, atol=0
+            )

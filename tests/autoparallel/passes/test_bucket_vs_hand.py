@@ -65,7 +65,9 @@ def test_llama_2x2_bucketed_reduce_scatters_same_step(fake_world):
     fake_world(4)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     # (vocab 2048: the plan gathers and reduces in two stages, see below)
-    cfg = replace(LLAMA3_CONFIGS["debug"], dim=256, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=2048, max_seq_len=256)
+    cfg = replace(
+        LLAMA3_CONFIGS["debug"], dim=256, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=2048, max_seq_len=256
+    )
     tokens = torch.randint(0, cfg.vocab_size, (8, 256), generator=torch.Generator().manual_seed(1))
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -86,7 +88,9 @@ def test_llama_2x2_bucketed_reduce_scatters_same_step(fake_world):
     torch.manual_seed(0)
     start = Transformer(cfg)
     start.init_weights()
-    hand_counts = count_hand_step(hand_fsdp_tp(copy.deepcopy(start), mesh), tokens.chunk(2)[0], lambda o: o.float().pow(2).mean())
+    hand_counts = count_hand_step(
+        hand_fsdp_tp(copy.deepcopy(start), mesh), tokens.chunk(2)[0], lambda o: o.float().pow(2).mean()
+    )
     ours = count_graph_collectives(on.forward_graph, on.backward_graph)
     assert sum(ours.values()) <= sum(hand_counts.values()), (dict(ours), dict(hand_counts))
     _check_same_step(off, on, tokens, start.state_dict())

@@ -53,7 +53,9 @@ def _ctx(mesh, producer_out, alias_out, consumers):
         specs = tuple(_spec(mesh, w) for w in wants)
         strategies[node] = NodeStrategy(node, [a] * n_args, [Option(specs[0], specs)])
         incoming = [("alias", "x", 1.0)] if producer_out != alias_out and wants[0] == producer_out else []
-        plan_nodes[name] = NodePlan(name, str(op), None, "forward", [4, 4], "f32", [], "", 1, 0.0, 1.0, 0.0, incoming=incoming)
+        plan_nodes[name] = NodePlan(
+            name, str(op), None, "forward", [4, 4], "f32", [], "", 1, 0.0, 1.0, 0.0, incoming=incoming
+        )
     for name in ("x", "alias"):
         plan_nodes[name] = NodePlan(name, "", None, "forward", [4, 4], "f32", [], "", 1, 0.0, 0.0, 0.0)
     gm = torch.fx.GraphModule(torch.nn.Module(), g)

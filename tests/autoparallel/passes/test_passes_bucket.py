@@ -336,7 +336,9 @@ def test_two_stage_gathers_bucket_both_stages(mesh):
     bucketed = copy.deepcopy(gm)
     names = [p.name for p in bucketed.graph.find_nodes(op="placeholder")][:2]
     ctx = _ctx()
-    ctx.local = types.SimpleNamespace(param_fqns=["layers.0.a", "layers.0.b"], buffer_fqns=[], primal_names=lambda: names)
+    ctx.local = types.SimpleNamespace(
+        param_fqns=["layers.0.a", "layers.0.b"], buffer_fqns=[], primal_names=lambda: names
+    )
     stats = bucket_collectives(bucketed, ctx)
     bucketed.graph.lint()
     check_topological(bucketed)

@@ -432,7 +432,9 @@ def _chunked_a2a_moe_gloo_step(rank: int, world: int) -> None:
     args = dataclasses.replace(MOE_CONFIGS["debug"], n_layers=2, aux_loss_alpha=0.0)
     parallel, plan, _ = _moe_chunked(args, {"layers.*.moe": "batch"}, a2a=True, batch=16, local_tensor=False)
     assert plan.pass_stats["chunk_regions"].regions_chunked == 1, plan.pass_stats["chunk_regions"].refused
-    exchanges = [n for n in parallel.parallel_graph.graph.nodes if n.target is torch.ops.autoparallel.moe_a2a_exchange.default]
+    exchanges = [
+        n for n in parallel.parallel_graph.graph.nodes if n.target is torch.ops.autoparallel.moe_a2a_exchange.default
+    ]
     assert len(exchanges) == 8  # 2 chunks x (out, back) x (forward, backward)
     from _moe_parity import check_moe_step
 

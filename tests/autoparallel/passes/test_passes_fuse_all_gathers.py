@@ -233,7 +233,9 @@ def test_llama_debug_2x2_plan_chains_fuse(fake_world):
         # nothing left to fuse
         assert fuse_all_gathers(gm, PassContext(mesh=mesh, plan=None)).fused == 0
     assert "fuse_all_gathers" in plan.summary()
-    assert all(c.mesh_dim is None for c in collectives(parallel.forward_graph, mesh) if c.node in {n.name for n in on_flat})
+    assert all(
+        c.mesh_dim is None for c in collectives(parallel.forward_graph, mesh) if c.node in {n.name for n in on_flat}
+    )
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.checkpoint import CheckpointPolicy
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
 import torch
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._subclasses.fake_tensor import FakeTensorMode

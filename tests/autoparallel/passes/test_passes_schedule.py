@@ -11,7 +11,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autoparallel.passes import PassContext, PassOptions
-from autoparallel.passes.schedule_overlap import PEAK_TOLERANCE, check_topological, longest_compute_run, schedule_overlap
+from autoparallel.passes.schedule_overlap import (
+    PEAK_TOLERANCE,
+    check_topological,
+    longest_compute_run,
+    schedule_overlap,
+)
 
 c10d = torch.ops._c10d_functional
 AG, RS, WAIT = c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default, c10d.wait_tensor.default
@@ -35,7 +40,11 @@ def _trace(tokens=16):
     # tokens=16: comm-bound (collective latency >> matmul time);
     # tokens=1 << 20: each matmul takes longer than a gather
     with FakeTensorMode():
-        args = [torch.randn(tokens, 32)] + [torch.randn(tokens, 32) for _ in range(LAYERS)] + [torch.randn(8, 32) for _ in range(LAYERS)]
+        args = (
+            [torch.randn(tokens, 32)]
+            + [torch.randn(tokens, 32) for _ in range(LAYERS)]
+            + [torch.randn(8, 32) for _ in range(LAYERS)]
+        )
         return make_fx(_backward_like)(*args)
 
 
@@ -132,12 +141,16 @@ def test_stall_filled_with_ready_compute():
     with FakeTensorMode():
         # the peak is at the first matmul (its result is large), so running the
         # small independent one earlier stays within the memory limit
-        gm = make_fx(f)(torch.randn(4096, 1024), torch.randn(1024, 2048), torch.randn(256, 1024), torch.randn(1024, 256))
+        gm = make_fx(f)(
+            torch.randn(4096, 1024), torch.randn(1024, 2048), torch.randn(256, 1024), torch.randn(1024, 256)
+        )
     stats = schedule_overlap(gm, _ctx())
     check_topological(gm)
     nodes = list(gm.graph.nodes)
     (wait,) = _positions(gm, WAIT)
-    independent = next(i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mm.default and nodes[i].args[0].op == "placeholder")
+    independent = next(
+        i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mm.default and nodes[i].args[0].op == "placeholder"
+    )
     assert independent < wait and stats.nodes_filled >= 1
     assert stats.exposed_comm_after_s < stats.exposed_comm_before_s
     assert stats.peak_memory_after <= stats.peak_memory_before
@@ -283,7 +296,11 @@ def test_bucketed_reduction_issued_with_its_preparation():
     issued before the next layer's matmuls, not after all of them."""
     with FakeTensorMode():
         tokens = 1 << 16  # compute-bound: each reduction ends within a layer
-        args = [torch.randn(tokens, 32)] + [torch.randn(tokens, 32) for _ in range(LAYERS)] + [torch.randn(8, 32) for _ in range(LAYERS)]
+        args = (
+            [torch.randn(tokens, 32)]
+            + [torch.randn(tokens, 32) for _ in range(LAYERS)]
+            + [torch.randn(8, 32) for _ in range(LAYERS)]
+        )
         gm = make_fx(_bucketed_backward)(*args)
     assert longest_compute_run(gm.graph.nodes) == 3 * LAYERS
     stats = schedule_overlap(gm, _ctx())

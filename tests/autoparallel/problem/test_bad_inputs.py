@@ -82,8 +82,16 @@ def mesh2(fake_world):
     "kwargs, exc, message",
     [
         ({"mp_policy": "bf16"}, TypeError, r"mp_policy must be None or a .*MixedPrecisionPolicy.*got str 'bf16'"),
-        ({"mp_policy": types.SimpleNamespace(param_dtype="bf16")}, TypeError, r"mp_policy.param_dtype must be None or a torch.dtype"),
-        ({"mp_policy": MixedPrecisionPolicy(param_dtype=torch.int8)}, ValueError, r"mp_policy.param_dtype must be a floating dtype, got torch.int8"),
+        (
+            {"mp_policy": types.SimpleNamespace(param_dtype="bf16")},
+            TypeError,
+            r"mp_policy.param_dtype must be None or a torch.dtype",
+        ),
+        (
+            {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.int8)},
+            ValueError,
+            r"mp_policy.param_dtype must be a floating dtype, got torch.int8",
+        ),
         ({"gpus_per_node": 0}, ValueError, r"gpus_per_node must be >= 1, got 0"),
         ({"gpus_per_node": 2.5}, TypeError, r"gpus_per_node must be an int, got float"),
         ({"device": "Z100"}, ValueError, r"unknown device 'Z100'; presets: A100, B200, H100, H200"),
@@ -122,7 +130,10 @@ def test_forward_returning_none(mesh2):
 def test_dtensor_input_on_another_mesh(mesh2):
     other = init_device_mesh("cpu", (8,), mesh_dim_names=("dp",))
     x = DTensor.from_local(torch.empty(1, 16, device="meta"), other, [Shard(0)], run_check=False)
-    with pytest.raises(ValueError, match=r"DTensor input 0 lives on mesh \(8,\) \('dp',\), but AutoParallel plans for mesh \(2, 4\) \('dp', 'tp'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"DTensor input 0 lives on mesh \(8,\) \('dp',\), but AutoParallel plans for mesh \(2, 4\) \('dp', 'tp'\)",
+    ):
         with AutoParallel(_model(), mesh2, x):
             pass
 
@@ -133,7 +144,10 @@ def test_dtensor_input_on_another_mesh_from_a_callable(mesh2):
     def inputs():  # built while tracing: the mesh is seen through its placements
         return DTensor.from_local(torch.empty(1, 16, device="meta"), other, [Shard(0)], run_check=False)
 
-    with pytest.raises(ConstraintError, match=r"DTensor input 0: a DTensor with 1 placements lives on another mesh than the 2-D mesh \(2, 4\)"):
+    with pytest.raises(
+        ConstraintError,
+        match=r"DTensor input 0: a DTensor with 1 placements lives on another mesh than the 2-D mesh \(2, 4\)",
+    ):
         with AutoParallel(_model(), mesh2, inputs):
             pass
 
@@ -147,18 +161,68 @@ S0R = (Shard(0), Replicate())
 @pytest.mark.parametrize(
     "cls, call, exc, message",
     [
-        (Lin, lambda a: a.add_parameter_memory_constraint(high="0.5"), TypeError, r"parameter memory constraint high must be a number, got str '0.5'"),
+        (
+            Lin,
+            lambda a: a.add_parameter_memory_constraint(high="0.5"),
+            TypeError,
+            r"parameter memory constraint high must be a number, got str '0.5'",
+        ),
         (Lin, lambda a: a.add_parameter_memory_constraint(high=-1), ValueError, r"high must be >= 0, got -1"),
-        (Lin, lambda a: a.add_parameter_memory_constraint(low=2.0), ConstraintError, r"low=2.0 exceeds 1.0, the fully replicated size"),
+        (
+            Lin,
+            lambda a: a.add_parameter_memory_constraint(low=2.0),
+            ConstraintError,
+            r"low=2.0 exceeds 1.0, the fully replicated size",
+        ),
         (Lin, lambda a: a.add_parameter_memory_constraint(low=0.5, high=0.25), ConstraintError, r"low=0.5 > high=0.25"),
-        (ReturnsInt, lambda a: a.add_output_constraints([None, S0R]), ConstraintError, r"output constraint 1: the traced value there is 3, not a tensor; pass None"),
-        (ReturnsScalar, lambda a: a.add_output_constraints([S0R]), ConstraintError, r"output constraint 0: S\(0\) is out of range for a 0-D tensor .*Replicate\(\) or Partial\(\)"),
-        (Lin, lambda a: a.add_input_constraints([Shard(0)]), ConstraintError, r"input constraint 0: placements must be a tuple with one Placement per mesh dim, e.g. \(Shard\(0\), Replicate\(\),\)"),
-        (Lin, lambda a: a.add_input_constraints(Shard(0)), TypeError, r"input constraints must be a list with one placement tuple \(or None\) per input"),
-        (Lin, lambda a: a.add_input_constraints([("S0", "R")]), ConstraintError, r"input constraint 0: 'S0' is not a Placement"),
-        (Lin, lambda a: a.add_input_constraints([(Shard(0),)]), ConstraintError, r"1 placements given for a 2-D mesh \(2, 4\) \('dp', 'tp'\); give one per mesh dim"),
-        (Lin, lambda a: a.add_input_constraints([(Shard(2), Replicate())]), ConstraintError, r"input constraint 0: S\(2\) is out of range for a 2-D tensor .*valid: Shard\(0\) .. Shard\(1\)"),
-        (Lin, lambda a: a.add_node_constraint(5, RR), TypeError, r"node must be an FX node or a node name \(str\), got int"),
+        (
+            ReturnsInt,
+            lambda a: a.add_output_constraints([None, S0R]),
+            ConstraintError,
+            r"output constraint 1: the traced value there is 3, not a tensor; pass None",
+        ),
+        (
+            ReturnsScalar,
+            lambda a: a.add_output_constraints([S0R]),
+            ConstraintError,
+            r"output constraint 0: S\(0\) is out of range for a 0-D tensor .*Replicate\(\) or Partial\(\)",
+        ),
+        (
+            Lin,
+            lambda a: a.add_input_constraints([Shard(0)]),
+            ConstraintError,
+            r"input constraint 0: placements must be a tuple with one Placement per mesh dim, e.g. \(Shard\(0\), Replicate\(\),\)",
+        ),
+        (
+            Lin,
+            lambda a: a.add_input_constraints(Shard(0)),
+            TypeError,
+            r"input constraints must be a list with one placement tuple \(or None\) per input",
+        ),
+        (
+            Lin,
+            lambda a: a.add_input_constraints([("S0", "R")]),
+            ConstraintError,
+            r"input constraint 0: 'S0' is not a Placement",
+        ),
+        (
+            Lin,
+            lambda a: a.add_input_constraints([(Shard(0),)]),
+            ConstraintError,
+            r"1 placements given for a 2-D mesh \(2, 4\) \('dp', 'tp'\); give one per mesh dim",
+        ),
+        (
+            Lin,
+            lambda a: a.add_input_constraints([(Shard(2), Replicate())]),
+            ConstraintError,
+            r"input constraint 0: S\(2\) is out of range for a 2-D tensor .*valid: Shard\(0\) .. Shard\(1\)",
+        ),
+        (
+            Lin,
+            lambda a: a.add_node_constraint(5, RR),
+            TypeError,
+            r"node must be an FX node or a node name \(str\), got int",
+        ),
     ],
 )
 def test_bad_constraints(mesh2, cls, call, exc, message):
@@ -188,7 +252,10 @@ def test_conflicting_constraints_on_one_node(mesh2):
 def test_dtensor_input_conflicts_with_input_constraint(mesh2):
     x = DTensor.from_local(torch.empty(4, 16, device="meta"), mesh2, S0R, run_check=False)
     with AutoParallel(_model(), mesh2, x) as autop:
-        with pytest.raises(ConstraintError, match=r"input constraint 0 pins node \w+ to \(R, R\), but DTensor input 0 already pins it to \(S\(0\), R\)"):
+        with pytest.raises(
+            ConstraintError,
+            match=r"input constraint 0 pins node \w+ to \(R, R\), but DTensor input 0 already pins it to \(S\(0\), R\)",
+        ):
             autop.add_input_constraints([RR])
 
 
@@ -213,16 +280,57 @@ def _pin_weight_sharded_low(a):
 @pytest.mark.parametrize(
     "batch, call, message",
     [
-        (7, lambda a: a.add_input_constraints([S0R]), r"input constraint 0: input 0 has size 7 on dim 0, which Shard\(0\) cannot split over 'dp' \(2 ranks\): dims must divide evenly \(layouts it can take: RR, RS\(1\), S\(1\)R, S\(1\)S\(1\)\)"),
-        (4, lambda a: a.add_input_constraints([(Shard(0), Shard(0))]), r"input 0 has size 4 on dim 0, which Shard\(0\) cannot split over 'dp' x 'tp' \(8 ranks\)"),
-        (8, lambda a: a.add_input_constraints([(Partial(), Replicate())]), r"input constraint 0: input 0 cannot be Partial\(\) on 'dp': a graph input is a whole value"),
-        (8, lambda a: a.add_output_constraints([(Partial(), Replicate())]), r"output constraint 0: output 0 \(its incoming gradient, tangents_1, takes the same layout\) cannot be Partial\(\) on 'dp'"),
-        (8, _budget(0.01), r"parameter memory budget: high=0.01 is below the smallest per-rank parameter memory reachable, 0.125 of the replicated size; use high >= 0.125"),
-        (8, _pin_weight, r"the default budget \(every parameter as sharded as the mesh allows, 0.125 of the replicated size\) cannot hold with node constraint primals_1 \(l.weight as \(R, R\)\); call add_parameter_memory_constraint\(high=0.9"),
-        (8, lambda a: (a.add_parameter_memory_constraint(low=0.5), a.optimize_placement()), r"low=0.5 is above the default high \(every parameter as sharded as the mesh allows, 0.125 of the replicated size\); pass high as well"),
-        (8, _pin_weight_sharded_low, r"low=0.9 is above the largest per-rank parameter memory reachable with node constraint primals_1 \(l.weight as \(S\(0\), S\(1\)\)\), 0.1765 of the replicated size; use low <= 0.1765"),
+        (
+            7,
+            lambda a: a.add_input_constraints([S0R]),
+            r"input constraint 0: input 0 has size 7 on dim 0, which Shard\(0\) cannot split over 'dp' \(2 ranks\): dims must divide evenly \(layouts it can take: RR, RS\(1\), S\(1\)R, S\(1\)S\(1\)\)",
+        ),
+        (
+            4,
+            lambda a: a.add_input_constraints([(Shard(0), Shard(0))]),
+            r"input 0 has size 4 on dim 0, which Shard\(0\) cannot split over 'dp' x 'tp' \(8 ranks\)",
+        ),
+        (
+            8,
+            lambda a: a.add_input_constraints([(Partial(), Replicate())]),
+            r"input constraint 0: input 0 cannot be Partial\(\) on 'dp': a graph input is a whole value",
+        ),
+        (
+            8,
+            lambda a: a.add_output_constraints([(Partial(), Replicate())]),
+            r"output constraint 0: output 0 \(its incoming gradient, tangents_1, takes the same layout\) cannot be Partial\(\) on 'dp'",
+        ),
+        (
+            8,
+            _budget(0.01),
+            r"parameter memory budget: high=0.01 is below the smallest per-rank parameter memory reachable, 0.125 of the replicated size; use high >= 0.125",
+        ),
+        (
+            8,
+            _pin_weight,
+            r"the default budget \(every parameter as sharded as the mesh allows, 0.125 of the replicated size\) cannot hold with node constraint primals_1 \(l.weight as \(R, R\)\); call add_parameter_memory_constraint\(high=0.9",
+        ),
+        (
+            8,
+            lambda a: (a.add_parameter_memory_constraint(low=0.5), a.optimize_placement()),
+            r"low=0.5 is above the default high \(every parameter as sharded as the mesh allows, 0.125 of the replicated size\); pass high as well",
+        ),
+        (
+            8,
+            _pin_weight_sharded_low,
+            r"low=0.9 is above the largest per-rank parameter memory reachable with node constraint primals_1 \(l.weight as \(S\(0\), S\(1\)\)\), 0.1765 of the replicated size; use low <= 0.1765",
+        ),
     ],
-    ids=["batch7-dp2", "batch4-dp-x-tp", "partial-input", "partial-output", "budget-below-min", "pin-vs-default-budget", "low-above-default-high", "low-above-pinned-max"],
+    ids=[
+        "batch7-dp2",
+        "batch4-dp-x-tp",
+        "partial-input",
+        "partial-output",
+        "budget-below-min",
+        "pin-vs-default-budget",
+        "low-above-default-high",
+        "low-above-pinned-max",
+    ],
 )
 def test_infeasible_explained(mesh2, batch, call, message):
     with AutoParallel(_model(), mesh2, _x(batch)) as autop:
@@ -236,7 +344,10 @@ def test_batch_32_on_128_ranks(fake_world):
     fake_world(128)
     mesh = init_device_mesh("cpu", (128,), mesh_dim_names=("dp",))
     with AutoParallel(_model(), mesh, _x(32)) as autop:
-        with pytest.raises(InfeasibleConstraintError, match=r"input 0 has size 32 on dim 0, which Shard\(0\) cannot split over 'dp' \(128 ranks\)"):
+        with pytest.raises(
+            InfeasibleConstraintError,
+            match=r"input 0 has size 32 on dim 0, which Shard\(0\) cannot split over 'dp' \(128 ranks\)",
+        ):
             autop.add_input_constraints([(Shard(0),)])
 
 
@@ -248,7 +359,10 @@ def test_solver_conflict_names_what_each_constraint_asked(mesh2):
         weight, grad = autop.traced.param_nodes["l.weight"], autop.traced.grad_nodes["l.weight"]
         autop.add_node_constraint(weight, RR)
         autop.add_node_constraint(grad, (Shard(0), Shard(0)))
-        with pytest.raises(solver.InfeasibleError, match=rf"'node constraint {weight.name}' \({weight.name}, parameter l.weight, as RR\), 'node constraint {grad.name}' \({grad.name}, the gradient of l.weight, as S\(0\)S\(0\)\) \(a parameter's gradient takes the parameter's layout\)"):
+        with pytest.raises(
+            solver.InfeasibleError,
+            match=rf"'node constraint {weight.name}' \({weight.name}, parameter l.weight, as RR\), 'node constraint {grad.name}' \({grad.name}, the gradient of l.weight, as S\(0\)S\(0\)\) \(a parameter's gradient takes the parameter's layout\)",
+        ):
             autop.optimize_placement()
 
 
@@ -353,7 +467,12 @@ def test_plan_json_identical_across_hash_seeds(tmp_path):
         path = tmp_path / f"plan_{seed}.json"
         env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=ROOT)
         subprocess.run(
-            [sys.executable, "-c", _PLAN_SCRIPT, str(path)], env=env, cwd=ROOT, check=True, capture_output=True, timeout=300
+            [sys.executable, "-c", _PLAN_SCRIPT, str(path)],
+            env=env,
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            timeout=300,
         )
         paths.append(path)
     a, b = (json.loads(p.read_text()) for p in paths)

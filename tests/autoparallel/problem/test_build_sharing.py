@@ -91,7 +91,8 @@ def _check_coarse_option_index(planned):
         for o in opts[:: max(1, len(opts) // 25)]:
             out, ins = placements_of(o.output_specs), tuple(placements_of(s) for s in o.input_specs)
             first = next(
-                k for k, p in enumerate(opts)
+                k
+                for k, p in enumerate(opts)
                 if placements_of(p.output_specs) == out and tuple(placements_of(s) for s in p.input_specs) == ins
             )
             assert index.find(opts, out, ins) == first, node.name

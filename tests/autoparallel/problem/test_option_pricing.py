@@ -57,8 +57,9 @@ def test_lazy_blocks_equal_dense_matrices(fake_world):
     assert {"LazyClassMatrix", "LazyKeyMatch"} <= kinds
 
 
-@pytest.mark.parametrize("case, shape, coarse_seeds", [
-    ("ffn", (2, 2, 2), False), ("ffn", (2, 2, 2), True), ("llama", (2, 2), False)])
+@pytest.mark.parametrize(
+    "case, shape, coarse_seeds", [("ffn", (2, 2, 2), False), ("ffn", (2, 2, 2), True), ("llama", (2, 2), False)]
+)
 def test_pricing_plan_has_the_dense_optimum(fake_world, monkeypatch, case, shape, coarse_seeds):
     """Option pricing proves the same optimum as the dense solve, with and
     without coarse-mesh plans in its seed; the plan is an ordinary one over
@@ -84,7 +85,7 @@ def test_pricing_plan_has_the_dense_optimum(fake_world, monkeypatch, case, shape
             autop.add_input_constraints(batch)
             autop.add_output_constraints(batch)
             plans[pricing] = (autop.optimize_placement(), autop.built, autop.strategies)
-    (dense, dense_built, _), (priced, priced_built, full) = plans[False], plans[True]
+    (dense, _, _), (priced, priced_built, full) = plans[False], plans[True]
     assert dense.solution.status == priced.solution.status == "optimal"
     assert priced.solution.objective == pytest.approx(dense.solution.objective, rel=1e-9)
     assert priced.solution.bound == pytest.approx(priced.solution.objective, rel=1e-9)
@@ -159,12 +160,16 @@ def test_coarse_mesh_plans_lift_to_the_full_mesh(fake_world):
         best = autop.optimize_placement().solution.objective
         built = autop.built
         plans = coarse_seed.lifted_plans(
-            autop.traced, built.strategies, mesh, autop._constraints,
-            device=autop.device, overlap=autop.overlap, repeats=autop.repeats,
+            autop.traced,
+            built.strategies,
+            mesh,
+            autop._constraints,
+            device=autop.device,
+            overlap=autop.overlap,
+            repeats=autop.repeats,
         )
     # dims 1 and 2 are skipped: the input pin (S(0), S(0), R) places them differently
     assert len(plans) == 1
-    feasible = 0
     names = {n.name for n in built.strategies}
     for i, plan in enumerate(plans):
         # a node is left out only when its lifted option is not in its list
@@ -202,7 +207,9 @@ def test_coarse_plans_solved_side_by_side_equal_one_after_the_other(fake_world, 
         side_by_side = {}
         for workers in (1, 2):
             monkeypatch.setattr(coarse_seed, "SOLVER_THREADS", workers)
-            side_by_side[workers] = coarse_seed.lifted_plans(autop.traced, built.strategies, mesh, autop._constraints, **kw)
+            side_by_side[workers] = coarse_seed.lifted_plans(
+                autop.traced, built.strategies, mesh, autop._constraints, **kw
+            )
     assert len(one_by_one) == 2 and all(one_by_one)
     assert side_by_side[1] == side_by_side[2] == one_by_one
 

@@ -54,8 +54,17 @@ def test_t5_plans_proven_optimal(fake_world):
     fake_world(4)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     cfg = transformers.T5Config(
-        vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
-        relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0, use_cache=False,
+        vocab_size=128,
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        use_cache=False,
     )
     with torch.device("meta"):
         model = transformers.T5ForConditionalGeneration(cfg)

@@ -139,7 +139,6 @@ def test_failed_solve_still_dumps_the_problem(tmp_path, monkeypatch):
     import json
 
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import solver
 

@@ -14,9 +14,19 @@ from autoparallel.report import describe
 
 def _node(name, *, path, op="aten.mm.default", inputs=(), out="R", shape=(64, 64), param=False, phase="forward"):
     return NodePlan(
-        name=name, op="" if param else op, module_path=path, phase=phase, shape=list(shape), dtype="float32",
-        input_placements=list(inputs), output_placements=out, num_options=3, compute_cost=1e-3,
-        comm_cost=0.0, transition_cost=0.0, is_parameter=param,
+        name=name,
+        op="" if param else op,
+        module_path=path,
+        phase=phase,
+        shape=list(shape),
+        dtype="float32",
+        input_placements=list(inputs),
+        output_placements=out,
+        num_options=3,
+        compute_cost=1e-3,
+        comm_cost=0.0,
+        transition_cost=0.0,
+        is_parameter=param,
     )
 
 
@@ -31,8 +41,16 @@ def _plan(mesh, names, weight, matmuls, norm=None, logits=None):
             ins, out = matmuls[mod]
             nodes.append(_node(f"mm_{layer}_{mod}", path=path, inputs=ins, out=out, shape=(128, 64)))
         if norm:
-            nodes.append(_node(f"norm_{layer}", path=f"layers.{layer}.ffn_norm", op="aten.mul.Tensor",
-                               inputs=[norm, norm], out=norm, shape=(2, 64, 64)))
+            nodes.append(
+                _node(
+                    f"norm_{layer}",
+                    path=f"layers.{layer}.ffn_norm",
+                    op="aten.mul.Tensor",
+                    inputs=[norm, norm],
+                    out=norm,
+                    shape=(2, 64, 64),
+                )
+            )
     if logits:
         nodes.append(_node("p_out", path="output.weight", out=weight, param=True, shape=(1000, 64)))
         nodes.append(_node("mm_out", path="output", inputs=logits[0], out=logits[1], shape=(128, 1000)))
@@ -56,14 +74,32 @@ MIXED = {
 @pytest.mark.parametrize(
     "plan, expected, absent",
     [
-        (_plan([8], ["dp"], "S(0)", DATA), ["dp (8): FSDP", "sharded over dp", "data parallel over dp"], ["DDP", "tensor parallel"]),
-        (_plan([8], ["dp"], "R", DATA), ["dp (8): DDP", "replicated", "data parallel over dp"], ["FSDP", "tensor parallel"]),
-        (_plan([8], ["tp"], "S(0)", TP), ["tp (8): tensor parallel (TP)", "tensor parallel over tp (column then row-parallel)"], ["FSDP", "DDP"]),
         (
-            _plan([4, 2], ["dp", "tp"], "_S(0, 2)S(0)", MIXED, norm="S(0)S(1)",
-                  logits=(["S(0)R", "RS(1)"], "S(0)S(1)")),
-            ["dp (4): FSDP", "tp (2): tensor parallel (TP) with sequence parallel norms",
-             "sharded over dp*tp (tp-outer layout)", "vocab-parallel over tp", "sequence split over tp"],
+            _plan([8], ["dp"], "S(0)", DATA),
+            ["dp (8): FSDP", "sharded over dp", "data parallel over dp"],
+            ["DDP", "tensor parallel"],
+        ),
+        (
+            _plan([8], ["dp"], "R", DATA),
+            ["dp (8): DDP", "replicated", "data parallel over dp"],
+            ["FSDP", "tensor parallel"],
+        ),
+        (
+            _plan([8], ["tp"], "S(0)", TP),
+            ["tp (8): tensor parallel (TP)", "tensor parallel over tp (column then row-parallel)"],
+            ["FSDP", "DDP"],
+        ),
+        (
+            _plan(
+                [4, 2], ["dp", "tp"], "_S(0, 2)S(0)", MIXED, norm="S(0)S(1)", logits=(["S(0)R", "RS(1)"], "S(0)S(1)")
+            ),
+            [
+                "dp (4): FSDP",
+                "tp (2): tensor parallel (TP) with sequence parallel norms",
+                "sharded over dp*tp (tp-outer layout)",
+                "vocab-parallel over tp",
+                "sequence split over tp",
+            ],
             ["DDP"],
         ),
     ],
@@ -92,8 +128,13 @@ def test_summary_names_the_parallelism(plan, expected, absent):
 def test_summary_names_the_expert_layout(x, w1, expected):
     plan = _plan([2, 4], ["dp", "ep"], "S(0)", {m: (["S(0)R", "RR"], "S(0)R") for m in DATA})
     for layer in (0, 1):
-        node = _node(f"moe_{layer}", path=f"layers.{layer}.moe.experts", op="autoparallel.moe_experts.default",
-                     inputs=[x, x, x, w1, w1, w1, w1], out=x)
+        node = _node(
+            f"moe_{layer}",
+            path=f"layers.{layer}.moe.experts",
+            op="autoparallel.moe_experts.default",
+            inputs=[x, x, x, w1, w1, w1, w1],
+            out=x,
+        )
         plan.nodes[node.name] = node
     text = "\n".join(describe(plan))
     assert f"routed experts (layers.*.moe.experts): {expected}" in text, text
@@ -118,8 +159,9 @@ def test_backward_matmuls_are_labelled():
     plan = _plan([8], ["dp"], "S(0)", DATA)
     w = plan.nodes["p_0_attention.wq"]
     plan.nodes["dw"] = _node("dw", path="layers.0.attention.wq", inputs=["S(1)", "S(0)"], out="P", phase="backward")
-    plan.nodes["dx"] = _node("dx", path="layers.0.attention.wq", inputs=["S(0)", "R"], out="S(0)",
-                             shape=(128, 64), phase="backward")
+    plan.nodes["dx"] = _node(
+        "dx", path="layers.0.attention.wq", inputs=["S(0)", "R"], out="S(0)", shape=(128, 64), phase="backward"
+    )
     assert w.shape == [64, 64]
     text = "\n".join(str(k) for k in plan.placements_by_kind() if k.role == "backward")
     assert "weight grad S(1),S(0) -> P" in text and "input grad S(0),R -> S(0)" in text
@@ -129,20 +171,51 @@ def test_html_has_every_section_and_no_url(tmp_path):
     import re
 
     plan = _plan([4, 2], ["dp", "tp"], "_S(0, 2)S(0)", MIXED, norm="S(0)S(1)")
-    plan.collectives = [{"phase": "forward", "kind": "all_gather", "group": "dp", "group_size": 4, "count": 3,
-                         "output_bytes": 4000, "traffic_bytes": 3000.0, "seconds": 2e-5}]
+    plan.collectives = [
+        {
+            "phase": "forward",
+            "kind": "all_gather",
+            "group": "dp",
+            "group_size": 4,
+            "count": 3,
+            "output_bytes": 4000,
+            "traffic_bytes": 3000.0,
+            "seconds": 2e-5,
+        }
+    ]
     plan.timeline = {
-        phase: {"end": 1e-3, "compute": [[0.0, 4e-4], [5e-4, 1e-3]], "comm": [[0.0, 5e-4, "all_gather"]],
-                "exposed": [[4e-4, 5e-4]], "memory": [[0.0, 1e6], [1e-3, 2e6]], "peak_bytes": 2e6}
+        phase: {
+            "end": 1e-3,
+            "compute": [[0.0, 4e-4], [5e-4, 1e-3]],
+            "comm": [[0.0, 5e-4, "all_gather"]],
+            "exposed": [[4e-4, 5e-4]],
+            "memory": [[0.0, 1e6], [1e-3, 2e6]],
+            "peak_bytes": 2e6,
+        }
         for phase in ("forward", "backward")
     }
-    plan.pass_stats = {"schedule_overlap": {"forward": {"exposed_comm_before_s": 2e-4, "exposed_comm_after_s": 1e-4,
-                                                        "peak_memory_after": 2_000_000}}}
+    plan.pass_stats = {
+        "schedule_overlap": {
+            "forward": {"exposed_comm_before_s": 2e-4, "exposed_comm_after_s": 1e-4, "peak_memory_after": 2_000_000}
+        }
+    }
     path = tmp_path / "r.html"
     plan.to_html(str(path))
     html = path.read_text()
-    for section in ('id="summary"', 'id="memory"', 'id="timeline"', 'id="collectives"', 'id="placements"',
-                    'id="passes"', "<details>", "HBM 80 GB", "exposed", "FSDP", "tp-outer layout", "layers.*.attention"):
+    for section in (
+        'id="summary"',
+        'id="memory"',
+        'id="timeline"',
+        'id="collectives"',
+        'id="placements"',
+        'id="passes"',
+        "<details>",
+        "HBM 80 GB",
+        "exposed",
+        "FSDP",
+        "tp-outer layout",
+        "layers.*.attention",
+    ):
         assert section in html, section
     assert "<svg" in html and "<polyline" in html and "traffic / rank" in html
     assert not re.search(r"https?://", html)
