@@ -210,7 +210,7 @@ def test_html_has_every_section_and_no_url(tmp_path):
         'id="placements"',
         'id="passes"',
         "<details>",
-        "HBM 80 GB",
+        "HBM 80.00 GB",
         "exposed",
         "FSDP",
         "tp-outer layout",
@@ -220,6 +220,73 @@ def test_html_has_every_section_and_no_url(tmp_path):
     assert "<svg" in html and "<polyline" in html and "traffic / rank" in html
     assert not re.search(r"https?://", html)
     assert "<script src" not in html and "<link" not in html
+
+
+def test_html_names_what_it_shows(tmp_path):
+    """Title: model, parameter count, mesh, device, batch x sequence, dtypes;
+    the timeline has a time axis and a legend of colour swatches; the
+    memory chart has ticks on both axes."""
+    import re
+    from html.parser import HTMLParser
+
+    plan = _plan([4, 2], ["dp", "tp"], "_S(0, 2)S(0)", MIXED)
+    plan.provenance = {
+        "model": "Transformer",
+        "parameters": 8_030_261_248,
+        "input_shapes": [[[32, 8192], "int64"]],
+        "device": {"name": "H100"},
+        "mp_policy": {"param_dtype": "bfloat16", "reduce_dtype": "float32"},
+    }
+    plan.timeline = {
+        phase: {
+            "end": 4e-3,
+            "compute": [[0.0, 3e-3]],
+            "comm": [[0.0, 2e-3, "all_gather"]],
+            "exposed": [[3e-3, 3.5e-3]],
+            "memory": [[0.0, 1e9], [4e-3, 3e9]],
+            "peak_bytes": 3e9,
+        }
+        for phase in ("forward", "backward")
+    }
+
+    class Parse(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.stack, self.text, self.elements = [], {}, []
+
+        def handle_starttag(self, tag, attrs):
+            attrs = dict(attrs)
+            self.elements.append((tag, attrs, [e.get("id") for _, e in self.stack if e.get("id")]))
+            if tag not in ("line", "rect", "polyline", "meta"):
+                self.stack.append((tag, attrs))
+
+        def handle_endtag(self, tag):
+            if self.stack and self.stack[-1][0] == tag:
+                self.stack.pop()
+
+        def handle_data(self, data):
+            key = self.stack[-1][1].get("id") or self.stack[-1][0] if self.stack else ""
+            self.text[key] = self.text.get(key, "") + data
+
+    path = tmp_path / "r.html"
+    plan.to_html(str(path), model="LLaMA-3 8B")
+    parser = Parse()
+    parser.feed(path.read_text())
+    html = path.read_text()
+    assert re.search(r"<title>(.*?)</title>", html).group(1) == "autoparallel plan: LLaMA-3 8B, 8.03B parameters"
+    assert parser.text["h1"] == "autoparallel plan: LLaMA-3 8B, 8.03B parameters"
+    setup = parser.text["setup"]
+    for item in ("mesh dp 4 x tp 2 (8 ranks)", "device H100", "batch 32 x sequence 8192", "bfloat16 compute"):
+        assert item in setup, setup
+    assert "{" not in setup  # not a Python dict
+    for chart in ("timeline-chart", "memory-chart"):
+        ticks = [a for tag, a, ids in parser.elements if tag == "line" and a.get("class") == "tick" and chart in ids]
+        assert len(ticks) >= 3, chart
+    assert re.search(r'class="tick-label"[^>]*>2 ms<', html)  # time axis in ms
+    assert re.search(r'class="tick-label"[^>]*>1 GB<', html)  # memory axis in GB
+    swatches = [a for tag, a, _ in parser.elements if tag == "span" and a.get("class") == "swatch"]
+    assert len(swatches) == 3 and all("background" in a.get("style", "") for a in swatches)
+    assert "time in the step" in html
 
 
 def test_cli_diff_and_report(tmp_path, capsys):
