@@ -383,8 +383,8 @@ def print_report(
                 print(f"  solver.{phase:9s} {t.get('solver.' + phase, 0.0):7.2f} s")
         print(f"  {'plan_report':16s} {t.get('plan_report', 0.0):7.2f} s")
     print(
-        f"  {'total':16s} {total:7.2f} s   (peak RSS "
-        f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GB)"
+        # ru_maxrss: KiB on Linux
+        f"  {'total':16s} {total:7.2f} s   (peak RSS {units.size(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)})"
     )
 
     s = plan.solution

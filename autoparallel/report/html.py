@@ -259,9 +259,9 @@ def render(plan, model: str | None = None) -> str:
     rows = [
         {
             **r,
-            "traffic": numbers._size(r["traffic_bytes"]),
-            "output": numbers._size(r["output_bytes"]),
-            "time": numbers._ms(r["seconds"]),
+            "traffic": units.size(r["traffic_bytes"]),
+            "output": units.size(r["output_bytes"]),
+            "time": units.seconds(r["seconds"]),
         }
         for r in sorted(plan.collectives or [], key=lambda r: (r["phase"] != "forward", r["kind"], r["group"]))
     ]

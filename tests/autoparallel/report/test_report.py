@@ -4,6 +4,8 @@ and labelled numbers; the memory breakdown adds up."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import solver
@@ -311,3 +313,32 @@ def test_mixed_family_names_each_projection():
     mm["feed_forward.w2"] = (["S(0)S(0)", "RR"], "S(0)S(0)")  # w2 data parallel over tp, w1 column
     text = "\n".join(describe(_plan([4, 2], ["dp", "tp"], "_S(0, 2)S(0)", mm)))
     assert "w1 column-parallel, w2 data parallel over tp" in text, text
+
+
+def test_cli_diff_warns_when_the_models_differ(tmp_path, capsys):
+    from autoparallel.__main__ import main
+
+    a = _plan([8], ["dp"], "S(0)", DATA)
+    b = _plan([8], ["dp"], "S(0)", DATA)
+    a.provenance = {"graph_fingerprint": "a" * 40, "input_shapes": [[[8, 64], "int64"]]}
+    b.provenance = {"graph_fingerprint": "b" * 40, "input_shapes": [[[8, 128], "int64"]]}
+    a.dump_json(str(tmp_path / "a.json"))
+    b.dump_json(str(tmp_path / "b.json"))
+    assert main(["diff", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 1
+    captured = capsys.readouterr()
+    assert "warning: the plans were made for different model graphs (fingerprint aaaaaaaaaaaa vs bbbbbbbbbbbb" in (
+        captured.err
+    )
+    assert "[8, 64]" in captured.err and "[8, 128]" in captured.err
+    # the objective with its unit, as the summary shows it
+    assert re.search(r"estimated step \(objective\) [\d.]+ (s|ms|us) vs [\d.]+ (s|ms|us)", captured.out), captured.out
+
+
+def test_cli_help_has_no_markup(capsys):
+    from autoparallel.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "::" not in out and "``" not in out
+    assert "python -m autoparallel diff a.json b.json" in out
