@@ -516,7 +516,7 @@ class StepMeter:
 
     def describe(self) -> str:
         mfu = f"MFU against {self.device_name} peak" if self.peak_flops else "no MFU on CPU"
-        return f"{self.tokens_per_step} tokens per step, {count_text(self.flops_per_token)}FLOP per token, {mfu}"
+        return f"{self.tokens_per_step} tokens per step, {count_text(self.flops_per_token)} FLOP per token, {mfu}"
 
     def peak_memory(self) -> str:
         if self.device.type == "cuda":
