@@ -6,6 +6,7 @@ nested entry of one AutoParallel object is refused."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -245,3 +246,34 @@ def test_example_help_shows_the_real_defaults(capsys):
     assert "(default: 3)" in out  # --steps
     args = example.parse_args(["--real"])
     assert (args.seq, args.batch, args.dim, args.model) == (256, 8, 256, "debug")
+
+
+# -- the example's reports ----------------------------------------------------------------
+
+
+def test_plan_file_run_reports_its_own_stage_times(capsys):
+    example = _example()
+    plan = _plan((2, 4), ("dp", "tp"), (8, 64))
+    plan.timings = {"tracing": 50.0, "problem_build": 99.0, "solver.solve": 77.0}  # the run that made the file
+    example.print_report(plan, 3.5, None, plan_file="p.json", timings={"tracing": 1.25, "options": 0.5})
+    out = capsys.readouterr().out
+    timing = out.split("== planning time ==")[1].split("==")[0]
+    assert "1.25 s" in timing and "50.00" not in timing and "99.00" not in timing and "77.00" not in timing
+    assert "problem_build" not in timing and "plan from p.json" in timing
+
+
+def test_real_run_step_line():
+    from autoparallel.models import LLAMA3_CONFIGS, Transformer
+
+    example = _example()
+    args = example.parse_args(["--real", "--mp", "bf16"])
+    config = LLAMA3_CONFIGS["debug"]
+    with torch.device("meta"):
+        model = Transformer(config)
+    cpu = example.StepMeter(model, config, args, 4, torch.device("cpu"))
+    line = cpu.line(3, 5.4321, 0.5)
+    assert line.startswith(f"step 3: loss 5.4321  tokens/s {2 * args.batch * args.seq:,}  peak RSS ")
+    assert "mfu" not in line
+    gpu = example.StepMeter(model, config, args, 4, torch.device("cpu"))
+    gpu.peak_flops = 4 * 989e12  # what a CUDA run takes from the --device preset
+    assert re.search(r"  mfu \d+\.\d\d%", gpu.line(0, 1.0, 1.0))
