@@ -10,6 +10,7 @@ user's mistake as one line with exit status 2 (the traceback with ``-v``).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import os
@@ -64,6 +65,20 @@ def setup_logging(verbose: bool = False, stream=None, also: Sequence[str] = ()) 
     return handler
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows each option's default, unless its help text already
+    says it (``default: 8192; 256 with --real``) or there is none to show
+    (None, False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        default = action.default
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else default
+        return f"{text} (default: {shown})"
+
+
 def user_error_types() -> tuple[type[BaseException], ...]:
     """Errors that describe a mistake in the arguments, inputs, constraints
     or files (each names what is wrong and what would be valid): printed
@@ -108,4 +123,4 @@ def user_errors(prog: str, verbose: bool = False) -> Iterator[None]:
         raise SystemExit(USAGE_ERROR) from None
 
 
-__all__ = ["LOG_FORMAT", "USAGE_ERROR", "setup_logging", "user_error_types", "user_errors"]
+__all__ = ["HelpFormatter", "LOG_FORMAT", "USAGE_ERROR", "setup_logging", "user_error_types", "user_errors"]

@@ -19,7 +19,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autoparallel import AutoParallel
-from autoparallel.cli import setup_logging, user_errors
+from autoparallel.cli import HelpFormatter, setup_logging, user_errors
 
 
 def build(name: str, layers: int | None = None):
@@ -75,7 +75,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(
         prog="example_hf.py",
         description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     ap.add_argument("--model", default="gpt2", choices=["gpt2", "bert", "llama", "mixtral", "mixtral-8x7b"])
     ap.add_argument("--batch", type=int, default=8, help="global batch (sequences)")

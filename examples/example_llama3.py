@@ -53,7 +53,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autoparallel import AutoParallel, preflight
 from autoparallel.apply import collectives
-from autoparallel.cli import setup_logging, user_errors
+from autoparallel.cli import HelpFormatter, setup_logging, user_errors
 from autoparallel.cost_model import DeviceSpec
 from autoparallel.passes.chunk_options import check_chunk_modules, parse_chunk_args
 from autoparallel.models.llama3 import LLAMA3_CONFIGS, Transformer, apply_ac, count_params
@@ -65,9 +65,7 @@ PROG = "example_llama3.py"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     ap.add_argument(
         "--model", default=None, choices=sorted(LLAMA3_CONFIGS), help="model config (default: 8B; debug with --real)"
     )

@@ -23,7 +23,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autoparallel import AutoParallel
-from autoparallel.cli import setup_logging, user_errors
+from autoparallel.cli import HelpFormatter, setup_logging, user_errors
 from autoparallel.passes.chunk_options import check_chunk_modules, parse_chunk_args
 from autoparallel.models import MOE_CONFIGS, MoETransformer
 
@@ -32,7 +32,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(
         prog="example_moe.py",
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--model", default="debug", choices=sorted(MOE_CONFIGS))
     p.add_argument("--layers", type=int, default=None)
