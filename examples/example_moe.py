@@ -34,10 +34,10 @@ def main(argv=None) -> None:
         description=__doc__.split("\n\n")[0],
         formatter_class=HelpFormatter,
     )
-    p.add_argument("--model", default="debug", choices=sorted(MOE_CONFIGS))
-    p.add_argument("--layers", type=int, default=None)
-    p.add_argument("--mesh", type=int, nargs="+", default=[2, 2])
-    p.add_argument("--seq", type=int, default=16)
+    p.add_argument("--model", default="debug", choices=sorted(MOE_CONFIGS), help="MoE config")
+    p.add_argument("--layers", type=int, default=None, help="override the config's layer count")
+    p.add_argument("--mesh", type=int, nargs="+", default=[2, 2], help="mesh shape")
+    p.add_argument("--seq", type=int, default=16, help="sequence length")
     p.add_argument("--batch", type=int, default=None, help="default: one sequence per rank")
     p.add_argument("--pin-ep", action="store_true", help="experts Shard(0) on the last mesh dim")
     p.add_argument(
