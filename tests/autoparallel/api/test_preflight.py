@@ -277,3 +277,14 @@ def test_real_run_step_line():
     gpu = example.StepMeter(model, config, args, 4, torch.device("cpu"))
     gpu.peak_flops = 4 * 989e12  # what a CUDA run takes from the --device preset
     assert re.search(r"  mfu \d+\.\d\d%", gpu.line(0, 1.0, 1.0))
+
+
+def test_apply_placement_checks_chunk_patterns_first(fake_world):
+    from autoparallel.passes import PassOptions
+
+    fake_world(2)
+    mesh = init_device_mesh("cpu", (2,))
+    with AutoParallel(FFN(16, 32), mesh, torch.randn(4, 16)) as autop:
+        plan = _plan((2,), ("dp",), (4, 16))  # not even looked at: the options are wrong first
+        with pytest.raises(ChunkOptionError, match="chunk w9=batch: the pattern names no module of the model"):
+            autop.apply_placement(plan, pass_options=PassOptions(chunk_modules={"w9": "batch"}))

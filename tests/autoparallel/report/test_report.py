@@ -342,3 +342,19 @@ def test_cli_help_has_no_markup(capsys):
     out = capsys.readouterr().out
     assert "::" not in out and "``" not in out
     assert "python -m autoparallel diff a.json b.json" in out
+
+
+def test_collectives_table_keeps_its_columns_with_long_group_names():
+    from autoparallel.report import numbers
+
+    plan = _plan([8], ["dp"], "S(0)", DATA)
+    row = {"phase": "forward", "kind": "all_gather", "count": 3, "traffic_bytes": 3e6, "seconds": 2e-5}
+    plan.collectives = [
+        {**row, "group": "dp", "group_size": 2},
+        {**row, "phase": "backward", "group": "dp_replicate*dp_shard*cp col-major", "group_size": 64},
+    ]
+    header, *rows = numbers.collective_lines(plan)[:-1]
+    # every figure column ends where its header does
+    for title in ("count", "traffic/rank", "est. time"):
+        end = header.index(title) + len(title)
+        assert all(r[end - 1] != " " and (len(r) == end or r[end] == " ") for r in rows), (title, rows)
