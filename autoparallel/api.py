@@ -25,7 +25,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 import solver
 
-from . import cost_model, validation
+from . import cost_model, preflight, validation
 from .options import rules  # noqa: F401 - rules register on import
 from .problem import coarse_seed, infeasibility
 from .problem import memory_budget as memory_budget_mod
@@ -98,6 +98,10 @@ class AutoParallel:
             (parameters, gradients, optimizer state, saved activations; see
             :mod:`autoparallel.problem.memory_budget`) by the device's HBM less 10%;
             :meth:`add_memory_budget` sets another; False plans without it.
+        input_constraints: as :meth:`add_input_constraints` takes them, but
+            checked against the example inputs' shapes and the mesh before
+            tracing (a batch that does not split over the data-parallel
+            ranks fails in the first second, not after the trace).
     """
 
     def __init__(
@@ -117,6 +121,7 @@ class AutoParallel:
         max_problem_bytes: float | None = DEFAULT_MAX_PROBLEM_BYTES,
         memory_budget: bool = True,
         option_pricing: bool | None = None,
+        input_constraints: Sequence[Sequence[Placement] | None] | None = None,
     ):
         validation.check_arguments(
             model=model,
@@ -161,6 +166,7 @@ class AutoParallel:
                 "set a size with autop.add_memory_budget(bytes=... or fraction=...)"
             )
         self._memory_budget = memory_budget_mod.MemoryBudget(enabled=memory_budget)
+        self._input_constraints = input_constraints
         self._stack: contextlib.ExitStack | None = None
         self._closed = False
         self.traced: TracedStep | None = None
@@ -171,6 +177,11 @@ class AutoParallel:
 
     # -- context ---------------------------------------------------------------
     def __enter__(self) -> "AutoParallel":
+        if self._stack is not None:
+            raise RuntimeError(
+                "this AutoParallel context is already entered: one `with AutoParallel(...) as autop:` block per "
+                "object (make a second AutoParallel for a second plan)"
+            )
         if not dist.is_initialized():
             raise RuntimeError(
                 "the mesh's process group is not initialised: call "
@@ -186,6 +197,8 @@ class AutoParallel:
                 f"{dist.get_world_size()}"
             )
         validation.check_dtensor_inputs(self.inputs, self.mesh)
+        if self._input_constraints is not None:
+            preflight.check_input_constraints(self.inputs, self._input_constraints, self.mesh)
         # DTensor caches sharding propagation by op schema, and specs on an
         # equal mesh of an earlier process group hit that cache: the new
         # parameters (``nn.Parameter(dtensor)`` runs ``detach``) would then
@@ -197,6 +210,8 @@ class AutoParallel:
         try:
             self._trace()
             validation.check_outputs(self.traced.output_nodes)
+            if self._input_constraints is not None:
+                self.add_input_constraints(self._input_constraints)
             # AOT export leaves its fake mode entered on the stack; the
             # user's `with` body runs outside it (real tensors, runnable
             # parallel modules), and so does planning (real metadata).
@@ -623,9 +638,13 @@ class AutoParallel:
         result; see :mod:`autoparallel.apply.fold`)."""
         self._require_open()
         from .apply import apply_placement
+        from .passes import chunk_options
 
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be an autoparallel Plan (or Plan.load_json(path)), got {type(plan).__name__}")
+        chunk_options.check_chunk_modules(
+            getattr(pass_options, "chunk_modules", None), (name for name, _ in self.model.named_modules())
+        )
         # A plan from elsewhere (a file, another context): refuse it when it
         # was made for another model, mesh or input shape, naming which.
         check_applicable(plan, self)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
-import math
 import os
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -21,6 +20,7 @@ from typing import Any
 import solver
 
 from .passes import stats_to_json
+from .report import units
 
 
 PLAN_SCHEMA = "autoparallel.plan/1"
@@ -125,7 +125,7 @@ class Plan:
         if s.status == "optimal":
             return f"proven optimal: objective {_us(s.objective)}"
         bound = "no bound" if s.bound is None else f"bound {_us(s.bound)}"
-        gap = "" if s.gap is None else f", gap {100 * s.gap:.3g}%"
+        gap = "" if s.gap is None else f", gap {units.percent(s.gap)}"
         why = (
             "option pricing stopped at its time or option limit"
             if s.backend.startswith("pricing")
@@ -140,7 +140,8 @@ class Plan:
         """Why a node is placed the way it is. ``node``: an FX node, a node
         name, or a module path (``layers.3.attention.wq``: all its nodes,
         forward and backward), with the runner-up options and what each
-        would add to the step."""
+        would add to the step. Each entry leads with the module and the op;
+        the graph node's name comes last, in brackets."""
         name = getattr(node, "name", node)
         if name in self.nodes:
             return self._explain_node(self.nodes[name])
@@ -155,22 +156,40 @@ class Plan:
                 f"no node or module named {name!r} in the plan"
                 + (f"; modules with that name: {', '.join(near)}" if near else "")
             )
-        header = f"module {name}: {len(members)} nodes (parameters, then forward, then backward)"
         order = {True: 0, False: 1}
         members.sort(key=lambda n: (order[n.is_parameter], n.phase != "forward"))
+        params = sum(n.is_parameter for n in members)
+        fwd = sum(not n.is_parameter and n.phase == "forward" for n in members)
+        header = (
+            f"module {name}: {_plural(params, 'parameter')}, {_plural(fwd, 'forward op')}, "
+            f"{_plural(len(members) - params - fwd, 'backward op')}; "
+            f"compute {_us(sum(n.compute_cost for n in members))}, "
+            f"incoming communication {_us(sum(n.comm_cost for n in members))} per step"
+        )
         return "\n".join([header] + [self._explain_node(n) for n in members])
 
+    def _describe_node(self, name: str) -> str:
+        """``layers.0.attention.wq mm`` for a node name (the name itself when unknown)."""
+        n = self.nodes.get(name)
+        if n is None:
+            return name
+        what = "parameter" if n.is_parameter else _short_op(n.op)
+        return f"{n.module_path or '(no module)'} {what}" if not n.is_parameter else f"{n.module_path} (parameter)"
+
     def _explain_node(self, n: NodePlan) -> str:
-        what = "parameter" if n.is_parameter else n.op
+        what = "parameter" if n.is_parameter else f"{_short_op(n.op)} ({n.phase})"
+        shape = "x".join(str(d) for d in n.shape) if n.shape else "-"
+        inputs = ", ".join(n.input_placements)
+        layout = n.output_placements if n.is_parameter or not inputs else f"{inputs} -> {n.output_placements}"
         lines = [
-            f"{n.name} = {what}  [{n.phase}, module {n.module_path or '-'}]",
-            f"  shape {n.shape} {n.dtype}; {n.num_options} options considered",
-            f"  chosen: inputs {', '.join(n.input_placements) or '-'} -> output {n.output_placements}",
-            f"  compute {_us(n.compute_cost)}, incoming communication {_us(n.comm_cost)}",
+            f"{n.module_path or '(no module)'} {what} [{shape}] {n.dtype or ''}: {layout}   [node {n.name}]",
+            f"  compute {_us(n.compute_cost)}, incoming communication {_us(n.comm_cost)}; "
+            f"{n.num_options} options considered",
         ]
         for producer, placement, seconds in n.incoming:
-            lines.append(f"    from {producer} ({placement}): {_us(seconds)}")
+            lines.append(f"    from {self._describe_node(producer)} as {placement}: {_us(seconds)}   [node {producer}]")
         for sig, delta in n.runner_ups:
+            sig = sig.removeprefix(" -> ")  # a parameter: no inputs
             lines.append(f"  runner-up {sig}: +{_us(delta)} per step (rest of the plan fixed)")
         return "\n".join(lines)
 
@@ -182,9 +201,13 @@ class Plan:
         from .report import numbers, words
 
         s = self.solution
+        mesh = " x ".join(
+            f"{n} {d}"
+            for n, d in zip(self.mesh_dim_names or [f"dim{i}" for i in range(len(self.mesh_shape))], self.mesh_shape)
+        )
         lines = [
-            f"plan for mesh {self.mesh_shape}: {len(self.nodes)} nodes, solver {s.status}"
-            f" ({s.backend}, gap {s.gap if s.gap is not None else 'n/a'})",
+            f"plan for mesh {mesh}: {len(self.nodes)} nodes, solver {s.status}"
+            f" ({s.backend}, gap {units.percent(s.gap)})",
             f"  {self.optimality()}",
         ]
         lines += ["  " + line for line in words.describe(self)]
@@ -196,18 +219,20 @@ class Plan:
         lines.append("  collectives per step and rank:")
         lines += ["  " + line for line in numbers.collective_lines(self)]
         if self.timings:
-            lines.append("  timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()))
+            lines.append("  timings: " + ", ".join(f"{k} {units.seconds(v)}" for k, v in self.timings.items()))
         if self.pass_stats:
             lines.append("  passes:")
             lines += ["  " + line for line in numbers.pass_stat_lines(self)]
         return "\n".join(lines)
 
-    def to_html(self, path: str) -> None:
-        """One self-contained HTML file (no network): summary, placements per
+    def to_html(self, path: str, *, model: str | None = None) -> None:
+        """One self-contained HTML file (no network): a title naming the
+        model (``model``, default the recorded class name), its parameter
+        count, mesh, device, inputs and dtypes; summary, placements per
         layer, timeline, memory curve, collectives, pass stats."""
         from .report.html import write_html
 
-        write_html(self, path)
+        write_html(self, path, model)
 
     def placements_by_kind(self) -> list[PlacementKind]:
         """Chosen placements grouped by what a node is, for a readable overview.
@@ -337,6 +362,8 @@ def write_atomic(path: str, text: str) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=directory)
     try:
+        # mkstemp makes the file 0600; the result gets the mode open() would give
+        os.fchmod(fd, file_mode())
         with os.fdopen(fd, "wb") as raw:
             data = text.encode()
             if str(path).endswith(".gz"):
@@ -347,6 +374,13 @@ def write_atomic(path: str, text: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def file_mode() -> int:
+    """The mode a new file gets from ``open``: 0666 less the process's umask."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def diff(a: Plan, b: Plan) -> list[str]:
@@ -370,11 +404,16 @@ def _fold_layers(path: str) -> str:
 
 
 def _us(seconds: float) -> str:
-    return "inf" if math.isinf(seconds) else f"{seconds * 1e6:.1f}us"
+    return units.seconds(seconds)
 
 
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.2f}ms"
+def _plural(k: int, word: str) -> str:
+    return f"{k} {word}" + ("" if k == 1 else "s")
+
+
+def _short_op(op: str) -> str:
+    """``aten.mm.default`` -> ``mm``; ``aten.add.Tensor`` -> ``add.Tensor``."""
+    return op.removeprefix("aten.").removesuffix(".default")
 
 
 def _json_default(o):

@@ -1,5 +1,7 @@
-"""Stage progress: each long stage logs its start and end with its time,
-and on a terminal a tqdm bar shows which stage is running.
+"""Stage progress: each long stage logs its start and end with its time
+(logger ``autoparallel.stages``: one line each, on a terminal or in a batch
+log alike); on a terminal where those lines are not shown, a tqdm bar
+says which stage is running.
 
     with stages.stage("tracing"):
         ...
@@ -13,7 +15,9 @@ import logging
 import sys
 import time
 
-logger = logging.getLogger("autoparallel")
+# its own logger, so that a tool can show the stage lines without the
+# planner's detail (``autoparallel.cli.setup_logging``)
+logger = logging.getLogger("autoparallel.stages")
 
 # The stages of one plan-and-apply, in order (for the bar's total).
 STAGES = ("tracing", "options", "repeated layers", "problem build", "solve", "apply")
@@ -23,7 +27,7 @@ class Stages:
     def __init__(self, timings: dict[str, float]):
         self.timings = timings
         self._bar = None
-        if sys.stderr.isatty():
+        if sys.stderr.isatty() and not logger.isEnabledFor(logging.INFO):
             from tqdm import tqdm
 
             self._bar = tqdm(total=len(STAGES), desc="autoparallel", unit="stage", leave=False, file=sys.stderr)

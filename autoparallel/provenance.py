@@ -60,6 +60,9 @@ def provenance(autop: "AutoParallel") -> dict[str, Any]:
         fp = autop._graph_fingerprint = graph_fingerprint(autop.traced.gm)
     mp = autop.mp_policy
     return {
+        "model": type(autop.model).__name__,
+        # distinct parameters (tied weights once), for the report's title
+        "parameters": sum(p.numel() for p in autop.model.parameters()),
         "graph_fingerprint": fp,
         "num_graph_nodes": len(autop.traced.gm.graph.nodes),
         "input_shapes": _input_shapes(autop),

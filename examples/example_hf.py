@@ -19,6 +19,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autoparallel import AutoParallel
+from autoparallel.cli import HelpFormatter, setup_logging, user_errors
 
 
 def build(name: str, layers: int | None = None):
@@ -70,25 +71,39 @@ def build(name: str, layers: int | None = None):
     raise SystemExit(f"unknown model {name!r}: choose gpt2, bert, llama, mixtral or mixtral-8x7b")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="example_hf.py",
+        description=__doc__.splitlines()[0],
+        formatter_class=HelpFormatter,
+    )
     ap.add_argument("--model", default="gpt2", choices=["gpt2", "bert", "llama", "mixtral", "mixtral-8x7b"])
     ap.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     ap.add_argument("--seq", type=int, default=16, help="sequence length")
     ap.add_argument(
         "--layers", type=int, default=None, help="mixtral-8x7b: decoder layers (default 2; the real model has 32)"
     )
-    ap.add_argument("--mesh", type=int, nargs=2, default=(2, 2))
-    args = ap.parse_args()
+    ap.add_argument("--mesh", type=int, nargs=2, default=(2, 2), metavar=("DP", "TP"), help="mesh shape")
+    ap.add_argument("-v", "--verbose", action="store_true", help="log the planner's detail; tracebacks of errors")
+    args = ap.parse_args(argv)
+    setup_logging(verbose=args.verbose)
+    with user_errors("example_hf.py", verbose=args.verbose):
+        plan_hf(args)
+
+
+def plan_hf(args: argparse.Namespace) -> None:
     dp, tp = args.mesh
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dp * tp)
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     with torch.device("meta"):
         model, vocab = build(args.model, args.layers)
     input_ids = torch.empty(args.batch, args.seq, dtype=torch.long, device="meta")  # global batch
-    with AutoParallel(model, mesh, {"input_ids": input_ids}) as autop:
-        autop.add_input_constraints([(Shard(0), Replicate())])  # batch over dp
-        plan = autop.optimize_placement()
+    try:
+        # batch over dp, checked against the mesh before the trace
+        with AutoParallel(model, mesh, {"input_ids": input_ids}, input_constraints=[(Shard(0), Replicate())]) as autop:
+            plan = autop.optimize_placement()
+    finally:
+        dist.destroy_process_group()
     print(plan.summary())
     # What the routed experts got, one line per distinct choice. The op's
     # inputs: tokens, expert ids per token, routing weights, w1, w3, w2, the
@@ -100,7 +115,6 @@ def main() -> None:
             chosen.setdefault(what, []).append(n.module_path)
     for what, paths in chosen.items():
         print(f"experts ({len(paths)}: {paths[0]}{', ...' if len(paths) > 1 else ''}): {what}")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

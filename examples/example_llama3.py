@@ -51,14 +51,21 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from autoparallel import AutoParallel
-from autoparallel.plan import Plan
+from autoparallel import AutoParallel, preflight
 from autoparallel.apply import collectives
+from autoparallel.cli import HelpFormatter, setup_logging, user_errors
+from autoparallel.cost_model import DeviceSpec
+from autoparallel.passes.chunk_options import check_chunk_modules, parse_chunk_args
 from autoparallel.models.llama3 import LLAMA3_CONFIGS, Transformer, apply_ac, count_params
+from autoparallel.report import numbers, units
+from autoparallel.report.units import count as count_text
+
+logger = logging.getLogger("example_llama3")
+PROG = "example_llama3.py"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     ap.add_argument(
         "--model", default=None, choices=sorted(LLAMA3_CONFIGS), help="model config (default: 8B; debug with --real)"
     )
@@ -83,7 +90,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="override the config's model width (default with --real: 256, so that the plan shards the matmuls)",
     )
-    ap.add_argument("--seq", type=int, default=None, help="sequence length (default: 8192; 64 with --real)")
+    ap.add_argument("--seq", type=int, default=None, help="sequence length (default: 8192; 256 with --real)")
     ap.add_argument("--batch", type=int, default=None, help="global batch size (default: 32; 8 with --real)")
     ap.add_argument(
         "--ac",
@@ -127,7 +134,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--real", action="store_true", help="train for real under torchrun (gloo on CPU, NCCL on GPU)")
     ap.add_argument("--steps", type=int, default=3, help="AdamW steps with --real")
     ap.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate with --real")
-    ap.add_argument("-v", "--verbose", action="store_true", help="log every stage")
+    ap.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="log the planner's detail (problem sizes, pruning, passes) and show tracebacks of errors",
+    )
     ap.add_argument(
         "--chunk",
         nargs="*",
@@ -137,6 +149,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         "overlaps the other's compute (no value: layers.*.attention=batch layers.*.feed_forward=batch)",
     )
     args = ap.parse_args(argv)
+    if args.chunk is not None and args.no_apply:
+        ap.error("--chunk chunks the applied graphs: it does nothing with --no-apply (drop one of them)")
+    for flag in ("layers", "dim", "seq", "batch", "steps"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            ap.error(f"--{flag} must be positive, got {value}")
+    try:
+        DeviceSpec.get(args.device)
+    except ValueError as exc:
+        ap.error(f"--device: {exc}")
     if any(n < 1 for n in args.mesh):
         ap.error(f"--mesh sizes must be positive, got {args.mesh}")
     if args.mesh_names is None and len(args.mesh) > 4:
@@ -185,43 +207,52 @@ def build_model(args: argparse.Namespace) -> tuple[Transformer, object]:
 def plan_model(args: argparse.Namespace, mesh, model, config):
     """Plan with tokens and logits split over dp (replicated over the other
     mesh dims); apply unless --no-apply. Returns (plan, parallel module or
-    None, apply report or None)."""
+    None, apply report or None, this run's stage times).
+
+    Mistakes the arguments already show are caught before the trace: the
+    batch against the dp ranks (``input_constraints``), the plan file (there,
+    readable, made for this mesh and input shape), the --chunk patterns
+    against the model's modules."""
 
     def inputs():
         return torch.randint(0, config.vocab_size, (args.batch, args.seq), device="meta")
 
+    chunking = chunk_options(args.chunk)
+    if chunking is not None:
+        check_chunk_modules(chunking.chunk_modules, (name for name, _ in model.named_modules()))
+    plan = preflight.load_plan_for(args.plan_file, mesh, inputs) if args.plan_file else None
     if args.dump_dir:
         os.makedirs(args.dump_dir, exist_ok=True)
         os.environ["AUTOPARALLEL_DUMP_DIR"] = args.dump_dir
     parallel = report = None
-    with AutoParallel(model, mesh, inputs, device=args.device, mp_policy=mp_policy(args)) as autop:
-        autop.add_input_constraints([data_placements(mesh)])
+    with AutoParallel(
+        model, mesh, inputs, device=args.device, mp_policy=mp_policy(args), input_constraints=[data_placements(mesh)]
+    ) as autop:
         autop.add_output_constraints([data_placements(mesh)])
         autop.add_parameter_memory_constraint(high=args.memory_high)
-        if args.plan_file:
+        if plan is not None:
             if args.memory_high is not None:
                 # the budget shaped the saved plan's solve; a loaded plan is applied as it is
-                print(
-                    f"note: --memory-high {args.memory_high} is not used with --plan-file (the plan is not solved again)"
+                logger.warning(
+                    "--memory-high %s is not used with --plan-file (the plan is not solved again)", args.memory_high
                 )
-            plan = Plan.load_json(args.plan_file)  # checked against this model/mesh on apply
         else:
             plan = autop.optimize_placement()
         if not args.no_apply:
             wall, cpu = time.perf_counter(), time.process_time()
-            parallel = autop.apply_placement(plan, pass_options=chunk_options(args.chunk))
+            parallel = autop.apply_placement(plan, pass_options=chunking)
             report = ApplyReport.of(parallel, mesh, time.perf_counter() - wall, time.process_time() - cpu)
-    return plan, parallel, report
+        timings = dict(autop.timings)
+    return plan, parallel, report, timings
 
 
 def chunk_options(values, default=("layers.*.attention=batch", "layers.*.feed_forward=batch")):
-    """PassOptions for ``--chunk`` (None: the defaults, no chunking)."""
+    """PassOptions for ``--chunk`` (None: no chunking; ``--chunk`` alone: the defaults)."""
     if values is None:
         return None
     from autoparallel.passes import PassOptions
 
-    pairs = [v.partition("=") for v in (values or default)]
-    return PassOptions(chunk_modules={k: m or "batch" for k, _, m in pairs})
+    return PassOptions(chunk_modules=parse_chunk_args(values or default))
 
 
 def mesh_names(args: argparse.Namespace, ndim: int) -> tuple[str, ...]:
@@ -254,11 +285,15 @@ def batch_replicas(mesh) -> int:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(name)s: %(message)s"
-    )
-    if args.real:
-        return run_real(args)
+    setup_logging(verbose=args.verbose, also=[logger.name])
+    with user_errors(PROG, verbose=args.verbose):
+        if args.real:
+            return run_real(args)
+        plan_fake(args)
+
+
+def plan_fake(args: argparse.Namespace) -> None:
+    """Plan (and apply) for the --mesh cluster on a fake process group."""
     world = math.prod(args.mesh)
     names = mesh_names(args, len(args.mesh))
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
@@ -268,27 +303,37 @@ def main(argv=None) -> None:
         model, config = build_model(args)
         print(
             f"LLaMA-3 {args.model}: {config.n_layers} layers, dim {config.dim}, "
-            f"{count_params(model) / 1e9:.2f}B parameters, AC {args.ac}"
+            f"{count_text(count_params(model))} parameters, AC {args.ac}"
         )
         print(
-            f"planning for {world} ranks, mesh {dict(zip(names, args.mesh))}, "
+            f"planning for {world} ranks, mesh {mesh_text(names, args.mesh)}, "
             f"batch {args.batch} x seq {args.seq}, device model {args.device}, "
             f"{'bf16 compute, fp32 gradient reduction' if args.mp == 'bf16' else 'fp32'}"
             + (f", plan from {args.plan_file}" if args.plan_file else "")
         )
-        plan, _, report = plan_model(args, mesh, model, config)
+        plan, _, report, timings = plan_model(args, mesh, model, config)
         total = time.perf_counter() - t0 - (report.wall if report else 0.0)
     finally:
         dist.destroy_process_group()
-    print_report(plan, total, args.dump_dir, args.all_kinds, args.plan_file)
+    print_report(plan, total, args.dump_dir, args.all_kinds, args.plan_file, timings)
     if report is not None:
         print_apply_report(plan, report)
     if args.save_plan:
         plan.dump_json(args.save_plan)
         print(f"\nplan written to {args.save_plan} (apply it elsewhere: --plan-file {args.save_plan})")
     if args.report:
-        plan.to_html(args.report)
+        plan.to_html(args.report, model=model_title(args, config))
         print(f"HTML report: {os.path.abspath(args.report)}")
+
+
+def mesh_text(names, shape) -> str:
+    """``dp 16 x tp 8``."""
+    return " x ".join(f"{n} {s}" for n, s in zip(names, shape))
+
+
+def model_title(args: argparse.Namespace, config) -> str:
+    """What the report's title calls the model: ``LLaMA-3 8B (32 layers, dim 4096)``."""
+    return f"LLaMA-3 {args.model} ({config.n_layers} layers, dim {config.dim})"
 
 
 # The ops whose placements tell the parallelism story (what runs sharded
@@ -306,34 +351,44 @@ STORY_OPS = (
 
 
 def print_report(
-    plan, total: float, dump_dir: str | None, all_kinds: bool = False, plan_file: str | None = None
+    plan,
+    total: float,
+    dump_dir: str | None,
+    all_kinds: bool = False,
+    plan_file: str | None = None,
+    timings: dict[str, float] | None = None,
 ) -> None:
     from autoparallel.problem import memory
-    from autoparallel.report import LEGEND, describe, numbers
+    from autoparallel.report import LEGEND, describe
 
-    t = plan.timings
     print("\n== planning time ==")
     if plan_file:
-        print(f"  (stages as recorded when {plan_file} was made; this run traced and applied only)")
-    for stage in ("tracing", "options", "repeated_layers", "problem_build"):
-        print(f"  {stage:16s} {t.get(stage, 0.0):7.2f} s")
-    if "coarse_seed" in t:  # a problem too big for dense matrices: option pricing
-        print(f"  {'coarse_seed':16s} {t['coarse_seed']:7.2f} s")
-        print(f"  {'option pricing':16s} {t.get('solve', 0.0):7.2f} s")
-        print(f"  {'problem_rebuild':16s} {t.get('problem_rebuild', 0.0):7.2f} s")
+        # this run traced and checked; the solve happened when the file was made
+        t = timings or {}
+        for stage in ("tracing", "options", "repeated_layers"):
+            print(f"  {stage:16s} {t.get(stage, 0.0):7.2f} s")
+        print(f"  {'solve':16s} {'-':>7s}   (plan from {plan_file})")
     else:
-        for phase in ("presolve", "build", "solve"):
-            print(f"  solver.{phase:9s} {t.get('solver.' + phase, 0.0):7.2f} s")
-    print(f"  {'plan_report':16s} {t.get('plan_report', 0.0):7.2f} s")
+        t = plan.timings
+        for stage in ("tracing", "options", "repeated_layers", "problem_build"):
+            print(f"  {stage:16s} {t.get(stage, 0.0):7.2f} s")
+        if "coarse_seed" in t:  # a problem too big for dense matrices: option pricing
+            print(f"  {'coarse_seed':16s} {t['coarse_seed']:7.2f} s")
+            print(f"  {'option pricing':16s} {t.get('solve', 0.0):7.2f} s")
+            print(f"  {'problem_rebuild':16s} {t.get('problem_rebuild', 0.0):7.2f} s")
+        else:
+            for phase in ("presolve", "build", "solve"):
+                print(f"  solver.{phase:9s} {t.get('solver.' + phase, 0.0):7.2f} s")
+        print(f"  {'plan_report':16s} {t.get('plan_report', 0.0):7.2f} s")
     print(
-        f"  {'total':16s} {total:7.2f} s   (peak RSS "
-        f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GB)"
+        # ru_maxrss: KiB on Linux
+        f"  {'total':16s} {total:7.2f} s   (peak RSS {units.size(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)})"
     )
 
     s = plan.solution
     pre = s.presolve
     print("\n== solver ==")
-    gap = "-" if s.gap is None else f"{100 * s.gap:.3g}%"
+    gap = units.percent(s.gap)
     print(f"  {s.status} ({s.backend}, gap {gap}), {s.num_variables} variables, {s.num_constraints} constraints")
     if pre is not None:
         print(
@@ -401,14 +456,6 @@ class ApplyReport:
         )
 
 
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
 def print_apply_report(plan, report: ApplyReport) -> None:
     print("\n== apply ==")
     for stage, seconds in report.stages.items():
@@ -420,8 +467,6 @@ def print_apply_report(plan, report: ApplyReport) -> None:
         f"(graphs: joint {report.nodes['joint']}, forward {report.nodes['forward']}, "
         f"backward {report.nodes['backward']} nodes)"
     )
-    from autoparallel.report import numbers
-
     print("\n== rewrite passes ==")
     if not plan.pass_stats:
         print("  (none ran)")
@@ -433,12 +478,56 @@ def print_apply_report(plan, report: ApplyReport) -> None:
     print("\n== parallel graph collectives (per step, output bytes per rank) ==")
     if not report.collectives:
         print("  (none)")
+        return
     rows = sorted(report.collectives.items(), key=lambda kv: (kv[0][0] != "forward", kv[0][1], kv[0][2]))
-    for (phase, kind, group), (count, size) in rows:
-        print(f"  {phase:8s} {kind:24s} {group:15s} x{count:<5d} {_bytes(size):>11s}")
+    table = [(phase, kind, group, f"x{count}", units.size(size)) for (phase, kind, group), (count, size) in rows]
     for phase in ("forward", "backward"):
         size = sum(v[1] for k, v in report.collectives.items() if k[0] == phase)
-        print(f"  {phase:8s} total{'':37s}{_bytes(size):>11s}")
+        table.append((phase, "total", "", "", units.size(size)))
+    for line in numbers.format_table(("phase", "kind", "group", "count", "output/rank"), table, right=(4,)):
+        print("  " + line)
+
+
+@dataclass
+class StepMeter:
+    """Per-step figures as torchtitan logs them: loss, throughput, peak
+    memory and model FLOPs utilisation. FLOPs per token: 6 x the
+    non-embedding parameters (forward and backward matmuls) plus the
+    attention scores, 12 x layers x dim x seq (torchtitan's estimate)."""
+
+    flops_per_token: float
+    tokens_per_step: int
+    peak_flops: float | None  # FLOP/s of all ranks together; None on CPU
+    device: torch.device
+    device_name: str
+
+    def __init__(self, model, config, args, world: int, device: torch.device):
+        embedding = config.vocab_size * config.dim
+        self.flops_per_token = 6 * (count_params(model) - embedding) + 12 * config.n_layers * config.dim * args.seq
+        self.tokens_per_step = args.batch * args.seq
+        self.device = device
+        spec = DeviceSpec.get(args.device)
+        peak = spec.peak_bf16 if args.mp == "bf16" else spec.peak_tf32
+        # MFU against the --device preset's datasheet peak, on a GPU only
+        self.peak_flops = peak * world if device.type == "cuda" else None
+        self.device_name = args.device
+
+    def describe(self) -> str:
+        mfu = f"MFU against {self.device_name} peak" if self.peak_flops else "no MFU on CPU"
+        return f"{self.tokens_per_step} tokens per step, {count_text(self.flops_per_token)} FLOP per token, {mfu}"
+
+    def peak_memory(self) -> str:
+        if self.device.type == "cuda":
+            return f"peak memory {units.size(torch.cuda.max_memory_allocated(self.device))}"
+        # ru_maxrss: KiB on Linux
+        return f"peak RSS {units.size(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)}"
+
+    def line(self, step: int, loss: float, seconds: float) -> str:
+        tps = self.tokens_per_step / seconds
+        mfu = f"  mfu {100 * self.flops_per_token * tps / self.peak_flops:.2f}%" if self.peak_flops else ""
+        return (
+            f"step {step}: loss {loss:.4f}  tokens/s {tps:,.0f}  {self.peak_memory()}{mfu}  ({units.seconds(seconds)})"
+        )
 
 
 def run_real(args: argparse.Namespace) -> None:
@@ -457,13 +546,13 @@ def run_real(args: argparse.Namespace) -> None:
         if rank == 0:
             print(
                 f"LLaMA-3 {args.model}: {config.n_layers} layers, dim {config.dim}, "
-                f"{count_params(model) / 1e6:.2f}M parameters, AC {args.ac}; "
-                f"{world} ranks ({dist.get_backend()}), mesh {dict(zip(names, shape))}, "
+                f"{count_text(count_params(model))} parameters, AC {args.ac}; "
+                f"{world} ranks ({dist.get_backend()}), mesh {mesh_text(names, shape)}, "
                 f"batch {args.batch} x seq {args.seq}"
             )
         args.no_apply = False
         t0 = time.perf_counter()
-        plan, parallel, report = plan_model(args, mesh, model, config)
+        plan, parallel, report, _ = plan_model(args, mesh, model, config)
         if rank == 0:
             print(f"planned in {time.perf_counter() - t0 - report.wall:.2f} s, applied in {report.wall:.2f} s")
             from autoparallel.report import describe
@@ -486,8 +575,9 @@ def run_real(args: argparse.Namespace) -> None:
         local_tokens = distribute_tensor(tokens, mesh, placements, src_data_rank=None).to_local().to(device)
         local_labels = distribute_tensor(labels, mesh, placements, src_data_rank=None).to_local().to(device)
         replicas = batch_replicas(mesh)  # ranks holding the same batch shard
+        meter = StepMeter(model, config, args, world, device)
         if rank == 0:
-            print("\n== training ==")
+            print(f"\n== training ({meter.describe()}) ==")
         for step in range(args.steps):
             t = time.perf_counter()
             logits = parallel(local_tokens)
@@ -501,9 +591,9 @@ def run_real(args: argparse.Namespace) -> None:
             opt.step()
             total = loss.detach().clone()
             dist.all_reduce(total)
-            if rank == 0:
-                # the global loss: the mean over all tokens (summed over dp shards)
-                print(f"  step {step}: loss {total.item() / replicas:.4f}  ({time.perf_counter() - t:.2f} s)")
+            # the global loss: the mean over all tokens (summed over dp shards); .item() waits for the step
+            global_loss = total.item() / replicas
+            logger.info("%s", meter.line(step, global_loss, time.perf_counter() - t))
     finally:
         dist.destroy_process_group()
 

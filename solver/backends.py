@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Sequence
 if TYPE_CHECKING:
     import numpy as np
 
-from . import colgen
+from . import colgen, highs_quiet
 from .highs_bb import branch_and_bound
 from .ilp import IlpModel
 
@@ -279,9 +279,8 @@ class HighsBackend(Backend):
 
     @staticmethod
     def _highs(options: dict, time_limit: float | None):
-        import highspy
 
-        h = highspy.Highs()
+        h = highs_quiet.new_highs()
         h.setOptionValue("output_flag", False)
         for key, value in options.items():
             h.setOptionValue(key, value)

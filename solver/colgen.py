@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import highs_quiet
 from .ilp import IlpModel
 
 logger = logging.getLogger(__name__)
@@ -153,7 +154,7 @@ def solve_lp(model: IlpModel, deadline: float | None = None) -> ColgenLP | None:
     s, i, v = _gather(start, index, value, chosen)
     a.start_, a.index_, a.value_ = s.astype(np.int32), i.astype(np.int32), v
 
-    h = highspy.Highs()
+    h = highs_quiet.new_highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("presolve", "off")
     h.setOptionValue("dual_feasibility_tolerance", DUAL_TOL)

@@ -29,6 +29,7 @@ import logging
 
 import numpy as np
 
+from . import highs_quiet
 from .pricing_quotient import Quotient, QuotientEdge
 
 # HiGHS' dual feasibility tolerance (scaled objective: costs about 1).
@@ -84,7 +85,7 @@ class RestrictedLP:
             for q, w in r.weights.items():
                 self.res_terms[q].append((n_cls + k, w))
         self.agg_row = n_cls + n_res + np.arange(len(edges))
-        h = highspy.Highs()
+        h = highs_quiet.new_highs()
         h.setOptionValue("output_flag", False)
         h.setOptionValue("presolve", "off")
         h.setOptionValue("dual_feasibility_tolerance", DUAL_TOL)

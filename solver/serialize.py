@@ -288,6 +288,10 @@ def dump(
 
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=directory)
     try:
+        # mkstemp makes the file 0600; give it the mode open() would (0666 less the umask)
+        umask = os.umask(0o022)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)

@@ -10,29 +10,34 @@ the step with the HBM line; collectives; pass stats.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import jinja2
 import markupsafe
 
 from ..problem import memory
-from . import numbers, words
+from . import numbers, units, words
 
 _TEMPLATE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
-<title>autoparallel plan: mesh {{ mesh }}</title>
+<title>autoparallel plan: {{ title }}</title>
 <style>
 body { font: 14px/1.45 system-ui, sans-serif; margin: 24px auto; max-width: 1100px; color: #222; }
 h1 { font-size: 22px; } h2 { font-size: 17px; margin-top: 28px; border-bottom: 1px solid #ddd; }
-pre { background: #f6f6f6; padding: 8px 12px; overflow-x: auto; font-size: 12.5px; }
+pre { background: #f6f6f6; padding: 8px 12px; font-size: 12.5px; white-space: pre-wrap; overflow-wrap: anywhere; }
 table { border-collapse: collapse; font-size: 12.5px; } td, th { padding: 2px 8px; text-align: left; }
 tr:nth-child(even) { background: #f6f6f6; } th { background: #e8e8e8; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
 details { margin: 2px 0; } summary { cursor: pointer; font-family: monospace; }
 .warn { color: #b00; font-weight: bold; } .muted { color: #777; }
 code { font-size: 12.5px; }
+svg { display: block; width: 100%; height: auto; }
+.legend span.swatch { display: inline-block; width: 12px; height: 12px; margin: 0 4px 0 14px; vertical-align: -1px; }
+.legend span.swatch:first-child { margin-left: 0; }
 </style></head><body>
-<h1>autoparallel plan for mesh {{ mesh }}</h1>
+<h1>autoparallel plan: {{ title }}</h1>
+<p id="setup">{% for item in setup %}{{ item }}{% if not loop.last %} &middot; {% endif %}{% endfor %}</p>
 <p class="muted">{{ header }}</p>
 
 <h2 id="summary">Summary</h2>
@@ -47,8 +52,8 @@ code { font-size: 12.5px; }
 {{ memory_svg | safe }}
 
 <h2 id="timeline">Timeline (overlap scheduler's estimate)</h2>
-{% if timeline_svg %}{{ timeline_svg | safe }}
-<p class="muted">Blue: compute stream; green: communication stream; red: compute waiting for communication (exposed).</p>
+{% if timeline_svg %}<p class="legend">{% for color, label in timeline_legend %}<span class="swatch" style="background: {{ color }}"></span>{{ label }}{% endfor %}</p>
+{{ timeline_svg | safe }}
 {% else %}<p class="muted">Apply the plan (autop.apply_placement) to get the scheduler's timeline.</p>{% endif %}
 
 <h2 id="collectives">Collectives per step and rank</h2>
@@ -73,36 +78,82 @@ code { font-size: 12.5px; }
 """
 
 
+# the timeline's colours, also drawn as the legend's swatches
+COMPUTE, COMM, EXPOSED = "#4a7fd0", "#3aa566", "#d33"
+TIMELINE_LEGEND = [
+    (COMPUTE, "compute stream"),
+    (COMM, "communication stream (collectives)"),
+    (EXPOSED, "exposed: compute waiting for communication"),
+]
+
+
+def nice_ticks(top: float, count: int = 6) -> list[float]:
+    """Round tick values from 0 to ``top`` (1, 2 or 5 times a power of ten apart).
+
+    >>> nice_ticks(0.0093)
+    [0.0, 0.002, 0.004, 0.006, 0.008]
+    """
+    if top <= 0:
+        return [0.0]
+    raw = top / count
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
+    return [i * step for i in range(int(top / step + 1e-9) + 1)]
+
+
+def _time_axis(x0: float, x1: float, y: float, total: float, scale: float) -> str:
+    """A horizontal time axis under a chart: line, ticks, labels in s/ms/us,
+    and its title."""
+    out = [f'<line x1="{x0}" x2="{x1}" y1="{y}" y2="{y}" stroke="#444"/>']
+    unit, factor = ("s", 1.0) if total >= 2 else ("ms", 1e3) if total >= 2e-3 else ("us", 1e6)
+    for t in nice_ticks(total):
+        x = x0 + t * scale
+        out.append(f'<line class="tick" x1="{x:.1f}" x2="{x:.1f}" y1="{y}" y2="{y + 4}" stroke="#444"/>')
+        out.append(
+            f'<text class="tick-label" x="{x:.1f}" y="{y + 16}" font-size="11" text-anchor="middle">'
+            f"{t * factor:g} {unit}</text>"
+        )
+    out.append(
+        f'<text x="{(x0 + x1) / 2:.1f}" y="{y + 32}" font-size="11" text-anchor="middle">'
+        "time in the step (forward, then backward)</text>"
+    )
+    return "".join(out)
+
+
 def _timeline_svg(timeline: dict) -> str:
     phases = [p for p in ("forward", "backward") if p in timeline]
     if not phases:
         return ""
-    width, lane, left = 1000, 18, 90
+    width, lane, left, right = 1000, 18, 100, 20
     total = sum(timeline[p]["end"] for p in phases) or 1.0
-    scale = (width - left - 10) / total
+    scale = (width - left - right) / total
     parts, x0 = [], 0.0
-    height = 2 * lane + 40
+    axis_y = 2 * lane + 36
+    height = axis_y + 40
     for phase in phases:
         t = timeline[phase]
         for s, e in t["compute"]:
-            parts.append(_rect(left + (x0 + s) * scale, 10, (e - s) * scale, lane, "#4a7fd0"))
+            parts.append(_rect(left + (x0 + s) * scale, 22, (e - s) * scale, lane, COMPUTE))
         for s, e, label in t["comm"]:
-            parts.append(_rect(left + (x0 + s) * scale, 14 + lane, (e - s) * scale, lane, "#3aa566", label))
+            parts.append(_rect(left + (x0 + s) * scale, 26 + lane, (e - s) * scale, lane, COMM, label))
         for s, e in t["exposed"]:
-            parts.append(_rect(left + (x0 + s) * scale, 10, (e - s) * scale, lane, "#d33", "exposed"))
+            parts.append(_rect(left + (x0 + s) * scale, 22, (e - s) * scale, lane, EXPOSED, "exposed"))
         parts.append(
-            f'<text x="{left + x0 * scale + 2:.1f}" y="{2 * lane + 32}" font-size="11">{phase} '
-            f"{t['end'] * 1e3:.1f} ms</text>"
+            f'<text x="{left + x0 * scale + 2:.1f}" y="14" font-size="11">{phase} {units.seconds(t["end"])}</text>'
         )
         x0 += t["end"]
         parts.append(
-            f'<line x1="{left + x0 * scale:.1f}" x2="{left + x0 * scale:.1f}" y1="4" y2="{2 * lane + 20}" stroke="#999"/>'
+            f'<line x1="{left + x0 * scale:.1f}" x2="{left + x0 * scale:.1f}" y1="4" y2="{axis_y}" stroke="#999"/>'
         )
     labels = (
-        f'<text x="4" y="{10 + lane - 5}" font-size="11">compute</text>'
-        f'<text x="4" y="{14 + 2 * lane - 5}" font-size="11">communication</text>'
+        f'<text x="4" y="{22 + lane - 5}" font-size="11">compute</text>'
+        f'<text x="4" y="{26 + 2 * lane - 5}" font-size="11">communication</text>'
     )
-    return f'<svg width="{width}" height="{height}" role="img" aria-label="timeline">{labels}{"".join(parts)}</svg>'
+    axis = _time_axis(left, width - right, axis_y, total, scale)
+    return (
+        f'<svg id="timeline-chart" viewBox="0 0 {width} {height}" width="{width}" height="{height}" role="img" '
+        f'aria-label="timeline">{labels}{"".join(parts)}{axis}</svg>'
+    )
 
 
 def _rect(x, y, w, h, color, title=None) -> str:
@@ -114,38 +165,90 @@ def _memory_svg(timeline: dict, persistent: float, hbm: float) -> str:
     phases = [p for p in ("forward", "backward") if p in timeline]
     if not phases:
         return ""
-    width, height, left, top = 1000, 220, 70, 10
+    width, height, left, right, top, bottom = 1000, 260, 80, 20, 10, 70
     points, x0 = [], 0.0
     for phase in phases:
         t = timeline[phase]
         points += [(x0 + x, persistent + b) for x, b in t["memory"]]
         x0 += t["end"]
     xmax = x0 or 1.0
-    ymax = max(max((b for _, b in points), default=1.0), hbm) * 1.05
-    sx, sy = (width - left - 10) / xmax, (height - top - 30) / ymax
+    peak = max((b for _, b in points), default=1.0)
+    # the HBM line only when the curve comes near it (else the curve is flat at the bottom)
+    show_hbm = peak >= 0.25 * hbm
+    ymax = max(peak, hbm if show_hbm else 0.0) * 1.05 or 1.0
+    plot_h = height - top - bottom
+    sx, sy = (width - left - right) / xmax, plot_h / ymax
 
     def y(v):
-        return top + (height - top - 30) - v * sy
+        return top + plot_h - v * sy
 
     path = " ".join(f"{left + x * sx:.1f},{y(b):.1f}" for x, b in points)
+    unit, factor = next((u, f) for u, f in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3), ("B", 1.0)) if ymax >= 2 * f)
     ticks = "".join(
-        f'<text x="4" y="{y(v) + 4:.1f}" font-size="11">{v / 1e9:.0f} GB</text>'
-        f'<line x1="{left}" x2="{width - 10}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="#eee"/>'
-        for v in (ymax * f / 4 for f in range(5))
+        f'<text class="tick-label" x="{left - 6}" y="{y(v) + 4:.1f}" font-size="11" text-anchor="end">'
+        f"{v / factor:g} {unit}</text>"
+        f'<line x1="{left}" x2="{width - right}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="#eee"/>'
+        for v in nice_ticks(ymax, 5)
+    )
+    hbm_line = (
+        f'<line x1="{left}" x2="{width - right}" y1="{y(hbm):.1f}" y2="{y(hbm):.1f}" stroke="{EXPOSED}" '
+        f'stroke-dasharray="6 3"/><text x="{width - 200}" y="{y(hbm) - 4:.1f}" font-size="11" fill="{EXPOSED}">'
+        f"HBM {units.size(hbm)}</text>"
+        if show_hbm
+        else ""
+    )
+    axis = _time_axis(left, width - right, top + plot_h, xmax, sx)
+    note = (
+        f'<text x="{left}" y="{height - 4}" font-size="11">per rank: live bytes of the step + parameters, gradients '
+        f"and optimizer state{'' if show_hbm else f' (peak {units.size(peak)}, far below HBM {units.size(hbm)})'}"
+        "</text>"
     )
     return (
-        f'<svg width="{width}" height="{height}" role="img" aria-label="memory">'
-        f"{ticks}"
-        f'<line x1="{left}" x2="{width - 10}" y1="{y(hbm):.1f}" y2="{y(hbm):.1f}" stroke="#d33" stroke-dasharray="6 3"/>'
-        f'<text x="{width - 200}" y="{y(hbm) - 4:.1f}" font-size="11" fill="#d33">HBM {hbm / 1e9:.0f} GB</text>'
-        f'<polyline fill="none" stroke="#4a7fd0" stroke-width="1.5" points="{path}"/>'
-        f'<text x="{left}" y="{height - 8}" font-size="11">step time (forward then backward); curve: live bytes '
-        f"+ optimizer state, per rank</text></svg>"
+        f'<svg id="memory-chart" viewBox="0 0 {width} {height}" width="{width}" height="{height}" role="img" '
+        f'aria-label="memory">{ticks}{hbm_line}'
+        f'<polyline fill="none" stroke="{COMPUTE}" stroke-width="1.5" points="{path}"/>{axis}{note}</svg>'
     )
 
 
-def render(plan) -> str:
+def describe_setup(plan, model: str | None = None) -> tuple[str, list[str]]:
+    """The title (model, parameter count) and the setup line's items (mesh,
+    device, inputs as batch x sequence, dtypes) from what the plan records."""
+    prov = plan.provenance or {}
+    n_params = prov.get("parameters")
+    if n_params is None:  # a plan without the record: its parameter nodes
+        n_params = sum(math.prod(n.shape) for n in plan.nodes.values() if n.is_parameter and n.shape)
+    name = model or prov.get("model")
+    title = f"{name + ', ' if name else ''}{units.count(n_params)} parameters"
+    names = plan.mesh_dim_names or [f"dim{i}" for i in range(len(plan.mesh_shape))]
+    mesh = " x ".join(f"{n} {s}" for n, s in zip(names, plan.mesh_shape))
+    items = [f"mesh {mesh} ({math.prod(plan.mesh_shape)} ranks)"]
+    device = (prov.get("device") or {}).get("name")
+    if device:
+        items.append(f"device {device}")
+    for i, shape_dtype in enumerate(prov.get("input_shapes") or []):
+        if shape_dtype is None:
+            continue
+        shape, dtype = shape_dtype
+        if i == 0 and len(shape) == 2 and "int" in dtype:  # token ids
+            items.append(f"batch {shape[0]} x sequence {shape[1]} ({dtype} tokens)")
+        elif i == 0 and shape:
+            items.append(f"batch {shape[0]}, input [{', '.join(map(str, shape))}] {dtype}")
+        else:
+            items.append(f"input {i} [{', '.join(map(str, shape))}] {dtype}")
+    mp = prov.get("mp_policy")
+    if mp:
+        items.append(f"{mp.get('param_dtype')} compute, {mp.get('reduce_dtype')} gradient reduction")
+    else:
+        dtypes = sorted({n.dtype for n in plan.nodes.values() if n.is_parameter and n.dtype})
+        items.append(f"{'/'.join(dtypes) or 'float32'} (no mixed precision)")
+    return title, items
+
+
+def render(plan, model: str | None = None) -> str:
+    """The report's HTML; ``model`` names the model in the title (default:
+    the class name the plan recorded)."""
     mem = memory.breakdown(plan)
+    title, setup = describe_setup(plan, model)
     by_module: dict[str, list] = defaultdict(list)
     for k in plan.placements_by_kind():
         module = k.module_path if k.role != "parameter" else k.module_path.rsplit(".", 1)[0]
@@ -156,16 +259,19 @@ def render(plan) -> str:
     rows = [
         {
             **r,
-            "traffic": numbers._size(r["traffic_bytes"]),
-            "output": numbers._size(r["output_bytes"]),
-            "time": numbers._ms(r["seconds"]),
+            "traffic": units.size(r["traffic_bytes"]),
+            "output": units.size(r["output_bytes"]),
+            "time": units.seconds(r["seconds"]),
         }
         for r in sorted(plan.collectives or [], key=lambda r: (r["phase"] != "forward", r["kind"], r["group"]))
     ]
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
     return env.from_string(_TEMPLATE).render(
-        mesh=tuple(plan.mesh_shape) if not plan.mesh_dim_names else dict(zip(plan.mesh_dim_names, plan.mesh_shape)),
-        header=f"{len(plan.nodes)} nodes; solver {s.status} ({s.backend}, gap {s.gap})",
+        title=title,
+        setup=setup,
+        header=f"{len(plan.nodes)} graph nodes; solver {s.status} ({s.backend}, gap {units.percent(s.gap)}); "
+        f"{plan.optimality()}",
+        timeline_legend=TIMELINE_LEGEND,
         words=words.describe(plan),
         legend=words.LEGEND,
         step=numbers.step_lines(plan),
@@ -179,7 +285,7 @@ def render(plan) -> str:
     )
 
 
-def write_html(plan, path: str) -> None:
+def write_html(plan, path: str, model: str | None = None) -> None:
     from ..plan import write_atomic
 
-    write_atomic(path, render(plan))
+    write_atomic(path, render(plan, model))

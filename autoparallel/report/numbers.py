@@ -4,6 +4,7 @@ pass stats as short tables with rounded figures."""
 from __future__ import annotations
 
 from ..passes import stats_to_json
+from . import units
 
 
 def step_estimate(plan) -> dict[str, float | None]:
@@ -37,14 +38,11 @@ def step_estimate(plan) -> dict[str, float | None]:
 
 
 def _ms(s: float | None) -> str:
-    return "n/a" if s is None else f"{s * 1e3:.1f} ms"
+    return units.seconds(s)
 
 
 def _size(b: float) -> str:
-    for unit, f in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if b >= f:
-            return f"{b / f:.1f} {unit}"
-    return f"{int(b)} B"
+    return units.size(b)
 
 
 def step_lines(plan) -> list[str]:
@@ -66,22 +64,47 @@ def collective_lines(plan) -> list[str]:
     rows = plan.collectives or []
     if not rows:
         return ["collectives: apply the plan to list them"]
-    out = [f"  {'phase':9s} {'kind':15s} {'group':16s} {'count':>6s} {'traffic/rank':>13s} {'est. time':>10s}"]
-    for r in sorted(rows, key=lambda r: (r["phase"] != "forward", r["kind"], r["group"])):
-        out.append(
-            f"  {r['phase']:9s} {r['kind']:15s} {r['group'] + ' (' + str(r['group_size']) + ')':16s} "
-            f"{r['count']:6d} {_size(r['traffic_bytes']):>13s} {_ms(r['seconds']):>10s}"
+    header = ("phase", "kind", "group (ranks)", "count", "traffic/rank", "est. time")
+    table = [
+        (
+            r["phase"],
+            r["kind"],
+            f"{r['group']} ({r['group_size']})",
+            str(r["count"]),
+            _size(r["traffic_bytes"]),
+            _ms(r["seconds"]),
         )
+        for r in sorted(rows, key=lambda r: (r["phase"] != "forward", r["kind"], r["group"]))
+    ]
+    out = ["  " + line for line in format_table(header, table, right=(3, 4, 5))]
     total = sum(r["seconds"] for r in rows)
     out.append(f"  total collective time {_ms(total)} if nothing overlapped")
     return out
 
 
-def _fmt(v) -> str:
+def format_table(header: tuple[str, ...], rows: list[tuple[str, ...]], right: tuple[int, ...] = ()) -> list[str]:
+    """Lines of a plain-text table whose columns are as wide as their
+    widest cell (long group names keep the columns aligned); columns in
+    ``right`` are right-aligned (figures)."""
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+
+    def line(cells) -> str:
+        return "  ".join(
+            str(c).rjust(w) if i in right else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ).rstrip()
+
+    return [line(header)] + [line(r) for r in rows]
+
+
+def _fmt(v, key: str = "") -> str:
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and key.endswith("_bytes"):
+        return units.size(v)
     if isinstance(v, float):
-        if 0 < abs(v) < 1:
-            return f"{v * 1e3:.2f}ms" if abs(v) >= 1e-5 else f"{v:.2g}"
-        return f"{v:.2f}"
+        if key.endswith("_s") or key.endswith("seconds"):
+            return units.seconds(v)
+        if key.endswith("_bytes"):
+            return units.size(v)
+        return f"{v:.3g}"
     if isinstance(v, int) and abs(v) >= 10**6:
         return _size(v)
     return str(v)
@@ -97,7 +120,7 @@ def pass_stat_lines(plan) -> list[str]:
         for graph, s in per_graph.items():
             if isinstance(s, dict):
                 fields = ", ".join(
-                    f"{k} {_fmt(v)}" for k, v in s.items() if v not in (0, 0.0, "", None, [], {}) and k != "graph"
+                    f"{k} {_fmt(v, k)}" for k, v in s.items() if v not in (0, 0.0, "", None, [], {}) and k != "graph"
                 )
             else:
                 fields = _fmt(s)

@@ -5,6 +5,7 @@ mesh or input shape is refused, naming what differs."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -168,8 +169,14 @@ def test_failed_solve_still_dumps_the_problem(tmp_path, monkeypatch):
 def test_explain_by_module_path(saved_plan):
     plan, _, _, _ = saved_plan
     text = plan.explain("layers.1.attention.wq")
-    assert text.startswith("module layers.1.attention.wq:")
-    assert "aten.mm.default" in text and "layers.1.attention.wq.weight" in text
+    assert text.startswith("module layers.1.attention.wq: 1 parameter, ")
+    # each entry leads with the module and the op; the FX node's name comes last
+    entries = [line for line in text.splitlines()[1:] if not line.startswith(" ")]
+    assert entries[0].startswith("layers.1.attention.wq.weight parameter [")
+    assert any(line.startswith("layers.1.attention.wq mm (forward) [") for line in entries)
+    assert all(re.search(r"   \[node \w+\]$", line) for line in entries), entries
+    assert "primals_" not in text.splitlines()[0]
+    assert re.search(r"compute [\d.]+ (us|ms), incoming communication [\d.]+ (us|ms)", text)
     assert "runner-up" in text and "per step" in text
     deltas = [[d for _, d in n.runner_ups] for n in plan.nodes.values() if n.runner_ups]
     assert deltas and all(r == sorted(r) for r in deltas)  # cheapest first

@@ -4,6 +4,8 @@ and labelled numbers; the memory breakdown adds up."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import solver
@@ -210,7 +212,7 @@ def test_html_has_every_section_and_no_url(tmp_path):
         'id="placements"',
         'id="passes"',
         "<details>",
-        "HBM 80 GB",
+        "HBM 80.00 GB",
         "exposed",
         "FSDP",
         "tp-outer layout",
@@ -220,6 +222,73 @@ def test_html_has_every_section_and_no_url(tmp_path):
     assert "<svg" in html and "<polyline" in html and "traffic / rank" in html
     assert not re.search(r"https?://", html)
     assert "<script src" not in html and "<link" not in html
+
+
+def test_html_names_what_it_shows(tmp_path):
+    """Title: model, parameter count, mesh, device, batch x sequence, dtypes;
+    the timeline has a time axis and a legend of colour swatches; the
+    memory chart has ticks on both axes."""
+    import re
+    from html.parser import HTMLParser
+
+    plan = _plan([4, 2], ["dp", "tp"], "_S(0, 2)S(0)", MIXED)
+    plan.provenance = {
+        "model": "Transformer",
+        "parameters": 8_030_261_248,
+        "input_shapes": [[[32, 8192], "int64"]],
+        "device": {"name": "H100"},
+        "mp_policy": {"param_dtype": "bfloat16", "reduce_dtype": "float32"},
+    }
+    plan.timeline = {
+        phase: {
+            "end": 4e-3,
+            "compute": [[0.0, 3e-3]],
+            "comm": [[0.0, 2e-3, "all_gather"]],
+            "exposed": [[3e-3, 3.5e-3]],
+            "memory": [[0.0, 1e9], [4e-3, 3e9]],
+            "peak_bytes": 3e9,
+        }
+        for phase in ("forward", "backward")
+    }
+
+    class Parse(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.stack, self.text, self.elements = [], {}, []
+
+        def handle_starttag(self, tag, attrs):
+            attrs = dict(attrs)
+            self.elements.append((tag, attrs, [e.get("id") for _, e in self.stack if e.get("id")]))
+            if tag not in ("line", "rect", "polyline", "meta"):
+                self.stack.append((tag, attrs))
+
+        def handle_endtag(self, tag):
+            if self.stack and self.stack[-1][0] == tag:
+                self.stack.pop()
+
+        def handle_data(self, data):
+            key = self.stack[-1][1].get("id") or self.stack[-1][0] if self.stack else ""
+            self.text[key] = self.text.get(key, "") + data
+
+    path = tmp_path / "r.html"
+    plan.to_html(str(path), model="LLaMA-3 8B")
+    parser = Parse()
+    parser.feed(path.read_text())
+    html = path.read_text()
+    assert re.search(r"<title>(.*?)</title>", html).group(1) == "autoparallel plan: LLaMA-3 8B, 8.03B parameters"
+    assert parser.text["h1"] == "autoparallel plan: LLaMA-3 8B, 8.03B parameters"
+    setup = parser.text["setup"]
+    for item in ("mesh dp 4 x tp 2 (8 ranks)", "device H100", "batch 32 x sequence 8192", "bfloat16 compute"):
+        assert item in setup, setup
+    assert "{" not in setup  # not a Python dict
+    for chart in ("timeline-chart", "memory-chart"):
+        ticks = [a for tag, a, ids in parser.elements if tag == "line" and a.get("class") == "tick" and chart in ids]
+        assert len(ticks) >= 3, chart
+    assert re.search(r'class="tick-label"[^>]*>2 ms<', html)  # time axis in ms
+    assert re.search(r'class="tick-label"[^>]*>1 GB<', html)  # memory axis in GB
+    swatches = [a for tag, a, _ in parser.elements if tag == "span" and a.get("class") == "swatch"]
+    assert len(swatches) == 3 and all("background" in a.get("style", "") for a in swatches)
+    assert "time in the step" in html
 
 
 def test_cli_diff_and_report(tmp_path, capsys):
@@ -244,3 +313,48 @@ def test_mixed_family_names_each_projection():
     mm["feed_forward.w2"] = (["S(0)S(0)", "RR"], "S(0)S(0)")  # w2 data parallel over tp, w1 column
     text = "\n".join(describe(_plan([4, 2], ["dp", "tp"], "_S(0, 2)S(0)", mm)))
     assert "w1 column-parallel, w2 data parallel over tp" in text, text
+
+
+def test_cli_diff_warns_when_the_models_differ(tmp_path, capsys):
+    from autoparallel.__main__ import main
+
+    a = _plan([8], ["dp"], "S(0)", DATA)
+    b = _plan([8], ["dp"], "S(0)", DATA)
+    a.provenance = {"graph_fingerprint": "a" * 40, "input_shapes": [[[8, 64], "int64"]]}
+    b.provenance = {"graph_fingerprint": "b" * 40, "input_shapes": [[[8, 128], "int64"]]}
+    a.dump_json(str(tmp_path / "a.json"))
+    b.dump_json(str(tmp_path / "b.json"))
+    assert main(["diff", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 1
+    captured = capsys.readouterr()
+    assert "warning: the plans were made for different model graphs (fingerprint aaaaaaaaaaaa vs bbbbbbbbbbbb" in (
+        captured.err
+    )
+    assert "[8, 64]" in captured.err and "[8, 128]" in captured.err
+    # the objective with its unit, as the summary shows it
+    assert re.search(r"estimated step \(objective\) [\d.]+ (s|ms|us) vs [\d.]+ (s|ms|us)", captured.out), captured.out
+
+
+def test_cli_help_has_no_markup(capsys):
+    from autoparallel.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "::" not in out and "``" not in out
+    assert "python -m autoparallel diff a.json b.json" in out
+
+
+def test_collectives_table_keeps_its_columns_with_long_group_names():
+    from autoparallel.report import numbers
+
+    plan = _plan([8], ["dp"], "S(0)", DATA)
+    row = {"phase": "forward", "kind": "all_gather", "count": 3, "traffic_bytes": 3e6, "seconds": 2e-5}
+    plan.collectives = [
+        {**row, "group": "dp", "group_size": 2},
+        {**row, "phase": "backward", "group": "dp_replicate*dp_shard*cp col-major", "group_size": 64},
+    ]
+    header, *rows = numbers.collective_lines(plan)[:-1]
+    # every figure column ends where its header does
+    for title in ("count", "traffic/rank", "est. time"):
+        end = header.index(title) + len(title)
+        assert all(r[end - 1] != " " and (len(r) == end or r[end] == " ") for r in rows), (title, rows)
