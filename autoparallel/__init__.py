@@ -8,6 +8,7 @@ program (see README.md).
 
 from .api import AutoParallel, ConstraintError
 from .apply.compile import autoparallel_backend
+from .apply.cudagraphs import CudaGraphError, release_cuda_graphs
 from .cost_model import CommOverlapPolicy, DeviceSpec
 from .plan import NodePlan, Plan, diff
 from .provenance import PlanMismatch
@@ -19,6 +20,7 @@ __all__ = [
     "AutoParallel",
     "CommOverlapPolicy",
     "ConstraintError",
+    "CudaGraphError",
     "DataDependentTraceError",
     "DeviceSpec",
     "NodePlan",
@@ -28,4 +30,5 @@ __all__ = [
     "ProblemTooLarge",
     "diff",
     "register_rule",
+    "release_cuda_graphs",
 ]

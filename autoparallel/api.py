@@ -627,6 +627,7 @@ class AutoParallel:
         disable_passes: Sequence[str] = (),
         pass_options: Any = None,
         fold_layers: bool = True,
+        cudagraphs: bool = False,
     ) -> nn.Module:
         """A copy of the model whose parameters are DTensors laid out as ``plan``
         says and whose forward runs the plan on per-rank local inputs (see
@@ -635,7 +636,9 @@ class AutoParallel:
         those to skip, ``pass_options`` is a
         :class:`~autoparallel.passes.PassOptions`; ``fold_layers=False`` builds
         the full graphs instead of copying a middle layer's (slower, same
-        result; see :mod:`autoparallel.apply.fold`)."""
+        result; see :mod:`autoparallel.apply.fold`). ``cudagraphs=True`` runs
+        the forward and backward graphs as captured CUDA graphs after one
+        warm-up step (:mod:`autoparallel.apply.cudagraphs`)."""
         self._require_open()
         from .apply import apply_placement
         from .passes import chunk_options
@@ -656,6 +659,7 @@ class AutoParallel:
                 disable_passes=disable_passes,
                 pass_options=pass_options,
                 fold_layers=fold_layers,
+                cudagraphs=cudagraphs,
             )
         from .apply.collectives import traffic_table
 

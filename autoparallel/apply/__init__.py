@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_flatten_with_path
 from .. import passes
 from ..capture.tracing import normalize_inputs
 from .collectives import Collective, collectives, summarize
+from .cudagraphs import CudaGraphError, CudaGraphSession, check_capturable, release_cuda_graphs, static_inputs
 from ..capture.repeated_layers import find_repeated_layers
 from .fold import MIDDLE, FoldRejected
 from .fold import fold_layers as fold_layers_of
@@ -53,6 +54,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "ApplyError",
     "Collective",
+    "CudaGraphError",
     "InputSlot",
     "LocalJoint",
     "ParallelModuleMixin",
@@ -65,6 +67,7 @@ __all__ = [
     "collectives",
     "local_shape",
     "redistribute",
+    "release_cuda_graphs",
     "split_joint",
     "summarize",
 ]
@@ -128,6 +131,7 @@ def apply_placement(
     disable_passes: tuple[str, ...] | list[str] = (),
     pass_options: "passes.PassOptions | None" = None,
     fold_layers: bool = True,
+    cudagraphs: bool = False,
 ) -> nn.Module:
     """Build the parallel module for ``plan`` (see the module docstring),
     running the rewrite passes of :mod:`autoparallel.passes` on the way.
@@ -135,7 +139,12 @@ def apply_placement(
     ``fold_layers``: build and partition the graphs of four layers of a
     deep layer stack and copy the middle one (:mod:`.fold`, :mod:`.unfold`;
     same graphs, much faster); falls back to the full graphs when the
-    layers do not qualify."""
+    layers do not qualify.
+
+    ``cudagraphs``: run the forward and the backward graph each as a
+    captured CUDA graph after one warm-up step (:mod:`.cudagraphs`);
+    refused, naming the nodes, where the step cannot be captured, and
+    without a CUDA device."""
     from ..provenance import resolve_choice
 
     # A loaded plan (Plan.load_json) needs no problem: the traced options suffice.
@@ -167,6 +176,10 @@ def apply_placement(
     stats.update(passes.run_stage("graphs", ctx, disabled, graphs.fw, graphs.bw))
     plan.pass_stats = stats
     step = ParallelStep(local, graphs)
+    if cudagraphs:
+        check_capturable(graphs)
+        step.cuda_graphs = CudaGraphSession(static_inputs(local, graphs))
+        logger.info("CUDA graphs after one warm-up step:\n%s", step.cuda_graphs.inputs.describe())
     in_spec, slots = _input_slots(autop.inputs, local, traced.input_nodes)
     out_spec = getattr(traced.joint, "out_spec", None)
     model = make_parallel_module(autop.model, step, in_spec, slots, out_spec, traced.tied_params)

@@ -99,6 +99,21 @@ class ParallelModuleMixin:
     def forward_graph(self) -> torch.fx.GraphModule:
         return self.parallel_state.step.graphs.fw
 
+    # -- CUDA graphs (apply_placement(..., cudagraphs=True)) --------------------
+    @property
+    def cuda_graph_inputs(self):
+        """Which inputs of the forward and backward graphs keep their addresses
+        and what a step copies (:class:`~autoparallel.apply.cudagraphs.StaticInputs`),
+        or None when the module runs without CUDA graphs."""
+        session = self.parallel_state.step.cuda_graphs
+        return session.inputs if session is not None else None
+
+    def release_cuda_graphs(self) -> bool:
+        """Release this module's captured CUDA graphs (call before
+        ``destroy_process_group``); the next step captures again."""
+        session = self.parallel_state.step.cuda_graphs
+        return session.release() if session is not None else False
+
     @property
     def backward_graph(self) -> torch.fx.GraphModule:
         return self.parallel_state.step.graphs.bw

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .cudagraphs import CudaGraphSession
 from .local_graph import LocalJoint, local_shape
 from .partition import StepGraphs
 
@@ -20,16 +21,33 @@ from .partition import StepGraphs
 class ParallelStep:
     local: LocalJoint
     graphs: StepGraphs
+    # Set when the module runs its graphs as captured CUDA graphs.
+    cuda_graphs: CudaGraphSession | None = None
 
     def __call__(self, primals: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         return _StepFunction.apply(self, *primals)
+
+    def run_forward(self, primals) -> tuple:
+        g = self.graphs
+        if self.cuda_graphs is None:
+            return tuple(g.fw(*primals))
+        outs = self.cuda_graphs.forward(g.fw, primals)
+        # The user's outputs (the loss) leave the graph's memory, which the
+        # next step overwrites; saved values stay for the backward graph.
+        n = g.num_fwd_outputs
+        return tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in outs[:n]) + tuple(outs[n:])
+
+    def run_backward(self, args) -> list:
+        if self.cuda_graphs is None:
+            return list(self.graphs.bw(*args))
+        return list(self.cuda_graphs.backward(self.graphs.bw, args))
 
 
 class _StepFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, step: ParallelStep, *primals):
         g = step.graphs
-        outs = g.fw(*primals)
+        outs = step.run_forward(list(primals))
         fwd, saved = outs[: g.num_fwd_outputs], outs[g.num_fwd_outputs :]
         ctx.step = step
         ctx.save_for_backward(*saved)
@@ -52,7 +70,7 @@ class _StepFunction(torch.autograd.Function):
                 )
             tangents.append(t.contiguous())
         args = [saved[j] if kind == "saved" else tangents[j] for kind, j in g.bw_inputs]
-        grads = list(g.bw(*args))
+        grads = step.run_backward(args)
         n_params = len(local.param_fqns)
         if len(grads) != n_params:
             raise RuntimeError(f"backward graph returned {len(grads)} gradients for {n_params} parameters")
