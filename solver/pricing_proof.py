@@ -1,4 +1,4 @@
-"""Elimination around the pricing rounds of :mod:`solver.pricing` (issue 13).
+"""Elimination around the pricing rounds of :mod:`solver.pricing`.
 
 Before the rounds (:func:`prefilter`): the seed's restricted ILP gives a
 plan of cost ``upper``; options no choice meeting the resource rows can
@@ -50,7 +50,7 @@ TREES = 3
 # sweeps between two decoded plans. Most of it: on LLaMA-3 70B 4x4x8x8 the
 # ascent alone meets the optimum (bound and decoded plan, 43 sweeps), where
 # LP rounds between two runs of it found no better plan and took the time
-# the second run needed to close the gap (session 10).
+# the second run needed to close the gap.
 ASCENT_SHARE = 0.8
 ASCENT_SWEEPS = 10
 # Options per class, of least belief, that join the restricted ILP after
