@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from autoparallel import AutoParallel
 from autoparallel.models import MOE_CONFIGS, MoETransformer, apply_ac
-from autoparallel.models.moe import moe_experts
+from autoparallel.ops.moe import moe_experts
 from autoparallel.passes import PassOptions
 
 pytestmark = [
