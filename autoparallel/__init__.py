@@ -6,21 +6,30 @@ step, lists DTensor placement options for every node, and
 program (see README.md).
 """
 
-from .api import AutoParallel, ConstraintError
+from .api import AutoParallel
 from .apply.compile import autoparallel_backend
 from .cost_model import CommOverlapPolicy, DeviceSpec
+from .errors import (
+    ApplyError,
+    AutoParallelError,
+    ConstraintError,
+    DataDependentTraceError,
+    InfeasibleConstraintError,
+    PlanMismatch,
+    ProblemTooLarge,
+)
 from .plan import NodePlan, Plan, diff
-from .provenance import PlanMismatch
-from .problem.builder import ProblemTooLarge
 from .options.strategies import register_rule
-from .capture.tracing import DataDependentTraceError
 
 __all__ = [
+    "ApplyError",
     "AutoParallel",
+    "AutoParallelError",
     "CommOverlapPolicy",
     "ConstraintError",
     "DataDependentTraceError",
     "DeviceSpec",
+    "InfeasibleConstraintError",
     "NodePlan",
     "autoparallel_backend",
     "Plan",

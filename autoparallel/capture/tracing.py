@@ -77,14 +77,11 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import activation_checkpointing
+from ..errors import DataDependentTraceError
 from ..options.rules.linalg import linalg_checks_without_effect_tokens
 from .trace_wrappers import ParamCastWrapper, TraceRoot, route_hf_experts
 
 logger = logging.getLogger(__name__)
-
-
-class DataDependentTraceError(RuntimeError):
-    """The traced step branches on (or reads) the value of a tensor."""
 
 
 @dataclass(frozen=True)
