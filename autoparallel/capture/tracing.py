@@ -78,6 +78,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from . import activation_checkpointing
 from ..errors import DataDependentTraceError
+from ..graph_vocab import MODULE_PATH_KEY
 from ..options.rules.linalg import linalg_checks_without_effect_tokens
 from .trace_wrappers import ParamCastWrapper, TraceRoot, route_hf_experts
 
@@ -203,8 +204,6 @@ def make_fake_inputs(inputs: Any, fake_mode: FakeTensorMode, device: str) -> tup
 
     return tree_map(to_fake, args), tree_map(to_fake, kwargs), placements
 
-
-MODULE_PATH_KEY = "module_path"
 
 _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
 
