@@ -6,13 +6,12 @@ step, lists DTensor placement options for every node, and
 program (see README.md).
 """
 
-from .api import AutoParallel
+from .api import AutoParallel, ConstraintError
 from .apply.compile import autoparallel_backend
 from .cost_model import CommOverlapPolicy, DeviceSpec
 from .errors import (
     ApplyError,
     AutoParallelError,
-    ConstraintError,
     DataDependentTraceError,
     InfeasibleConstraintError,
     PlanMismatch,

@@ -45,7 +45,7 @@ DUMP_DIR_ENV = "AUTOPARALLEL_DUMP_DIR"
 # Seconds of ILP search before taking the best plan found (with its proven
 # gap). Problems whose LP relaxation is integral (LLaMA-3 8B on 16x8: 0.1 s)
 # are unaffected, and the solver's branching proves the fractional 1-layer
-# debug LLaMA on 4x2 in 2-4 s; this bounds the cases it cannot.
+# debug LLaMA on 4x2 in 2-4 s; this bounds the cases it cannot (issue 10).
 DEFAULT_TIME_LIMIT = 10.0
 # set to 1 to gzip the dumps (problem.json.gz, ...)
 DUMP_GZIP_ENV = "AUTOPARALLEL_DUMP_GZIP"

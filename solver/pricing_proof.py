@@ -50,7 +50,7 @@ TREES = 3
 # sweeps between two decoded plans. Most of it: on LLaMA-3 70B 4x4x8x8 the
 # ascent alone meets the optimum (bound and decoded plan, 43 sweeps), where
 # LP rounds between two runs of it found no better plan and took the time
-# the second run needed to close the gap.
+# the second run needed to close the gap (session 10).
 ASCENT_SHARE = 0.8
 ASCENT_SWEEPS = 10
 # Options per class, of least belief, that join the restricted ILP after

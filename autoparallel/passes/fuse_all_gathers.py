@@ -47,8 +47,8 @@ import torch.distributed as dist
 import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from ..graph_vocab import ALL_GATHER as _AG, WAIT as _WAIT
 from . import PassContext, register_pass
+from ..graph_vocab import ALL_GATHER as _AG, WAIT as _WAIT
 
 __all__ = ["FuseAllGathersStats", "fuse_all_gathers", "mesh_group"]
 
