@@ -10,19 +10,27 @@ from .api import AutoParallel, ConstraintError
 from .apply.compile import autoparallel_backend
 from .apply.cudagraphs import CudaGraphError, release_cuda_graphs
 from .cost_model import CommOverlapPolicy, DeviceSpec
+from .errors import (
+    ApplyError,
+    AutoParallelError,
+    DataDependentTraceError,
+    InfeasibleConstraintError,
+    PlanMismatch,
+    ProblemTooLarge,
+)
 from .plan import NodePlan, Plan, diff
-from .provenance import PlanMismatch
-from .problem.builder import ProblemTooLarge
 from .options.strategies import register_rule
-from .capture.tracing import DataDependentTraceError
 
 __all__ = [
+    "ApplyError",
     "AutoParallel",
+    "AutoParallelError",
     "CommOverlapPolicy",
     "ConstraintError",
     "CudaGraphError",
     "DataDependentTraceError",
     "DeviceSpec",
+    "InfeasibleConstraintError",
     "NodePlan",
     "autoparallel_backend",
     "Plan",

@@ -19,15 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .errors import PlanMismatch
 from .options.strategies import format_specs
 
 if TYPE_CHECKING:
     from .api import AutoParallel
     from .plan import Plan
-
-
-class PlanMismatch(ValueError):
-    """A plan is applied to something other than what it was made for."""
 
 
 def graph_fingerprint(gm: torch.fx.GraphModule) -> str:

@@ -21,11 +21,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, Shard
 from torch.utils._pytree import TreeSpec, tree_flatten
 
+from .errors import ConstraintError
 from .options.placements import format_placement, on_mesh
-
-
-class ConstraintError(ValueError):
-    """A user constraint is malformed (wrong count, length, dim, node name)."""
 
 
 # -- AutoParallel(...) arguments ---------------------------------------------------

@@ -1,4 +1,4 @@
-"""Time to compute every class grid of a lazy problem (issue 13).
+"""Time to compute every class grid of a lazy problem.
 
 Builds LLaMA-3 70B on 4x4x8x8 (``--layers`` blocks, lazy edge matrices),
 captures the problem's :class:`autoparallel.problem.edge_matrices.EdgeMatrices`, then
@@ -9,17 +9,8 @@ number of grids and entries, and the peak RSS. Asserts nothing::
     PYTHONPATH=. python benchmarks/class_grids.py --layers 2
     PYTHONPATH=. python benchmarks/class_grids.py --layers 2 --max-grids 20
 
-Measured (vecgrid branch, 2-core machine shared, load 3.5-4.5), 2 layers:
-136 grids, 18.0M entries (largest 1218 x 1218), checksum 7.533245286e+05
-both ways. Pair by pair (edge_costs.redistribution_matrix, one call per
-grid): 317.8 s, peak RSS 3027 MiB (its pair cache). Whole grids with numpy (autoparallel/cost_model/class_costs.py):
-9.8 s, no RSS above the problem build's 664 MiB peak.
-
-Session 9 (min-cost redistribution plans, autoparallel/cost_model/redistribute_plan.py;
-load ~0.7): 9.09 s where the greedy-plan grids took 4.34 s at that load
-(Bellman-Ford over layout states ~4 s, grid updates and 34 state graphs
-the rest); checksum 7.498e+04 (the greedy plan's, 7.533e+05, was ~10x
-dearer on these 4-D pairs).
+Current figures, with the date and commit they were measured at, are in
+docs/benchmarks.md; earlier ones are in git history.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Figures for the whole-step memory budget (issue 13, part 4).
+"""Figures for the whole-step memory budget.
 
 1. LLaMA-3 8B (32 layers, selective AC, bf16 compute / fp32 reduction,
    batch 32 x 8192) on a 16 x 8 mesh of H100s, planned with the default

@@ -1,4 +1,4 @@
-"""Time the options stage on its own (issue 13): DTensor strategies expanded
+"""Time the options stage on its own: DTensor strategies expanded
 over the mesh and converted to options, the per-option compute costs
 (problem_builder's unary loop), and the exact Partial pruning; no pair
 matrices (a 4-D 70B problem's would not fit). Prints CPU and wall seconds,

@@ -1,4 +1,4 @@
-"""Planning LLaMA-3 end to end: model to proven-optimal solution (issue 3).
+"""Planning LLaMA-3 end to end: model to proven-optimal solution.
 
 Plans one training step of LLaMA-3 (8B by default: 32 layers, sequence 8192,
 batch 32) on a fake 16 x 8 mesh (128 ranks, "dp" x "tp") with selective
@@ -7,7 +7,7 @@ activation checkpointing, input and output constrained to
 ILP is, the peak memory of the process and what the plan costs. Target:
 at most 30 s and 2 GB peak RSS with status optimal. Asserts nothing::
 
-    python benchmarks/plan_llama3.py                    # the issue's case
+    python benchmarks/plan_llama3.py                    # LLaMA-3 8B on 16x8
     python benchmarks/plan_llama3.py --layers 2 --seq 2048
     python benchmarks/plan_llama3.py --mesh 8 8 --no-ac
     python benchmarks/plan_llama3.py --compare-meshes   # 2-, 3- and 4-D side by side
@@ -92,7 +92,7 @@ def _peak_rss_mib() -> float:
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--compare-meshes" in argv:
-        # issue 13's side-by-side table (16x8, 4x4x8, HSDP 2x8x8 for 8B;
+        # the side-by-side table (16x8, 4x4x8, HSDP 2x8x8 for 8B;
         # 8x16x8 and 4x4x8x8 for 70B), each plan in its own process:
         # benchmarks/plan_mesh3d.py, which takes the remaining arguments
         from plan_mesh3d import main as compare_meshes
@@ -185,7 +185,7 @@ def main(argv=None) -> None:
     )
     if applied is not None:
         _print_apply(applied, plan)
-        _print_buckets(applied, plan)  # issue 15
+        _print_buckets(applied, plan)
     if not a.no_dump:
         _print_dumps(problem, s, plan)
     print(f"peak RSS {_peak_rss_mib():.0f} MiB (before planning {rss_before:.0f} MiB)")
@@ -275,7 +275,7 @@ def _print_apply(applied: dict, plan) -> None:
         print(f"  pass {name}: {stats}")
 
 
-# --- issue 15: collectives per step before/after bucket_collectives --------
+# --- collectives per step before/after bucket_collectives ------------------
 def _print_buckets(applied: dict, plan) -> None:
     """Collectives per step (forward + backward) with all passes, and what
     they would be without bucket_collectives (each bucket stands for the

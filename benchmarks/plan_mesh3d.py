@@ -1,4 +1,4 @@
-"""Planning LLaMA-3 on 2-, 3- and 4-D meshes side by side (issue 13).
+"""Planning LLaMA-3 on 2-, 3- and 4-D meshes side by side.
 
 Each configuration plans in its own process (so peak RSS is its own), under
 an address-space limit (--max-gib, default 6) and the planner's problem-size
@@ -6,7 +6,7 @@ guard, and reports: option pairs before and after pruning (and after the
 solver's presolve), time per stage, peak RSS, solver status and the
 estimated step. Asserts nothing::
 
-    python benchmarks/plan_mesh3d.py                 # the issue's five plans
+    python benchmarks/plan_mesh3d.py                 # the six plans below
     python benchmarks/plan_mesh3d.py --layers 2      # quick look
     python benchmarks/plan_mesh3d.py --only 8B-4x4x8 --layers 1
 
@@ -17,156 +17,8 @@ Configurations (name: model, mesh, names; the batch is sharded over dp*):
 cp, tp). Targets: each 3-D/4-D plan within 2x the time of the 16x8 plan of
 the same model, under 2 GB peak RSS; 70B at 1024 ranks under 60 s; optimal.
 
-Measured (mesh3d branch, 2-core machine shared with other jobs, load
-average 3.4 at the start and 9.2 at the end; the lead re-runs idle): total
-s (tracing / options / build / presolve / ILP build / ILP solve), peak RSS:
-
-    8B-16x8         11.9 (7.7 / 1.2 / 1.6 / 0.1 / 0.1 / 0.2)      433 MiB
-    8B-4x4x8        26.0 (7.5 / 4.0 / 5.8 / 3.9 / 0.9 / 2.8)     1222 MiB
-    8B-hsdp-2x8x8   25.3 (6.8 / 3.9 / 5.0 / 3.4 / 1.5 / 3.2)     1163 MiB
-    70B-16x8        55.1 (33.8 / 1.3 / 2.6 / 0.4 / 0.1 / 14.1)   729 MiB
-    70B-8x16x8     129.6 (33.4 / 9.0 / 12.0 / 6.9 / 1.7 / 58.1)  1224 MiB
-    70B-4x4x8x8    refused by the size guard after 218 s (708 MiB): 7.76G
-                   option pairs, 98.2M in distinct matrices, 32.75 GiB
-
-all proven optimal. Before this branch's edge_costs/fast_expand (same
-machine, load ~10): 8B-4x4x8 95.6 s (options 13.8, build 32.4).
-
-mesh4d branch, load 4-6 (not comparable with the above; CPU-second
-comparisons at equal load are in the README's issue-13 status):
-
-    8B-16x8         26.0 (20.3 / 1.7 / 2.0 / 0.3 / 0.1 / 0.2)      434 MiB
-    8B-4x4x8        50.5 (16.9 / 7.1 / 9.5 / 9.6 / 1.9 / 3.5)      992 MiB
-    70B-4x4x8x8     refused by the size guard after 321.6 s (load 6-10,
-                    757 MiB); one layer: after 46.1 s (load 3.5, was
-                    108.3 s at load 0.8-2.4), 143,187 options, 113.8M pairs
-
-Session 7 (main; load ~1-2): 8B 16x8 13.4 s, 4x4x8 19.8 s, HSDP 21.0 s,
-70B 16x8 25.9 s, 8x16x8 38.8 s, all optimal; 70B 4x4x8x8 plans by option
-pricing (lazy matrices, coarse-mesh seeds): 139.8 s with --time-limit 10
-(20.4 / 13.3 / 15.7 / coarse seeds 34.0 / pricing 51.2), 1621 MiB,
-feasible at a 36.7% gap (compute-only bound), est. step 4432 ms; 408.0 s
-and the same plan with the default --time-limit 600.
-
-Session 8 (main; --time-limit 10, load 0.6 -> 1.0): 8B 16x8 9.6 s, 4x4x8
-15.0 s (1.56x), HSDP 14.4 s (1.50x), 70B 16x8 22.9 s, 8x16x8 28.8 s
-(1.26x), all optimal, <= 921 MiB; 70B 4x4x8x8 103.9 s (19.0 / 10.9 / 4.4 /
-coarse seeds 19.8 / pricing with tree elimination 45.7 / plan report
-1.8), 1299 MiB, feasible at a 26.4% gap, est. step 4386 ms.
-
-Session 9 (proof branch, dual ascent; --time-limit 10, load 6.3 -> 6.2):
-70B 4x4x8x8 204.1 s (45.7 / 23.4 / 9.9 / coarse seeds 45.1 / solve 69.0),
-1313 MiB, proven optimal, est. step 3851 ms; one layer (load 5.9 -> 6.6)
-153.9 s, feasible at a 2.78% gap, 204.1 ms.
-
-Session 10 (stages branch; options and problem build; --time-limit 10):
-before (main, load ~1) 70B 4x4x8x8 options 15.62 s + problem build 6.46 s
-(16x8: 0.71 + 2.08); after (load 2.7 at start and end) 5.67 + 4.84 s
-(16x8: 0.45 + 1.60), total 129.1 s, proven optimal, est. step 3677.7 ms as
-before, the same 7.76G pairs (options before pruning now count 181,242:
-fewer distinct lists); again at the branch's last commit (load 2.1 ->
-4.4): 6.64 + 4.12 s (16x8: 0.75 + 1.73), total 167.4 s (coarse seeds 43.8,
-pricing 76.0 under that load), proven optimal, 3677.7 ms. Both stages cost about the same at 2 and 80 layers
-(127 distinct option lists either way): the cost is per distinct list on a
-4-D mesh (thousands of candidates per input), not per layer. What it was:
-Python's cyclic GC walking the millions of options and specs (~40% of the
-options stage; now paused for both stages), view ops converted candidate
-by candidate through DTensor's reshape_strategy (two specs and an OpSpec
-each; now its per-candidate step, once per (view, candidate):
-autoparallel/options/candidate_memo.py), and single-mesh-dim ops recomputed per
-input candidate set although their options only depend on the inputs'
-shapes (161 -> 127 lists). On 2 layers at load ~1.2: options 14.0 -> 6.2 s.
-
-Session 10 (solve; --time-limit 10). Before (main, load 4-6): 70B
-4x4x8x8 coarse seeds 35.6 s + solve 76.1 s, feasible at a 1.80% gap
-(the ascent after the LP rounds got 7 sweeps); main idle (load ~1):
-17.85 + 37.7 s, proven. Measured on the traced problem: the seed's
-restricted ILP plan is the same with and without the coarse plans (3.99216
-/ 3.99215), so coarse seeds are off (option_pricing.COARSE_SEEDS); the LP
-rounds' bounds trail the ascent's (2.9 vs 3.67) and in one run of two they
-found no plan under 3.765; the ascent alone meets the optimum (bound and
-decoded plan 3.67768, 43 sweeps). Now the ascent runs first for 0.8 of
-the 60 s pricing limit, with no LP round when it meets its plan, and a
-target search where fixing would need too many options. Solve alone on
-the warm problem (load ~3): 55.7 s wall before (9 rounds, 41 sweeps),
-49.7 s wall / 25.4 s CPU after, 33.6 s / 24.0 s CPU with no time limit;
-proven optimal either way. Whole plan (load 2.6 -> 3.1): 70B 16x8 43.7 s;
-70B 4x4x8x8 154.9 s (45.6 / 24.3 / 11.2 / coarse seeds 0 / solve 67.6,
-of which ~12 s the first lazy class-grid reads of seed_options' greedy
-plan), 923 MiB, proven optimal, est. step 3677.7 ms. Again at load 2.1
-(the other stages at about main's idle times): 90.9 s (25.4 / 13.2 / 6.45
-/ coarse seeds 0 / solve 41.0), 930 MiB, proven optimal, 3677.7 ms: coarse
-seeds + solve 55.5 s -> 41.0 s, short of the ~20 s aimed at. A sweep is
-~0.85 s at load 3, 73% of it edge_matrices._min_plus (not this session's
-file); ~43 sweeps are needed.
-
-Session 10 (main after all merges; --time-limit 10; load 1.2 -> 2.0, the
-test suite beside it): 8B 16x8 13.0 s, 4x4x8 18.8 s (1.45x), HSDP 18.8 s
-(1.45x), 70B 16x8 33.6 s, 8x16x8 42.2 s (1.26x), 70B 4x4x8x8 74.0 s
-(30.0 / 5.3 / 3.0 / coarse seeds off / 32.8), 898 MiB, all proven optimal;
-idle (load 0.4 -> 0.9): 70B 16x8 29.7 s, 4x4x8x8 65.8 s (2.22x; 27.3 /
-4.6 / 2.9 / 28.6). --mp bf16 (the example's precision): at the start of
-the session 70B 4x4x8x8 169.8 s, feasible at 19.5%, 2271 MiB, est. 944.4
-ms (70B 16x8 31.5 s and 8B 4x4x8 22.3 s optimal); after the merges 144.8
-s, feasible at 5.29%, 1557 MiB, est. 805.5 ms (load 2.0 -> 1.3).
-Last (compute-only bound skipped for proven plans; the machine back at
-session 9's speed, load 0.8 -> 1.0): 70B 16x8 22.6 s, 70B 4x4x8x8 54.2 s
-(19.3 / 4.0 / 2.4 / 26.1; 2.40x), 898 MiB, proven optimal, 3677.7 ms.
-
-Session 11 (solve4d; the solve stage of the 4-D plan; --time-limit 10).
-The machine was shared all session (load 6-12 on 2 cores: wall figures
-~2-3x idle ones, and stage times swing with the load). Back to back, 70B
-4x4x8x8, main (load 6.7 -> 6.2) then this branch (load 7.1 -> 7.1): solve
-66.2 -> 48.1 s, proven optimal both, est. step 3677.7 ms, 898 -> 981 MiB
-(float32 grid copies), options kept 53,509 -> 70,454 (forests stop at
-few pairs); 70B 16x8 optimal in 108.2 s beside it (tracing alone 96.7 s
-at that load). CPU seconds, less load-bound: the 136 class grids (18.0M
-entries) 15.3 -> 8.4 s (one union grid per tensor: 10.6M entries);
-solve_by_pricing on the traced problem with its grids computed 19.8 ->
-11.6-13.5 s (column min-plus along axis 0: half its time; forests stop
-after 2 of 9 trees; class-direct reductions; collector paused), and on
-8 layers 11.1-11.5 -> 8.2-8.6 s from float32 sweeps alone (the bound
-after the first exact sweep equal to 8 digits; 32 sweeps either way).
-8B 16x8 / 4x4x8 / HSDP (dense path, unchanged; load 6.2 -> 9.5): 65.5 /
-135.2 / 80.6 s, all proven optimal. Again as the load eased (2.5 -> 5.0):
-70B 16x8 49.0 s (42.2 / 0.63 / 1.86 / 0.95), 70B 4x4x8x8 121.4 s (57.2 /
-10.6 / 7.6 / solve 39.0 / plan report 1.7), 982 MiB, proven, 3677.7 ms.
-Where the 4-D solve goes now (CPU): grids ~8 s (Bellman-Ford distances
-of cost_model/redistribute_plan ~40% of it), ~39 sweeps of which the
-first 30 in float32, 2 forests, the restricted ILPs.
-
-Session 11 (bf16; --mp bf16 --time-limit 10; the machine shared, load 5-7,
-so times are ~3x idle and the ascent gets fewer sweeps). The bf16 gap was
-not only the relaxation's: the plans were not optimal. On the 2-layer
-problem (captured, solved alone) the restricted ILP over every option a
-plan costing at most bound + half the gap may use (12,866 options, 1.4M
-pairs; 2.6 s) has 0.0429725, under that target, so it is the optimum,
-where pricing had stopped at 0.04332 to 0.04871 (by its sweeps). New:
-solver/pricing_bisect.py, a target bisection after reduced-cost fixing
-falls short: restricted ILPs at targets just above the bound raise it or
-prove the plan, the forests at each target hand over cheaper plans, the
-ascent sweeps on when a target keeps too many options. Solve alone on the
-captured 2-layer problem (load 4-6): proven optimal 0.0429725 in 93 s
-(was feasible at 2.2-12.7% in 62-68 s), or 0.08-0.19% gaps in 93-111 s
-when the ascent got fewer sweeps. Whole plans, 2 layers: main 172.5 s,
-feasible at 2.36%, est. 43.4 ms, 1266 MiB (load 6.7 -> 7.1); branch
-296.3 s, 0.37%, 43.0 ms (the optimum's plan), 1891 MiB (load 5.4 -> 6.7;
-the kept subsets then held the probes' options, since given back);
-466.1 s, 6.68%, 44.6 ms at load 5.6 -> 12.1 (the ascent starved). 80
-layers (load 6.6 -> 5.4): 297.8 s, feasible at 4.89%, est. 805.5 ms, 1412
-MiB (was 144.8 s, 5.29%, 805.5 ms at load ~2); the ascent gets ~16 sweeps
-and is far from converged, so targets keep 30-50K options. The example
-(8B, 32 layers, 4x4x8x8, bf16, parameter-memory row; --no-apply): was 186
-s, 32.5% gap, 2.16 GB; branch 231.8 s, 4.14%, 1.26 GB (load 5.3 -> 6.4),
-and 324.5 s, 33.1%, 1.26 GB with the test suite beside it (no cheaper
-plan turned up: the gap there is the plan's, 0.2255 against 0.1639).
-
-Session 11, main after the merges, idle (load 0.5 -> 1.0), all proven
-optimal: 8B 16x8 13.3 s, 4x4x8 20.5 s (1.54x, 567 MiB), HSDP 20.0 s
-(1.50x, 556 MiB); 70B 16x8 33.3 s, 8x16x8 37.6 s (1.13x, 649 MiB),
-4x4x8x8 65.8 s (1.98x; 32.1 / 6.6 / 4.0 / solve 19.8; 982 MiB; 3677.7
-ms). The two 70B plans again, idle: 30.2 / 66.6 s (2.21x), 24.3 / 46.1 s
-(1.90x), 32.1 / 58.8 s (1.83x).
+Current figures, with the date and commit they were measured at, are in
+docs/benchmarks.md; earlier ones are in git history.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Planning a DeepSeek-style MoE end to end (issue 11).
+"""Planning a DeepSeek-style MoE end to end.
 
 Plans (and with ``--apply`` applies) one training step of the MoE model of
 :mod:`autoparallel.models.moe` on a fake mesh, and prints plan/apply times,

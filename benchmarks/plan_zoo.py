@@ -1,4 +1,4 @@
-"""Plan time of the test zoo (issue 10, items 6 and 7): trace to plan per model.
+"""Plan time of the test zoo: trace to plan per model.
 
 Plans one training step of each tiny model (random init, meta device) on a
 fake 2 x 2 ("dp", "tp") mesh (or --mesh) with every tensor input's batch on dp, and
@@ -14,77 +14,8 @@ Asserts nothing; a model that fails prints its error and the rest go on::
     python benchmarks/plan_zoo.py --slow-compute  # a device where compute dominates
     python benchmarks/plan_zoo.py --mesh 2x2x2    # every model on one mesh
 
-Session 10 (2-core machine shared with 3 other runs; load average 2.4-3.9
-throughout: an idle machine takes about half these times). Before: T5's
-blocks unlinked (its rows from the session's base commit, --time-limit 60);
-the other rows run the same code before and after, so they differ by load
-only. After: T5's block 1 linked to block 0 where they align
-(autoparallel/capture/repeated_layers.py), --time-limit 0. ``slow``: --slow-compute
-1e6 (the zoo tests' sharded_compute model; its slow HBM makes a local copy
-dearer than a collective, which turns Partial pruning off: 2x the options,
-lazy for LLaMA). Time in seconds, trace to plan::
-
-                                  before      | after (T5 before: no node linked, 4 layers unlinked)
-    model        mesh   cost     total  solve |  total  solve options      pairs kind   linked status
-    llama        2x2    default    8.6    1.2 |    4.3    1.3   10791    325,462 dense   234/0 optimal
-    gpt2         2x2    default   11.5    1.0 |    4.3    0.4    7841    204,362 dense   179/0 optimal
-    bert         2x2    default    4.4    0.4 |    3.4    0.4    8242    191,456 dense   202/0 optimal
-    t5           2x2    default    7.3    3.1 |    8.8    3.2   27861    774,853 dense   600/0 optimal
-    vit          2x2    default    3.7    0.2 |    1.6    0.1    4196     72,880 dense   156/0 optimal
-    convnet      2x2    default    1.0    0.0 |    0.8    0.0     776     15,926 dense     0/8 optimal
-    llama3_debug 2x2    default    2.9    0.7 |    2.4    0.7   10606    320,506 dense   232/0 optimal
-    llama        2x2    slow       6.4    1.3 |    2.7    0.6   18246  1,112,160 dense   234/0 optimal
-    gpt2         2x2    slow       7.4    0.4 |    3.3    0.3   11326    462,945 dense   179/0 optimal
-    bert         2x2    slow       5.0    0.3 |    2.9    0.3   11973    409,031 dense   202/0 optimal
-    t5           2x2    slow       6.2    2.2 |    6.8    1.6   42266  2,044,763 dense   600/0 optimal
-    vit          2x2    slow       2.1    0.1 |    3.7    0.2    6785    216,755 dense   156/0 optimal
-    convnet      2x2    slow       1.0    0.1 |    1.2    0.0     967     27,070 dense     0/8 optimal
-    llama3_debug 2x2    slow       5.8    1.3 |    5.8    1.5   18030  1,114,096 dense   232/0 optimal
-    llama        2x2x2  default   36.1   26.1 |   26.8   20.2   53470  8,469,543 dense   234/0 optimal
-    gpt2         2x2x2  default   13.7    2.3 |    5.7    1.4   38251  5,035,062 dense   179/0 optimal
-    bert         2x2x2  default    9.5    1.8 |    8.2    1.7   38501  4,260,751 dense   202/0 optimal
-    t5           2x2x2  default   73.7   67.6 |   47.1   37.0  137390 19,419,561 dense   600/0 optimal
-    vit          2x2x2  default    2.5    0.3 |    3.6    0.5   17417  1,233,396 dense   156/0 optimal
-    convnet      2x2x2  default    1.0    0.1 |    1.2    0.2    3496    361,177 dense     0/8 optimal
-    llama3_debug 2x2x2  default   29.2   21.9 |   18.5   13.0   52893  8,298,565 dense   232/0 optimal
-    llama        2x2x2  slow      43.5   30.2 |   40.8   35.0  122445 56,205,099 lazy    234/0 optimal
-    gpt2         2x2x2  slow      19.7    8.5 |   14.9    7.5   70630 18,074,731 dense   179/0 optimal
-    bert         2x2x2  slow      12.2    6.2 |   12.1    6.1   73542 14,657,010 dense   202/0 optimal
-    t5           2x2x2  slow     164.8  154.2 |   85.7   70.8  271749 91,299,747 dense   600/0 optimal
-    vit          2x2x2  slow       7.8    3.1 |    8.1    3.5   39270  6,863,287 dense   156/0 optimal
-    convnet      2x2x2  slow       2.9    0.8 |    3.0    0.9    5127    866,252 dense     0/8 optimal
-    llama3_debug 2x2x2  slow      19.0   10.0 |   21.1   10.5  121565 56,158,213 lazy    232/0 optimal
-
-Session 11: on 2x2x2 the time was not branch and bound but the root LP
-(LLaMA-3 debug: presolve leaves 132 decisions, 13.8K options, 2.0M pairs;
-column generation's first restricted LP alone, 208K columns, 23K dual
-simplex iterations; the LP is integral). solver.solve now sends presolved
-problems with >= 1M pairs (solver.api.PRICING_MIN_PAIRS) to option pricing,
-whose dual ascent meets its plan (29 sweeps) and whose forests drop 99% of
-the options. Planning (optimize_placement) wall / CPU seconds, 2-core
-machine shared with 3-4 other runs (load 6-7; CPU seconds are comparable,
-wall is ~4x idle), before -> after, same objectives to the last digit::
-
-    llama3_debug 2x2x2 default   84.0 / 21.1  ->  12.7 / 5.1   optimal
-    t5           2x2x2 default  101.3 / 25.4  ->  36.2 / 8.8   optimal
-    MoE debug 2-layer dp,ep,tp   607.9 / 131.1 -> 71.2 / 20.4  0.41% gap (time limit 10 s)
-    (tests/autoparallel/models/test_moe.py::test_moe_plan_apply_3d_dp_ep_tp)
-
-The MoE's local-polytope LP is 0.41% below its optimum (half-integral:
-the dense FFN weights mix RRR with S(1)S(1)S(1)); pricing finds the optimum
-(the plan above) and, without a time limit, proves it in ~290 s (its
-restricted ILP: 10.7K options, HiGHS' MIP after 200 of our B&B nodes).
-With the sharded_compute device (no Partial pruning: 243K options, 87M
-pairs for T5) presolve is now the larger part: T5 22.6 s CPU of presolve
-(dominance and degree-2 elimination), then pricing.
-
-Before session 11 (not in this module's reach then): on 2x2x2 the time was
-HiGHS (LLaMA: presolve leaves 144 decisions, 14.6K options,
-2.2M pairs; the ILP has 938K variables, 14.6K binary; 20-29 s of solve).
-A device slow at compute only (HBM as H100, so pruning stays on) gives
-LLaMA 53K options, dense, and a longer solve (48 s at load 2.3); the
-batch on both data-parallel dims (breaking the dp_shard/tp symmetry)
-18 s instead of 20-26 s.
+Current figures, with the date and commit they were measured at, are in
+docs/benchmarks.md; earlier ones are in git history.
 
 Columns: seconds per stage (trace, options, problem build, coarse seeds and
 option pricing when lazy, solve), the problem as built (decisions, options,

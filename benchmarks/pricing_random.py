@@ -27,7 +27,7 @@ Figures (2026-11-23, shared 2-core machine, load ~1-3, 5 GiB ulimit):
   exact + 6,489 relaxed options: "feasible" 1000.18, bound 930.41.
 
 With whole-row reductions (default; ``--no-min-plus`` reads blocks only),
-session 8, load ~4: spanning-forest elimination (solver.tree_bound) drops
+2026-11-23, load ~4: spanning-forest elimination (solver.tree_bound) drops
 options before any LP round. 200 x 1024 (``--dims 5 --placements 4``):
 197,235 of 204,800 options dropped, the ILP over the 7,565 left is the
 proof: optimal 938.682949 in 78 s. 60 x 243 (``--dims 5 --placements 3``):

@@ -1,4 +1,4 @@
-"""Our plan against the hand FSDP2 + TP (+SP) plan, side by side (issue 15).
+"""Our plan against the hand FSDP2 + TP (+SP) plan, side by side.
 
 Four gloo processes (a 2 x 2 dp x tp mesh) train the same LLaMA-3 config
 with both plans, alternating steps in one run, and rank 0 prints: the
@@ -7,7 +7,7 @@ step (forward + backward), bytes each rank sends per step, peak live tensor
 bytes of a step, both plans' losses next to a single-device reference
 (same init, data and AdamW), and the first step's gradients of both plans
 and of the fp32 single-device model against an fp64 single-device one
-(largest error relative to each gradient's largest entry). Asserts nothing; targets (issue 15): ratio
+(largest error relative to each gradient's largest entry). Asserts nothing; targets: ratio
 <= 0.95 with selective AC and <= 1.0 without, collectives and bytes no
 higher than the hand plan's::
 

@@ -1,4 +1,4 @@
-"""Lower bounds by block-coordinate ascent on the local-polytope dual (issue 13).
+"""Lower bounds by block-coordinate ascent on the local-polytope dual.
 
 Why: the restricted LP of :mod:`solver.pricing` sees a few thousand of a
 4-D mesh's ~143K options per layer, and a spanning forest

@@ -1,4 +1,4 @@
-"""Elimination around the pricing rounds of :mod:`solver.pricing` (issue 13).
+"""Elimination around the pricing rounds of :mod:`solver.pricing`.
 
 Before the rounds (:func:`prefilter`): the seed's restricted ILP gives a
 plan of cost ``upper``; options no choice meeting the resource rows can

@@ -1,4 +1,4 @@
-"""Exact option elimination by spanning-tree min-marginals (issue 13).
+"""Exact option elimination by spanning-tree min-marginals.
 
 Edge costs are redistribution times, never negative, so dropping edges
 from a problem can only lower what a choice costs: the problem over a

@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten_with_path, tree_unflatten
 
+from ..errors import ApplyError
 from ..options.strategies import format_specs
 from ..options.placements import on_mesh
 from .init import wrap_init
@@ -166,30 +167,30 @@ class ParallelModuleMixin:
 
     def _check_world(self, st: ParallelState) -> None:
         if not dist.is_initialized():
-            raise RuntimeError("the parallel module needs the mesh's process group: call init_process_group first")
+            raise ApplyError("the parallel module needs the mesh's process group: call init_process_group first")
         # The mesh may cover a subset of the ranks (other ranks run other
         # pipeline stages, say), but all of its ranks must exist and this
         # rank must be one of them.
         world = dist.get_world_size()
         ranks = st.mesh.mesh.flatten().tolist()
         if max(ranks) >= world:
-            raise RuntimeError(
+            raise ApplyError(
                 f"the plan is for a mesh of {st.mesh.size()} ranks {tuple(st.mesh.shape)} (ranks up to "
                 f"{max(ranks)}) but the process group has {world}"
             )
         rank = dist.get_rank()
         if rank not in ranks:
-            raise RuntimeError(f"rank {rank} is not in the plan's mesh {tuple(st.mesh.shape)} of ranks {ranks}")
+            raise ApplyError(f"rank {rank} is not in the plan's mesh {tuple(st.mesh.shape)} of ranks {ranks}")
 
     def _param_locals(self, st: ParallelState) -> list[torch.Tensor]:
         out = []
         for fqn in st.local.param_fqns:
             p = getattr(*st.param_slots[fqn][0])
             if not isinstance(p, DTensor):
-                raise RuntimeError(f"parameter {fqn} was replaced by a {type(p).__name__}; expected a DTensor")
+                raise ApplyError(f"parameter {fqn} was replaced by a {type(p).__name__}; expected a DTensor")
             local = p.to_local()
             if local.is_meta:
-                raise RuntimeError(
+                raise ApplyError(
                     f"parameter {fqn} is on the meta device: call to_empty(device=...) and then "
                     "init_weights() or load_state_dict() before running the parallel module"
                 )
@@ -208,7 +209,7 @@ class ParallelModuleMixin:
                 for mod, name in slots:
                     mod._buffers[name] = b
             if b.is_meta:
-                raise RuntimeError(f"buffer {fqn} is on the meta device: call to_empty(device=...) first")
+                raise ApplyError(f"buffer {fqn} is on the meta device: call to_empty(device=...) first")
             local = b.to_local()
             # the step may save the value it read for backward; the update
             # written back after the forward must not change that copy
@@ -284,7 +285,7 @@ def _coords(mesh: DeviceMesh, device) -> torch.Tensor:
         return lm.rank_map(coords_of)
     coord = mesh.get_coordinate()
     if coord is None:
-        raise RuntimeError(f"rank {dist.get_rank()} is not part of the mesh {mesh}")
+        raise ApplyError(f"rank {dist.get_rank()} is not part of the mesh {mesh}")
     return torch.tensor(coord, dtype=torch.int64, device=device)
 
 
@@ -386,7 +387,7 @@ def make_parallel_module(
             buffer_slots.setdefault(canonical, []).extend(_slots(copy_, [(fqn, b)])[fqn])
         missing = set(param_slots) - set(local.param_specs)
         if missing:
-            raise RuntimeError(f"parameters not in the traced graph: {sorted(missing)}")
+            raise ApplyError(f"parameters not in the traced graph: {sorted(missing)}")
         for fqn, slots in param_slots.items():
             requires_grad = getattr(model.get_parameter(fqn), "requires_grad", True)
             p = nn.Parameter(_meta_dtensor(local.param_specs[fqn]), requires_grad=requires_grad)

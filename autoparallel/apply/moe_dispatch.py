@@ -42,8 +42,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import register_flop_formula
 from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 
-import autoparallel.models.moe  # noqa: F401  (the ops being lowered)
-from autoparallel.models.moe import swiglu_backward
+from autoparallel.ops.moe import swiglu_backward  # also registers the ops being lowered
 
 _ops = torch.ops.autoparallel
 

@@ -33,21 +33,10 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from ..cost_model.comm import min_cost_plan
 from ..cost_model.devices import H100, DeviceSpec
+from ..errors import ApplyError, UnsupportedRedistribution  # noqa: F401 - ApplyError re-exported
+from ..graph_vocab import REDISTRIBUTE_KEY, SOURCE_KEY  # noqa: F401 - node.meta keys apply writes, re-exported
 
 __all__ = ["mask_indices", "redistribute", "same_placements", "shard_of_replicated", "UnsupportedRedistribution"]
-
-
-# node.meta keys written by apply (the only ones; see DESIGN.md "Style").
-SOURCE_KEY = "autoparallel_source"  # name of the joint-graph node a local node implements
-REDISTRIBUTE_KEY = "autoparallel_redistribute"  # (producer, src placements, dst placements)
-
-
-class ApplyError(RuntimeError):
-    """The plan cannot be applied to the graph (names the node)."""
-
-
-class UnsupportedRedistribution(NotImplementedError):
-    """A transition apply cannot run (e.g. one that needs uneven shards)."""
 
 
 def shard_of_replicated(x: torch.Tensor, dim: int, num_chunks: int, coord: torch.Tensor) -> torch.Tensor:

@@ -43,15 +43,13 @@ from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_modu
 from .node_templates import insert_like
 from .fold import FIRST, LAST, MIDDLE, NEXT, FoldRejected, LayerFold, arg_pairs
 from .partition import StepGraphs, _output_nodes
-from .redistribute import SOURCE_KEY
+from ..graph_vocab import FOLD_KEY, SOURCE_KEY
 
 if TYPE_CHECKING:
     from .local_graph import LocalJoint
 
 logger = logging.getLogger(__name__)
 
-# node.meta key: (short layer, key within the layer), or absent (global)
-FOLD_KEY = "ap_fold"
 
 Tag = tuple  # (short layer, key)
 

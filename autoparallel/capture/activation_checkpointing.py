@@ -52,6 +52,9 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+# Keys under node.meta["custom"] written by the wrapped forward in graph mode.
+from ..graph_vocab import AC_MODE_KEY, AC_POLICY_KEY, AC_REGION_KEY
+
 __all__ = [
     "ACMode",
     "ACConfig",
@@ -73,10 +76,6 @@ aten = torch.ops.aten
 
 ACMode = Literal["full", "selective", "none"]
 
-# Keys under node.meta["custom"] written by the wrapped forward in graph mode.
-AC_REGION_KEY = "ac_region"
-AC_MODE_KEY = "ac_mode"
-AC_POLICY_KEY = "ac_policy"  # selective only: SACPolicy.to_annotation()
 # node.meta keys read by torch._functorch.partitioners.
 _RECOMPUTE = "recompute"
 _AC_GRAPH_ID = "ac_graph_id"

@@ -174,7 +174,7 @@ def _experts_as_moe_op(self, hidden_states: torch.Tensor, top_k_index: torch.Ten
     ``expert_ids`` is built in the graph (a factory: the planner gives each
     rank its slice under EP).
     """
-    from autoparallel.models.moe import moe_experts
+    from autoparallel.ops.moe import moe_experts
 
     w = self.gate_up_proj
     if self.is_transposed:  # gate_up_proj [E, H, 2I], down_proj [E, I, H]

@@ -77,14 +77,12 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import activation_checkpointing
+from ..errors import DataDependentTraceError
+from ..graph_vocab import MODULE_PATH_KEY
 from ..options.rules.linalg import linalg_checks_without_effect_tokens
 from .trace_wrappers import ParamCastWrapper, TraceRoot, route_hf_experts
 
 logger = logging.getLogger(__name__)
-
-
-class DataDependentTraceError(RuntimeError):
-    """The traced step branches on (or reads) the value of a tensor."""
 
 
 @dataclass(frozen=True)
@@ -206,8 +204,6 @@ def make_fake_inputs(inputs: Any, fake_mode: FakeTensorMode, device: str) -> tup
 
     return tree_map(to_fake, args), tree_map(to_fake, kwargs), placements
 
-
-MODULE_PATH_KEY = "module_path"
 
 _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
 

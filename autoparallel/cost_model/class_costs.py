@@ -1,4 +1,4 @@
-"""Whole class grids of redistribution costs, vectorised with numpy (issue 13).
+"""Whole class grids of redistribution costs, vectorised with numpy.
 
 A class grid holds the cost of every (distinct source placements, distinct
 target placements) pair of one tensor: on LLaMA-3 70B over 4x4x8x8 up to

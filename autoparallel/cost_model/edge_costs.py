@@ -1,5 +1,5 @@
 """Redistribution cost matrices, fast: every entry equal to
-:func:`autoparallel.cost_model.redistribute_time` (issue 13).
+:func:`autoparallel.cost_model.redistribute_time`.
 
 On a 3-D mesh one edge matrix has ~45K distinct (source, target) placement
 pairs (~1.6M on 4-D); asking ``redistribute_time`` pair by pair spends most

@@ -1,4 +1,4 @@
-"""Min-cost redistribution plans under our own per-step cost model (issue 13).
+"""Min-cost redistribution plans under our own per-step cost model.
 
 DTensor's greedy plan (:func:`comm._greedy_steps`) first un-shards inner mesh
 dims, so on >= 3-D meshes its later steps move 8-64x bigger buffers than

@@ -1,4 +1,4 @@
-"""Options of view-like ops converted once per input candidate (issue 13).
+"""Options of view-like ops converted once per input candidate.
 
 DTensor's view, transpose and slice_backward rules map each candidate
 layout of their one input to one OpSpec, independently of the others. On a

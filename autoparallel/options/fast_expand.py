@@ -1,5 +1,5 @@
 """DTensor's ``expand_to_full_mesh_op_strategy`` as a numpy table, and
-cheaper DTensorSpecs while options are enumerated (issue 13).
+cheaper DTensorSpecs while options are enumerated.
 
 DTensor writes matmul, pointwise, embedding, ... rules for one mesh dim and
 expands them over the mesh: every combination of per-dim rules becomes an

@@ -13,7 +13,7 @@ dataclass. Passes run at one of three points of the apply pipeline:
   called once per graph, with ``ctx.graph_kind`` set to "forward" or
   "backward", and returns stats for that graph.
 
-All registered passes run by default, in :data:`PASSES` order within a
+All registered passes run by default, in :data:`PASS_ORDER` within a
 stage; ``apply_placement(plan, disable_passes=("name", ...))`` switches some
 off. Stats are logged, stored on the plan (``plan.pass_stats``, shown in
 ``plan.summary()`` and the JSON dump).
@@ -102,17 +102,37 @@ class PassSpec:
     fn: PassFn  # plan: fn(ctx); joint: fn(gm, ctx); graphs: fn(gm, ctx)
 
 
-# Registration order is run order within a stage.
+# Run order of the passes within their stage (a pass must be listed here).
+PASS_ORDER: tuple[str, ...] = (
+    # "plan"
+    "remove_alias_round_trips",
+    # "joint": the MoE op split into phases first, so that chunk_regions can
+    # chunk its all-to-alls; recompute tags last, on the final gather chains.
+    "split_moe_a2a",
+    "chunk_regions",
+    "recompute_all_gathers",
+    # "graphs": chains fused into one all-gather before bucketing merges
+    # collectives; the overlap scheduler last, on the final collectives.
+    "fuse_all_gathers",
+    "bucket_collectives",
+    "schedule_overlap",
+)
+
+# The registered passes, kept in PASS_ORDER.
 PASSES: list[PassSpec] = []
 
 
 def register_pass(name: str, stage: Stage) -> Callable[[PassFn], PassFn]:
-    """Decorator adding a pass to :data:`PASSES` (names are unique)."""
+    """Decorator adding a pass to :data:`PASSES` (names are unique and listed
+    in :data:`PASS_ORDER`, which decides when it runs)."""
 
     def wrap(fn: PassFn) -> PassFn:
+        if name not in PASS_ORDER:
+            raise ValueError(f"pass {name!r} is not in PASS_ORDER {PASS_ORDER}: add it where it should run")
         if any(p.name == name for p in PASSES):
             raise ValueError(f"a pass named {name!r} is already registered")
         PASSES.append(PassSpec(name, stage, fn))
+        PASSES.sort(key=lambda p: PASS_ORDER.index(p.name))
         return fn
 
     return wrap
@@ -169,8 +189,7 @@ def stats_to_json(stats: Any) -> Any:
     return str(stats)
 
 
-# Importing the pass modules registers them, in this order.
-# (Each pass module adds itself here when it is written.)
+# Importing the pass modules registers them; PASS_ORDER decides the run order.
 from . import fuse_all_gathers  # noqa: E402,F401
 from . import alias_round_trips  # noqa: E402,F401
 from . import split_moe_a2a  # noqa: E402,F401

@@ -85,6 +85,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from ..graph_vocab import ALL_GATHER as _AG, ALL_REDUCE as _AR, REDUCE_SCATTER as _RS, WAIT as _WAIT
 from . import PassContext, register_pass
 from .bucket_buffers import _CHUNK_CAT, _buffer_source, _copy_meta, _erase_dead, _renumber, _values
 
@@ -94,10 +95,6 @@ logger = logging.getLogger(__name__)
 
 _c10d = torch.ops._c10d_functional
 _aten = torch.ops.aten
-_AG = _c10d.all_gather_into_tensor.default
-_RS = _c10d.reduce_scatter_tensor.default
-_AR = _c10d.all_reduce.default
-_WAIT = _c10d.wait_tensor.default
 # Ops that only cast or lay out a parameter before its gather: a member's
 # input may be a short chain of these over graph inputs.
 _CHEAP = {

@@ -48,12 +48,10 @@ import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import PassContext, register_pass
+from ..graph_vocab import ALL_GATHER as _AG, WAIT as _WAIT
 
 __all__ = ["FuseAllGathersStats", "fuse_all_gathers", "mesh_group"]
 
-_c10d = torch.ops._c10d_functional
-_AG = _c10d.all_gather_into_tensor.default
-_WAIT = _c10d.wait_tensor.default
 _aten = torch.ops.aten
 # Pure views: their output's (shape, stride, offset) fixes which input
 # element every output element is, so equal metadata means identity.

@@ -37,16 +37,12 @@ from .. import cost_model
 from ..cost_model.compute import _flop_formula
 from ..apply.moe_a2a_phases import EXCHANGE as MOE_EXCHANGE
 from ..apply.moe_dispatch import in_op_collectives
+from ..graph_vocab import ALL_GATHER as AG, ALL_REDUCE as AR, ALL_TO_ALL as A2A, REDUCE_SCATTER as RS, WAIT
+from ..graph_vocab import COLLECTIVE_START, NOT_A_CALL, OTHER_CALL, WAIT_NODE, NodeKind
 from . import PassContext
 
 __all__ = ["Clock", "Info", "LiveBytes", "estimate", "is_compute", "longest_compute_run", "check_topological"]
 
-_c10d = torch.ops._c10d_functional
-AG = _c10d.all_gather_into_tensor.default
-RS = _c10d.reduce_scatter_tensor.default
-AR = _c10d.all_reduce.default
-A2A = _c10d.all_to_all_single.default
-WAIT = _c10d.wait_tensor.default
 # collective starts (a wait_tensor on the result completes them); the MoE
 # row exchange is an all-to-all of data-dependent size, priced balanced
 STARTS = {AG: "all_gather", RS: "reduce_scatter", AR: "all_reduce", A2A: "all_to_all", MOE_EXCHANGE: "all_to_all"}
@@ -270,7 +266,7 @@ class Info:
         self.nodes = nodes
         self.index = {n: i for i, n in enumerate(nodes)}
         ins: dict[fx.Node, list[fx.Node]] = {}
-        kind: dict[fx.Node, int] = {}  # 0 not a call, 1 collective start, 2 wait, 3 other call
+        kind: dict[fx.Node, NodeKind] = {}
         time: dict[fx.Node, float] = {}
         compute: set[fx.Node] = set()
         blocking: dict[fx.Node, float] = {}  # in-op communication (exposed)
@@ -284,17 +280,17 @@ class Info:
             else:
                 root[n] = n
             if n.op != "call_function":
-                kind[n] = 0
+                kind[n] = NOT_A_CALL
                 continue
             target = n.target
             if target in STARTS:
-                kind[n] = 1
+                kind[n] = COLLECTIVE_START
                 time[n] = costs.time(n)
                 stream[n] = costs.link(n)
             elif target is WAIT:
-                kind[n] = 2
+                kind[n] = WAIT_NODE
             else:
-                kind[n] = 3
+                kind[n] = OTHER_CALL
                 time[n] = costs.time(n)
                 if is_compute(n):
                     compute.add(n)
@@ -304,7 +300,7 @@ class Info:
         keepers: dict[fx.Node, int] = {}
         for n in nodes:
             kept = {root.get(a, a) for a in ins[n]}
-            if kind[n] == 2:  # the collective's input lives until its wait
+            if kind[n] == WAIT_NODE:  # the collective's input lives until its wait
                 for a in ins[n]:
                     kept.update(root.get(b, b) for b in (ins[a] if a in ins else a.all_input_nodes))
             kept_by[n] = kept
@@ -377,7 +373,7 @@ def _comm_side_waits(nodes, kind, ins) -> tuple[set[fx.Node], dict[fx.Node, list
     comm_side: set[fx.Node] = set()
     after: dict[fx.Node, list[fx.Node]] = {}
     for w in nodes:
-        if kind.get(w) != 2 or not isinstance(w.args[0], fx.Node) or kind.get(w.args[0]) != 1:
+        if kind.get(w) != WAIT_NODE or not isinstance(w.args[0], fx.Node) or kind.get(w.args[0]) != COLLECTIVE_START:
             continue
         starts, stack, seen, ok = [], [w], {w}, True
         while stack and ok:
@@ -385,11 +381,11 @@ def _comm_side_waits(nodes, kind, ins) -> tuple[set[fx.Node], dict[fx.Node, list
                 if u in seen:
                     continue
                 seen.add(u)
-                if kind.get(u) == 1:
+                if kind.get(u) == COLLECTIVE_START:
                     starts.append(u)
                 elif u.op == "output":  # also saved for backward
                     continue
-                elif kind.get(u) == 3 and (_is_chain_op(u) or u.target is _UNSAFE_VIEW):
+                elif kind.get(u) == OTHER_CALL and (_is_chain_op(u) or u.target is _UNSAFE_VIEW):
                     stack.append(u)
                 else:
                     ok = False
@@ -422,21 +418,21 @@ class Clock:
         collective's run on its link, a wait's stall (None: no stall, or a
         node that takes no time)."""
         k = self.kind[n]
-        if k == 1:
+        if k == COLLECTIVE_START:
             link = self.stream[n]
             start = max(self.now, self.free.get(link, 0.0))
             for prev in self.after.get(n, ()):  # chained behind a collective on a side stream
                 start = max(start, self.done.get(prev, 0.0))
             end = self.free[link] = self.done[n] = start + self.time[n]
             return start, end
-        if k == 2:
+        if k == WAIT_NODE:
             end = self.done.get(n.args[0], 0.0)
             if end > self.now and n not in self.comm_side:
                 start, self.now = self.now, end
                 self.exposed += end - start
                 return start, end
             return None
-        if k == 3:
+        if k == OTHER_CALL:
             start = self.now
             self.now += self.time[n]
             self.exposed += self.blocking.get(n, 0.0)

@@ -43,6 +43,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..capture.activation_checkpointing import forward_nodes
+from ..graph_vocab import ALL_GATHER as _AG, ALL_TO_ALL, WAIT
 from . import PassContext, register_pass
 
 __all__ = ["RecomputeAllGathersStats", "recompute_all_gathers", "saved_for_backward", "param_gather_chains"]
@@ -50,10 +51,8 @@ __all__ = ["RecomputeAllGathersStats", "recompute_all_gathers", "saved_for_backw
 # Far above any AC region id (see the module docstring).
 CHAIN_AC_GRAPH_ID = 1_000_000
 
-_c10d = torch.ops._c10d_functional
 _aten = torch.ops.aten
-_AG = _c10d.all_gather_into_tensor.default
-_COLLECTIVES = {_AG, _c10d.wait_tensor.default, _c10d.all_to_all_single.default}
+_COLLECTIVES = {_AG, WAIT, ALL_TO_ALL}
 # Non-view ops that only move or cast a parameter's data.
 _DATA_MOVES = {
     _aten.clone.default,

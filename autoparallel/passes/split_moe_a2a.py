@@ -25,17 +25,15 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
 
 from ..apply.moe_dispatch import _ops
-from ..apply.redistribute import SOURCE_KEY
+from ..graph_vocab import C10D as _c10d, SOURCE_KEY
 from . import PassContext, register_pass
 from .chunk_dims import _fake_mode, _stamp, _val
 
 __all__ = ["SplitMoEStats", "split_moe_a2a"]
 
-_c10d = torch.ops._c10d_functional
 # node.meta keys copied from the fused op to its phases (module path, AC
 # and partitioner tags, where it came from). The partitioner tag keeps the
 # backward's routing (which reads forward values only) in the backward.

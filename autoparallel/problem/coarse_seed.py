@@ -1,4 +1,4 @@
-"""Seed option pricing with the optimal plan of a coarser mesh (issue 13).
+"""Seed option pricing with the optimal plan of a coarser mesh.
 
 Option pricing (:mod:`autoparallel.problem.pricing`) starts from a few
 options per node and grows them by LP duals; on a 4-D mesh its first
@@ -23,7 +23,7 @@ their pieces). Which pair gives the best plan is not predictable from the
 mesh: on LLaMA-3 70B 4x4x8x8 (dp_replicate, dp_shard, cp, tp), one layer,
 the 16x8x8 plan (dp dims merged) seeds pricing to a 0.210 s plan (0.367 s
 from the greedy seed alone), while the 4x4x64 plan, 0.123 s on its own mesh,
-cost 0.535 s lifted (figures of session 8). Not because its 64-rank
+cost 0.535 s lifted (figures of 2026-11-23). Not because its 64-rank
 collectives become two steps (an all-gather or all-to-all over 8 x 8 ranks
 as two steps moves about the bytes of one), but because redistributions
 were then costed (and applied) with DTensor's greedy plan, which on >= 3-D

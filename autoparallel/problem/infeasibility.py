@@ -27,19 +27,12 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Shard
 
 import solver
 
+from ..errors import InfeasibleConstraintError
 from ..options.placements import format_placement, placements_of
-from ..validation import ConstraintError, describe_placements, mesh_dim_name
+from ..validation import describe_placements, mesh_dim_name
 
 # how many layouts a message lists before "..."
 _MAX_LISTED = 12
-
-
-class InfeasibleConstraintError(solver.InfeasibleError, ConstraintError):
-    """A constraint no plan can satisfy, with the reason in user terms.
-
-    Both a :class:`solver.InfeasibleError` (what solving raises for
-    conflicting constraints) and a :class:`ConstraintError`.
-    """
 
 
 def _layouts(options: Sequence[Any]) -> list[tuple]:

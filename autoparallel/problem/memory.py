@@ -4,7 +4,7 @@ The persistent state of a parameter is linear in its local size: parameter
 bytes + gradient bytes + optimizer state bytes, each ``numel / shard_factor``
 elements, where ``shard_factor`` is the product of the mesh dims the chosen
 placement shards it over. :func:`param_state_bytes` is that coefficient per
-option, so an ILP can bound the sum (issue 13) the way the parameter-memory
+option, so an ILP can bound the sum the way the parameter-memory
 constraint does; :func:`breakdown` reports a plan's memory per rank.
 
 For plans made with the step's memory model (every plan since the memory

@@ -1,4 +1,4 @@
-"""Stage 4, for problems too big for dense edge matrices (issue 13): solve
+"""Stage 4, for problems too big for dense edge matrices: solve
 by option pricing, then narrow every node's options to the ones that matter.
 
 On a 4-D mesh (LLaMA-3 70B on 4x4x8x8) a layer has ~143K options and ~114M
@@ -47,7 +47,7 @@ PRICING_TIME_LIMIT = 60.0
 # join the seed. Off: on LLaMA-3 70B 4x4x8x8 (80 layers) they cost ~18 s
 # idle and the seed's restricted ILP found the same plan without them
 # (3.99216 with, 3.99215 without; the optimum, 3.67768, comes from the dual
-# ascent and its restricted ILPs either way; session 10).
+# ascent and its restricted ILPs either way).
 COARSE_SEEDS = False
 # Cap on the options pricing may keep (None: the solver's default): past it
 # the plan reports its gap instead of growing the restricted problem.

@@ -12,6 +12,7 @@ import torch
 import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..errors import ProblemTooLarge
 from ..options.strategies import NodeStrategy
 from ..capture.tracing import TracedStep
 
@@ -33,14 +34,6 @@ BYTES_PER_OPTION = 400
 # per option of every decision: links' option mappings, the solver's
 # per-decision index arrays (option lists themselves are shared)
 BYTES_PER_DECISION_OPTION = 48
-
-
-class ProblemTooLarge(RuntimeError):
-    """The estimated problem exceeds ``Constraints.max_problem_bytes``."""
-
-    def __init__(self, message: str, size: "ProblemSize"):
-        super().__init__(message)
-        self.size = size
 
 
 @dataclass

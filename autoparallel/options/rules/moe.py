@@ -1,4 +1,4 @@
-"""Sharding rules for the routed-experts op of :mod:`autoparallel.models.moe`.
+"""Sharding rules for the routed-experts op of :mod:`autoparallel.ops.moe`.
 
 ``moe_experts(x, topk_idx, topk_w, w1, w3, w2, expert_ids, n_experts)``
 computes, for every token, the routing-weighted sum of its top-k experts'
@@ -45,7 +45,7 @@ The backward op mirrors each mode (grad_out arrives like the output would
 leave, gradients of replicated inputs become ``Partial``).
 
 What a user annotates: nothing, when the model's routed experts call
-``autoparallel.models.moe.moe_experts`` (as :class:`~autoparallel.models.moe.MoE`
+``autoparallel.ops.moe.moe_experts`` (as :class:`~autoparallel.models.moe.MoE`
 does). Another MoE implementation plugs in by routing its expert compute
 through that op (stacked ``w1/w3 [E, dim, hidden]``, ``w2 [E, hidden, dim]``
 and an ``expert_ids = arange(E)`` buffer); a data-dependent dispatch traced
@@ -66,7 +66,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.utils.flop_counter import register_flop_formula
 
-import autoparallel.models.moe  # noqa: F401  (defines the ops)
+import autoparallel.ops.moe  # noqa: F401  (defines the ops)
 
 from ..placements import all_placements
 from ...cost_model.compute import local_shape as _local_shape

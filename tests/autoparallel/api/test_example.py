@@ -40,7 +40,7 @@ def test_plan_and_apply_small_config(tmp_path, capsys, monkeypatch):
     example.main(["--model", "debug", "--mesh", "2", "4", "--seq", "64", "--batch", "8", "--dump-dir", str(tmp_path)])
     assert not dist.is_initialized()
     out = capsys.readouterr().out
-    # the planning report (issue 3) ...
+    # the planning report ...
     for section in (
         "== planning time ==",
         "== solver ==",

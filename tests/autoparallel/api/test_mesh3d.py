@@ -1,4 +1,4 @@
-"""Planning on 3-D meshes (issue 13): a tiny LLaMA-3 on 2x2x2 planned,
+"""Planning on 3-D meshes: a tiny LLaMA-3 on 2x2x2 planned,
 applied on 8 LocalTensorMode ranks and checked against the single-device
 model; HSDP emerging from the inter-node bandwidth; exact option pruning
 (objective equal to the unpruned solve); the problem-size guard."""
@@ -158,7 +158,7 @@ def _param_placements(inter_node_bw: float, high: float) -> dict[str, str]:
     return params, describe(plan)
 
 
-# Parameter memory caps. Min-cost redistribution plans (issue 13) make a
+# Parameter memory caps. Min-cost redistribution plans make a
 # replicated weight's gradient all-reduce hierarchical (reduce-scatter within
 # the node, all-reduce across nodes at the node's shard size, all-gather
 # within), so with replication allowed (high=1.0) DDP wins on both links

@@ -1,4 +1,4 @@
-"""Meshes a new user brings (issue 13): size-1 dims ((1, 4, 2) HSDP on one
+"""Meshes a new user brings: size-1 dims ((1, 4, 2) HSDP on one
 node, (2, 1, 4), 4-D with a dim of 1), odd names, batches and widths that
 do not divide. Planned on a fake process group, applied, and one step on
 LocalTensorMode ranks checked against the single-device model."""
@@ -221,8 +221,8 @@ def test_example_batch_layout(fake_world, shape, names, batch_dims, replicas):
 def test_dtensor_input_sharded_over_a_size_one_dim(fake_world):
     """A DTensor input laid out Shard(0) on every dim of a (1, 4, 2) mesh
     feeds a module planned for that (the plan stores Replicate on the
-    size-1 dim, the same local tensor): it used to be refused as "DTensor
-    placements (S(0), S(0), S(0)) but the plan expects (R, S(0), S(0))"."""
+    size-1 dim, the same local tensor): it is accepted, not refused as
+    "DTensor placements (S(0), S(0), S(0)) but the plan expects (R, S(0), S(0))"."""
     from torch.distributed._local_tensor import LocalTensorMode
     from torch.distributed.tensor import distribute_tensor
 

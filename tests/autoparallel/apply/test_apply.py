@@ -11,7 +11,7 @@ from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from autoparallel import AutoParallel
+from autoparallel import ApplyError, AutoParallel
 from autoparallel.passes import PassOptions
 from autoparallel.models import FFN, LLAMA3_CONFIGS, BlockModel, Transformer, apply_ac
 
@@ -271,7 +271,7 @@ def ffn_parallel(fake_world):
 def test_before_to_empty(ffn_parallel):
     with LocalTensorMode(8) as lm:
         x = _local_batch(lm, _float_input("ffn"), 8)
-        with pytest.raises(RuntimeError, match="to_empty"):
+        with pytest.raises(ApplyError, match="to_empty"):
             ffn_parallel(x)
 
 
@@ -311,7 +311,7 @@ def test_wrong_world_size(ffn_parallel):
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     ffn_parallel.to_empty(device="cpu")
-    with pytest.raises(RuntimeError, match="mesh of 8 ranks .* process group has 4"):
+    with pytest.raises(ApplyError, match="mesh of 8 ranks .* process group has 4"):
         ffn_parallel(torch.randn(1, SEQ, 16))
 
 
@@ -334,7 +334,7 @@ def test_mesh_on_a_subset_of_ranks(fake_world):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=6, world_size=8)
-    with pytest.raises(RuntimeError, match=r"rank 6 is not in the plan's mesh \(4,\)"):
+    with pytest.raises(ApplyError, match=r"rank 6 is not in the plan's mesh \(4,\)"):
         parallel._check_world(st)
 
 

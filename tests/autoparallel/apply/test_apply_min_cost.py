@@ -1,4 +1,4 @@
-"""Issue 13: apply's redistribute() runs the min-cost plan the cost model
+"""Apply's redistribute() runs the min-cost plan the cost model
 priced (intermediate non-default shard orders included), rank-generic, and
 gets DTensor's own local shards on every rank of 2x2x2 and 2x2x2x2 meshes
 (LocalTensorMode)."""

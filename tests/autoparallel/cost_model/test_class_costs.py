@@ -1,4 +1,4 @@
-"""Issue 13: whole class grids computed with numpy (autoparallel/cost_model/class_costs.py)
+"""Whole class grids computed with numpy (autoparallel/cost_model/class_costs.py)
 are bit-identical to the per-pair costs, and the lazy matrices' min-plus
 reductions equal brute force."""
 

@@ -336,7 +336,7 @@ def test_2d_redistribution_is_sum_of_steps(mesh):
         "all_gather", full / 16, 16, False, ranks_per_node=1
     )
     assert sum(s[-1] for s in greedy) == pytest.approx(expect)
-    # The min-cost plan (issue 13) moves the tp shard to dim 1 first, so the
+    # The min-cost plan moves the tp shard to dim 1 first, so the
     # slow inter-node dp all-gather moves the 1/128 shard, not the 1/16 one.
     steps = redistribute_steps(src, dst)
     assert [(s.mesh_dim, s.kind) for s in steps] == [(1, "all_to_all"), (0, "all_gather"), (1, "all_gather")]
@@ -348,7 +348,7 @@ def test_reduce_scatter_shrinks_bytes(mesh):
     src, dst = spec(mesh, (Partial(), Partial())), spec(mesh, (Shard(0), Shard(1)))
     steps = redistribute_steps(src, dst)
     assert [s.kind for s in steps] == ["reduce_scatter", "reduce_scatter"]
-    # min-cost plan (issue 13): the fast intra-node tp reduce-scatter first,
+    # min-cost plan: the fast intra-node tp reduce-scatter first,
     # so the slow inter-node dp one reduces an 8x smaller buffer (DTensor's
     # greedy plan goes dp first)
     assert [s.mesh_dim for s in steps] == [1, 0]

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from autoparallel import AutoParallel
 from autoparallel.models import MOE_CONFIGS, MoETransformer, apply_ac
-from autoparallel.models.moe import moe_experts
+from autoparallel.ops.moe import moe_experts
 from autoparallel.passes import PassOptions
 
 pytestmark = [
@@ -211,7 +211,7 @@ def test_moe_plan_apply_3d_dp_ep_tp(fake_world, monkeypatch):
     hand: expert weights FSDP over dp (the model dim), expert parallel over
     ep, tensor parallel over tp (the hidden dim). The routed op runs expert
     parallel over ep and hidden-split over tp, and the step matches
-    single-device. (~3 min: the tiny 3-D problem's LP is large, issue 13.)"""
+    single-device. (~3 min: the tiny 3-D problem's LP is large.)"""
     fake_world(8)
     monkeypatch.setattr(sys.modules[__name__], "BATCH", 8)  # one sequence per rank
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "ep", "tp"))

@@ -120,7 +120,7 @@ def test_apply_error_names_node_module_and_placements(fake_world, monkeypatch):
     build = lambda: MeanSquare(_encoder(False))  # noqa: E731
     # the view replicated (its local input is then the whole permuted,
     # non-contiguous tensor), as the greedy redistribution costs planned it;
-    # min-cost ones (issue 13) shard it, where the local view happens to work
+    # min-cost ones shard it, where the local view happens to work
     replicated = (Replicate(), Replicate())
     with pytest.raises(ApplyError) as info:
         plan_and_apply(build, (_float(B, S, D),), device=slow_compute_device(), pins={"view_7": replicated})

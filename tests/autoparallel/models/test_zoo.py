@@ -204,10 +204,10 @@ MESH_3D = dict(mesh_shape=(2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard",
 
 
 # Over ~25 s on a loaded 2-core machine (23:20 UTC, load 3.7): slow. T5
-# and LLaMA-3 (default) left the set in session 11, planned by option
+# and LLaMA-3 (default) are not in it: planned by option
 # pricing after presolve (solver.api.PRICING_MIN_PAIRS): 42 s and 27 s
 # each, plan and apply, at load 6-7 on 2 cores (their planning: 8.8 s and
-# 5.1 s CPU, from 25.4 s and 21.1 s).
+# 5.1 s CPU).
 SLOW_3D = {
     ("t5", "sharded_compute"),
     ("gpt2", "sharded_compute"),

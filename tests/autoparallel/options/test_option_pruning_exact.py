@@ -1,4 +1,4 @@
-"""Issue 13: what makes 3-D and 4-D meshes cheap must not change the plan.
+"""What makes 3-D and 4-D meshes cheap must not change the plan.
 
 * fast redistribution matrices (autoparallel/cost_model/edge_costs.py) are
   bit-identical to ``cost_model.redistribute_time``;

@@ -1,4 +1,4 @@
-"""Issue 13: the options stage's fast path (mesh expansion as a numpy table,
+"""The options stage's fast path (mesh expansion as a numpy table,
 options converted per distinct entry, specs copied from templates) gives
 exactly the options, in order, and the compute costs of the plain path
 (DTensor's own expansion, every OpSpec converted, specs from the

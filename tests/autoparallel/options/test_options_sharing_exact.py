@@ -1,4 +1,4 @@
-"""Issue 13, options stage: the lists the enumerator shares give exactly
+"""Options stage: the lists the enumerator shares give exactly
 what computing every distinct candidate set from scratch gives.
 
 Two sharings (``StrategyEnumerator(share=True)``, the default): single-mesh-dim

@@ -107,7 +107,7 @@ def test_cost_one_dp_all_gather_to_the_tp_shard(mesh):
     plain = _spec(mesh, (S0, S0), (4096, 4096), torch.bfloat16)
     default = redistribute_steps(plain, _spec(mesh, (R, S0), (4096, 4096), torch.bfloat16))
     # the default order needs three steps: DTensor's greedy plan gathers tp,
-    # then dp, then slices tp; the min-cost plan (issue 13) moves the tp
+    # then dp, then slices tp; the min-cost plan moves the tp
     # shard to dim 1 first, gathers dp, and moves it back
     assert [s.kind for s in default] == ["all_to_all", "all_gather", "all_to_all"]
     assert redistribute_time(src, _spec(mesh, (R, S0), (4096, 4096), torch.bfloat16)) < sum(s.time for s in default)
@@ -165,7 +165,7 @@ _FFN_PARAMS = ["w1.weight", "w1.bias", "w2.weight", "w2.bias"]
 
 def _ffn_plan(mesh, pin_tp_outer=True, apply=True, **apply_kw):
     """The FFN on 2x4. ``pin_tp_outer``: every parameter pinned tp-outer.
-    With min-cost redistribution plans (issue 13) the weights' plain
+    With min-cost redistribution plans the weights' plain
     ``S(0) S(1)`` (one dp all-gather to the tp shard too) ties with tp-outer
     to the last bit and the solver may take either: the tests of the
     tp-outer machinery pin it, and check the tie."""

@@ -1,4 +1,4 @@
-"""Bad inputs through the public API (issue 16): each raises a short message
+"""Bad inputs through the public API: each raises a short message
 that names the thing (argument, input/output index, node, constraint) and
 says what would be valid; nothing is silently accepted. Also: the `with`
 body runs outside the tracing's fake mode, and plans are byte-identical in a

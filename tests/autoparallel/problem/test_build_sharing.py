@@ -1,4 +1,4 @@
-"""Issue 13: the problem build's shared work gives what the per-option /
+"""The problem build's shared work gives what the per-option /
 per-layer work gave. Compute costs asked once per distinct local shapes
 equal the cost model's per option; a repeated layer's link mappings shared
 across layers equal the per-layer mapping; the coarse seeds' option index

@@ -102,7 +102,7 @@ def _plan_llama(ac, *, apply: bool, budget=None, batch=BATCH, seq=SEQ):
         if budget == "slice":
             # the residual adds (recomputed for the backward) batch-sharded
             # only, read by the next RMSNorm's x * rsqrt sharded 4 ways: a
-            # local slice, which the old model charged below zero
+            # local slice, which must not be charged below zero
             for add, norm in (("add_3", "mul_6"), ("add_5", "mul_9"), ("add_9", "mul_15"), ("add_11", "mul_18")):
                 autop.add_node_constraint(add, (Shard(0), Replicate()))
                 autop.add_node_constraint(norm, dp)

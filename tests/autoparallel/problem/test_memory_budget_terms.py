@@ -121,7 +121,7 @@ def test_residual_read_more_sharded_than_produced(llama_terms):
                 if shard_factor(o, MESH) == most:
                     assert row == pytest.approx(held), (p.name, o, c.name, i)
         # produced replicated, read as one eighth of it (a local slice): the
-        # rank keeps nothing more; the old terms charged -7/8 of the residual
+        # rank keeps nothing more (not -7/8 of the residual)
         i = next(i for i in ins if shard_factor(i, MESH) == 8)
         assert model.held(key, i, "RRR", MESH)["activations"] == 0.0
         assert model.per_rank(key, i, MESH)["activations"] == 0.0

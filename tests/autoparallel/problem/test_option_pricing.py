@@ -1,4 +1,4 @@
-"""Lazy edge matrices and option pricing (issue 13): lazy blocks equal the
+"""Lazy edge matrices and option pricing: lazy blocks equal the
 dense matrices entry for entry; a plan by option pricing has the dense
 solve's optimal objective, over far fewer options; a problem too big even
 for lazy matrices is refused with its size."""

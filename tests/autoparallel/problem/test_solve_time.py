@@ -1,4 +1,4 @@
-"""Solve time on models without repeated-layer links (issue 10, item 7).
+"""Solve time on models without repeated-layer links.
 
 Asserts what the plan says about its optimality (status, objective, bound,
 gap), never wall-clock time; ``benchmarks/plan_zoo.py`` prints the times.
