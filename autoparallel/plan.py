@@ -88,6 +88,8 @@ class Plan:
     collectives: list[dict] = field(default_factory=list)
     # phase -> the scheduler's intervals and memory curve (report.timeline.simulate)
     timeline: dict[str, Any] = field(default_factory=dict)
+    # hand layouts estimated like the plan (autoparallel.baselines.compare)
+    baselines: list[dict] = field(default_factory=list)
 
     # -- summaries --------------------------------------------------------
     @property
@@ -179,6 +181,7 @@ class Plan:
         estimated step time, per-rank memory against HBM, collectives,
         placements per kind (forward/backward labelled) and pass stats."""
         from .problem import memory
+        from . import baselines
         from .report import numbers, words
 
         s = self.solution
@@ -191,6 +194,7 @@ class Plan:
         if legend:
             lines += ["  " + line for line in words.LEGEND]
         lines += ["  " + line for line in numbers.step_lines(self)]
+        lines += ["  " + line for line in baselines.table_lines(self)]
         lines.append("  memory per rank:")
         lines += ["    " + line for line in memory.breakdown(self).lines()]
         lines.append("  collectives per step and rank:")
@@ -271,6 +275,7 @@ class Plan:
             "passes": stats_to_json(self.pass_stats),
             "collectives": self.collectives,
             "timeline": self.timeline,
+            "baselines": self.baselines,
             "nodes": [asdict(n) for n in self.nodes.values()],
         }
 
@@ -318,6 +323,7 @@ class Plan:
             provenance=d.get("provenance", {}),
             collectives=d.get("collectives", []),
             timeline=d.get("timeline", {}),
+            baselines=d.get("baselines", []),
         )
 
     @classmethod

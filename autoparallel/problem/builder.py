@@ -2,7 +2,9 @@
 torch-free :class:`solver.Problem`.
 
 * one decision per node (named after the FX node), one option per
-  :class:`~autoparallel.options.strategies.Option`, unary cost = compute time;
+  :class:`~autoparallel.options.strategies.Option`, unary cost = compute time
+  (twice for a forward op the backward recomputes under activation
+  checkpointing, :mod:`.recompute`);
 * one edge per (producer, consumer, argument): redistribution time from the
   producer's output spec to the consumer's required input spec, plus a tiny
   tie-break for any non-identical transition;
@@ -43,6 +45,7 @@ from .. import cost_model
 from ..cost_model.compute import _spec_sig  # the cost model's view of a spec, for deduplicating
 from ..cost_model.edge_costs import clear_caches as clear_edge_cost_caches
 from .edge_matrices import EdgeMatrices, gradient_partners
+from .recompute import recomputed_forward_nodes
 from ..options.pruning import PruneStats, prune_partials
 from .size import (  # noqa: F401  (the size guard, re-exported)
     DEFAULT_MAX_PROBLEM_BYTES,
@@ -346,14 +349,22 @@ def build_problem(
     compute: dict[str, list[float]] = {}
     labels_cache: dict[int, list[str]] = {}
     label = SpecLabels().option
+    # the backward reruns these forward ops (activation checkpointing): they cost twice
+    recomputed = recomputed_forward_nodes(traced.gm)
+    twice: dict[int, list[float]] = {}
     for node in nodes:
         strat = strategies[node]
         key = id(strat.options)
         labels = labels_cache.get(key)
         if labels is None:
             labels = labels_cache[key] = [label(o) for o in strat.options]
-        compute[node.name] = unary[key]
-        decisions.append(solver.Decision(node.name, labels, unary[key]))
+        costs = unary[key]
+        if node in recomputed:
+            costs = twice.get(key)
+            if costs is None:
+                costs = twice[key] = [2 * c for c in unary[key]]
+        compute[node.name] = costs
+        decisions.append(solver.Decision(node.name, labels, costs))
 
     edges: list[solver.Edge] = []
     progress = _Progress("costing edges", size.edges)
