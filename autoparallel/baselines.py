@@ -174,9 +174,9 @@ def _matches(placements: tuple, layout: Layout) -> bool:
     return len(placements) == len(layout)
 
 
-def _pin_parameters(autop, layout: HandLayout) -> tuple[int, int]:
-    """Pin every parameter to the first option matching the rule (plain
-    Shard before strided); returns (pinned, left free)."""
+def _pin_parameters(autop, layout: HandLayout, skip: set[str]) -> tuple[int, int]:
+    """Pin every parameter (but those in ``skip``) to the first option
+    matching the rule (plain Shard before strided); returns (pinned, left free)."""
     from .options.placements import placements_of
 
     pinned = free = 0
@@ -186,12 +186,40 @@ def _pin_parameters(autop, layout: HandLayout) -> tuple[int, int]:
         options = [placements_of(o.output_specs) for o in autop.strategies[node].options]
         exact = _as_placements(want)
         hit = exact if exact in options else next((p for p in options if _matches(p, want)), None)
-        if hit is None:
+        if hit is None or node.name in skip:
             free += 1
             continue
         autop.add_node_constraint(node, hit)
         pinned += 1
     return pinned, free
+
+
+# a parameter pin the rest of the step cannot follow (its gradient's layout)
+# is dropped and the layout solved again, at most this many times
+_UNPIN_ROUNDS = 4
+_PIN_PREFIX = "node constraint "
+
+
+def _solve_pinned(autop, layout: HandLayout):
+    """(plan or None, pinned, free, note) of ``layout``: a pin that conflicts
+    with the step (the solver names it) is dropped and counted free; a
+    layout that does not fit the memory budget gives no plan."""
+    skip: set[str] = set()
+    for _ in range(_UNPIN_ROUNDS + 1):
+        with autop.scoped_constraints():
+            # a hand layout may replicate: the default "fully sharded" bound does not hold it
+            autop.add_parameter_memory_constraint(high=1.0)
+            pinned, free = _pin_parameters(autop, layout, skip)
+            try:
+                return autop.optimize_placement(), pinned, free, ""
+            except (ConstraintError, solver.InfeasibleError) as exc:
+                conflict = [c for c in getattr(exc, "conflict", None) or () if c.startswith(_PIN_PREFIX)]
+                if not conflict or len(conflict) == len(getattr(exc, "conflict", ())):
+                    # the memory budget (or the user's constraints) against the layout: it does not fit
+                    if not conflict or not set(conflict) - {_PIN_PREFIX + s for s in skip}:
+                        return None, pinned, free, _short(exc)
+                skip.update(c.removeprefix(_PIN_PREFIX) for c in conflict)
+    return None, pinned, free, "pins conflict with the step"
 
 
 def _step(plan) -> float | None:
@@ -219,19 +247,12 @@ def compare(autop, plan, *, apply: bool = True, pass_options=None, names=BASELIN
         if layout.name not in names:
             continue
         t0 = time.perf_counter()
-        with autop.scoped_constraints():
-            # a hand layout may replicate: the default "fully sharded" bound does not hold it
-            autop.add_parameter_memory_constraint(high=1.0)
-            pinned, free = _pin_parameters(autop, layout)
-            try:
-                base = autop.optimize_placement()
-            except (ConstraintError, solver.InfeasibleError) as exc:  # does not fit the memory budget, or pins conflict
-                results.append(
-                    BaselineResult(layout.name, None, None, None, pinned, free, _short(exc), time.perf_counter() - t0)
-                )
-                continue
-            if apply:
-                autop.apply_placement(base, pass_options=pass_options)
+        base, pinned, free, note = _solve_pinned(autop, layout)
+        if base is None:
+            results.append(BaselineResult(layout.name, None, None, None, pinned, free, note, time.perf_counter() - t0))
+            continue
+        if apply:
+            autop.apply_placement(base, pass_options=pass_options)
         results.append(
             BaselineResult(
                 layout.name,
@@ -240,13 +261,27 @@ def compare(autop, plan, *, apply: bool = True, pass_options=None, names=BASELIN
                 _memory(base),
                 pinned,
                 free,
-                "",
+                _outside_bound(plan, base),
                 time.perf_counter() - t0,
             )
         )
         logger.info("baseline %s: %s", layout.name, results[-1])
     plan.baselines = [r.to_json() for r in results]
     return results
+
+
+def _outside_bound(plan, base) -> str:
+    """A note when ``base`` holds more parameter bytes per rank than the
+    plan's parameter memory bound allows (the default bound, fully sharded,
+    keeps the plan from replicating: DDP, HSDP and TP's replicated norms lie
+    outside the plan's search space)."""
+    high = ((plan.constraints or {}).get("parameter memory budget") or {}).get("high")
+    if high is not None and high >= 1.0:
+        return ""
+    allowed = plan.parameter_bytes_total * high if high is not None else plan.parameter_bytes_per_rank
+    if base.parameter_bytes_per_rank > allowed * (1 + 1e-6):
+        return "outside the plan's parameter memory bound"
+    return ""
 
 
 def _short(exc: BaseException) -> str:
@@ -303,6 +338,8 @@ def table_lines(plan) -> list[str]:
         mem = _fmt_bytes(r.get("memory_bytes"))
         figure = r.get(key)
         margin = margin_line(plan, r) if figure else r.get("note") or "no figure"
+        if figure and r.get("note"):
+            margin += f" ({r['note']})"
         free = f" ({r['free']} parameters unpinned)" if r.get("free") else ""
         out.append(f"  {r['name']:16s} {_fmt_ms(figure):>11s} {mem:>12s}  {margin}{free}")
     return out
