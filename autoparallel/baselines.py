@@ -44,6 +44,8 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 
 import solver
 
+from .report.baseline_table import margin_line, table_lines  # noqa: F401  (re-exported)
+from .report.numbers import step_estimate
 from .validation import ConstraintError
 
 logger = logging.getLogger(__name__)
@@ -223,8 +225,6 @@ def _solve_pinned(autop, layout: HandLayout):
 
 
 def _step(plan) -> float | None:
-    from .report.numbers import step_estimate
-
     return step_estimate(plan)["step"]
 
 
@@ -289,57 +289,3 @@ def _short(exc: BaseException) -> str:
     if "memory budget" in text:
         return "does not fit the memory budget"
     return text[:100]
-
-
-def _plan_step(plan) -> tuple[float, str]:
-    step = _step(plan)
-    if step is not None:
-        return step, "scheduler"
-    return plan.compute_cost + plan.comm_cost, "solver"
-
-
-def _fmt_ms(s: float | None) -> str:
-    if s is None:
-        return "n/a"
-    return f"{s * 1e3:.1f} ms" if s >= 0.1 else f"{s * 1e3:.3f} ms"
-
-
-def _fmt_bytes(b: float | None) -> str:
-    if b is None:
-        return ""
-    return f"{b / 1e9:.2f} GB" if b >= 1e8 else f"{b / 1e6:.2f} MB"
-
-
-def margin_line(plan, row: dict) -> str:
-    """``-X ms, -Y% vs NAME`` (negative: the plan is faster)."""
-    mine, source = _plan_step(plan)
-    theirs = row.get("step_s") if source == "scheduler" else row.get("solver_s")
-    if theirs is None or not theirs:
-        return f"vs {row['name']}: {row.get('note') or 'no figure'}"
-    d = mine - theirs
-    return f"{d * 1e3:+.3g} ms, {d / theirs * 100:+.1f}% vs {row['name']}"
-
-
-def table_lines(plan) -> list[str]:
-    """The baselines beside the plan: estimated step, memory per rank, margin."""
-    rows = getattr(plan, "baselines", None) or []
-    if not rows:
-        return []
-    mine, source = _plan_step(plan)
-    from .problem.memory import breakdown
-
-    key = "step_s" if source == "scheduler" else "solver_s"
-    out = [
-        f"hand layouts under the same estimate ({'overlap scheduler' if source == 'scheduler' else 'solver'}):",
-        f"  {'layout':16s} {'est. step':>11s} {'memory/rank':>12s}  plan's margin",
-        f"  {'this plan':16s} {_fmt_ms(mine):>11s} {_fmt_bytes(breakdown(plan).total):>12s}",
-    ]
-    for r in rows:
-        mem = _fmt_bytes(r.get("memory_bytes"))
-        figure = r.get(key)
-        margin = margin_line(plan, r) if figure else r.get("note") or "no figure"
-        if figure and r.get("note"):
-            margin += f" ({r['note']})"
-        free = f" ({r['free']} parameters unpinned)" if r.get("free") else ""
-        out.append(f"  {r['name']:16s} {_fmt_ms(figure):>11s} {mem:>12s}  {margin}{free}")
-    return out

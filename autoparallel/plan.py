@@ -181,8 +181,7 @@ class Plan:
         estimated step time, per-rank memory against HBM, collectives,
         placements per kind (forward/backward labelled) and pass stats."""
         from .problem import memory
-        from . import baselines
-        from .report import numbers, words
+        from .report import baseline_table, numbers, words
 
         s = self.solution
         lines = [
@@ -194,7 +193,7 @@ class Plan:
         if legend:
             lines += ["  " + line for line in words.LEGEND]
         lines += ["  " + line for line in numbers.step_lines(self)]
-        lines += ["  " + line for line in baselines.table_lines(self)]
+        lines += ["  " + line for line in baseline_table.table_lines(self)]
         lines.append("  memory per rank:")
         lines += ["    " + line for line in memory.breakdown(self).lines()]
         lines.append("  collectives per step and rank:")

@@ -102,6 +102,9 @@ def test_table_in_summary_and_json(tiny_llama_plan):
     text = plan.summary(legend=False)
     assert "hand layouts under the same estimate (solver)" in text
     assert "vs FSDP x TP + SP" in text
+    from autoparallel.report.html import render
+
+    assert "vs FSDP x TP + SP" in render(plan)
     again = Plan.from_json(plan.to_json())
     assert [r["name"] for r in again.baselines] == [r["name"] for r in plan.baselines]
     assert baselines.table_lines(again) == baselines.table_lines(plan)
