@@ -172,8 +172,8 @@ def _ms(s):
 
 def print_table(rows: list[dict]) -> None:
     print(
-        f"{'row':16s} {'solver ms':>9s} {'sched ms':>9s} {'diff':>7s} {'compute':>9s} {'exposed':>9s} "
-        f"{'plan s':>7s} {'solve s':>7s}"
+        f"{'row':16s} {'solver ms':>9s} {'sched ms':>9s} {'diff':>7s} {'s.compute':>9s} {'s.comm':>9s} "
+        f"{'compute':>9s} {'exposed':>9s} {'plan s':>7s} {'solve s':>7s}"
     )
     for r in rows:
         if "error" in r:
@@ -181,7 +181,8 @@ def print_table(rows: list[dict]) -> None:
             continue
         diff = (r["solver"] - r["step"]) / r["step"] * 100 if r.get("step") else float("nan")
         print(
-            f"{r['row']:16s} {_ms(r['solver'])} {_ms(r['step'])} {diff:+6.1f}% {_ms(r['compute'])} "
+            f"{r['row']:16s} {_ms(r['solver'])} {_ms(r['step'])} {diff:+6.1f}% {_ms(r['solver_compute'])} "
+            f"{_ms(r['solver_comm'])} {_ms(r['compute'])} "
             f"{_ms(r['exposed'])} {r['plan_s']:7.1f} {r['solve_s']:7.2f}"
         )
     for r in rows:
@@ -213,6 +214,7 @@ def main(argv=None) -> None:
         rows.append(_child(n, a.baselines, a.max_gb))
         print(f"# {n}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     print_table(rows)
+    print(json.dumps(rows), file=sys.stderr)
 
 
 if __name__ == "__main__":
