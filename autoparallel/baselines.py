@@ -202,10 +202,12 @@ _UNPIN_ROUNDS = 4
 _PIN_PREFIX = "node constraint "
 
 
-def _solve_pinned(autop, layout: HandLayout):
-    """(plan or None, pinned, free, note) of ``layout``: a pin that conflicts
-    with the step (the solver names it) is dropped and counted free; a
-    layout that does not fit the memory budget gives no plan."""
+def _solve_pinned(autop, layout: HandLayout, apply: bool, pass_options):
+    """(plan or None, pinned, free, note) of ``layout``, applied with
+    ``apply`` (inside the pins' scope: the plan's option indices are those of
+    the problem built under them): a pin that conflicts with the step (the
+    solver names it) is dropped and counted free; a layout that does not fit
+    the memory budget gives no plan."""
     skip: set[str] = set()
     for _ in range(_UNPIN_ROUNDS + 1):
         with autop.scoped_constraints():
@@ -213,14 +215,18 @@ def _solve_pinned(autop, layout: HandLayout):
             autop.add_parameter_memory_constraint(high=1.0)
             pinned, free = _pin_parameters(autop, layout, skip)
             try:
-                return autop.optimize_placement(), pinned, free, ""
+                base = autop.optimize_placement()
             except (ConstraintError, solver.InfeasibleError) as exc:
-                conflict = [c for c in getattr(exc, "conflict", None) or () if c.startswith(_PIN_PREFIX)]
-                if not conflict or len(conflict) == len(getattr(exc, "conflict", ())):
+                conflict = list(getattr(exc, "conflict", None) or ())
+                pins = {c.removeprefix(_PIN_PREFIX) for c in conflict if c.startswith(_PIN_PREFIX)}
+                if not pins or len(pins) < len(conflict):
                     # the memory budget (or the user's constraints) against the layout: it does not fit
-                    if not conflict or not set(conflict) - {_PIN_PREFIX + s for s in skip}:
-                        return None, pinned, free, _short(exc)
-                skip.update(c.removeprefix(_PIN_PREFIX) for c in conflict)
+                    return None, pinned, free, _short(exc)
+                skip |= pins  # pins that only conflict with each other and the step
+                continue
+            if apply:
+                autop.apply_placement(base, pass_options=pass_options)
+            return base, pinned, free, ""
     return None, pinned, free, "pins conflict with the step"
 
 
@@ -247,12 +253,10 @@ def compare(autop, plan, *, apply: bool = True, pass_options=None, names=BASELIN
         if layout.name not in names:
             continue
         t0 = time.perf_counter()
-        base, pinned, free, note = _solve_pinned(autop, layout)
+        base, pinned, free, note = _solve_pinned(autop, layout, apply, pass_options)
         if base is None:
             results.append(BaselineResult(layout.name, None, None, None, pinned, free, note, time.perf_counter() - t0))
             continue
-        if apply:
-            autop.apply_placement(base, pass_options=pass_options)
         results.append(
             BaselineResult(
                 layout.name,
