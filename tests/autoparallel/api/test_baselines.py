@@ -80,6 +80,7 @@ def tiny_llama_plan():
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # one trace and four solves: ~45 s
 def test_baselines_pinned_and_no_better_than_the_plan(tiny_llama_plan):
     plan, results, pins_after = tiny_llama_plan
     by_name = {r.name: r for r in results}
@@ -97,6 +98,7 @@ def test_baselines_pinned_and_no_better_than_the_plan(tiny_llama_plan):
     assert not any(name.startswith("node constraint") for name, _ in pins_after.values())
 
 
+@pytest.mark.slow
 def test_table_in_summary_and_json(tiny_llama_plan):
     plan = tiny_llama_plan[0]
     text = plan.summary(legend=False)

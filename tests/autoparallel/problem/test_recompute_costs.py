@@ -19,6 +19,10 @@ from autoparallel.models.llama3 import apply_ac
 from autoparallel.problem.recompute import recomputed_forward_nodes
 
 
+# three traces of a one-layer model: ~35 s
+pytestmark = pytest.mark.slow
+
+
 def _built(ac: str):
     config = dataclasses.replace(LLAMA3_CONFIGS["debug"], n_layers=1)
     with torch.device("meta"):
