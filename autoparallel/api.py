@@ -361,6 +361,20 @@ class AutoParallel:
         """
         self._memory_budget = memory_budget_mod.MemoryBudget(bytes, fraction, optimizer)
 
+    @contextlib.contextmanager
+    def scoped_constraints(self):
+        """Constraints added inside the block are dropped at its end (a
+        baseline's pins, :mod:`autoparallel.baselines`); the plan, strategies
+        and trace are kept."""
+        self._require_open()
+        saved = (dataclasses.replace(self._constraints, pins=dict(self._constraints.pins)), dict(self._constraint_log))
+        built = self.built
+        try:
+            yield self
+        finally:
+            self._constraints, self._constraint_log = saved
+            self.built = built
+
     def _node_roles(self) -> dict[str, str]:
         """What parameter and gradient nodes are, for messages."""
         roles = {n.name: f"parameter {fqn}" for fqn, n in self.traced.param_nodes.items()}

@@ -88,6 +88,8 @@ class Plan:
     collectives: list[dict] = field(default_factory=list)
     # phase -> the scheduler's intervals and memory curve (report.timeline.simulate)
     timeline: dict[str, Any] = field(default_factory=dict)
+    # hand layouts estimated like the plan (autoparallel.baselines.compare)
+    baselines: list[dict] = field(default_factory=list)
 
     # -- summaries --------------------------------------------------------
     @property
@@ -198,7 +200,7 @@ class Plan:
         estimated step time, per-rank memory against HBM, collectives,
         placements per kind (forward/backward labelled) and pass stats."""
         from .problem import memory
-        from .report import numbers, words
+        from .report import baseline_table, numbers, words
 
         s = self.solution
         mesh = " x ".join(
@@ -214,6 +216,7 @@ class Plan:
         if legend:
             lines += ["  " + line for line in words.LEGEND]
         lines += ["  " + line for line in numbers.step_lines(self)]
+        lines += ["  " + line for line in baseline_table.table_lines(self)]
         lines.append("  memory per rank:")
         lines += ["    " + line for line in memory.breakdown(self).lines()]
         lines.append("  collectives per step and rank:")
@@ -296,6 +299,7 @@ class Plan:
             "passes": stats_to_json(self.pass_stats),
             "collectives": self.collectives,
             "timeline": self.timeline,
+            "baselines": self.baselines,
             "nodes": [asdict(n) for n in self.nodes.values()],
         }
 
@@ -343,6 +347,7 @@ class Plan:
             provenance=d.get("provenance", {}),
             collectives=d.get("collectives", []),
             timeline=d.get("timeline", {}),
+            baselines=d.get("baselines", []),
         )
 
     @classmethod

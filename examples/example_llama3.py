@@ -131,6 +131,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--all-kinds", action="store_true", help="list the placements of every kind of op, not just weights and matmuls"
     )
     ap.add_argument("--no-apply", action="store_true", help="plan only")
+    ap.add_argument(
+        "--baselines",
+        action="store_true",
+        help="also plan, apply and estimate the hand layouts (DDP, FSDP, FSDP x TP + SP, HSDP) and print "
+        "the plan's margin over each (each costs a solve and an apply)",
+    )
     ap.add_argument("--real", action="store_true", help="train for real under torchrun (gloo on CPU, NCCL on GPU)")
     ap.add_argument("--steps", type=int, default=3, help="AdamW steps with --real")
     ap.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate with --real")
@@ -242,6 +248,10 @@ def plan_model(args: argparse.Namespace, mesh, model, config):
             wall, cpu = time.perf_counter(), time.process_time()
             parallel = autop.apply_placement(plan, pass_options=chunking)
             report = ApplyReport.of(parallel, mesh, time.perf_counter() - wall, time.process_time() - cpu)
+        if args.baselines:
+            from autoparallel import baselines
+
+            baselines.compare(autop, plan, apply=not args.no_apply, pass_options=chunking)
         timings = dict(autop.timings)
     return plan, parallel, report, timings
 
@@ -409,6 +419,12 @@ def print_report(
     print("  memory per rank:")
     for line in memory.breakdown(plan).lines():
         print("    " + line)
+    if plan.baselines:
+        from autoparallel import baselines
+
+        print("\n== the plan against hand layouts ==")
+        for line in baselines.table_lines(plan):
+            print("  " + line)
 
     print("\n== placements by kind (mesh dims in order " + str(plan.mesh_dim_names) + ") ==")
     for kind in plan.placements_by_kind():

@@ -18,6 +18,7 @@ import markupsafe
 
 from ..problem import memory
 from . import numbers, units, words
+from .baseline_table import table_lines
 
 _TEMPLATE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
@@ -43,6 +44,8 @@ svg { display: block; width: 100%; height: auto; }
 <h2 id="summary">Summary</h2>
 <ul>{% for line in words %}<li>{{ line }}</li>{% endfor %}</ul>
 <ul>{% for line in step %}<li>{{ line }}</li>{% endfor %}</ul>
+{% if baselines %}<pre>{% for line in baselines %}{{ line }}
+{% endfor %}</pre>{% endif %}
 <pre>{% for line in legend %}{{ line }}
 {% endfor %}</pre>
 
@@ -275,6 +278,7 @@ def render(plan, model: str | None = None) -> str:
         words=words.describe(plan),
         legend=words.LEGEND,
         step=numbers.step_lines(plan),
+        baselines=table_lines(plan),
         mem_rows=[(line.split()[0], " ".join(line.split()[1:])) for line in mem.lines()[:5]],
         mem_notes=mem.lines()[5:],
         memory_svg=_memory_svg(plan.timeline or {}, mem.optimizer, mem.hbm),
