@@ -116,7 +116,8 @@ def solve(
         optimal=solution.optimal, elapsed=time.perf_counter() - t_start, time_limit=time_limit
     )
     if solution.stopped_by == "time limit":
-        logger.warning(
+        # once, for the caller's solve (option pricing's restricted ILPs say it through pricing's)
+        (logger.info if _IN_PRICING.get() else logger.warning)(
             "solve of %r reached its time limit (%s s) before its work limits: the plan may differ between "
             "runs and ranks; give it more time or set a smaller node_limit",
             problem.name,
