@@ -661,10 +661,15 @@ class AutoParallel:
             raise TypeError(f"plan must be an autoparallel Plan (or Plan.load_json(path)), got {type(plan).__name__}")
         # A plan from elsewhere (a file, another context): refuse it when it
         # was made for another model, mesh or input shape, naming which.
-        check_applicable(plan, self)
+        ranks = agreement.mesh_ranks(self.mesh)
+        try:
+            check_applicable(plan, self)
+        except PlanMismatch as exc:  # the other ranks fail at once, naming this one
+            agreement.agree(None, ranks, what="applied plan", error=exc)
+            raise
         # before the first collective: every rank applies the same plan (a
         # plan file loaded on each rank is checked here)
-        agreement.agree(plan, agreement.mesh_ranks(self.mesh), what="applied plan")
+        agreement.agree(plan, ranks, what="applied plan")
         with self._stages.stage("apply", "apply"):
             model = apply_placement(
                 self,

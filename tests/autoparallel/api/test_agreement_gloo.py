@@ -4,7 +4,8 @@ Simulated ranks share one plan, so only real processes can disagree. Each
 rank plans a bias FFN on a 2x2 mesh through option pricing (the threshold
 lowered so this small problem takes that route), and:
 
-* every rank holds the same plan (the check passes, the digests agree);
+* every rank holds the same plan (the check passes, the digests agree),
+  and a plan file loaded on every rank holds it too;
 * one rank given other constraints: every rank raises the named error
   (the ranks, the constraint that differs), none hangs;
 * one rank whose constraints make planning fail: the others fail at once,
@@ -27,11 +28,11 @@ from _dist_utils import run_ranks
 WORLD = 4
 
 
-def _scenarios(rank: int, world: int) -> None:
+def _scenarios(rank: int, world: int, plan_path: str) -> None:
     import warnings
 
     import solver.api
-    from autoparallel import AutoParallel, agreement
+    from autoparallel import AutoParallel, Plan, agreement
     from autoparallel.agreement import PlanDisagreement
     from autoparallel.models import FFN
 
@@ -49,6 +50,16 @@ def _scenarios(rank: int, world: int) -> None:
         digests = [None] * world
         dist.all_gather_object(digests, agreement.plan_digest(plan))
         assert len(set(digests)) == 1
+
+        # a plan file: written once, loaded on every rank, the same plan,
+        # its proof recorded; the check apply_placement runs passes
+        if rank == 0:
+            plan.dump_json(plan_path)
+        dist.barrier()
+        loaded = Plan.load_json(plan_path)
+        assert agreement.plan_digest(loaded) == digests[0]
+        assert loaded.solution.optimal and loaded.solution.stopped_by is None
+        agreement.agree(loaded, [0, 1, 2, 3], what="applied plan")
 
         # 2. rank 2 pins its input to a layout its plan did not choose: the
         # named error on every rank
@@ -79,5 +90,5 @@ def _scenarios(rank: int, world: int) -> None:
             agreement.agree(plan, [0, 1, 2, 3], timeout=3)
 
 
-def test_ranks_agree_or_fail_naming_the_ranks():
-    run_ranks(_scenarios, WORLD, timeout=240)
+def test_ranks_agree_or_fail_naming_the_ranks(tmp_path):
+    run_ranks(_scenarios, WORLD, str(tmp_path / "plan.json"), timeout=600)
