@@ -193,8 +193,8 @@ def _solve(problem, backend, time_limit, rel_gap, presolve, pricing, node_limit,
         return _priced_solution(problem, priced, expand, stats, timings, t_start)
     if result.status == "unknown":
         raise SolverError(
-            f"{solver.name} found no feasible solution within the time limit "
-            f"({time_limit} s); give it more time (time_limit=None: no limit)"
+            f"{solver.name} found no feasible solution within its limits (time_limit {time_limit} s, "
+            f"node_limit {node_limit} MIP nodes); raise them (None: no limit)"
         )
 
     t0 = time.perf_counter()
