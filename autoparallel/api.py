@@ -25,7 +25,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 import solver
 
-from . import cost_model, preflight, validation
+from . import agreement, cost_model, preflight, validation
 from .options import rules  # noqa: F401 - rules register on import
 from .problem import coarse_seed, infeasibility
 from .problem import memory_budget as memory_budget_mod
@@ -42,11 +42,14 @@ from .capture.tracing import TracedStep, module_path, trace_training_step
 logger = logging.getLogger(__name__)
 
 DUMP_DIR_ENV = "AUTOPARALLEL_DUMP_DIR"
-# Seconds of ILP search before taking the best plan found (with its proven
-# gap). Problems whose LP relaxation is integral (LLaMA-3 8B on 16x8: 0.1 s)
-# are unaffected, and the solver's branching proves the fractional 1-layer
-# debug LLaMA on 4x2 in 2-4 s; this bounds the cases it cannot (issue 10).
-DEFAULT_TIME_LIMIT = 10.0
+# The solve stops on counted work (solver.work: MIP nodes, pricing rounds,
+# ascent sweeps), so every rank gets the same plan whatever its load; this
+# wall-clock cap (seconds) only ends a solve that would run on, and a plan
+# stopped by it says so (plan.solution.stopped_by == "time limit").
+# Problems whose LP relaxation is integral (LLaMA-3 8B on 16x8: 0.1 s) are
+# unaffected, and the solver's branching proves the fractional 1-layer debug
+# LLaMA on 4x2 in 2-4 s.
+DEFAULT_TIME_LIMIT = 300.0
 # set to 1 to gzip the dumps (problem.json.gz, ...)
 DUMP_GZIP_ENV = "AUTOPARALLEL_DUMP_GZIP"
 
@@ -80,12 +83,16 @@ class AutoParallel:
         gpus_per_node: decides which mesh dims communicate inside a node.
         overlap: how much of FSDP-style collectives the cost model counts.
         link_repeated_layers: let identical layers share one decision each.
-        backend, time_limit, rel_gap: passed to the solver. ``time_limit``
-            (seconds of ILP search, default :data:`DEFAULT_TIME_LIMIT`;
-            ``None``: until proven optimal) bounds planning time on problems
-            whose LP relaxation is weak; a plan stopped by it has
-            ``plan.status == "feasible"`` and reports ``plan.bound`` and
-            ``plan.gap``. Plans proven optimal are unaffected.
+        backend, time_limit, rel_gap: passed to the solver. The solve
+            stops on counted work (``solver.work``: the same plan on every
+            rank and run); a plan stopped there has ``plan.status ==
+            "feasible"`` and reports ``plan.bound`` and ``plan.gap``.
+            ``time_limit`` (seconds, default :data:`DEFAULT_TIME_LIMIT`;
+            ``None``: no cap) is a wall-clock safety cap: a plan that
+            reached it says so (``plan.solution.stopped_by``) and may depend
+            on the machine's load. Plans proven optimal are unaffected.
+            With several processes, the ranks of the mesh then check they
+            hold the same plan (:mod:`autoparallel.agreement`).
         max_problem_bytes: a problem whose dense edge matrices are estimated
             to need more memory is solved by option pricing with lazy
             matrices instead (:mod:`autoparallel.problem.pricing`); one too
@@ -435,6 +442,28 @@ class AutoParallel:
         return model
 
     def optimize_placement(self) -> Plan:
+        """Solve for the plan; with several processes, check every rank of
+        the mesh holds the same one (:mod:`autoparallel.agreement`), or
+        raise naming the ranks and what differs."""
+        try:
+            plan = self._optimize_placement()
+        except Exception as exc:  # the other ranks fail at once, naming this one
+            agreement.agree(None, agreement.mesh_ranks(self.mesh), error=exc)
+            raise
+        agreement.agree(plan, agreement.mesh_ranks(self.mesh), solver_options=self._solver_options())
+        return plan
+
+    def _solver_options(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "time_limit": self.time_limit,
+            "rel_gap": self.rel_gap,
+            "node_limit": solver.DEFAULT_NODE_LIMIT,
+            "option_pricing": self._constraints.option_pricing,
+            "max_problem_bytes": self._constraints.max_problem_bytes,
+        }
+
+    def _optimize_placement(self) -> Plan:
         built = self.build_problem()
         dump_dir = os.environ.get(DUMP_DIR_ENV)
         try:
@@ -445,7 +474,11 @@ class AutoParallel:
                     solution, _ = memory_budget_mod.solve_within_budget(
                         built.problem,
                         lambda p: solver.solve(
-                            p, backend=self.backend, time_limit=self.time_limit, rel_gap=self.rel_gap
+                            p,
+                            backend=self.backend,
+                            time_limit=self.time_limit,
+                            rel_gap=self.rel_gap,
+                            node_limit=solver.DEFAULT_NODE_LIMIT,
                         ),
                     )
         except Exception as exc:
@@ -664,7 +697,15 @@ class AutoParallel:
         )
         # A plan from elsewhere (a file, another context): refuse it when it
         # was made for another model, mesh or input shape, naming which.
-        check_applicable(plan, self)
+        ranks = agreement.mesh_ranks(self.mesh)
+        try:
+            check_applicable(plan, self)
+        except PlanMismatch as exc:  # the other ranks fail at once, naming this one
+            agreement.agree(None, ranks, what="applied plan", error=exc)
+            raise
+        # before the first collective: every rank applies the same plan (a
+        # plan file loaded on each rank is checked here)
+        agreement.agree(plan, ranks, what="applied plan")
         with self._stages.stage("apply", "apply"):
             model = apply_placement(
                 self,

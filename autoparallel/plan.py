@@ -128,11 +128,12 @@ class Plan:
             return f"proven optimal: objective {_us(s.objective)}"
         bound = "no bound" if s.bound is None else f"bound {_us(s.bound)}"
         gap = "" if s.gap is None else f", gap {units.percent(s.gap)}"
-        why = (
-            "option pricing stopped at its time or option limit"
-            if s.backend.startswith("pricing")
-            else "solver stopped at its time limit or gap"
-        )
+        if s.stopped_by == "time limit":  # the wall-clock safety cap: may depend on load
+            why = "stopped at its time limit: the plan may differ between runs"
+        elif s.backend.startswith("pricing"):
+            why = "option pricing stopped at its work or option limit"
+        else:
+            why = "solver stopped at its work limit or gap"
         return f"NOT proven optimal ({why}): objective {_us(s.objective)}, {bound}{gap}"
 
     def placements(self, name: str) -> str:
@@ -277,6 +278,7 @@ class Plan:
             "solver": {
                 "status": s.status,
                 "optimal": s.optimal,
+                "stopped_by": s.stopped_by,
                 "gap": s.gap,
                 "bound": s.bound,
                 "backend": s.backend,
@@ -328,6 +330,7 @@ class Plan:
             edge_cost=sv.get("edge_cost", 0.0),
             status=sv.get("status", "loaded"),
             optimal=bool(sv.get("optimal", False)),
+            stopped_by=sv.get("stopped_by"),
             gap=sv.get("gap"),
             backend=sv.get("backend", ""),
             num_variables=sv.get("num_variables", 0),

@@ -31,6 +31,12 @@ feeding its local shard of the batch; rank 0 prints the global loss
 enough that the plan shards the matmuls.
 
     torchrun --nproc-per-node 4 examples/example_llama3.py --real --mesh 2 2
+
+Every rank plans the same plan (planning stops on counted work, never the
+clock) and the ranks check they agree before the first collective. To skip
+planning on the cluster, plan once (``--save-plan plan.json``, on a laptop
+with the fake process group or on one rank) and give every rank
+``--plan-file plan.json`` (see docs/determinism.md).
 """
 
 from __future__ import annotations

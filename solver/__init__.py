@@ -21,8 +21,10 @@ from .problem import (
     ResourceConstraint,
     Solution,
 )
+from .work import DEFAULT_NODE_LIMIT
 
 __all__ = [
+    "DEFAULT_NODE_LIMIT",
     "INF",
     "Decision",
     "Edge",

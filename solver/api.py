@@ -14,12 +14,14 @@ choice on the original problem; the ILP's own objective only steers the
 search. An infeasible problem raises :class:`InfeasibleError` naming the
 conflicting constraints (diagnosed on the original problem, no presolve).
 
-Determinism: the same problem and options give the same solution. Both
-backends are deterministic (without a time limit), and the model is built in
-a fixed order, so ties between equally good choices are broken the same way
-every time, though not by any documented rule; cost models that care should
-add their own tie-break costs. Plans from option pricing (big problems) may
-break ties differently from the ILP's.
+Determinism: the same problem and options give the same solution, whatever
+the machine's load. Both backends are deterministic, the model is built in a
+fixed order (ties between equally good choices break the same way every
+time, by option order within the model), and every normal stop is counted
+work (:mod:`solver.work`: MIP nodes, pricing rounds, ascent sweeps), never
+the clock. ``time_limit`` is a safety cap: a solution that reached it says
+so (``stopped_by == "time limit"``) and may differ between runs. Plans from
+option pricing (big problems) may break ties differently from the ILP's.
 
 Example::
 
@@ -47,6 +49,7 @@ from .diagnose import InfeasibleError, diagnose
 from .evaluate import evaluate, violations
 from .ilp import build
 from .problem import Problem, ProblemError, Solution
+from .work import stopped_by
 
 logger = logging.getLogger(__name__)
 
@@ -85,12 +88,16 @@ def solve(
     rel_gap: float | None = None,
     presolve: bool = True,
     pricing: bool | None = None,
+    node_limit: int | None = None,
 ) -> Solution:
     """Find a minimum-cost choice for ``problem``.
 
     ``backend``: a name from :func:`solver.available_backends` (default:
-    the first, fastest). ``time_limit`` (seconds) and ``rel_gap`` (e.g.
-    ``0.01``) let the backend stop early with ``status="feasible"``.
+    the first, fastest). ``node_limit`` (MIP nodes, counted: the same plan
+    on every run; e.g. :data:`solver.work.DEFAULT_NODE_LIMIT`), ``rel_gap``
+    (e.g. ``0.01``) and ``time_limit`` (seconds of wall clock: a safety cap,
+    see :mod:`solver.work`) let the backend stop early with
+    ``status="feasible"`` and ``stopped_by`` saying which.
     ``presolve``: shrink the problem first (links merged, dominated options
     dropped) with :mod:`solver.presolve`. ``pricing``: solve the presolved
     problem by option pricing (:func:`solver.pricing.solve_by_pricing`)
@@ -104,6 +111,22 @@ def solve(
     """
     _check_limits(time_limit, rel_gap)
     t_start = time.perf_counter()
+    solution = _solve(problem, backend, time_limit, rel_gap, presolve, pricing, node_limit, t_start)
+    solution.stopped_by = stopped_by(
+        optimal=solution.optimal, elapsed=time.perf_counter() - t_start, time_limit=time_limit
+    )
+    if solution.stopped_by == "time limit":
+        # once, for the caller's solve (option pricing's restricted ILPs say it through pricing's)
+        (logger.info if _IN_PRICING.get() else logger.warning)(
+            "solve of %r reached its time limit (%s s) before its work limits: the plan may differ between "
+            "runs and ranks; give it more time or set a smaller node_limit",
+            problem.name,
+            time_limit,
+        )
+    return solution
+
+
+def _solve(problem, backend, time_limit, rel_gap, presolve, pricing, node_limit, t_start) -> Solution:
     pre_mod = _presolve_module() if presolve else None
     if pre_mod is None:
         problem.validate()
@@ -138,7 +161,7 @@ def solve(
     priced = None  # pricing's answer that did not prove its plan
     if _use_pricing(pricing, reduced):
         t0 = time.perf_counter()
-        priced = _try_pricing(reduced, backend, time_limit)
+        priced = _try_pricing(reduced, backend, time_limit, node_limit)
         timings["pricing"] = time.perf_counter() - t0
         out_of_time = time_limit is not None and time.perf_counter() - t_start >= time_limit
         if priced is not None and (priced.status == "optimal" or out_of_time):
@@ -161,7 +184,7 @@ def solve(
         logger.info("infeasible before solving: %s", model.infeasible)
         raise _infeasible(problem, solver.name)
 
-    result = solver.solve(model, time_limit=time_limit, rel_gap=rel_gap)
+    result = solver.solve(model, time_limit=time_limit, rel_gap=rel_gap, node_limit=node_limit)
     timings["build"] += result.timings.get("build", 0.0)
     timings["solve"] = result.timings.get("solve", 0.0)
     if result.status == "infeasible":
@@ -170,8 +193,8 @@ def solve(
         return _priced_solution(problem, priced, expand, stats, timings, t_start)
     if result.status == "unknown":
         raise SolverError(
-            f"{solver.name} found no feasible solution within the time limit "
-            f"({time_limit} s); give it more time (time_limit=None: no limit)"
+            f"{solver.name} found no feasible solution within its limits (time_limit {time_limit} s, "
+            f"node_limit {node_limit} MIP nodes); raise them (None: no limit)"
         )
 
     t0 = time.perf_counter()
@@ -271,7 +294,9 @@ def _use_pricing(pricing: bool | None, reduced: Problem) -> bool:
     return pairs >= PRICING_MIN_PAIRS
 
 
-def _try_pricing(reduced: Problem, backend: str | None, time_limit: float | None) -> Solution | None:
+def _try_pricing(
+    reduced: Problem, backend: str | None, time_limit: float | None, node_limit: int | None
+) -> Solution | None:
     """Option pricing's solution of the presolved problem (choice in its
     option ids), or ``None`` when it found none (its restricted problems
     infeasible): the ILP then decides, and diagnoses an infeasible problem."""
@@ -279,7 +304,8 @@ def _try_pricing(reduced: Problem, backend: str | None, time_limit: float | None
 
     with ilp_only():
         try:
-            result = solve_by_pricing(reduced, backend=backend, time_limit=time_limit)
+            limits = {} if node_limit is None else {"node_limit": node_limit}
+            result = solve_by_pricing(reduced, backend=backend, time_limit=time_limit, **limits)
         except InfeasibleError as exc:
             logger.info("option pricing found no plan (%s); solving the ILP", exc)
             return None

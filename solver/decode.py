@@ -282,7 +282,7 @@ def _solution(d: Any, path: str, nested: bool = False) -> Solution:
         d,
         path,
         ("choice", "objective", "unary_cost", "edge_cost", "status", "optimal"),
-        (*_HEADER, "gap", "backend", "timings", "num_variables", "num_constraints", "presolve"),
+        (*_HEADER, "gap", "backend", "timings", "num_variables", "num_constraints", "presolve", "stopped_by"),
     )
     choice_in = d["choice"]
     if not isinstance(choice_in, dict):
@@ -311,6 +311,7 @@ def _solution(d: Any, path: str, nested: bool = False) -> Solution:
         num_variables=_int(d.get("num_variables", 0), f"{path}.num_variables"),
         num_constraints=_int(d.get("num_constraints", 0), f"{path}.num_constraints"),
         presolve=stats,
+        stopped_by=None if d.get("stopped_by") is None else _str(d["stopped_by"], f"{path}.stopped_by"),
     )
 
 

@@ -14,8 +14,8 @@ that is in no cheaper plan (:mod:`solver.pricing_proof`); when the options
 left have few enough pairs (``DIRECT_PAIRS``) the ILP over all of them is
 the answer, proven optimal, with no LP rounds (random placement problem of
 200 decisions x 1024 options: 96% dropped, optimal in 78 s where the
-rounds alone stopped at a 7% gap). The ascent takes most of the time
-limit (``pricing_proof.ASCENT_SHARE``); when its bound meets its plan (the
+rounds alone stopped at a 7% gap). The ascent runs up to
+``solver.work.MAX_ASCENT_SWEEPS`` sweeps; when its bound meets its plan (the
 LP is tight: LLaMA-3 70B on 4x4x8x8, 80 layers, 43 sweeps) that plan is
 proven optimal and no LP round runs. Otherwise the rounds look for a
 cheaper plan, the ascent goes on against the restricted ILP's plan and its
@@ -93,6 +93,7 @@ from .pricing_quotient import Quotient, build_quotient, evaluate_lazy
 from .pricing_bisect import bisect_targets
 from .pricing_proof import TREES, final_ascent, pairs_among, prefilter
 from .tree_bound import Reparam, eliminate
+from .work import DEFAULT_NODE_LIMIT, MAX_PRICING_ROUNDS, SafetyCap, stopped_by
 
 logger = logging.getLogger(__name__)
 
@@ -112,14 +113,6 @@ OPT_RTOL = 1e-9
 # Pairs between the options left after tree elimination up to which the
 # restricted ILP simply takes all of them (no pricing rounds).
 DIRECT_PAIRS = 3_000_000
-# Share of the time limit the LP rounds may take (from their start; at most
-# until the time limit's ROUNDS_END_SHARE), leaving the rest to the dual
-# ascent's second run (solver.pricing_proof), which proves the plan.
-ROUNDS_SHARE = 0.35
-ROUNDS_END_SHARE = 0.75
-# Share of the time limit the ascent's second run leaves to its forests and
-# the last restricted ILP.
-FINAL_RESERVE = 0.1
 
 
 @dataclass
@@ -171,6 +164,7 @@ class _Pricer:
         self.scale: float | None = None
         self.lp: RestrictedLP | None = None
         self.reparam: Reparam | None = None  # the last reduced costs and extended duals
+        self.node_limit: int | None = DEFAULT_NODE_LIMIT  # MIP nodes per restricted ILP
 
     # -- subsets ----------------------------------------------------------
     def subsets(self) -> list[np.ndarray]:
@@ -387,9 +381,11 @@ class _Pricer:
 
     def solve_ilp(self, backend, time_limit) -> Solution | None:
         """The restricted ILP's solution with class choices in root option
-        ids (``choice`` keyed by class index); ``None`` if infeasible."""
+        ids (``choice`` keyed by class index); ``None`` if infeasible. It
+        stops on ``node_limit`` MIP nodes (counted), ``time_limit`` being
+        the safety cap."""
         try:
-            sol = solve(self.restricted_problem(), backend=backend, time_limit=time_limit)
+            sol = solve(self.restricted_problem(), backend=backend, time_limit=time_limit, node_limit=self.node_limit)
         except InfeasibleError as exc:
             logger.info("restricted ILP over %d options infeasible: %s", self.num_kept(), exc)
             return None
@@ -448,6 +444,7 @@ def solve_by_pricing(
     backend: str | None = None,
     time_limit: float | None = None,
     max_options: int | None = None,
+    node_limit: int | None = DEFAULT_NODE_LIMIT,
 ) -> PricingResult:
     """An optimal choice of ``problem`` (dense or lazy edge matrices) found
     over small option subsets; see the module docstring.
@@ -457,37 +454,33 @@ def solve_by_pricing(
     most options over all classes in the restricted LP (exact and relaxed)
     and in the final exact subsets (default DEFAULT_MAX_OPTIONS); when the
     proof would need more, the result is "feasible" with a gap.
-    ``time_limit`` (seconds) bounds the pricing rounds and the ILP solves.
+    Where it stops is counted work (``solver.work``: LP rounds, ascent
+    sweeps, bisection targets, ``node_limit`` MIP nodes per restricted ILP);
+    ``time_limit`` (seconds) is a safety cap over all of it.
 
     Raises :class:`InfeasibleError` when no choice satisfies the problem
     (or no restricted problem within ``max_options`` is feasible).
     """
     t_start = time.perf_counter()
-    deadline = None if time_limit is None else t_start + time_limit
+    clock = SafetyCap(time_limit, t_start)
+    deadline = clock.deadline
     cap = DEFAULT_MAX_OPTIONS if max_options is None else max_options
     stats = PricingStats()
     sec = stats.seconds
     for phase in ("setup", "lp", "pricing", "ilp", "trees", "evaluate"):
         sec[phase] = 0.0
 
-    def left() -> float | None:
-        return None if deadline is None else max(deadline - time.perf_counter(), 1e-3)
-
+    left = clock.left
     quotient = build_quotient(problem)
     pr = _Pricer(quotient)
+    pr.node_limit = node_limit
     pr.seed(problem, initial)
     stats.classes = len(quotient.classes)
     stats.options_total = int(sum(c.allowed.sum() for c in quotient.classes))
     sec["setup"] = time.perf_counter() - t_start
-    stats.eliminated, ascent, upper = prefilter(pr, backend, left(), stats)
+    stats.eliminated, ascent, upper = prefilter(pr, backend, deadline, stats)
     survivors = sum(int(c.allowed.sum()) for c in quotient.classes)
     pairs = pairs_among(quotient, [c.allowed for c in quotient.classes])
-    # the LP rounds leave the rest of the time to the ascent's second run
-    rounds_end = (
-        None
-        if deadline is None or ascent is None
-        else min(time.perf_counter() + time_limit * ROUNDS_SHARE, t_start + time_limit * ROUNDS_END_SHARE)
-    )
     # Few enough options left: the ILP over all of them is the proof.
     exhaustive = bool(stats.eliminated) and survivors <= cap and pairs <= DIRECT_PAIRS
     if exhaustive:
@@ -505,7 +498,7 @@ def solve_by_pricing(
     while not exhaustive and not closed:
         t0 = time.perf_counter()
         try:
-            lp = pr.solve_lp(left() if rounds_end is None else max(rounds_end - time.perf_counter(), 1e-3))
+            lp = pr.solve_lp(left())
         except TimeoutError as exc:
             logger.info("pricing stopped: %s", exc)
             sec["lp"] += time.perf_counter() - t0
@@ -555,9 +548,8 @@ def solve_by_pricing(
         if not picks and not promote:
             stats.converged = True  # an LP optimum using exact pairs only, no left-out option cheaper
             break
-        if pr.num_kept() + pr.num_relaxed() + len(picks) > cap or (
-            deadline is not None and time.perf_counter() > (rounds_end or deadline)
-        ):
+        # counted: the rounds end at the same point on every run (the cap is a safety net)
+        if pr.num_kept() + pr.num_relaxed() + len(picks) > cap or stats.rounds >= MAX_PRICING_ROUNDS or clock.reached():
             break
         for _, q, o in picks:
             pr.relax(q, o)
@@ -571,7 +563,7 @@ def solve_by_pricing(
     def run_ilp(at_least: float = 1.0) -> Solution | None:
         t0 = time.perf_counter()
         # past the deadline the ILP still gets ``at_least`` seconds: an answer beats none
-        sol = pr.solve_ilp(backend, None if deadline is None else max(deadline - time.perf_counter(), at_least))
+        sol = pr.solve_ilp(backend, left(at_least))
         sec["ilp"] += time.perf_counter() - t0
         if sol is not None:
             stats.restricted_objectives.append(sol.objective)
@@ -604,9 +596,7 @@ def solve_by_pricing(
         tree_keep = None
         if ascent is not None:
             plan = [sol.choice[q] for q in range(len(quotient.classes))]
-            tree_keep, upper, plan, _ = final_ascent(
-                pr, ascent, z, plan, backend, None if deadline is None else deadline - FINAL_RESERVE * time_limit, stats
-            )
+            tree_keep, upper, plan, _ = final_ascent(pr, ascent, z, plan, backend, deadline, stats)
             if upper < z:  # a decoded plan is cheaper: the restricted ILP finds it
                 for q, o in enumerate(plan):
                     pr.add(q, [o])
@@ -717,5 +707,6 @@ def solve_by_pricing(
         timings=dict(sec),
         num_variables=sol.num_variables,
         num_constraints=sol.num_constraints,
+        stopped_by=stopped_by(optimal=optimal, elapsed=time.perf_counter() - t_start, time_limit=time_limit),
     )
     return PricingResult(solution, {d.name: kept[d.name] for d in problem.decisions}, stats)

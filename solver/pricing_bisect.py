@@ -83,10 +83,9 @@ ASCENT_SWEEPS = 5
 NEAR_PER_CLASS = 6
 # Most targets tried in one call.
 MAX_PROBES = 12
-# Seconds the bisection may take at least, past the pricing deadline: it is
-# what proves the plan (or raises the bound) when the relaxation is loose.
-PROOF_SECONDS = 30.0
-# Seconds a restricted ILP of a target gets at least.
+# Seconds a restricted ILP of a target gets at least once past the safety
+# cap (a restricted ILP stops on its MIP node count; this only matters
+# when the clock has run out).
 ILP_SECONDS = 10.0
 # Spanning forests per elimination pass and the passes per target.
 TREES = 3
@@ -179,13 +178,13 @@ def bisect_targets(
     docstring). ``solve_ilp(seconds)``: the restricted ILP over ``pr``'s
     kept options (None if infeasible), given at least ``seconds``; at most
     ``cap`` options and ``max_pairs`` pairs (times SIZE_FACTOR) go into
-    one. Runs until proven, MAX_PROBES targets, or ``max(deadline, now +
-    PROOF_SECONDS)``. Returns (the best restricted ILP solution found
+    one. Runs until proven or MAX_PROBES targets (counted; ``deadline``, the
+    safety cap, also ends it). Returns (the best restricted ILP solution found
     under ``upper``, or None; the proven bound; whether proven: that
     solution, or the plan of cost ``upper`` when None, is optimal)."""
     t_start = time.perf_counter()
     cap, max_pairs = int(cap * SIZE_FACTOR), int(max_pairs * SIZE_FACTOR)
-    end = None if deadline is None else max(deadline, t_start + PROOF_SECONDS)
+    end = deadline
     lo, hi = bound, upper
     # (a bound near 0 says nothing of the scale: then a share of the gap)
     step = max(FIRST_STEP * abs(lo), (hi - lo) / 64)

@@ -37,6 +37,7 @@ import numpy as np
 
 from .dual_bound import DualAscent, resource_filter
 from .tree_bound import MAX_PASSES, choice_cost, eliminate
+from .work import MAX_ASCENT_SWEEPS
 
 if TYPE_CHECKING:
     from .pricing import PricingStats, _Pricer
@@ -45,21 +46,17 @@ logger = logging.getLogger(__name__)
 
 # Spanning forests per elimination pass (solver.tree_bound.eliminate).
 TREES = 3
-# Share of the time limit the dual ascent before pricing may take (0: no
-# ascent; it is skipped too when that share is under a second), and its
-# sweeps between two decoded plans. Most of it: on LLaMA-3 70B 4x4x8x8 the
-# ascent alone meets the optimum (bound and decoded plan, 43 sweeps), where
-# LP rounds between two runs of it found no better plan and took the time
-# the second run needed to close the gap (session 10).
-ASCENT_SHARE = 0.8
+# Whether the dual ascent runs before pricing, and its sweeps between two
+# decoded plans (all its runs together stop at solver.work.MAX_ASCENT_SWEEPS,
+# counted, never timed). On LLaMA-3 70B 4x4x8x8 the ascent alone meets the
+# optimum (bound and decoded plan, 43 sweeps), where LP rounds between two
+# runs of it found no better plan.
+ASCENT = True
 ASCENT_SWEEPS = 10
 # Options per class, of least belief, that join the restricted ILP after
 # an ascent (a plan near the dual's: its decoding alone rounds poorly on
 # 4-D meshes).
 ILP_PER_CLASS = 3
-# What a pass of TREES forests costs, in sweeps of the ascent (a forest
-# reduces each of its edges twice, a sweep every edge twice).
-FOREST_SWEEPS = 3
 # Option pairs among the survivors of the forests after an ascent at which
 # they stop: the restricted ILP over all of them is then cheap (~0.1-0.5 s)
 # and is the proof (solver.pricing's exhaustive case, DIRECT_PAIRS).
@@ -69,26 +66,26 @@ OPT_RTOL = 1e-9
 
 
 def prefilter(
-    pr: _Pricer, backend, time_limit: float | None, stats: PricingStats
+    pr: _Pricer, backend, deadline: float | None, stats: PricingStats
 ) -> tuple[int, DualAscent | None, float]:
     """Narrow the pricer's classes to the options a plan no dearer than the
     seed's restricted ILP may use (module docstring). Returns how many
     options left, the dual ascent (None when it did not run) and the known
     plan's cost (inf without one); (0, None, inf) when some matrix cannot
-    reduce whole rows or the seed has no plan."""
+    reduce whole rows or the seed has no plan. ``deadline``
+    (``perf_counter``): the solve's safety cap."""
     t0 = time.perf_counter()
     try:
         if not all(t.cache.matrix_reduces for e in pr.q.edges for t in e.terms):
             return 0, None, math.inf
-        sol = pr.solve_ilp(backend, time_limit)
+        sol = pr.solve_ilp(backend, None if deadline is None else max(deadline - time.perf_counter(), 1e-3))
         if sol is None:
             return 0, None, math.inf
         stats.restricted_objectives.append(sol.objective)
         classes = pr.q.classes
         before = sum(int(c.allowed.sum()) for c in classes)
         resource_filter(pr.q, [c.allowed for c in classes])
-        ascend = ASCENT_SHARE > 0 and (time_limit is None or time_limit * ASCENT_SHARE >= 1.0)
-        deadline = None if time_limit is None else t0 + time_limit * ASCENT_SHARE
+        ascend = ASCENT
         # one raw forest when the ascent follows (its forests drop the rest)
         el = eliminate(
             pr.q, sol.objective, trees=1 if ascend else TREES, max_passes=1 if ascend else MAX_PASSES, deadline=deadline
@@ -135,19 +132,17 @@ def final_ascent(
 def _ascend(
     pr: _Pricer, ascent: DualAscent, upper: float, plan: list[int], backend, deadline: float | None, stats: PricingStats
 ) -> tuple[list[np.ndarray], float, list[int], float]:
-    """Sweeps until the bound meets the best plan, stalls or ``deadline``,
-    decoding a plan every ASCENT_SWEEPS; then the restricted ILP with each
-    class's ILP_PER_CLASS live options of least belief added, and forests
-    over the rewritten costs. Returns (keep per class,
-    best cost, its plan, bound). The sweeps stop early enough for the
-    forests (FOREST_SWEEPS sweeps' time) to end by ``deadline``; no
-    forests when the bound meets the plan (it is optimal)."""
+    """Sweeps until the bound meets the best plan, stalls, or the ascent
+    has made MAX_ASCENT_SWEEPS sweeps (counted: the same stop on every run;
+    ``deadline``, the safety cap, also ends it), decoding a plan every
+    ASCENT_SWEEPS; then the restricted ILP with each class's ILP_PER_CLASS
+    live options of least belief added, and forests over the rewritten
+    costs. Returns (keep per class, best cost, its plan, bound); no forests
+    when the bound meets the plan (it is optimal)."""
     ascent.restrict([c.allowed for c in pr.q.classes])  # what forests dropped since
     while True:
-        sweeps_end = deadline
-        if deadline is not None and ascent.stats.sweeps:
-            sweeps_end = deadline - FOREST_SWEEPS * ascent.stats.seconds / ascent.stats.sweeps
-        bound = ascent.run(ASCENT_SWEEPS, upper=upper, keep=plan, deadline=sweeps_end)
+        sweeps = min(ASCENT_SWEEPS, MAX_ASCENT_SWEEPS - ascent.stats.sweeps)
+        bound = ascent.run(sweeps, upper=upper, keep=plan, deadline=deadline) if sweeps > 0 else ascent.bound()
         found = ascent.decode()
         cost = choice_cost(pr.q, found)
         if cost < upper:
@@ -155,7 +150,8 @@ def _ascend(
         if (
             bound >= upper - OPT_RTOL * max(1.0, abs(upper))
             or ascent.stalled
-            or (sweeps_end is not None and time.perf_counter() > sweeps_end)
+            or ascent.stats.sweeps >= MAX_ASCENT_SWEEPS
+            or (deadline is not None and time.perf_counter() > deadline)
         ):
             break
     if bound < upper - OPT_RTOL * max(1.0, abs(upper)):

@@ -331,7 +331,8 @@ class Solution:
     ``"optimal"`` (proven) or ``"feasible"`` (time limit or gap reached with an
     incumbent). ``gap`` is the relative optimality gap reported by the backend
     (0.0 when proven optimal) and ``bound`` the proven lower bound: no choice
-    costs less than ``bound``. ``timings`` maps phase names (``presolve``,
+    costs less than ``bound``. ``stopped_by`` says why a solution not proven
+    optimal stopped (``"work limit"`` or ``"time limit"``). ``timings`` maps phase names (``presolve``,
     ``build``, ``solve``, ...) to seconds.
     """
 
@@ -350,3 +351,7 @@ class Solution:
     num_variables: int = 0
     num_constraints: int = 0
     presolve: PresolveStats | None = None
+    # Why a solution not proven optimal stopped: "work limit" (a count: the
+    # same on every run) or "time limit" (the wall-clock safety cap: may
+    # depend on the machine's load); None when optimal (solver.work).
+    stopped_by: str | None = None

@@ -231,6 +231,7 @@ def solution_to_json(s: Solution) -> dict:
         "num_variables": s.num_variables,
         "num_constraints": s.num_constraints,
         "presolve": None if s.presolve is None else dataclasses.asdict(s.presolve),
+        "stopped_by": s.stopped_by,
     }
 
 

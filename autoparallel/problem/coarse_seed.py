@@ -239,7 +239,9 @@ def _solve(coarse: _CoarseProblem, backend: str | None, time_limit: float | None
     """The coarse problem's optimum, or None (logged) when it has none."""
     limit = None if time_limit is None else max(time_limit, COARSE_TIME_LIMIT)
     try:
-        return solver.solve(coarse.built.problem, backend=backend, time_limit=limit)
+        return solver.solve(
+            coarse.built.problem, backend=backend, time_limit=limit, node_limit=solver.DEFAULT_NODE_LIMIT
+        )
     except _NO_PLAN as exc:
         logger.info("coarse mesh %s: no plan to seed pricing with (%s)", coarse.shape, exc)
         return None

@@ -255,7 +255,7 @@ def frustrated_problem(seed: int, n: int = 20) -> Problem:
 
 def test_reduced_cost_fixing_and_the_max_options_cap(monkeypatch):
     # without the dual ascent, which proves these small problems before any LP round
-    monkeypatch.setattr(pricing_proof, "ASCENT_SHARE", 0.0)
+    monkeypatch.setattr(pricing_proof, "ASCENT", False)
     capped = fixed = 0
     for seed in range(6):
         p = frustrated_problem(seed)

@@ -131,7 +131,7 @@ def test_pricing_cut_short_reports_its_bound(fake_world, monkeypatch):
         assert option_pricing.compute_bound(autop.built.problem) <= best
     monkeypatch.setattr(option_pricing, "MAX_KEPT_OPTIONS", sum(len(v) for v in seeds.values()) + 20)
     # without the dual ascent, which proves this small problem before any LP round
-    monkeypatch.setattr("solver.pricing_proof.ASCENT_SHARE", 0.0)
+    monkeypatch.setattr("solver.pricing_proof.ASCENT", False)
     with AutoParallel(model, mesh, example, time_limit=None, option_pricing=True) as autop:
         autop.add_input_constraints([(Shard(0), Replicate())])
         plan = autop.optimize_placement()
