@@ -194,7 +194,11 @@ def plan_model(args: argparse.Namespace, mesh, model, config):
         os.makedirs(args.dump_dir, exist_ok=True)
         os.environ["AUTOPARALLEL_DUMP_DIR"] = args.dump_dir
     parallel = report = None
-    with AutoParallel(model, mesh, inputs, device=args.device, mp_policy=mp_policy(args)) as autop:
+    # grad_reduction="mean": each rank's loss is the mean over its own tokens
+    # and gradients are those of the global batch's mean loss, as DDP / FSDP
+    with AutoParallel(
+        model, mesh, inputs, device=args.device, mp_policy=mp_policy(args), grad_reduction="mean"
+    ) as autop:
         autop.add_input_constraints([data_placements(mesh)])
         autop.add_output_constraints([data_placements(mesh)])
         autop.add_parameter_memory_constraint(high=args.memory_high)
@@ -327,7 +331,7 @@ def print_report(
     print(f"  {'plan_report':16s} {t.get('plan_report', 0.0):7.2f} s")
     print(
         f"  {'total':16s} {total:7.2f} s   (peak RSS "
-        f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GB)"
+        f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9:.2f} GB)"
     )
 
     s = plan.solution
@@ -351,7 +355,7 @@ def print_report(
     print("\n== estimated per step and rank ==")
     for line in numbers.step_lines(plan):
         print("  " + line)
-    print("  memory per rank:")
+    print(f"  memory per rank ({memory.UNIT_NOTE}):")
     for line in memory.breakdown(plan).lines():
         print("    " + line)
 
@@ -402,11 +406,12 @@ class ApplyReport:
 
 
 def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+    """Bytes in kB / MB / GB (powers of 10, as every memory figure here)."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} GiB"
+        n /= 1000
+    return f"{n:.1f} GB"
 
 
 def print_apply_report(plan, report: ApplyReport) -> None:
@@ -430,7 +435,7 @@ def print_apply_report(plan, report: ApplyReport) -> None:
     print("\n== collectives: traffic per rank and estimated time ==")
     for line in numbers.collective_lines(plan):
         print(line)
-    print("\n== parallel graph collectives (per step, output bytes per rank) ==")
+    print("\n== parallel graph collectives (per step, output bytes per rank; GB = 10^9 bytes) ==")
     if not report.collectives:
         print("  (none)")
     rows = sorted(report.collectives.items(), key=lambda kv: (kv[0][0] != "forward", kv[0][1], kv[0][2]))
@@ -485,25 +490,22 @@ def run_real(args: argparse.Namespace) -> None:
         placements = data_placements(mesh)
         local_tokens = distribute_tensor(tokens, mesh, placements, src_data_rank=None).to_local().to(device)
         local_labels = distribute_tensor(labels, mesh, placements, src_data_rank=None).to_local().to(device)
-        replicas = batch_replicas(mesh)  # ranks holding the same batch shard
         if rank == 0:
             print("\n== training ==")
         for step in range(args.steps):
             t = time.perf_counter()
             logits = parallel(local_tokens)
-            # sum over this rank's tokens / global count: the dp gradient sum is the mean's gradient
-            loss = (
-                torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), local_labels.flatten(), reduction="sum")
-                / labels.numel()
-            )
+            # the mean over this rank's tokens; grad_reduction="mean" averages
+            # over the data-parallel shards, so the gradients are the global mean's
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), local_labels.flatten())
             opt.zero_grad()
             loss.backward()
             opt.step()
             total = loss.detach().clone()
             dist.all_reduce(total)
             if rank == 0:
-                # the global loss: the mean over all tokens (summed over dp shards)
-                print(f"  step {step}: loss {total.item() / replicas:.4f}  ({time.perf_counter() - t:.2f} s)")
+                # the global loss: the mean of the ranks' (equal-sized) shard means
+                print(f"  step {step}: loss {total.item() / world:.4f}  ({time.perf_counter() - t:.2f} s)")
     finally:
         dist.destroy_process_group()
 

@@ -66,7 +66,7 @@ def test_size_guard_refuses_before_building(fake_world, monkeypatch):
     # the estimate is of the pruned problem, still far over 1 MiB
     assert 2**20 < size.estimated_bytes < unpruned.estimated_bytes
     assert size.distinct_pairs <= size.pairs < unpruned.pairs
-    assert f"{size.pairs:,} option pairs" in msg and "limit of 0.00 GiB" in msg
+    assert f"{size.pairs:,} option pairs" in msg and "limit of 0.00 GB" in msg
     assert "3-D mesh (2, 2, 2)" in msg and "fewer mesh dims" in msg and "max_problem_bytes" in msg
     # the largest matrices are named by their nodes
     n, producer, consumer = size.largest[0]
