@@ -708,4 +708,16 @@ class AutoParallel:
         # what the HTML report draws: the scheduler's timeline and memory curve
         with unset_fake_temporarily():
             plan.timeline = {phase: simulate(gm, self.mesh, self.device) for phase, gm in graphs.items()}
+        from .problem.memory import breakdown
+
+        mem = breakdown(plan)
+        if mem.budget is not None and mem.total > mem.budget * (1 + 1e-9):
+            logger.warning(
+                "memory: the applied step's peak, %.2f GB per rank, exceeds the memory budget of %.2f GB (the "
+                "planner's estimate was %.2f GB: transients it leaves out); lower add_memory_budget by the "
+                "difference and plan again",
+                mem.total / 1e9,
+                mem.budget / 1e9,
+                mem.planned / 1e9,
+            )
         return model
