@@ -199,8 +199,7 @@ def main(argv=None) -> None:
     for k, v in _experts_op_choice(plan).items():
         print(f"  {v} x {k}")
     print(
-        f"parameters per rank {plan.parameter_bytes_per_rank / 1e9:.3f} GB of "
-        f"{plan.parameter_bytes_total / 1e9:.3f} GB"
+        f"parameters per rank {plan.parameter_bytes_per_rank / 1e9:.3f} GB of {plan.parameter_bytes_total / 1e9:.3f} GB"
     )
     # the MoE all-to-all mode's in-op exchanges count as its compute (they block it)
     print(f"estimated step: compute {plan.compute_cost * 1e3:.1f} ms, communication {plan.comm_cost * 1e3:.1f} ms")
