@@ -26,6 +26,7 @@ from torch.distributed.tensor.placement_types import Placement
 import solver
 
 from . import agreement, cost_model, preflight, validation
+from . import mesh_roles as mesh_roles_mod
 from .options import rules  # noqa: F401 - rules register on import
 from .problem import coarse_seed, infeasibility
 from .problem import memory_budget as memory_budget_mod
@@ -109,6 +110,19 @@ class AutoParallel:
             checked against the example inputs' shapes and the mesh before
             tracing (a batch that does not split over the data-parallel
             ranks fails in the first second, not after the trace).
+        mesh_roles: what each mesh dim is for (:mod:`autoparallel.mesh_roles`):
+            a dict of dim name -> ``"replicate"`` (HSDP / DDP: parameters
+            replicated, gradients all-reduced), ``"shard"`` (FSDP),
+            ``"tp"``, ``"cp"`` or ``"ep"`` (routed experts with all-to-all
+            dispatch). ``None`` (default): from torchtitan's dim names
+            (``dp_replicate``, ``dp_shard``, ``cp``, ``tp``, ``ep``); ``{}``:
+            no roles, the planner is free on every dim.
+        grad_reduction: ``"sum"`` (default): parameter gradients are those
+            of the sum of the ranks' losses, each shard of an output counted
+            once; ``"mean"``: of their mean over the output's shards, as DDP
+            and FSDP average: with each rank's loss the mean over its local
+            batch, gradients equal a single device's for the global batch
+            and a mean loss.
     """
 
     def __init__(
@@ -129,6 +143,8 @@ class AutoParallel:
         memory_budget: bool = True,
         option_pricing: bool | None = None,
         input_constraints: Sequence[Sequence[Placement] | None] | None = None,
+        mesh_roles: dict[str | int, str] | None = None,
+        grad_reduction: str = "sum",
     ):
         validation.check_arguments(
             model=model,
@@ -174,6 +190,15 @@ class AutoParallel:
             )
         self._memory_budget = memory_budget_mod.MemoryBudget(enabled=memory_budget)
         self._input_constraints = input_constraints
+        self.mesh_roles = mesh_roles_mod.resolve(mesh, mesh_roles)
+        if self.mesh_roles:
+            self._constraint_log[mesh_roles_mod.LOG_KEY] = mesh_roles_mod.describe(mesh, self.mesh_roles)
+        if grad_reduction not in ("sum", "mean"):
+            raise ValueError(
+                f"grad_reduction must be 'sum' (gradients of the sum of the ranks' losses) or 'mean' (of their "
+                f"mean over the data-parallel shards, as DDP and FSDP), got {grad_reduction!r}"
+            )
+        self.grad_reduction = grad_reduction
         self._stack: contextlib.ExitStack | None = None
         self._closed = False
         self.traced: TracedStep | None = None
@@ -397,8 +422,10 @@ class AutoParallel:
         c = self._constraints
         narrowed = strategies is not None
         strategies = self.strategies if strategies is None else strategies
+        if not narrowed:
+            self._apply_mesh_roles()
         infeasibility.check_memory_budget(
-            self.traced, self.strategies, self.mesh, c.pins, c.memory_low, c.memory_high, self.repeats
+            self.traced, self.strategies, self.mesh, c.pins, c.memory_low, c.memory_high, self.repeats, c.option_rules
         )
         step_memory = self._check_step_memory()
         constraints = dataclasses.replace(c, prune_options=False, option_pricing=False) if narrowed else c
@@ -425,6 +452,40 @@ class AutoParallel:
                     )
                 )
         return self.built
+
+    def _apply_mesh_roles(self) -> None:
+        """The roles' option rules, and (every dim with a role) their layout
+        of the tensor inputs and outputs no constraint pinned."""
+        if not self.mesh_roles:
+            return
+        c = self._constraints
+        c.option_rules = mesh_roles_mod.option_rules(self.traced, self.strategies, self.mesh, self.mesh_roles)
+        placements = mesh_roles_mod.io_placements(self.mesh, self.mesh_roles)
+        if placements is None:
+            return
+        ends = [("input", i, n, None) for i, n in enumerate(self.traced.input_nodes)]
+        ends += [("output", i, n, self.traced.tangent_nodes.get(i)) for i, n in enumerate(self.traced.output_nodes)]
+        for kind, i, node, tangent in ends:
+            if node is None or node.name in c.pins or node not in self.strategies:
+                continue
+            cname = f"{mesh_roles_mod.LOG_KEY} ({kind} {i})"
+            try:
+                checked = self._check_placements(placements, node, cname)
+            except ConstraintError:
+                checked = None
+            usable = checked is not None and all(
+                n is None
+                or n not in self.strategies
+                or infeasibility.explain_unavailable_layout(
+                    cname, kind, n, checked, self.strategies[n].options, self.mesh
+                )
+                is None
+                for n in (node, tangent)
+            )
+            if not usable:
+                logger.info("%s: %s does not split as %s; left to the planner", cname, node.name, placements)
+                continue
+            self._pin(node, checked, cname, f"{kind} {i}")
 
     def _check_step_memory(self) -> memory_budget_mod.StepMemoryModel:
         """The step's memory terms; the budget's entry in the constraint
@@ -725,4 +786,16 @@ class AutoParallel:
         # what the HTML report draws: the scheduler's timeline and memory curve
         with unset_fake_temporarily():
             plan.timeline = {phase: simulate(gm, self.mesh, self.device) for phase, gm in graphs.items()}
+        from .problem.memory import breakdown
+
+        mem = breakdown(plan)
+        if mem.budget is not None and mem.total > mem.budget * (1 + 1e-9):
+            logger.warning(
+                "memory: the applied step's peak, %.2f GB per rank, exceeds the memory budget of %.2f GB (the "
+                "planner's estimate was %.2f GB: transients it leaves out); lower add_memory_budget by the "
+                "difference and plan again",
+                mem.total / 1e9,
+                mem.budget / 1e9,
+                mem.planned / 1e9,
+            )
         return model

@@ -218,7 +218,7 @@ class Plan:
             lines += ["  " + line for line in words.LEGEND]
         lines += ["  " + line for line in numbers.step_lines(self)]
         lines += ["  " + line for line in baseline_table.table_lines(self)]
-        lines.append("  memory per rank:")
+        lines.append(f"  memory per rank ({memory.UNIT_NOTE}):")
         lines += ["    " + line for line in memory.breakdown(self).lines()]
         lines.append("  collectives per step and rank:")
         lines += ["  " + line for line in numbers.collective_lines(self)]

@@ -39,7 +39,9 @@ def add_chunk_argument(parser, default: dict[str, str]) -> None:
 
 def pin_expert_parallel(autop, mesh) -> int:
     """Constrain stacked expert weights (``*.moe.w1/w2/w3``) to EP on the
-    last mesh dim x FSDP (hidden dim) on the others; returns how many."""
+    last mesh dim x FSDP (hidden dim) on the others; returns how many. This
+    pins the weights' layout only; all-to-all token dispatch is asked for
+    by the mesh role ``"ep"`` (``AutoParallel(..., mesh_roles={dim: "ep"})``)."""
     from torch.distributed.tensor import Shard
 
     pin = tuple(Shard(2) for _ in range(mesh.ndim - 1)) + (Shard(0),)

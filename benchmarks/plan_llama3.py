@@ -177,8 +177,8 @@ def main(argv=None) -> None:
     print("plan")
     print(f"  status {s.status} ({s.backend}, gap {s.gap})")
     print(
-        f"  parameters per rank {plan.parameter_bytes_per_rank / 2**30:.3f} GiB"
-        f" of {plan.parameter_bytes_total / 2**30:.3f} GiB"
+        f"  parameters per rank {plan.parameter_bytes_per_rank / 1e9:.3f} GB"
+        f" of {plan.parameter_bytes_total / 1e9:.3f} GB"
     )
     print(
         f"  estimated per step: compute {plan.compute_cost * 1e3:.2f} ms, communication {plan.comm_cost * 1e3:.2f} ms"
@@ -263,7 +263,7 @@ def _print_apply(applied: dict, plan) -> None:
     for label, r in applied.items():
         print(
             f"  {label:10s} {r['wall']:7.2f} s wall, {r['cpu']:7.2f} s CPU; saved for backward "
-            f"{r['saved_bytes'] / 2**30:.2f} GiB per rank; layers {'folded' if r['folded'] else 'not folded'}"
+            f"{r['saved_bytes'] / 1e9:.2f} GB per rank; layers {'folded' if r['folded'] else 'not folded'}"
             + (f"; graphs vs the folded apply: {r['same_graphs']}" if "same_graphs" in r else "")
         )
     print("  collectives per graph (without -> with passes)")
@@ -291,7 +291,7 @@ def _print_buckets(applied: dict, plan) -> None:
     for kind, s in stats.items():
         print(
             f"    {kind:8s} {s.buckets} buckets replace {s.collectives_merged} {s.by_kind}; "
-            f"est. peak {s.peak_memory_before / 2**30:.2f} -> {s.peak_memory_after / 2**30:.2f} GiB "
+            f"est. peak {s.peak_memory_before / 1e9:.2f} -> {s.peak_memory_after / 1e9:.2f} GB "
             f"(bucket_bytes {s.bucket_bytes_used >> 20} MiB)"
         )
 

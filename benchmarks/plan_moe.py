@@ -142,11 +142,9 @@ def main(argv=None) -> None:
     for n in a.mesh:
         world *= n
     names = ("dp", "ep") if len(a.mesh) == 2 else tuple(f"d{i}" for i in range(len(a.mesh)))
-    if a.force_a2a_dim is not None:
-        import autoparallel.options.rules.moe as rules
-
-        ok, d = rules._expert_sharding_ok, a.force_a2a_dim
-        rules._expert_sharding_ok = lambda names: ok(names) and names[d].startswith("A")
+    # the role 'ep' asks for all-to-all expert dispatch on that dim; no
+    # roles otherwise (the mesh's "ep" name would give one)
+    roles = {a.force_a2a_dim: "ep"} if a.force_a2a_dim is not None else {}
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     mesh = init_device_mesh("cpu", tuple(a.mesh), mesh_dim_names=names)
     base = MOE_CONFIGS[a.model]
@@ -159,7 +157,7 @@ def main(argv=None) -> None:
     x = torch.empty(batch, a.seq, dtype=torch.long, device="meta")
     constraint = [(Shard(0),) * len(a.mesh)]
     t0, c0 = time.perf_counter(), time.process_time()
-    with AutoParallel(model, mesh, x) as autop:
+    with AutoParallel(model, mesh, x, mesh_roles=roles) as autop:
         autop.add_input_constraints(constraint)
         autop.add_output_constraints(constraint)
         if a.pin_ep:
@@ -201,8 +199,7 @@ def main(argv=None) -> None:
     for k, v in _experts_op_choice(plan).items():
         print(f"  {v} x {k}")
     print(
-        f"parameters per rank {plan.parameter_bytes_per_rank / 2**30:.3f} GiB of "
-        f"{plan.parameter_bytes_total / 2**30:.3f} GiB"
+        f"parameters per rank {plan.parameter_bytes_per_rank / 1e9:.3f} GB of {plan.parameter_bytes_total / 1e9:.3f} GB"
     )
     # the MoE all-to-all mode's in-op exchanges count as its compute (they block it)
     print(f"estimated step: compute {plan.compute_cost * 1e3:.1f} ms, communication {plan.comm_cost * 1e3:.1f} ms")

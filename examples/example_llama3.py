@@ -237,8 +237,16 @@ def plan_model(args: argparse.Namespace, mesh, model, config):
         os.makedirs(args.dump_dir, exist_ok=True)
         os.environ["AUTOPARALLEL_DUMP_DIR"] = args.dump_dir
     parallel = report = None
+    # grad_reduction="mean": each rank's loss is the mean over its own tokens
+    # and gradients are those of the global batch's mean loss, as DDP / FSDP
     with AutoParallel(
-        model, mesh, inputs, device=args.device, mp_policy=mp_policy(args), input_constraints=[data_placements(mesh)]
+        model,
+        mesh,
+        inputs,
+        device=args.device,
+        mp_policy=mp_policy(args),
+        input_constraints=[data_placements(mesh)],
+        grad_reduction="mean",
     ) as autop:
         autop.add_output_constraints([data_placements(mesh)])
         autop.add_parameter_memory_constraint(high=args.memory_high)
@@ -422,7 +430,7 @@ def print_report(
     print("\n== estimated per step and rank ==")
     for line in numbers.step_lines(plan):
         print("  " + line)
-    print("  memory per rank:")
+    print(f"  memory per rank ({memory.UNIT_NOTE}):")
     for line in memory.breakdown(plan).lines():
         print("    " + line)
     if plan.baselines:
@@ -497,7 +505,7 @@ def print_apply_report(plan, report: ApplyReport) -> None:
     print("\n== collectives: traffic per rank and estimated time ==")
     for line in numbers.collective_lines(plan):
         print(line)
-    print("\n== parallel graph collectives (per step, output bytes per rank) ==")
+    print("\n== parallel graph collectives (per step, output bytes per rank; GB = 10^9 bytes) ==")
     if not report.collectives:
         print("  (none)")
         return
@@ -596,25 +604,22 @@ def run_real(args: argparse.Namespace) -> None:
         placements = data_placements(mesh)
         local_tokens = distribute_tensor(tokens, mesh, placements, src_data_rank=None).to_local().to(device)
         local_labels = distribute_tensor(labels, mesh, placements, src_data_rank=None).to_local().to(device)
-        replicas = batch_replicas(mesh)  # ranks holding the same batch shard
         meter = StepMeter(model, config, args, world, device)
         if rank == 0:
             print(f"\n== training ({meter.describe()}) ==")
         for step in range(args.steps):
             t = time.perf_counter()
             logits = parallel(local_tokens)
-            # sum over this rank's tokens / global count: the dp gradient sum is the mean's gradient
-            loss = (
-                torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), local_labels.flatten(), reduction="sum")
-                / labels.numel()
-            )
+            # the mean over this rank's tokens; grad_reduction="mean" averages
+            # over the data-parallel shards, so the gradients are the global mean's
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), local_labels.flatten())
             opt.zero_grad()
             loss.backward()
             opt.step()
             total = loss.detach().clone()
             dist.all_reduce(total)
-            # the global loss: the mean over all tokens (summed over dp shards); .item() waits for the step
-            global_loss = total.item() / replicas
+            # the global loss: the mean of the ranks' (equal-sized) shard means; .item() waits for the step
+            global_loss = total.item() / world
             logger.info("%s", meter.line(step, global_loss, time.perf_counter() - t))
     finally:
         dist.destroy_process_group()

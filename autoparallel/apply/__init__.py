@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor.placement_types import Shard, _StridedShard
 from torch.utils._pytree import tree_flatten_with_path
 
 from .. import passes
@@ -123,6 +124,25 @@ def _apply_folded(autop: "AutoParallel", ctx: "passes.PassContext", disabled, pa
     return local, graphs, joint_stats
 
 
+def grad_scales(local: LocalJoint, grad_reduction: str) -> list[float]:
+    """Per differentiable output, what its incoming gradient is multiplied
+    by: 1 for ``"sum"``; for ``"mean"``, 1 / the number of shards the
+    output's layout cuts it into (the mesh dims it is sharded over), so the
+    parameter gradients are those of the mean of the shards' losses (DDP's
+    and FSDP's average over data-parallel ranks; a replicated output, such
+    as a loss the model computes itself, is not scaled)."""
+    scales = []
+    for i in local.differentiable_outputs:
+        spec = local.output_specs[i]
+        shards = 1
+        if grad_reduction == "mean":
+            for d, p in enumerate(spec.placements):
+                if isinstance(p, (Shard, _StridedShard)):
+                    shards *= local.mesh.size(d)
+        scales.append(1.0 / shards)
+    return scales
+
+
 def apply_placement(
     autop: "AutoParallel",
     plan: "Plan",
@@ -175,7 +195,7 @@ def apply_placement(
     stats.update(joint_stats)
     stats.update(passes.run_stage("graphs", ctx, disabled, graphs.fw, graphs.bw))
     plan.pass_stats = stats
-    step = ParallelStep(local, graphs)
+    step = ParallelStep(local, graphs, grad_scales=grad_scales(local, getattr(autop, "grad_reduction", "sum")))
     if cudagraphs:
         check_capturable(graphs)
         step.cuda_graphs = CudaGraphSession(static_inputs(local, graphs))

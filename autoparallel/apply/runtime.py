@@ -8,7 +8,7 @@ from there, through ``DTensor.to_local``, the DTensor parameters).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,9 @@ class ParallelStep:
     graphs: StepGraphs
     # Set when the module runs its graphs as captured CUDA graphs.
     cuda_graphs: CudaGraphSession | None = None
+    # per differentiable output, the factor its incoming gradient is scaled
+    # by (grad_reduction="mean": 1 / the number of shards of that output)
+    grad_scales: list[float] = field(default_factory=list)
 
     def __call__(self, primals: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         return _StepFunction.apply(self, *primals)
@@ -61,14 +64,15 @@ class _StepFunction(torch.autograd.Function):
         local, g = step.local, step.graphs
         saved = ctx.saved_tensors
         tangents = []
-        for i in local.differentiable_outputs:
+        scales = step.grad_scales or [1.0] * len(local.differentiable_outputs)
+        for i, scale in zip(local.differentiable_outputs, scales):
             t = grad_outputs[i]
             if t is None:
                 spec = local.output_specs[i]
                 t = torch.zeros(
                     local_shape(spec), dtype=spec.tensor_meta.dtype, device=saved[0].device if saved else None
                 )
-            tangents.append(t.contiguous())
+            tangents.append(t.contiguous() if scale == 1.0 else t.contiguous() * scale)
         args = [saved[j] if kind == "saved" else tangents[j] for kind, j in g.bw_inputs]
         grads = step.run_backward(args)
         n_params = len(local.param_fqns)

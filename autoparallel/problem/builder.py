@@ -44,6 +44,7 @@ from ..cost_model.compute import _spec_sig  # the cost model's view of a spec, f
 from ..cost_model.edge_costs import clear_caches as clear_edge_cost_caches
 from .edge_matrices import EdgeMatrices, gradient_partners
 from ..options.pruning import PruneStats, prune_partials
+from .option_rules import OptionRule, allowed_mask
 from .size import (  # noqa: F401  (the size guard, re-exported)
     DEFAULT_MAX_PROBLEM_BYTES,
     ProblemSize,
@@ -103,6 +104,9 @@ class Constraints:
     # estimate exceeds max_problem_bytes (then max_problem_bytes bounds the
     # lazy estimate instead).
     option_pricing: bool | None = None
+    # decision name -> rules allowing a set of its options by placement on
+    # one mesh dim (autoparallel.problem.option_rules; mesh-dim roles)
+    option_rules: dict[str, list[OptionRule]] = field(default_factory=dict)
 
 
 @dataclass
@@ -216,6 +220,8 @@ def _frozen_nodes(traced, strategies, constraints: Constraints, repeats) -> set[
     for node in strategies:
         pin = constraints.pins.get(node.name)
         if pin is not None and any(p.is_partial() for p in _flat_placements(pin[1])):
+            frozen.add(node)
+        if any(r.output == "P" for r in constraints.option_rules.get(node.name, ())):
             frozen.add(node)
     return frozen
 
@@ -332,9 +338,9 @@ def build_problem(
         lazy = constraints.max_problem_bytes is not None and size.estimated_bytes > constraints.max_problem_bytes
         if lazy:
             logger.info(
-                "dense problem estimated at %.2f GiB, over max_problem_bytes (%.2f GiB): lazy edge matrices and option pricing",
-                size.estimated_bytes / 2**30,
-                constraints.max_problem_bytes / 2**30,
+                "dense problem estimated at %.2f GB, over max_problem_bytes (%.2f GB): lazy edge matrices and option pricing",
+                size.estimated_bytes / 1e9,
+                constraints.max_problem_bytes / 1e9,
             )
     if lazy:
         check_lazy_size(size, mesh, constraints.max_problem_bytes)
@@ -402,6 +408,14 @@ def build_problem(
             i for i, o in enumerate(strategies[node].options) if placements_of(o.output_specs) == tuple(placements)
         ]
         pins.append(solver.Pin(cname, name, allowed))
+    by_name = {n.name: n for n in nodes}
+    for name, rules in constraints.option_rules.items():
+        node = by_name.get(name)
+        if node is None:
+            continue
+        for rule in rules:
+            allowed = [i for i, o in enumerate(strategies[node].options) if rule.allows(o)]
+            pins.append(solver.Pin(rule.name, name, allowed))
 
     resources = [_memory_constraint(traced, strategies, mesh, constraints, repeats)]
 
@@ -453,7 +467,19 @@ def _option_mapping(ref: list[Option], other: list[Option]) -> list[int | None]:
     return [index.get((placements_of(o.output_specs), placements_of(o.input_specs))) for o in ref]
 
 
-def param_floor(traced, strategies, weights: dict[str, list[float]], repeats=None) -> dict[str, float]:
+def rule_masks(traced, strategies, option_rules: dict[str, list[OptionRule]]) -> dict[str, list[bool]]:
+    """Per parameter (by fqn) with option rules, which of its options they allow."""
+    masks = {}
+    for fqn, node in traced.param_nodes.items():
+        rules = option_rules.get(node.name)
+        if rules and node in strategies:
+            masks[fqn] = allowed_mask(rules, strategies[node].options)
+    return masks
+
+
+def param_floor(
+    traced, strategies, weights: dict[str, list[float]], repeats=None, allowed: dict[str, list[bool]] | None = None
+) -> dict[str, float]:
     """Per parameter (by fqn), its bytes per rank in the least-memory plan
     of all parameters: what the default budget, "every parameter as
     sharded as the mesh allows", can reach. ``weights``: per fqn, the
@@ -466,7 +492,9 @@ def param_floor(traced, strategies, weights: dict[str, list[float]], repeats=Non
     their copies (a link), so a group of linked parameters has the option
     that every copy can take with the least bytes in all (GPT-2 on 2x2x2:
     the last layer's projection bias gradient has no sharded option while
-    the first layer's has).
+    the first layer's has). ``allowed``: per fqn, the options its option
+    rules leave (:func:`rule_masks`; a mesh-dim role keeping it replicated
+    over a dim).
     """
     partners: dict[tuple, list[bool]] = {}
     ok: dict[str, list[bool]] = {}
@@ -481,6 +509,9 @@ def param_floor(traced, strategies, weights: dict[str, list[float]], repeats=Non
         if key not in partners:
             partners[key] = gradient_partners(strategies[node].options, strategies[grad].options)
         ok[fqn] = partners[key]
+    for fqn, mask in (allowed or {}).items():
+        if fqn in ok and any(a and b for a, b in zip(ok[fqn], mask)):
+            ok[fqn] = [a and b for a, b in zip(ok[fqn], mask)]
     fqn_of = {node: fqn for fqn, node in traced.param_nodes.items() if fqn in weights}
     copies: dict[str, list[tuple[str, np.ndarray]]] = {}  # reference fqn -> (copy, option mapping, -1: none)
     mappings: dict[tuple[int, int], np.ndarray] = {}
@@ -543,7 +574,8 @@ def _memory_constraint(traced, strategies, mesh, constraints: Constraints, repea
     terms = {traced.param_nodes[fqn].name: weights for fqn, weights in by_fqn.items()}
     vals = [traced.param_nodes[fqn].meta["val"] for fqn in by_fqn]
     total = float(sum(v.numel() * v.element_size() for v in vals))
-    smallest = sum(param_floor(traced, strategies, by_fqn, repeats).values())
+    masks = rule_masks(traced, strategies, constraints.option_rules)
+    smallest = sum(param_floor(traced, strategies, by_fqn, repeats, masks).values())
     high = smallest if constraints.memory_high is None else constraints.memory_high * total
     low = None if constraints.memory_low is None else constraints.memory_low * total
     # Bytes are exact integers; a relative slack keeps float round-off from

@@ -219,7 +219,13 @@ def _coarse_problem(
             logger.info("coarse mesh merging dims %d and %d: %s places them differently, skipped", i, i + 1, cname)
             return None
         pins[name] = (cname, merged)
-    coarse_constraints = dataclasses.replace(constraints, pins=pins, option_pricing=False)
+    # a rule on dim i or i + 1 holds on the merged dim (its plans lift to the
+    # same placement on both); later dims shift down by one
+    rules = {
+        name: [dataclasses.replace(r, mesh_dim=r.mesh_dim - (r.mesh_dim > i)) for r in node_rules]
+        for name, node_rules in constraints.option_rules.items()
+    }
+    coarse_constraints = dataclasses.replace(constraints, pins=pins, option_rules=rules, option_pricing=False)
     coarse_strategies = StrategyEnumerator(coarse).enumerate(traced.gm, set(traced.param_nodes.values()))
     try:
         built = build_problem(

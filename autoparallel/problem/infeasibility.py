@@ -114,17 +114,20 @@ def check_memory_budget(
     low: float | None,
     high: float | None,
     repeats: Any = None,
+    option_rules: dict | None = None,
 ) -> None:
     """The budget ``[low, high]`` (fractions of replicated parameter bytes)
     must meet the range the parameters' options reach, given the pins on
     parameters. ``high=None`` is "every parameter as sharded as the mesh
     allows" (as far as its gradient can follow and its repeated layers
     agree: :func:`~autoparallel.problem.builder.param_floor`), which a pin
-    to a less sharded layout breaks."""
-    from .builder import param_floor, param_option_bytes
+    to a less sharded layout breaks. ``option_rules`` (mesh-dim roles:
+    parameters kept replicated over a dim) narrow what "as sharded as the
+    mesh allows" reaches."""
+    from .builder import param_floor, param_option_bytes, rule_masks
 
     weights = param_option_bytes(traced, strategies, mesh)
-    floor = param_floor(traced, strategies, weights, repeats)
+    floor = param_floor(traced, strategies, weights, repeats, rule_masks(traced, strategies, option_rules or {}))
     total = smallest = largest = unpinned_smallest = 0.0
     pinned: list[tuple[str, str]] = []  # (constraint name, what it pins)
     for fqn, node in traced.param_nodes.items():

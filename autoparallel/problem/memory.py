@@ -7,12 +7,14 @@ placement shards it over. :func:`param_state_bytes` is that coefficient per
 option, so an ILP can bound the sum the way the parameter-memory
 constraint does; :func:`breakdown` reports a plan's memory per rank.
 
-For plans made with the step's memory model (every plan since the memory
-budget, :mod:`autoparallel.problem.memory_budget`), :func:`breakdown` gives the very
-estimate the ILP bounded (parameters, gradients, optimizer state, activations
-saved for backward) and compares it with the budget and the HBM; the overlap
-scheduler's live-bytes peak, once applied, is reported beside it. Older plans
-get parameters from their placements and activations from that peak.
+One figure, in GB (10^9 bytes): the peak per rank = parameters + gradients
++ optimizer state + the peak of activations and transients. Once applied,
+that peak is the overlap scheduler's live-bytes peak of the forward and
+backward graphs; before, the planner's estimate (activations saved for
+backward, the step's outputs and their gradients), which is what the memory
+budget (:mod:`autoparallel.problem.memory_budget`) bounds. Plans made
+without the step's memory model get parameters from their placements and
+activations from the scheduler's peak.
 """
 
 from __future__ import annotations
@@ -66,14 +68,28 @@ def param_state_bytes(
     return local * param_bytes, local * grad_bytes, opt
 
 
+# Every memory figure the project prints is in GB, 10^9 bytes (as HBM sizes
+# are quoted: an H100 has 80 GB).
+GB = 1e9
+UNIT_NOTE = "GB = 10^9 bytes"
+
+
 @dataclass
 class MemoryBreakdown:
-    """Bytes per rank."""
+    """Bytes per rank.
+
+    The one figure is :attr:`total`, the peak per rank: parameters +
+    gradients + optimizer state + the peak of activations and transients.
+    Once the plan is applied that peak is the overlap scheduler's live-bytes
+    peak of the forward and backward graphs (:attr:`scheduler_activations`);
+    before, the planner's estimate: activations saved for backward plus the
+    step's outputs and their incoming gradients (:attr:`planned`, what the
+    memory budget's ILP row bounds)."""
 
     parameters: float
     gradients: float
     optimizer: float
-    activations: float  # peak of activations and transient buffers
+    activations: float  # saved for backward (the planner's estimate), or the scheduler's peak for older plans
     hbm: float  # device memory, bytes
     optimizer_name: str = "AdamW"
     activations_source: str = ""
@@ -81,50 +97,97 @@ class MemoryBreakdown:
     # the memory budget the plan was made under (None: none), how it was set
     budget: float | None = None
     budget_source: str = ""
-    # the overlap scheduler's activations peak, when the estimate is the
-    # budget's (saved activations)
+    # activations and transients at the overlap scheduler's live-bytes
+    # peak, once applied (outputs and their gradients included)
     scheduler_activations: float | None = None
+    # the step's outputs and their incoming gradients (the planner's estimate)
+    outputs: float = 0.0
+
+    @property
+    def state(self) -> float:
+        """Parameters, gradients and optimizer state."""
+        return self.parameters + self.gradients + self.optimizer
+
+    @property
+    def planned(self) -> float:
+        """The planner's estimate, which the memory budget bounds."""
+        return self.state + self.activations + self.outputs
+
+    @property
+    def peak_activations(self) -> float:
+        """Activations and transients at the step's peak: the scheduler's
+        once applied, else the planner's saved activations and outputs."""
+        if self.scheduler_activations is not None:
+            return self.scheduler_activations
+        return self.activations + self.outputs
 
     @property
     def total(self) -> float:
-        return self.parameters + self.gradients + self.optimizer + self.activations
+        """The peak per rank: :attr:`state` + :attr:`peak_activations`."""
+        return self.state + self.peak_activations
 
     @property
     def fits(self) -> bool:
         return self.total <= self.hbm and (self.budget is None or self.total <= self.budget * (1 + 1e-9))
 
     def lines(self) -> list[str]:
-        g = 1e9
+        applied = self.scheduler_activations is not None
         out = [
             f"parameters   {_size(self.parameters):>10s}",
             f"gradients    {_size(self.gradients):>10s}",
             f"optimizer    {_size(self.optimizer):>10s} ({self.optimizer_name})",
-            f"activations  {_size(self.activations):>10s}"
-            + (f" ({self.activations_source})" if self.activations_source else ""),
-            f"total        {_size(self.total):>10s} of {self.hbm / g:.0f} GB HBM ({100 * self.total / self.hbm:.0f}%)",
         ]
-        if self.budget is not None:
+        planned_parts = f"saved activations {_size(self.activations)}" + (
+            f" + outputs and their gradients {_size(self.outputs)}" if self.outputs else ""
+        )
+        if applied:
             out.append(
-                f"budget       {_size(self.budget):>10s} ({self.budget_source}): estimate "
-                f"{100 * self.total / self.budget:.0f}% of it"
+                f"activations  {_size(self.scheduler_activations):>10s} (activations and transients at the overlap "
+                f"scheduler's live-bytes peak; the planner estimated {planned_parts})"
             )
+        else:
+            out.append(
+                f"activations  {_size(self.activations):>10s}"
+                + (f" ({self.activations_source})" if self.activations_source else "")
+            )
+            if self.outputs:
+                out.append(f"outputs      {_size(self.outputs):>10s} (the step's outputs and their incoming gradients)")
+        out.append(
+            f"peak         {_size(self.total):>10s} per rank of {self.hbm / GB:.0f} GB HBM "
+            f"({100 * self.total / self.hbm:.0f}%)"
+            + (
+                ""
+                if applied
+                else "; the planner's estimate: apply the plan for the scheduler's peak with all transients"
+            )
+        )
+        if self.budget is not None:
+            line = (
+                f"budget       {_size(self.budget):>10s} ({self.budget_source}): bounds the planner's estimate, "
+                f"{_size(self.planned)} ({100 * self.planned / self.budget:.0f}%)"
+            )
+            if applied:
+                line += f"; the peak is {100 * self.total / self.budget:.0f}% of it"
+            out.append(line)
+            if applied and self.total > self.budget * (1 + 1e-9):
+                out.append(
+                    f"WARNING: the peak, {_size(self.total)}, exceeds the budget: transients the planner's estimate "
+                    "leaves out (gathered weights, activation gradients, communication buffers); lower the budget "
+                    "(add_memory_budget) by the difference and plan again"
+                )
         elif self.budget_source:
             out.append(f"budget       none ({self.budget_source})")
-        if self.scheduler_activations is not None:
-            out.append(
-                f"activations and transients at the overlap scheduler's live-bytes peak: "
-                f"{_size(self.scheduler_activations)}"
-            )
         if self.total > self.hbm:
             out.append(
-                f"WARNING: does not fit: {self.total / g:.1f} GB needed per rank, the device has "
-                f"{self.hbm / g:.0f} GB (shard more, recompute more, or use a smaller batch)"
+                f"WARNING: does not fit: {_size(self.total)} needed per rank, the device has "
+                f"{self.hbm / GB:.0f} GB (shard more, recompute more, or use a smaller batch)"
             )
         return out + self.notes
 
 
 def _size(b: float) -> str:
-    for unit, f in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    """Bytes in GB, MB or kB (powers of 10, as :data:`GB`)."""
+    for unit, f in (("GB", GB), ("MB", 1e6), ("kB", 1e3)):
         if b >= f:
             return f"{b / f:.2f} {unit}"
     return f"{int(b)} B"
@@ -163,13 +226,10 @@ def breakdown(plan, *, optimizer: OptimizerSpec | None = None, hbm_bytes: float 
         )
         params, grads, opt = params + p, grads + g, opt + o
     notes = hbm_notes
-    activations, source = 0.0, ""
     peak = _scheduler_activations(plan, params, grads)
-    if peak is not None:
-        activations, source = peak, "scheduler's live-bytes peak less parameters and gradients"
-    else:
+    if peak is None:
         notes.append("activations not estimated: apply the plan (the overlap scheduler measures them)")
-    return MemoryBreakdown(params, grads, opt, activations, hbm_bytes, optimizer.name, source, notes)
+    return MemoryBreakdown(params, grads, opt, 0.0, hbm_bytes, optimizer.name, "", notes, scheduler_activations=peak)
 
 
 def _scheduler_activations(plan, params: float, grads: float) -> float | None:
@@ -215,6 +275,7 @@ def _budget_breakdown(plan, entry: dict, optimizer: OptimizerSpec | None, hbm: f
         budget=entry.get("budget_bytes"),
         budget_source=entry.get("source", ""),
         scheduler_activations=_scheduler_activations(plan, est["parameters"], est["gradients"]),
+        outputs=est.get("outputs", 0.0),
     )
 
 

@@ -80,7 +80,9 @@ BUDGET_NAME = "memory budget"
 # activation gradients) beyond the saved activations.
 DEFAULT_HBM_MARGIN = 0.10
 
-CATEGORIES = ("parameters", "gradients", "optimizer", "activations")
+# "outputs": the step's outputs (held by the caller through its loss) and
+# their incoming gradients, by their layout
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "outputs")
 
 # -- the budget the user asked for -------------------------------------------------
 
@@ -269,6 +271,18 @@ def step_memory_model(
         terms.setdefault(node.name, {})["activations"] = float(nbytes(node))
         counted.add(node)
     recomputed_inputs = redistributed_inputs(traced.gm, strategies, chain, remade, counted, terms)
+    # the outputs live from the forward's end through the caller's loss and
+    # backward, their gradients from the backward's start: the largest
+    # buffers beyond the saved activations (LLaMA's logits)
+    ends = list(traced.output_nodes) + list(traced.tangent_nodes.values())
+    for node in ends:
+        strat = strategies.get(node)
+        if node in counted or strat is None or not isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        if strat.getitem_index is None and not single_output(strat):
+            continue
+        terms.setdefault(node.name, {})["outputs"] = float(nbytes(node))
+        counted.add(node)
     if skipped:
         logger.warning("memory model: %d saved values without a single-output decision not counted", skipped)
     return StepMemoryModel(

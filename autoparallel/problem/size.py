@@ -70,7 +70,7 @@ class ProblemSize:
         return (
             f"{self.decisions} decisions, {self.options} options, {self.edges} edges, "
             f"{self.pairs:,} option pairs ({self.distinct_pairs:,} in distinct matrices), "
-            f"estimated {self.estimated_bytes / 2**30:.2f} GiB"
+            f"estimated {self.estimated_bytes / 1e9:.2f} GB"
         )
 
 
@@ -154,7 +154,7 @@ def check_problem_size(size: ProblemSize, mesh: DeviceMesh, limit: float | None)
     )
     raise ProblemTooLarge(
         f"planning problem too large to build: {size.describe()}, over the limit of "
-        f"{limit / 2**30:.2f} GiB (max_problem_bytes). Why: on a {mesh.ndim}-D mesh "
+        f"{limit / 1e9:.2f} GB (max_problem_bytes). Why: on a {mesh.ndim}-D mesh "
         f"{tuple(mesh.shape)} each node's options are the product of its per-mesh-dim "
         f"placements and every edge holds options x options costs; largest edge matrices: "
         f"{biggest}; op kinds with the most pairs: {ops}. To change: plan on fewer mesh dims (flatten data-parallel dims into one, "
@@ -176,8 +176,8 @@ def check_lazy_size(size: ProblemSize, mesh: DeviceMesh, limit: float | None) ->
         f"planning problem too large even with lazy edge matrices: {size.decisions} decisions, "
         f"{size.options:,} options ({size.distinct_options:,} in distinct option lists), "
         f"{size.distinct_lines:,} rows and columns of distinct edge "
-        f"matrices, estimated {size.lazy_bytes / 2**30:.2f} GiB, over the limit of "
-        f"{limit / 2**30:.2f} GiB (max_problem_bytes). Why: on a {mesh.ndim}-D mesh "
+        f"matrices, estimated {size.lazy_bytes / 1e9:.2f} GB, over the limit of "
+        f"{limit / 1e9:.2f} GB (max_problem_bytes). Why: on a {mesh.ndim}-D mesh "
         f"{tuple(mesh.shape)} each node's options are the product of its per-mesh-dim placements. "
         f"To change: plan on fewer mesh dims (flatten data-parallel dims into one), pin layouts "
         f"(add_input_constraints, add_node_constraint), or raise max_problem_bytes.",

@@ -49,7 +49,7 @@ svg { display: block; width: 100%; height: auto; }
 <pre>{% for line in legend %}{{ line }}
 {% endfor %}</pre>
 
-<h2 id="memory">Memory per rank</h2>
+<h2 id="memory">Memory per rank ({{ unit }})</h2>
 <table>{% for name, value in mem_rows %}<tr><td>{{ name }}</td><td class="num">{{ value }}</td></tr>{% endfor %}</table>
 {% for line in mem_notes %}<p class="{{ 'warn' if line.startswith('WARNING') else 'muted' }}">{{ line }}</p>{% endfor %}
 {{ memory_svg | safe }}
@@ -252,6 +252,9 @@ def render(plan, model: str | None = None) -> str:
     the class name the plan recorded)."""
     mem = memory.breakdown(plan)
     title, setup = describe_setup(plan, model)
+    mem_lines = mem.lines()
+    # the parts and the peak as a table, the budget and notes below it
+    peak_row = next((i + 1 for i, line in enumerate(mem_lines) if line.startswith("peak")), len(mem_lines))
     by_module: dict[str, list] = defaultdict(list)
     for k in plan.placements_by_kind():
         module = k.module_path if k.role != "parameter" else k.module_path.rsplit(".", 1)[0]
@@ -279,8 +282,9 @@ def render(plan, model: str | None = None) -> str:
         legend=words.LEGEND,
         step=numbers.step_lines(plan),
         baselines=table_lines(plan),
-        mem_rows=[(line.split()[0], " ".join(line.split()[1:])) for line in mem.lines()[:5]],
-        mem_notes=mem.lines()[5:],
+        unit=memory.UNIT_NOTE,
+        mem_rows=[(line.split()[0], " ".join(line.split()[1:])) for line in mem_lines[:peak_row]],
+        mem_notes=mem_lines[peak_row:],
         memory_svg=_memory_svg(plan.timeline or {}, mem.optimizer, mem.hbm),
         timeline_svg=_timeline_svg(plan.timeline or {}),
         collectives=rows,

@@ -63,15 +63,14 @@ def test_static_inputs_of_the_llama_step(fake_world):
         check_capturable(step.graphs, cuda_available=False)
 
 
-def test_moe_all_to_all_step_is_refused_naming_nodes(fake_world, monkeypatch):
+def test_moe_all_to_all_step_is_refused_naming_nodes(fake_world):
     """The expert-parallel all-to-all exchanges token counts before the
     tokens: sizes that depend on the data, which no CUDA graph can hold."""
-    from test_moe import SMALL, _force_a2a, _plan
+    from test_moe import EP_ON_DIM1, SMALL, _plan
 
-    _force_a2a(monkeypatch, 1)
     fake_world(4)
     mesh = init_device_mesh("cpu", (2, 2))
-    parallel, _ = _plan(mesh, SMALL, pin=(Shard(2), Shard(0)), routed_out=(Shard(0), Shard(0)))
+    parallel, _ = _plan(mesh, SMALL, pin=(Shard(2), Shard(0)), routed_out=(Shard(0), Shard(0)), mesh_roles=EP_ON_DIM1)
     graphs = parallel.parallel_state.step.graphs
     bad = uncapturable_nodes(graphs)
     assert bad, "the all-to-all expert dispatch should not be capturable"

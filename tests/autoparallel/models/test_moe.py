@@ -76,11 +76,11 @@ def test_moe_model_forward_backward_and_ac():
     m(tokens).sum().backward()
 
 
-def _plan(mesh, args, pin=None, routed_out=None):
+def _plan(mesh, args, pin=None, routed_out=None, mesh_roles=None):
     with torch.device("meta"):
         model = MoETransformer(args)
     x = torch.empty(BATCH, SEQ, dtype=torch.long, device="meta")
-    with AutoParallel(model, mesh, x) as autop:
+    with AutoParallel(model, mesh, x, mesh_roles=mesh_roles) as autop:
         batch = (Shard(0),) * mesh.ndim
         autop.add_input_constraints([batch])
         autop.add_output_constraints([batch])
@@ -217,7 +217,8 @@ def test_moe_plan_apply_3d_dp_ep_tp(fake_world, monkeypatch):
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "ep", "tp"))
     w13 = (Shard(1), Shard(0), Shard(2))  # (E, D, H)
     pins = {"w1": w13, "w3": w13, "w2": (Shard(2), Shard(0), Shard(1))}  # w2: (E, H, D)
-    parallel, plan = _plan(mesh, SMALL, pin=pins)
+    # no roles: the gathered EP mode over the dim named ep, not all-to-all dispatch
+    parallel, plan = _plan(mesh, SMALL, pin=pins, mesh_roles={})
     assert set(_expert_param_placements(parallel).values()) == set(pins.values())
     fwd = [n for n in _routed_ops(plan) if n.phase == "forward"]
     # experts split over ep, their hidden dim over tp; output partial over both
@@ -333,34 +334,30 @@ def test_moe_a2a_phases_equal_fused_op_local_tensor(fake_world):
         torch.testing.assert_close(torch.cat([lt[0] + lt[2], lt[1] + lt[3]]), refb[k - 1])
 
 
-def _force_a2a(monkeypatch, mesh_dim: int) -> None:
-    # at this toy size the in-op all-to-all launches cost more than gathering
-    # the tiny expert weights, so the routed ops are offered the mode only
-    import autoparallel.options.rules.moe as rules
-
-    ok = rules._expert_sharding_ok
-    monkeypatch.setattr(rules, "_expert_sharding_ok", lambda names: ok(names) and names[mesh_dim].startswith("A"))
+# at this toy size the in-op all-to-all launches cost more than gathering the
+# tiny expert weights: the role 'ep' on mesh dim 1 asks for all-to-all dispatch
+EP_ON_DIM1 = {1: "ep"}
 
 
 @pytest.mark.slow
-def test_moe_a2a_2x2_adamw(fake_world, monkeypatch):
+def test_moe_a2a_2x2_adamw(fake_world):
     """Three AdamW steps with all-to-all EP on mesh dim 1 match single-device."""
-    _force_a2a(monkeypatch, 1)
     fake_world(4)
     mesh = init_device_mesh("cpu", (2, 2))
-    parallel, _ = _plan(mesh, SMALL, pin=(Shard(2), Shard(0)), routed_out=(Shard(0), Shard(0)))
+    parallel, _ = _plan(mesh, SMALL, pin=(Shard(2), Shard(0)), routed_out=(Shard(0), Shard(0)), mesh_roles=EP_ON_DIM1)
     _compare_one_step(parallel, mesh, SMALL, steps=3)
 
 
-def test_moe_plan_apply_2x2_a2a(fake_world, monkeypatch):
+def test_moe_plan_apply_2x2_a2a(fake_world):
     """2x2 mesh: experts FSDP on mesh dim 0 x EP on mesh dim 1 with tokens kept sharded (the
     all-to-all mode, pinned through the routed op's output), token parallel
     on dim 0. The routed ops are lowered to the all-to-all ops and the step
     (loss, all gradients, buffers) matches single-device."""
-    _force_a2a(monkeypatch, 1)
     fake_world(4)
     mesh = init_device_mesh("cpu", (2, 2))
-    parallel, plan = _plan(mesh, SMALL, pin=(Shard(2), Shard(0)), routed_out=(Shard(0), Shard(0)))
+    parallel, plan = _plan(
+        mesh, SMALL, pin=(Shard(2), Shard(0)), routed_out=(Shard(0), Shard(0)), mesh_roles=EP_ON_DIM1
+    )
     st = plan.pass_stats
     fwd = [n for n in _routed_ops(plan) if n.phase == "forward"]
     bwd = [n for n in _routed_ops(plan) if n.phase == "backward"]

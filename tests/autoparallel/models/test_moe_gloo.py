@@ -36,17 +36,14 @@ def _ep_step(rank: int, world: int, mesh_shape, pin, a2a_dim=None) -> None:
 
     args = _config()
     mesh = init_device_mesh("cpu", mesh_shape)
-    if a2a_dim is not None:
-        # offer the routed ops only the all-to-all mode on a2a_dim (at this
-        # toy size the solver would rather gather the tiny expert weights)
-        import autoparallel.options.rules.moe as rules
-
-        ok = rules._expert_sharding_ok
-        rules._expert_sharding_ok = lambda names: ok(names) and names[a2a_dim].startswith("A")
+    # the role 'ep' on a2a_dim: all-to-all expert dispatch there (at this
+    # toy size the solver would rather gather the tiny expert weights)
+    roles = {a2a_dim: "ep"} if a2a_dim is not None else None
     with torch.device("meta"):
         model = MoETransformer(args)
     # four processes each solve, sharing the cores: give HiGHS time
-    with AutoParallel(model, mesh, torch.empty(BATCH, SEQ, dtype=torch.long, device="meta"), time_limit=300) as autop:
+    x = torch.empty(BATCH, SEQ, dtype=torch.long, device="meta")
+    with AutoParallel(model, mesh, x, time_limit=300, mesh_roles=roles) as autop:
         batch = (Shard(0),) * mesh.ndim
         autop.add_input_constraints([batch])
         autop.add_output_constraints([batch])

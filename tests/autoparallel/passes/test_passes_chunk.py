@@ -302,7 +302,10 @@ def _moe_chunked(args, modules, a2a: bool = False, batch: int = 8, local_tensor:
         model = MoETransformer(args)
     x = torch.empty(batch, 8, dtype=torch.long, device="meta")
     # real processes each solve, sharing the cores: give HiGHS time
-    with AutoParallel(model, mesh, x, time_limit=DEFAULT_TIME_LIMIT if local_tensor else 300) as autop:
+    # a2a: the role 'ep' on mesh dim 1 asks for all-to-all expert dispatch there
+    roles = {1: "ep"} if a2a else None
+    limit = DEFAULT_TIME_LIMIT if local_tensor else 300
+    with AutoParallel(model, mesh, x, time_limit=limit, mesh_roles=roles) as autop:
         autop.add_input_constraints([(Shard(0), Shard(0))])
         autop.add_output_constraints([(Shard(0), Shard(0))])
         for fqn, n in autop.traced.param_nodes.items():
@@ -352,7 +355,6 @@ def test_moe_a2a_chunked_matches_single_device(fake_world, monkeypatch):
     import test_moe
     from autoparallel.models import MOE_CONFIGS
 
-    test_moe._force_a2a(monkeypatch, 1)
     fake_world(4)
     args = dataclasses.replace(MOE_CONFIGS["debug"], n_layers=2, aux_loss_alpha=0.0)
     # 4 sequences per rank: a redistribution's [group 2, per-rank 2] reshape
@@ -424,11 +426,8 @@ def _chunked_a2a_moe_gloo_step(rank: int, world: int) -> None:
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message="DTensor random operators")
-    import autoparallel.options.rules.moe as rules
     from autoparallel.models import MOE_CONFIGS
 
-    ok = rules._expert_sharding_ok  # all-to-all EP on mesh dim 1 only
-    rules._expert_sharding_ok = lambda names: ok(names) and names[1].startswith("A")
     args = dataclasses.replace(MOE_CONFIGS["debug"], n_layers=2, aux_loss_alpha=0.0)
     parallel, plan, _ = _moe_chunked(args, {"layers.*.moe": "batch"}, a2a=True, batch=16, local_tensor=False)
     assert plan.pass_stats["chunk_regions"].regions_chunked == 1, plan.pass_stats["chunk_regions"].refused
