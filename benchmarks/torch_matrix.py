@@ -235,7 +235,8 @@ _ERROR_LINE = re.compile(r"^\s*(?:E\s+)?([A-Za-z_][\w.]*(?:Error|Exception|Inter
 
 def failure_reason(output: str, rc: int) -> str:
     """The last exception line of ``output`` (else its last line), shortened."""
-    lines = output.splitlines()
+    # torch's distributed launcher prefixes a rank's traceback lines with "[rank0]: "
+    lines = [re.sub(r"^\[rank\d+\]:\s?", "", line) for line in output.splitlines()]
     hit = next((m.group(1) for line in reversed(lines) if (m := _ERROR_LINE.match(line))), None)
     text = hit or next((line for line in reversed(lines) if line.strip()), f"exit {rc}")
     return text.strip()[:200]
