@@ -246,13 +246,15 @@ def torch_label(version: str) -> str:
     return f"{version} (CPU wheel)" if version == "2.13.0" else version
 
 
-def format_table(results: dict[str, dict[str, Cell]], checks: list[str], *, markdown: bool) -> list[str]:
+def format_table(
+    results: dict[str, dict[str, Cell]], checks: list[str], *, markdown: bool, apply_model: str = "8B"
+) -> list[str]:
     """version x check: ``ok 12 s`` / ``FAIL 3 s``, then the two estimates."""
     headers = ["torch", *checks]
     if "plan" in checks:
         headers.append("8B step est. (plan)")
     if "apply" in checks:
-        headers.append("step est. (apply)")
+        headers.append(f"{apply_model} step est. (apply)")
     rows = []
     for version, cells in results.items():
         row = [torch_label(version)]
@@ -325,7 +327,7 @@ def main(argv=None) -> int:
 
     results = run_matrix(args.versions, args.checks, apply_model=args.apply_model, timeout=args.timeout)
     print()
-    for line in format_table(results, args.checks, markdown=args.markdown):
+    for line in format_table(results, args.checks, markdown=args.markdown, apply_model=args.apply_model):
         print(line)
     failures = failure_lines(results)
     if failures:
