@@ -29,10 +29,13 @@ STARTS = {
 }
 
 
-def hand_fsdp_tp(model: torch.nn.Module, mesh, *, reshard_after_forward: bool = True) -> torch.nn.Module:
+def hand_fsdp_tp(
+    model: torch.nn.Module, mesh, *, reshard_after_forward: bool = True, mp_policy=None
+) -> torch.nn.Module:
     """``model`` (a ``autoparallel.models.llama3.Transformer``) parallelized in
     place: TP with sequence-parallel norms on ``mesh["tp"]``, then FSDP2 per
-    block and at the root on ``mesh["dp"]``. Takes the dp-local batch
+    block and at the root on ``mesh["dp"]`` (``mp_policy``: FSDP2's
+    ``MixedPrecisionPolicy``, None for none). Takes the dp-local batch
     (replicated over tp) and returns replicated logits."""
     tp = mesh["tp"]
     parallelize_module(
@@ -68,9 +71,10 @@ def hand_fsdp_tp(model: torch.nn.Module, mesh, *, reshard_after_forward: bool = 
         block.attention.n_heads //= tp.size()
         block.attention.n_kv_heads //= tp.size()
     dp = mesh["dp"]
+    mp = {} if mp_policy is None else {"mp_policy": mp_policy}
     for block in model.layers:
-        fully_shard(block, mesh=dp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dp, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=dp, reshard_after_forward=reshard_after_forward, **mp)
+    fully_shard(model, mesh=dp, reshard_after_forward=reshard_after_forward, **mp)
     return model
 
 

@@ -28,3 +28,11 @@ def fake_world():
     yield init
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def pytest_collection_modifyitems(config, items):
+    # `-m smoke` replaces the default `-m 'not slow'`: a smoke test that is
+    # also slow would silently make the smoke run long.
+    both = [item.nodeid for item in items if item.get_closest_marker("smoke") and item.get_closest_marker("slow")]
+    if both:
+        raise pytest.UsageError(f"tests marked both smoke and slow (smoke must stay fast): {', '.join(both)}")

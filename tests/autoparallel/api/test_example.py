@@ -31,6 +31,7 @@ def _load_example():
     return module
 
 
+@pytest.mark.smoke
 def test_plan_and_apply_small_config(tmp_path, capsys, monkeypatch):
     if dist.is_initialized():
         dist.destroy_process_group()

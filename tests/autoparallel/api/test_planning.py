@@ -64,6 +64,7 @@ def test_ddp_when_replication_allowed(fake_world):
     assert plan.solution.optimal
 
 
+@pytest.mark.smoke
 def test_fsdp_with_default_budget(fake_world):
     fake_world(8)
     mesh = init_device_mesh("cpu", (8,))
@@ -76,6 +77,7 @@ def test_fsdp_with_default_budget(fake_world):
     assert plan.parameter_bytes_per_rank == pytest.approx(plan.parameter_bytes_total / 8)
 
 
+@pytest.mark.smoke
 def test_plan_is_deterministic(fake_world, tmp_path):
     fake_world(8)
     mesh = init_device_mesh("cpu", (2, 4))
@@ -137,6 +139,7 @@ def test_bad_constraints(fake_world, call, message):
             call(autop)
 
 
+@pytest.mark.smoke
 def test_infeasible_constraints_are_named(fake_world):
     fake_world(8)
     mesh = init_device_mesh("cpu", (8,))
@@ -158,6 +161,7 @@ def test_uninitialised_process_group():
             pass
 
 
+@pytest.mark.smoke
 def test_state_restored_after_exception(fake_world):
     fake_world(8)
     mesh = init_device_mesh("cpu", (8,))

@@ -150,6 +150,7 @@ def _train_and_compare(kind: str, parallel, mesh, *, ac=None, steps=3, atol=1e-5
 
 
 @pytest.mark.parametrize("mesh_shape", [(8,), (2, 4)])
+@pytest.mark.smoke
 def test_ffn_fsdp_like(fake_world, mesh_shape):
     fake_world(8)
     parallel, mesh, _ = _apply("ffn", mesh_shape)
@@ -183,6 +184,7 @@ def test_transformer_block_1d(fake_world):
     _train_and_compare("block", parallel, mesh, steps=1)
 
 
+@pytest.mark.smoke
 def test_llama_debug_1d_selective_ac(fake_world):
     fake_world(8)
     parallel, mesh, _ = _apply("llama", (8,), ac="selective")
@@ -289,6 +291,7 @@ def test_before_to_empty(ffn_parallel):
         (lambda: torch.empty(1, SEQ, 16, device="meta"), r"input args\[0\]: on device meta"),
     ],
 )
+@pytest.mark.smoke
 def test_bad_inputs(ffn_parallel, make_input, message):
     with LocalTensorMode(8):
         ffn_parallel.to_empty(device="cpu")
@@ -305,6 +308,7 @@ def test_wrong_structure(ffn_parallel):
             ffn_parallel(torch.randn(1, SEQ, 16), torch.randn(1, SEQ, 16))
 
 
+@pytest.mark.smoke
 def test_wrong_world_size(ffn_parallel):
     dist.destroy_process_group()
     from torch.testing._internal.distributed.fake_pg import FakeStore

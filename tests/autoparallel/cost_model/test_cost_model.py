@@ -168,6 +168,7 @@ def test_attention_costed_at_attention_efficiency():
     assert t_mm == op_compute_time(mm, (a, b), {}, torch.empty(8192, 8192, dtype=BF16, device="meta"), None, None, H100)
 
 
+@pytest.mark.smoke
 def test_op_compute_time_uses_local_shapes(mesh):
     m, k, n = 65536, 4096, 4096  # 16 x 4096 tokens through a 4096x4096 linear
     a, b = torch.empty(m, k, dtype=BF16, device="meta"), torch.empty(k, n, dtype=BF16, device="meta")
@@ -235,6 +236,7 @@ def test_allgather_intra_faster_than_inter(mesh):
     assert collective_time("all_gather", 1e6, 8, True) < collective_time("all_gather", 1e6, 8, False)
 
 
+@pytest.mark.smoke
 def test_allgather_matches_ring_formula(mesh):
     t = redistribute_time(spec(mesh, (Replicate(), Shard(0))), spec(mesh, (Replicate(), Replicate())))
     shard = 4096 * 4096 * 2 / 8

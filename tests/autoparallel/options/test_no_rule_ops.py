@@ -79,6 +79,7 @@ def test_linalg_and_custom_op_fall_back_correctly(fake_world, caplog, device):
     check_step(parallel, mesh, LinalgNet, inputs)
 
 
+@pytest.mark.smoke
 def test_raising_dtensor_rule_falls_back(fake_world, caplog, monkeypatch):
     """A DTensor strategy that raises is a missing rule, said with its error."""
     prop = DTensor._op_dispatcher.sharding_propagator

@@ -93,7 +93,7 @@ def _options_and_costs(mesh, model, example, fast: bool, monkeypatch):
     "make, mesh_shape",
     [
         (lambda: _llama(2, 4), (2, 2, 2)),
-        (_ffn, (2, 2, 2, 2)),
+        pytest.param(_ffn, (2, 2, 2, 2), marks=pytest.mark.smoke),
         pytest.param(lambda: _llama(4, 8), (2, 2, 2, 2), marks=pytest.mark.slow),
     ],
     ids=["llama-2x2x2", "ffn-2x2x2x2", "llama-2x2x2x2"],

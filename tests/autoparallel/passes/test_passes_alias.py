@@ -69,6 +69,7 @@ def _ctx(mesh, producer_out, alias_out, consumers):
     return ctx, nodes
 
 
+@pytest.mark.smoke
 def test_rewires_consumers_wanting_the_producer_layout(mesh):
     ctx, nodes = _ctx(
         mesh,

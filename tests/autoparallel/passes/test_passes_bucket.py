@@ -108,6 +108,7 @@ def _layer_fn(mesh):
     return fn
 
 
+@pytest.mark.smoke
 def test_merges_same_group_gathers_exactly(mesh):
     gm = _trace(_layer_fn(mesh), *_fakes((2,), (1, 3), (8,)))
     bucketed, stats = _bucket(gm, _ctx())

@@ -71,6 +71,7 @@ def _fuse(gm, mesh, **kw):
     return fused, fuse_all_gathers(fused, PassContext(mesh=mesh, plan=None), **kw)
 
 
+@pytest.mark.smoke
 def test_row_major_direct_chain(mesh):
     gm = _trace(lambda x: _ag(_ag(x, mesh, 1), mesh, 0) * 2, (4, 6))
     fused, stats = _fuse(gm, mesh)

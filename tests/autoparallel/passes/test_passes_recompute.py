@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -52,6 +53,7 @@ def _tags(gm):
     return {n.name: n.meta.get("recompute") for n in gm.graph.nodes if "recompute" in n.meta}
 
 
+@pytest.mark.smoke
 def test_tags_the_parameter_chain_only():
     gm = _trace()
     stats = recompute_all_gathers(gm, _ctx())

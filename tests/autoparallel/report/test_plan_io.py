@@ -68,6 +68,7 @@ def saved_plan(tmp_path_factory):
         dist.destroy_process_group()
 
 
+@pytest.mark.smoke
 def test_load_apply_gives_the_same_graphs(saved_plan):
     plan, path, fp, _ = saved_plan
     loaded = Plan.load_json(str(path))
@@ -93,6 +94,7 @@ def test_load_apply_gives_the_same_graphs(saved_plan):
         ("model", dict(mesh_shape=(4, 2), args=dataclasses.replace(ARGS, n_layers=3)), "model differs"),
     ],
 )
+@pytest.mark.smoke
 def test_mismatch_is_named(saved_plan, what, kwargs, message):
     _, path, _, _ = saved_plan
     loaded = Plan.load_json(str(path))
