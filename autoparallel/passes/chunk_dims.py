@@ -145,6 +145,9 @@ def _size_args(node: fx.Node, dims: dict[fx.Node, int]) -> tuple[tuple, dict, in
             raise _Unknown(f"{node.name}: sizes of a view of a value without the split dim")
         in_shape = _val(src).shape
         out_shape = list(node.args[1])
+        if any(not isinstance(s, int) or s < 0 for s in out_shape):
+            # an inferred size (-1): the traced output's shape names it
+            out_shape = list(_val(node).shape)
         chain = REDISTRIBUTE_KEY in node.meta
         j = _view_dim(list(in_shape), d, out_shape, _MESH_SIZES.get() if chain else frozenset())
         return (src, _halve(out_shape, j)), dict(node.kwargs), j
@@ -335,18 +338,52 @@ def is_fill(node: fx.Node, memo: dict | None = None) -> bool:
     return hit
 
 
+# Arguments that broadcast against the query's [batch, heads, query, key]
+# dims (right-aligned): an attention mask or bias built outside the layer.
+_BROADCAST_ARGS = ("attn_mask", "attn_bias")
+
+
+def _broadcast_against(node: fx.Node) -> dict[fx.Node, fx.Node]:
+    """Mask-like input -> the input it broadcasts against (``query``)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return {}
+    by_name = {}
+    for k, a in enumerate(schema.arguments):
+        v = node.args[k] if k < len(node.args) and not a.kwarg_only else node.kwargs.get(a.name)
+        if isinstance(v, fx.Node):
+            by_name[a.name] = v
+    query = by_name.get("query")
+    if query is None:
+        return {}
+    return {by_name[n]: query for n in _BROADCAST_ARGS if n in by_name}
+
+
 def _full_size_partners(node: fx.Node, dims: dict[fx.Node, Any]) -> dict[fx.Node, int]:
     """Inputs of ``node`` that carry no split dim but line up with one at its
-    full size: of a pointwise op, broadcast (a gradient expanded from a
-    scalar); of any op, a constant fill of the same rank (:func:`is_fill`).
-    Input -> its dim that lines up with the split dim."""
+    full size, so each chunk must read its own part: of a pointwise op, by
+    broadcasting (a gradient expanded from a scalar, a bias or position
+    table built outside the region); of attention, a mask or bias against
+    the query; of any op, a constant fill of the same rank (:func:`is_fill`).
+    Broadcasting fixes what a dim means: a dim that lines up with the split
+    dim at its full size holds one entry per row of it, whatever its size
+    happens to equal elsewhere. Input -> its dim that lines up."""
     t = node.target
     pointwise = isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags
     split = [(a, dims[a]) for a in node.all_input_nodes if isinstance(dims.get(a), int)]
+    masks = _broadcast_against(node)
     out = {}
     for a in node.all_input_nodes:
         v = _val(a)
         if isinstance(dims.get(a), int) or not isinstance(v, torch.Tensor):
+            continue
+        if a in masks:
+            q = masks[a]
+            d = dims.get(q)
+            if isinstance(d, int):
+                i = d - _val(q).dim() + v.dim()
+                if 0 <= i < v.dim() and v.shape[i] == _val(q).shape[d] and v.shape[i] != 1:
+                    out[a] = i
             continue
         fill = not pointwise and is_fill(a)
         if not (pointwise or fill):
@@ -361,12 +398,15 @@ def _full_size_partners(node: fx.Node, dims: dict[fx.Node, Any]) -> dict[fx.Node
     return out
 
 
-def _probe(node: fx.Node, dims: dict[fx.Node, Any], half_vals: dict[fx.Node, Any], implicit: bool = False, fills=None):
+def _probe(
+    node: fx.Node, dims: dict[fx.Node, Any], half_vals: dict[fx.Node, Any], implicit: bool = False, partners=None
+):
     """(chunk value(s), state(s), (args, kwargs)) of ``node`` run on the
     halves: the fake output(s) for one chunk, per output its split dim or
-    REDUCED, and the arguments with chunk sizes. ``implicit``: halve the
-    full-size partners of pointwise ops too (else they are refused, except
-    constant fills, which ``fills`` collects: fill -> dim to halve)."""
+    REDUCED, and the arguments with chunk sizes. Full-size partners
+    (:func:`_full_size_partners`) are halved too; ``partners`` collects
+    them (input -> the dim each chunk reads its part of); without it they
+    are refused unless ``implicit`` (naming dims only)."""
     if node.target is operator.getitem and isinstance(dims.get(node.args[0]), tuple):
         out = half_vals[node.args[0]][node.args[1]]
         return out, dims[node.args[0]][node.args[1]], (node.args, node.kwargs)
@@ -382,17 +422,15 @@ def _probe(node: fx.Node, dims: dict[fx.Node, Any], half_vals: dict[fx.Node, Any
         args, kwargs, j = sized
     else:
         args, kwargs, j = node.args, node.kwargs, None
-    partners = _full_size_partners(node, dims)
+    found = _full_size_partners(node, dims)
     if not implicit:
-        for a in partners:
-            if not is_fill(a):
-                raise ChunkRefused(
-                    f"{node.name} ({node.target}) reads {a.name}, which is full size along the split dim"
-                )
-        if fills is not None:
-            fills.update(partners)
-    half_vals = dict(half_vals) if partners else half_vals
-    for a, i in partners.items():
+        if partners is None and found:
+            a = next(iter(found))
+            raise ChunkRefused(f"{node.name} ({node.target}) reads {a.name}, which is full size along the split dim")
+        if partners is not None:
+            partners.update(found)
+    half_vals = dict(half_vals) if found else half_vals
+    for a, i in found.items():
         half_vals[a] = _val(a).narrow(i, 0, _val(a).shape[i] // 2)
 
     def val(a):

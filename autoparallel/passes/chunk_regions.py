@@ -210,7 +210,10 @@ class _Plan:
     state: dict[fx.Node, Any]  # node -> dim | REDUCED | tuple of them
     probe: dict[fx.Node, tuple]  # node -> (A value, (args, kwargs) with chunk sizes)
     joins: dict[fx.Node, fx.Node] = field(default_factory=dict)  # rebuilt value -> original node
-    fills: dict[fx.Node, int] = field(default_factory=dict)  # constant fill -> dim both chunks read half of
+    # values without the split dim that line up with it at full size (a mask
+    # built outside the region with the literal batch, a constant fill):
+    # value -> dim; each chunk reads its own half
+    partners: dict[fx.Node, int] = field(default_factory=dict)
 
 
 def _is_random(n: fx.Node) -> bool:
@@ -280,7 +283,7 @@ def _plan_region(region: str, mode: str, members: list[fx.Node], global_dims: di
     shared: set[fx.Node] = set()
     dependent: list[fx.Node] = []
     summed: set[fx.Node] = set()  # sums over the split dim, added up at once
-    fills: dict[fx.Node, int] = {}  # constant fills both chunks read half of
+    partners: dict[fx.Node, int] = {}  # full-size inputs each chunk reads its part of
     late_reduced: dict[fx.Node, fx.Node] = {}  # linear ops on a partial sum, duplicated -> its producer
     for n in members:
         ins = n.all_input_nodes
@@ -330,7 +333,7 @@ def _plan_region(region: str, mode: str, members: list[fx.Node], global_dims: di
                 raise ChunkRefused(f"{n.name} ({n.target}) acts along the split dim")
         found: dict[fx.Node, int] = {}
         try:
-            out, st, sized = _probe(n, state, half, fills=found)
+            out, st, sized = _probe(n, state, half, partners=found)
         except _Unknown as e:
             raise ChunkRefused(str(e)) from None
         sts = st if isinstance(st, list) else [st]
@@ -339,8 +342,8 @@ def _plan_region(region: str, mode: str, members: list[fx.Node], global_dims: di
         if not in_dims and n.target is not operator.getitem and not any(state.get(a) == PER_CHUNK for a in deps):
             raise ChunkRefused(f"{n.name} ({n.target}) depends on the split only through multi-output values")
         for f, i in found.items():
-            if fills.setdefault(f, i) != i:
-                raise ChunkRefused(f"{f.name}: a constant fill read along two different dims")
+            if partners.setdefault(f, i) != i:
+                raise ChunkRefused(f"{f.name} lines up with the split dim along two different dims")
         state[n] = tuple(st) if isinstance(st, list) else st
         half[n] = out
         probe[n] = (out, sized)
@@ -363,12 +366,11 @@ def _plan_region(region: str, mode: str, members: list[fx.Node], global_dims: di
                     f"{n.name} ({n.target}) is per-chunk (MoE routing or exchanged rows) and {u.name} "
                     "outside the region reads it: it cannot be rebuilt from the chunks"
                 )
-    return _Plan(region, mode, dependent, live_ins, len(shared), state, probe, fills=fills)
+    return _Plan(region, mode, dependent, live_ins, len(shared), state, probe, partners=partners)
 
 
 def _apply(gm: fx.GraphModule, plan: _Plan) -> int:
     """Rewrite ``gm`` per ``plan``; returns how many nodes were added."""
-    from ..apply.unfold import FOLD_KEY
 
     g = gm.graph
     dep = set(plan.nodes)
@@ -381,37 +383,12 @@ def _apply(gm: fx.GraphModule, plan: _Plan) -> int:
             if a in plan.live_ins and a not in first_use:
                 first_use[a] = n
     for x, d in plan.live_ins.items():
-        n0 = first_use[x]
-        size = _val(x).shape[d] // 2
-        with g.inserting_before(n0):
-            sp = g.call_function(_aten.split.Tensor, (x, size, d))
-            ha = g.call_function(operator.getitem, (sp, 0))
-            hb = g.call_function(operator.getitem, (sp, 1))
-        v = _val(x)
-        with _fake_mode([v]) or _null():
-            sp.meta["val"] = v.split(size, d)
-        ha.meta["val"], hb.meta["val"] = sp.meta["val"][0], sp.meta["val"][1]
-        for k, m in enumerate((sp, ha, hb)):
-            # copy the consumer's module path and AC tags; stamp like the live-in
-            for key in ("custom", "recompute", "ac_graph_id", "partitioner_tag", "stack_trace", "nn_module_stack"):
-                if key in n0.meta:
-                    m.meta[key] = n0.meta[key]
-            if FOLD_KEY in n0.meta:
-                key = x.meta.get(FOLD_KEY, (None, x.name))[1]
-                m.meta[FOLD_KEY] = (n0.meta[FOLD_KEY][0], ("chunk_split", key, k))
-        a_of[x], b_of[x] = ha, hb
+        a_of[x], b_of[x] = _split_before(g, x, d, first_use[x], "chunk_split")
         added += 3
-    for f, d in plan.fills.items():
-        # every half of a constant fill is the same: both chunks read the first
+    for f, d in plan.partners.items():
         n0 = next(u for u in plan.nodes if f in u.all_input_nodes)
-        size = _val(f).shape[d] // 2
-        with g.inserting_before(n0):
-            h = g.call_function(_aten.slice.Tensor, (f, d, 0, size))
-        h.meta = {k: v for k, v in n0.meta.items() if k not in ("val", CHUNK_KEY)}
-        h.meta["val"] = _val(f).narrow(d, 0, size)
-        _stamp(h, n0, "chunk_fill")
-        a_of[f] = b_of[f] = h
-        added += 1
+        a_of[f], b_of[f] = _split_before(g, f, d, n0, "chunk_partner")
+        added += 3
     for n in plan.nodes:
         out, (args, kwargs) = plan.probe[n]
 
@@ -457,6 +434,31 @@ def _apply(gm: fx.GraphModule, plan: _Plan) -> int:
         plan.joins[j] = n
         added += 1
     return added
+
+
+def _split_before(g: fx.Graph, x: fx.Node, d: int, n0: fx.Node, tag: str) -> tuple[fx.Node, fx.Node]:
+    """Split ``x`` in two halves along ``d`` right before its first chunked
+    consumer ``n0``; the halves (chunk A's, chunk B's)."""
+    from ..apply.unfold import FOLD_KEY
+
+    size = _val(x).shape[d] // 2
+    with g.inserting_before(n0):
+        sp = g.call_function(_aten.split.Tensor, (x, size, d))
+        ha = g.call_function(operator.getitem, (sp, 0))
+        hb = g.call_function(operator.getitem, (sp, 1))
+    v = _val(x)
+    with _fake_mode([v]) or _null():
+        sp.meta["val"] = v.split(size, d)
+    ha.meta["val"], hb.meta["val"] = sp.meta["val"][0], sp.meta["val"][1]
+    for k, m in enumerate((sp, ha, hb)):
+        # the consumer's module path and AC tags; folded like the split value
+        for key in ("custom", "recompute", "ac_graph_id", "partitioner_tag", "stack_trace", "nn_module_stack"):
+            if key in n0.meta:
+                m.meta[key] = n0.meta[key]
+        if FOLD_KEY in n0.meta:
+            key = x.meta.get(FOLD_KEY, (None, x.name))[1]
+            m.meta[FOLD_KEY] = (n0.meta[FOLD_KEY][0], (tag, key, k))
+    return ha, hb
 
 
 class _null:
