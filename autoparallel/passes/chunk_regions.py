@@ -149,7 +149,9 @@ class RegionReport:
 class ChunkRegionsStats:
     regions_chunked: int = 0
     regions_refused: int = 0
-    refused: dict[str, str] = field(default_factory=dict)  # region -> reason
+    # refusal reason -> how many regions (of the unfolded model) it refused
+    refusals: dict[str, int] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict, metadata={"json": False})  # region -> reason
     nodes_added: int = 0
     live_ins_split: int = 0
     live_ins_shared: int = 0
@@ -161,6 +163,30 @@ class ChunkRegionsStats:
     # ones are in ``refused``); the detail is in ``reports``
     chunked: dict[str, str] = field(default_factory=dict)
     reports: list[RegionReport] = field(default_factory=list, repr=False, metadata={"json": False})
+
+    def summary(self) -> str:
+        """One line: what was chunked, or that nothing was and why."""
+        if self.regions_chunked:
+            head = f"chunk_regions: {self.regions_chunked} region(s) chunked, +{self.nodes_added} nodes"
+            return head + (f", {self.regions_refused} refused" if self.regions_refused else "")
+        if not self.regions_refused:
+            return "chunk_regions: nothing chunked: no node belongs to a module matching the patterns"
+        return f"chunk_regions: nothing chunked: all {self.regions_refused} matching region(s) refused"
+
+    def refusal_lines(self, limit: int = 5) -> list[str]:
+        """One line per distinct refusal reason, most frequent first, with
+        the regions it refused (first and last named)."""
+        by_reason: dict[str, list[str]] = {}
+        for region, why in self.refused.items():
+            by_reason.setdefault(why, []).append(region)
+        lines = []
+        for why, regions in sorted(by_reason.items(), key=lambda kv: -self.refusals.get(kv[0], len(kv[1]))):
+            n = self.refusals.get(why, len(regions))
+            where = regions[0] if len(regions) == 1 else f"{regions[0]} ... {regions[-1]}"
+            lines.append(f"  refused {n} ({where}): {why}")
+        if len(lines) > limit:
+            lines = lines[:limit] + [f"  ... and {len(lines) - limit} other reason(s)"]
+        return lines
 
 
 # ---------------------------------------------------------------------------
@@ -561,7 +587,7 @@ def chunk_graph(
 def _chunk_graph(gm, modules, seeds, ctx, copies, stats, early_sums) -> ChunkRegionsStats:
     regions = _regions(gm, modules)
     if not regions:
-        logger.warning("chunk_regions: no node belongs to a module matching %s", sorted(modules))
+        logger.warning("chunk_regions: nothing chunked: no node belongs to a module matching %s", sorted(modules))
         return stats
     before = _scheduled_exposure(gm, ctx, modules)
     dims_by_mode = {mode: propagate_split_dims(gm, seeds.get(mode, {})) for mode in {m for m, _ in regions.values()}}
@@ -574,7 +600,8 @@ def _chunk_graph(gm, modules, seeds, ctx, copies, stats, early_sums) -> ChunkReg
             rep.reason = str(e)
             stats.regions_refused += n_copies
             stats.refused[region] = rep.reason
-            logger.info("chunk_regions: %s (%s) refused: %s", region, mode, rep.reason)
+            stats.refusals[rep.reason] = stats.refusals.get(rep.reason, 0) + n_copies
+            logger.debug("chunk_regions: %s (%s) refused: %s", region, mode, rep.reason)
             stats.reports.append(rep)
             continue
         rep.nodes_added = _apply(gm, plan)
@@ -606,6 +633,10 @@ def _chunk_graph(gm, modules, seeds, ctx, copies, stats, early_sums) -> ChunkReg
                 f"+{rep.nodes_added} nodes, exposed {rep.exposed_comm_before_s * 1e6:.0f} -> "
                 f"{rep.exposed_comm_after_s * 1e6:.0f} us"
             )
+    if stats.refused:
+        # the user asked for chunking: say plainly when it changed nothing
+        log = logger.warning if not stats.regions_chunked else logger.info
+        log("%s\n%s", stats.summary(), "\n".join(stats.refusal_lines()))
     return stats
 
 
