@@ -29,6 +29,7 @@ __all__ = ["PER_CHUNK", "REDUCED", "ChunkRefused", "propagate_split_dims"]
 logger = logging.getLogger(__name__)
 
 _aten = torch.ops.aten
+_c10d = torch.ops._c10d_functional
 
 _ATTENTION_NAMES = ("scaled_dot_product", "flash_attention", "efficient_attention", "flex_attention", "cudnn_attention")
 # Views whose dim arguments name every dim (they act along none of them).
@@ -104,6 +105,12 @@ def _view_dim(in_shape, d: int, out_shape, mesh_sizes: frozenset = frozenset()) 
                     )
                 break
             prefix *= s
+    if mesh_sizes and len(out_shape) == len(in_shape) - 1 and d >= 1 and in_shape[d - 1] in mesh_sizes:
+        # the inverse: a gathered [group, per-rank] pair merged back; each
+        # chunk's rows then interleave with the group's (see merge_depth)
+        j = d - 1
+        if list(out_shape[:j]) == list(in_shape[:j]) and out_shape[j] == in_shape[j] * size:
+            return j
     prefix = 1
     for j, s in enumerate(out_shape):
         if prefix == outer and s != 1 and s % 2 == 0 and (s % size == 0 or size % s == 0):
@@ -112,6 +119,48 @@ def _view_dim(in_shape, d: int, out_shape, mesh_sizes: frozenset = frozenset()) 
         if prefix > outer:
             break
     raise _Unknown(f"reshape {tuple(in_shape)} -> {tuple(out_shape)} mixes split dim {d} with outer dims")
+
+
+_VIEWS = {_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default}
+
+
+def merge_depth(node: fx.Node, in_dim: int, out_dim, mesh_sizes: frozenset) -> int:
+    """How ``node`` changes the order of a chunk's rows along the split dim
+    relative to the whole value's: +1 where it merges the split dim with a
+    mesh group's (an all-gather along it, or a redistribution's
+    ``[group, per-rank]`` merge: a chunk's rows then run rank by rank,
+    interleaved with the other chunk's), -1 where it splits one off (a
+    reduce-scatter along it, a ``[group, per-rank]`` split), 0 otherwise.
+    Inside a region any order works, row by row; a value leaving it must be
+    back at depth 0 for the chunks to concatenate into the whole."""
+    t = node.target
+    if not isinstance(out_dim, int):
+        return 0
+    if t is _c10d.all_gather_into_tensor.default and in_dim == 0:
+        return 1
+    if t is _c10d.reduce_scatter_tensor.default and in_dim == 0:
+        return -1
+    if t in _VIEWS and REDISTRIBUTE_KEY in node.meta and mesh_sizes:
+        in_shape, out_shape = list(_val(node.args[0]).shape), list(_val(node).shape)
+        if len(out_shape) == len(in_shape) - 1 and out_dim == in_dim - 1 and in_shape[in_dim - 1] in mesh_sizes:
+            return 1
+        if len(out_shape) == len(in_shape) + 1 and out_dim == in_dim + 1 and out_shape[in_dim] in mesh_sizes:
+            return -1
+    return 0
+
+
+def group_split(node: fx.Node, d: int, depth: int, mesh_sizes: frozenset) -> bool:
+    """Whether ``node`` splits a value gathered along split dim ``d``
+    (``depth`` > 0, see :func:`merge_depth`) back into its ranks' parts,
+    inside a redistribution (a gather along another dim: all-gather on dim
+    0, split into the ranks' parts, concatenated along the gather dim).
+    Each chunk splits its own gathered rows the same way."""
+    if node.target is not _aten.split.Tensor or REDISTRIBUTE_KEY not in node.meta or depth <= 0:
+        return False
+    v = _val(node.args[0])
+    dim = _normalize(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), v.dim())
+    size = node.args[1]
+    return dim == d and v.shape[d] % size == 0 and v.shape[d] // size in mesh_sizes and size % 2 == 0
 
 
 class _quiet_fake_tensor:
@@ -151,6 +200,10 @@ def _size_args(node: fx.Node, dims: dict[fx.Node, int]) -> tuple[tuple, dict, in
         chain = REDISTRIBUTE_KEY in node.meta
         j = _view_dim(list(in_shape), d, out_shape, _MESH_SIZES.get() if chain else frozenset())
         return (src, _halve(out_shape, j)), dict(node.kwargs), j
+    if t is _aten.split.Tensor and REDISTRIBUTE_KEY in node.meta and d is not None:
+        dim = _normalize(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), _val(src).dim())
+        if dim == d:  # a gathered value split back into its ranks' parts (see group_split)
+            return (src, node.args[1] // 2, *node.args[2:]), dict(node.kwargs), None
     if t is _aten.expand.default:
         if d is None:
             raise _Unknown(f"{node.name}: expand of a value without the split dim")

@@ -21,7 +21,11 @@ every joint node whose module path is in it, forward and backward. Then:
   length (or the hidden size) cannot be mistaken for it. (:mod:`.chunk_dims`)
 * **Live-ins** that carry it (activations, incoming gradients) are split in
   two (``split`` views); the others (parameters, their all-gather/cast
-  chains, masks, reduced values) are shared and never duplicated.
+  chains, reduced values) are shared and never duplicated. A value without
+  the split dim that a chunked op broadcasts against it at full size (an
+  attention mask or bias built outside the region with the literal batch,
+  a position table under sequence chunking, a constant fill) is split too,
+  where it is read: each chunk reads its own half.
 * **Duplication**: only the region nodes that depend on a split live-in;
   the original node becomes chunk A (on the halves), a copy right after it
   chunk B. The node-by-node interleave is what ``schedule_overlap`` needs:
@@ -44,13 +48,18 @@ every joint node whose module path is in it, forward and backward. Then:
 Redistributions (apply's layout changes, tagged ``REDISTRIBUTE_KEY``) keep
 their dims' meaning outside regions; inside a region they run per chunk, as
 redistributing each eager chunk would (a ``[group, per-rank]`` reshape keeps
-the mesh group factor and halves the per-rank one).
+the mesh group factor and halves the per-rank one; its inverse merges them
+back). A value gathered over a mesh dim along the split dim holds a chunk's
+rows rank by rank, interleaved with the other chunk's: fine inside the
+region (row-wise ops, sums), refused where it would leave it before being
+scattered back (:func:`~.chunk_dims.merge_depth`).
 
 Limits (refused, with the reason in the stats): a split dim that a reshape
 merges with an outer dim (sequence chunking where batch and sequence are
 flattened together with a batch > 1), one row per rank (nothing to split),
-redistributions that flatten a region value for a collective, factories
-whose sizes do not follow a split value.
+factories whose sizes do not follow a split value. When nothing was
+chunked the pass says so in one warning line, with one line per refusal
+reason (:meth:`ChunkRegionsStats.refusal_lines`).
 
 Buffer mutations stay where they are: their new values are rebuilt from
 both chunks (concatenated or summed) before the mutation output reads them.
@@ -58,7 +67,7 @@ The result is exactly eager module-level chunking (run the module on each
 half, concatenate): the same ops on the same halves, gradients added once.
 
 >>> # stats = chunk_regions(local.gm, ctx)   # doctest: +SKIP
->>> # ChunkRegionsStats(regions_chunked=2, refused={...}, nodes_added=310, ...)
+>>> # ChunkRegionsStats(regions_chunked=2, refusals={reason: count}, nodes_added=310, ...)
 """
 
 from __future__ import annotations
@@ -66,6 +75,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import operator
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +97,8 @@ from .chunk_dims import (
     _probe,
     _Unknown,
     _val,
+    group_split,
+    merge_depth,
     propagate_split_dims,
 )
 
@@ -152,6 +164,8 @@ class ChunkRegionsStats:
     # refusal reason -> how many regions (of the unfolded model) it refused
     refusals: dict[str, int] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict, metadata={"json": False})  # region -> reason
+    # region -> its key in ``refusals`` (the reason without graph node names)
+    reason_keys: dict[str, str] = field(default_factory=dict, repr=False, metadata={"json": False})
     nodes_added: int = 0
     live_ins_split: int = 0
     live_ins_shared: int = 0
@@ -176,14 +190,14 @@ class ChunkRegionsStats:
     def refusal_lines(self, limit: int = 5) -> list[str]:
         """One line per distinct refusal reason, most frequent first, with
         the regions it refused (first and last named)."""
-        by_reason: dict[str, list[str]] = {}
+        by_key: dict[str, list[str]] = {}
         for region, why in self.refused.items():
-            by_reason.setdefault(why, []).append(region)
+            by_key.setdefault(self.reason_keys.get(region, why), []).append(region)
         lines = []
-        for why, regions in sorted(by_reason.items(), key=lambda kv: -self.refusals.get(kv[0], len(kv[1]))):
-            n = self.refusals.get(why, len(regions))
+        for key, regions in sorted(by_key.items(), key=lambda kv: -self.refusals.get(kv[0], len(kv[1]))):
+            n = self.refusals.get(key, len(regions))
             where = regions[0] if len(regions) == 1 else f"{regions[0]} ... {regions[-1]}"
-            lines.append(f"  refused {n} ({where}): {why}")
+            lines.append(f"  refused {n} ({where}): {self.refused[regions[0]]}")
         if len(lines) > limit:
             lines = lines[:limit] + [f"  ... and {len(lines) - limit} other reason(s)"]
         return lines
@@ -311,6 +325,8 @@ def _plan_region(region: str, mode: str, members: list[fx.Node], global_dims: di
     summed: set[fx.Node] = set()  # sums over the split dim, added up at once
     partners: dict[fx.Node, int] = {}  # full-size inputs each chunk reads its part of
     late_reduced: dict[fx.Node, fx.Node] = {}  # linear ops on a partial sum, duplicated -> its producer
+    depth: dict[fx.Node, int] = {}  # see merge_depth: 0 where a chunk's rows are a contiguous half
+    mesh_sizes = _MESH_SIZES.get()
     for n in members:
         ins = n.all_input_nodes
         deps = []
@@ -352,8 +368,11 @@ def _plan_region(region: str, mode: str, members: list[fx.Node], global_dims: di
             raise ChunkRefused(f"{n.name} ({n.target}): attention under sequence chunking needs every key")
         in_dims = [state[a] for a in deps if isinstance(state.get(a), int)]
         first = next((a for a in deps if isinstance(state.get(a), int)), None)
-        if first is not None and _acts_along(
-            n, state[first], _val(first).dim() if isinstance(_val(first), torch.Tensor) else 0
+        regroup = first is not None and group_split(n, state[first], depth.get(first, 0), mesh_sizes)
+        if (
+            first is not None
+            and not regroup
+            and _acts_along(n, state[first], _val(first).dim() if isinstance(_val(first), torch.Tensor) else 0)
         ):
             if n.target not in sums:
                 raise ChunkRefused(f"{n.name} ({n.target}) acts along the split dim")
@@ -370,6 +389,17 @@ def _plan_region(region: str, mode: str, members: list[fx.Node], global_dims: di
         for f, i in found.items():
             if partners.setdefault(f, i) != i:
                 raise ChunkRefused(f"{f.name} lines up with the split dim along two different dims")
+        depths = {depth.get(a, 0) for a in deps}
+        if len(depths) > 1 or (found and depths != {0}):
+            raise ChunkRefused(
+                f"{n.name} ({n.target}) combines rows in different orders (one gathered over a mesh dim "
+                "along the split dim inside the region)"
+            )
+        base = depths.pop() if depths else 0
+        if regroup:
+            depth[n] = base - 1  # each part: one rank's rows again
+        else:
+            depth[n] = base + (merge_depth(n, state[first], st, mesh_sizes) if first is not None else 0)
         state[n] = tuple(st) if isinstance(st, list) else st
         half[n] = out
         probe[n] = (out, sized)
@@ -385,6 +415,12 @@ def _plan_region(region: str, mode: str, members: list[fx.Node], global_dims: di
     if not dependent:
         raise ChunkRefused("no node of the region depends on a value carrying the split dim")
     for n in dependent:
+        u = next((u for u in n.users if u not in member_set), None)
+        if u is not None and depth.get(n, 0) and isinstance(state[n], int):
+            raise ChunkRefused(
+                f"{n.name} ({n.target}) was gathered or scattered over a mesh dim along the split dim and "
+                f"{u.name} outside the region reads it: the chunks' rows interleave rank by rank"
+            )
         if state[n] == PER_CHUNK:
             u = next((u for u in n.users if u not in member_set), None)
             if u is not None:
@@ -590,6 +626,7 @@ def _chunk_graph(gm, modules, seeds, ctx, copies, stats, early_sums) -> ChunkReg
         logger.warning("chunk_regions: nothing chunked: no node belongs to a module matching %s", sorted(modules))
         return stats
     before = _scheduled_exposure(gm, ctx, modules)
+    names = {n.name for n in gm.graph.nodes}
     dims_by_mode = {mode: propagate_split_dims(gm, seeds.get(mode, {})) for mode in {m for m, _ in regions.values()}}
     for region, (mode, members) in regions.items():
         rep = RegionReport(region, mode, chunked=False)
@@ -600,7 +637,8 @@ def _chunk_graph(gm, modules, seeds, ctx, copies, stats, early_sums) -> ChunkReg
             rep.reason = str(e)
             stats.regions_refused += n_copies
             stats.refused[region] = rep.reason
-            stats.refusals[rep.reason] = stats.refusals.get(rep.reason, 0) + n_copies
+            key = stats.reason_keys[region] = _reason_key(rep.reason, names)
+            stats.refusals[key] = stats.refusals.get(key, 0) + n_copies
             logger.debug("chunk_regions: %s (%s) refused: %s", region, mode, rep.reason)
             stats.reports.append(rep)
             continue
@@ -638,6 +676,26 @@ def _chunk_graph(gm, modules, seeds, ctx, copies, stats, early_sums) -> ChunkReg
         log = logger.warning if not stats.regions_chunked else logger.info
         log("%s\n%s", stats.summary(), "\n".join(stats.refusal_lines()))
     return stats
+
+
+_WORD = re.compile(r"(?<![\w.])([A-Za-z_]\w*)(?: \(([^()]*)\))?(?![\w.])")
+
+
+def _reason_key(reason: str, names: set[str]) -> str:
+    """``reason`` without its graph node names (``mul_7 (aten.mul.Tensor)``
+    -> ``aten.mul.Tensor``, other names -> ``<node>``), so that the same
+    refusal in every layer counts as one."""
+
+    def sub(m):
+        name, target = m.group(1), m.group(2)
+        if name not in names:
+            return m.group(0)
+        if target:
+            return target
+        # a bare word that is also a node name ("split") stays
+        return "<node>" if "_" in name.strip("_") else m.group(0)
+
+    return _WORD.sub(sub, reason)
 
 
 def _seeds(gm: fx.GraphModule, ctx: PassContext) -> dict[str, dict[fx.Node, int]]:

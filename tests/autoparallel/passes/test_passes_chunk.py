@@ -278,6 +278,30 @@ def test_refusals(name, fn, shapes, seeds, mode, reason):
     assert not any(CHUNK_KEY in n.meta for n in gm.graph.nodes)
 
 
+def test_nothing_chunked_is_said_in_one_line_per_reason(caplog):
+    """Every region refused: one warning saying nothing was chunked, one
+    line per distinct reason (not one per region, not one giant line)."""
+    import logging
+
+    def step(x):
+        for k in range(4):
+            with fxt.annotate({"module_path": f"layers.{k}.block"}):
+                x = x.softmax(0) * 2
+        return x
+
+    gm = _trace(step, (8, 16))
+    with caplog.at_level(logging.INFO, logger="autoparallel.passes.chunk_regions"):
+        stats = chunk_graph(gm, {"layers.*.block": "batch"}, {"batch": {_placeholders(gm)[0]: 0}})
+    assert stats.regions_chunked == 0 and stats.regions_refused == 4
+    assert stats.summary() == "chunk_regions: nothing chunked: all 4 matching region(s) refused"
+    (reason,) = stats.refusal_lines()
+    assert reason.startswith("  refused 4 (layers.0.block ... layers.3.block): _softmax (aten._softmax.default) acts")
+    (record,) = [r for r in caplog.records if r.levelname == "WARNING"]
+    lines = record.getMessage().splitlines()
+    assert lines[0] == stats.summary() and len(lines) == 1 + len(stats.refusal_lines())
+    assert all(len(line) < 200 for line in lines), lines
+
+
 def test_unknown_mode_is_an_error():
     gm = _trace(_annotated(lambda x: x * 2), (8, 4))
     with pytest.raises(ValueError, match="mode must be one of"):
@@ -484,3 +508,99 @@ def test_chunked_a2a_moe_gloo_2x2():
     from _dist_utils import run_ranks
 
     run_ranks(_chunked_a2a_moe_gloo_step, 4, timeout=600)
+
+
+# ---------------------------------------------------------------------------
+# models nobody here wrote: chunked steps equal unchunked ones
+
+
+def _hf_lm(kind: str):
+    """A tiny Hugging Face causal LM (config object, nothing downloaded),
+    returning a scalar loss."""
+    transformers = pytest.importorskip("transformers")
+    common = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+
+    class LMLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            if kind == "llama":
+                self.model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+            else:
+                cfg = transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common)
+                self.model = transformers.MixtralForCausalLM(cfg)
+
+        def forward(self, input_ids):
+            return self.model(input_ids=input_ids).logits.float().pow(2).mean()
+
+    return LMLoss
+
+
+def _local_step(parallel, mesh, state, inputs):
+    """Loss and gradients of one step of ``parallel`` on the mesh's
+    LocalTensorMode ranks, from ``state``."""
+    from _parity import _full, _load, local_inputs
+
+    with LocalTensorMode(mesh.size()) as lm:
+        parallel.to_empty(device="cpu")
+        _load(parallel, state)
+        loss = parallel(*local_inputs(lm, inputs, mesh))
+        loss.backward()
+        grads = {n: _full(p.grad, n) for n, p in parallel.named_parameters() if p.grad is not None}
+        return _full(loss, "loss"), grads
+
+
+def chunked_vs_unchunked(build, inputs, modules, device=None):
+    """Plan ``build()`` on 2x2, apply the plan without and with
+    ``chunk_modules``; one step of each from the same weights. Returns the
+    chunk stats and the two (loss, gradients)."""
+    from _parity import reference_step
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with torch.device("meta"):
+        model = build()
+    kwargs = {"device": device} if device is not None else {}
+    with AutoParallel(model, mesh, tuple(t.to("meta") for t in inputs), **kwargs) as autop:
+        autop.add_input_constraints([batch_placement(t, mesh) for t in inputs])
+        plan = autop.optimize_placement()
+        plain = autop.apply_placement(plan, pass_options=PassOptions(**LOCAL))
+        chunked = autop.apply_placement(plan, pass_options=PassOptions(**LOCAL, chunk_modules=modules))
+    stats = plan.pass_stats["chunk_regions"]
+    state = reference_step(build, inputs)[0]
+    return stats, _local_step(plain, mesh, state, inputs), _local_step(chunked, mesh, state, inputs)
+
+
+def assert_same_step(a, b, rel=1e-6):
+    from _parity import assert_close_rel
+
+    assert_close_rel(a[0], b[0], rel, "loss")
+    assert a[1].keys() == b[1].keys()
+    for name, g in b[1].items():
+        assert_close_rel(a[1][name], g, rel, f"gradient of {name}")
+
+
+@pytest.mark.parametrize(
+    "kind, modules",
+    [
+        # the attention mask, built outside the layers with the literal batch, is split with them
+        ("llama", {"model.model.layers.*": "batch"}),
+        # the MoE block's views to (-1, hidden) resolve
+        ("mixtral", {"model.model.layers.*.mlp": "batch"}),
+    ],
+)
+def test_hugging_face_chunked_equals_unchunked(fake_world, kind, modules):
+    fake_world(4)
+    build = _hf_lm(kind)
+    tokens = (torch.randint(1, 128, (4, 8), generator=torch.Generator().manual_seed(1)),)
+    stats, plain, chunked = chunked_vs_unchunked(build, tokens, modules)
+    assert stats.regions_chunked == 2 and not stats.refused, stats.refused
+    assert_same_step(chunked, plain)
