@@ -142,9 +142,19 @@ def merge_depth(node: fx.Node, in_dim: int, out_dim, mesh_sizes: frozenset) -> i
         return -1
     if t in _VIEWS and REDISTRIBUTE_KEY in node.meta and mesh_sizes:
         in_shape, out_shape = list(_val(node.args[0]).shape), list(_val(node).shape)
-        if len(out_shape) == len(in_shape) - 1 and out_dim == in_dim - 1 and in_shape[in_dim - 1] in mesh_sizes:
+        if (
+            len(out_shape) == len(in_shape) - 1
+            and out_dim == in_dim - 1
+            and in_shape[in_dim - 1] in mesh_sizes
+            and out_shape[out_dim] == in_shape[in_dim - 1] * in_shape[in_dim]
+        ):
             return 1
-        if len(out_shape) == len(in_shape) + 1 and out_dim == in_dim + 1 and out_shape[in_dim] in mesh_sizes:
+        if (
+            len(out_shape) == len(in_shape) + 1
+            and out_dim == in_dim + 1
+            and out_shape[in_dim] in mesh_sizes
+            and out_shape[in_dim] * out_shape[out_dim] == in_shape[in_dim]
+        ):
             return -1
     return 0
 

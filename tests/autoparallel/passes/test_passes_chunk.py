@@ -604,3 +604,71 @@ def test_hugging_face_chunked_equals_unchunked(fake_world, kind, modules):
     stats, plain, chunked = chunked_vs_unchunked(build, tokens, modules)
     assert stats.regions_chunked == 2 and not stats.refused, stats.refused
     assert_same_step(chunked, plain)
+
+
+def _our_model(kind: str):
+    from autoparallel.models import LLAMA3_CONFIGS, MOE_CONFIGS, MoETransformer, Transformer
+
+    if kind == "llama3":
+        args = dataclasses.replace(LLAMA3_CONFIGS["debug"], n_layers=2)
+        body = Transformer
+    else:  # the balance loss averages over the batch: off (chunking it is refused)
+        args = dataclasses.replace(MOE_CONFIGS["debug"], n_layers=2, aux_loss_alpha=0.0)
+        body = MoETransformer
+
+    class Loss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = body(args)
+
+        def forward(self, tokens):
+            return self.body(tokens).float().pow(2).mean()
+
+    return Loss, args
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["llama3", "moe"])
+@pytest.mark.parametrize("device", ["default", "compute-bound"])
+def test_our_decoder_layers_chunked_equal_unchunked(fake_world, kind, device):
+    """Whole decoder layers of our LLaMA-3 and MoE, under the default plan
+    and one that shards the batch over both mesh dims (all-gathers and
+    all-to-alls of the split dim inside the layers)."""
+    fake_world(4)
+    build, args = _our_model(kind)
+    tokens = (torch.randint(0, args.vocab_size, (8, 16), generator=torch.Generator().manual_seed(1)),)
+    dev = slow_compute_device() if device == "compute-bound" else None
+    stats, plain, chunked = chunked_vs_unchunked(build, tokens, {"body.layers.*": "batch"}, device=dev)
+    assert stats.regions_chunked == 2, stats.refused
+    assert_same_step(chunked, plain)
+
+
+def _hf_llama_gloo_step(rank: int, world: int) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from _parity import check_step_on_rank
+
+    build = _hf_lm("llama")
+    tokens = (torch.randint(1, 128, (4, 8), generator=torch.Generator().manual_seed(1)),)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with torch.device("meta"):
+        model = build()
+    with AutoParallel(model, mesh, (tokens[0].to("meta"),), time_limit=300) as autop:
+        autop.add_input_constraints([batch_placement(tokens[0], mesh)])
+        plan = autop.optimize_placement()
+        parallel = autop.apply_placement(
+            plan, pass_options=PassOptions(chunk_modules={"model.model.layers.*": "batch"})
+        )
+    assert plan.pass_stats["chunk_regions"].regions_chunked == 2, plan.pass_stats["chunk_regions"].refused
+    check_step_on_rank(parallel, mesh, build, tokens, rank, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_hf_llama_chunked_gloo_2x2():
+    """Hugging Face Llama's decoder layers chunked (the attention mask built
+    outside them split with the batch) on 4 gloo processes: every rank's
+    step equals single device."""
+    from _dist_utils import run_ranks
+
+    run_ranks(_hf_llama_gloo_step, 4, timeout=600)
