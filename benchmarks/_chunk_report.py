@@ -129,8 +129,8 @@ def chunk_compare(autop, plan, mesh, modules: dict[str, str], pass_options=None,
             f"nodes added {stats.nodes_added} (joint graph), live-ins split {stats.live_ins_split}, "
             f"shared {stats.live_ins_shared}"
         )
-        for region, why in list(stats.refused.items())[:5]:
-            print(f"  refused {region}: {why}")
+        for line in stats.refusal_lines():
+            print(line)
     labels = [v[0] for v in variants]
     print(f"  {'':26s} " + " ".join(f"{lb:>12s}" for lb in labels))
 

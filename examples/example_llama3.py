@@ -279,6 +279,20 @@ def chunk_options(values, default=("layers.*.attention=batch", "layers.*.feed_fo
     return PassOptions(chunk_modules=parse_chunk_args(values or default))
 
 
+def chunking_failed(plan, values) -> str | None:
+    """With ``--chunk``: print what chunk_regions did, one line per refusal
+    reason; the error line when it changed nothing (else None)."""
+    if values is None:
+        return None
+    stats = (plan.pass_stats or {}).get("chunk_regions")
+    if stats is None:
+        return "--chunk: chunk_regions did not run (the plan was not applied)"
+    print("\n" + stats.summary())
+    for line in stats.refusal_lines():
+        print(line)
+    return None if stats.regions_chunked else f"--chunk changed nothing: {stats.summary()}"
+
+
 def mesh_names(args: argparse.Namespace, ndim: int) -> tuple[str, ...]:
     if args.mesh_names is None:
         return ("dp", "tp", "cp", "ep")[:ndim]
@@ -342,12 +356,15 @@ def plan_fake(args: argparse.Namespace) -> None:
     print_report(plan, total, args.dump_dir, args.all_kinds, args.plan_file, timings)
     if report is not None:
         print_apply_report(plan, report)
+    unchunked = chunking_failed(plan, args.chunk)
     if args.save_plan:
         plan.dump_json(args.save_plan)
         print(f"\nplan written to {args.save_plan} (apply it elsewhere: --plan-file {args.save_plan})")
     if args.report:
         plan.to_html(args.report, model=model_title(args, config))
         print(f"HTML report: {os.path.abspath(args.report)}")
+    if unchunked:
+        raise SystemExit(unchunked)
 
 
 def mesh_text(names, shape) -> str:

@@ -103,8 +103,8 @@ def _apply_chunked(autop, plan, values) -> None:
         f"{st.nodes_added} nodes added; estimated exposed communication of the chunked regions "
         f"{st.exposed_comm_before_s * 1e3:.3f} -> {st.exposed_comm_after_s * 1e3:.3f} ms"
     )
-    for region, why in st.refused.items():
-        print(f"  refused {region}: {why}")
+    for line in st.refusal_lines():
+        print(line)
 
 
 if __name__ == "__main__":

@@ -63,9 +63,10 @@ def shard_to_shard(x: torch.Tensor, src_dim: int, dst_dim: int, mesh, mesh_dim: 
     if x.shape[dst_dim] % n:
         raise UnsupportedRedistribution(f"dim {dst_dim} of size {x.shape[dst_dim]} does not split evenly in {n}")
     # chunk k of dst_dim goes to rank k: put chunks on a leading dim
+    # (all_to_all_single splits dim 0 evenly: no flattening, so every dim
+    # keeps its meaning through the exchange, as chunk_regions needs)
     send = x.unflatten(dst_dim, (n, x.shape[dst_dim] // n)).movedim(dst_dim, 0).contiguous()
-    recv = _wait(funcol.all_to_all_single(send.flatten(), None, None, group=(mesh, mesh_dim)))
-    recv = recv.view(send.shape)
+    recv = _wait(funcol.all_to_all_single(send, None, None, group=(mesh, mesh_dim)))
     # recv[k] is rank k's src_dim shard of my dst_dim chunk: concatenate in order
     return recv.movedim(0, src_dim).flatten(src_dim, src_dim + 1)
 

@@ -336,12 +336,32 @@ class StrategyEnumerator:
             options = self._per_candidate.options(node, inputs, candidates, failures)
         else:
             options = _dtensor_options(node, inputs, candidates, self._pool, failures)
+        if not options and len(inputs) == 1 and isinstance(inputs[0].meta.get("val"), torch.Tensor):
+            options = self._every_input_layout(node, inputs, failures)
         if options:
             return options, "dtensor"
-        self._fallback_why.setdefault(
-            str(op), f"DTensor's rule raised {type(failures[0]).__name__}: {failures[0]}" if failures else "no rule"
-        )
+        if failures:
+            why = f"DTensor's rule raised {type(failures[0]).__name__}: {failures[0]}"
+        elif _has_dtensor_rule(op):
+            why = "every option of DTensor's rule shards unevenly or uses _StridedShard"
+        else:
+            why = "no rule"
+        self._fallback_why.setdefault(str(op), why)
         return replicate_options(node, inputs, self.mesh), "fallback"
+
+    def _every_input_layout(self, node, inputs, failures: list) -> list[Option]:
+        """Options of a one-input op from every even layout of its input,
+        not only those its producer offers (the edge redistributes). A
+        view that merges dims can follow none of a producer that offers
+        only a layout sharded on an inner merged dim (DTensor gives a
+        ``_StridedShard``, which plans do not use), yet it has batch-sharded
+        and other options."""
+        val = inputs[0].meta["val"]
+        meta = tensor_meta_of(val)
+        every = [[self._pool.get(p, meta) for p in all_placements(val.shape, self.mesh)]]
+        if self._per_candidate is not None and self._per_candidate.handles(node, inputs):
+            return self._per_candidate.options(node, inputs, every, failures)
+        return _dtensor_options(node, inputs, every, self._pool, failures)
 
 
 def dtensor_strategy_for(node, inputs, candidates, mesh: DeviceMesh):
@@ -411,6 +431,11 @@ def _dtensor_options(node, inputs, candidates, pool: SpecPool, failures: list | 
                 seen.add(key)
                 options.append(o)
     return options
+
+
+def _has_dtensor_rule(op) -> bool:
+    prop = _propagator()
+    return op in prop.op_strategy_funcs or op in prop.op_single_dim_strategy_funcs
 
 
 def _candidate_free(op) -> bool:

@@ -29,6 +29,7 @@ __all__ = ["PER_CHUNK", "REDUCED", "ChunkRefused", "propagate_split_dims"]
 logger = logging.getLogger(__name__)
 
 _aten = torch.ops.aten
+_c10d = torch.ops._c10d_functional
 
 _ATTENTION_NAMES = ("scaled_dot_product", "flash_attention", "efficient_attention", "flex_attention", "cudnn_attention")
 # Views whose dim arguments name every dim (they act along none of them).
@@ -104,6 +105,12 @@ def _view_dim(in_shape, d: int, out_shape, mesh_sizes: frozenset = frozenset()) 
                     )
                 break
             prefix *= s
+    if mesh_sizes and len(out_shape) == len(in_shape) - 1 and d >= 1 and in_shape[d - 1] in mesh_sizes:
+        # the inverse: a gathered [group, per-rank] pair merged back; each
+        # chunk's rows then interleave with the group's (see merge_depth)
+        j = d - 1
+        if list(out_shape[:j]) == list(in_shape[:j]) and out_shape[j] == in_shape[j] * size:
+            return j
     prefix = 1
     for j, s in enumerate(out_shape):
         if prefix == outer and s != 1 and s % 2 == 0 and (s % size == 0 or size % s == 0):
@@ -112,6 +119,58 @@ def _view_dim(in_shape, d: int, out_shape, mesh_sizes: frozenset = frozenset()) 
         if prefix > outer:
             break
     raise _Unknown(f"reshape {tuple(in_shape)} -> {tuple(out_shape)} mixes split dim {d} with outer dims")
+
+
+_VIEWS = {_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default}
+
+
+def merge_depth(node: fx.Node, in_dim: int, out_dim, mesh_sizes: frozenset) -> int:
+    """How ``node`` changes the order of a chunk's rows along the split dim
+    relative to the whole value's: +1 where it merges the split dim with a
+    mesh group's (an all-gather along it, or a redistribution's
+    ``[group, per-rank]`` merge: a chunk's rows then run rank by rank,
+    interleaved with the other chunk's), -1 where it splits one off (a
+    reduce-scatter along it, a ``[group, per-rank]`` split), 0 otherwise.
+    Inside a region any order works, row by row; a value leaving it must be
+    back at depth 0 for the chunks to concatenate into the whole."""
+    t = node.target
+    if not isinstance(out_dim, int):
+        return 0
+    if t is _c10d.all_gather_into_tensor.default and in_dim == 0:
+        return 1
+    if t is _c10d.reduce_scatter_tensor.default and in_dim == 0:
+        return -1
+    if t in _VIEWS and REDISTRIBUTE_KEY in node.meta and mesh_sizes:
+        in_shape, out_shape = list(_val(node.args[0]).shape), list(_val(node).shape)
+        if (
+            len(out_shape) == len(in_shape) - 1
+            and out_dim == in_dim - 1
+            and in_shape[in_dim - 1] in mesh_sizes
+            and out_shape[out_dim] == in_shape[in_dim - 1] * in_shape[in_dim]
+        ):
+            return 1
+        if (
+            len(out_shape) == len(in_shape) + 1
+            and out_dim == in_dim + 1
+            and out_shape[in_dim] in mesh_sizes
+            and out_shape[in_dim] * out_shape[out_dim] == in_shape[in_dim]
+        ):
+            return -1
+    return 0
+
+
+def group_split(node: fx.Node, d: int, depth: int, mesh_sizes: frozenset) -> bool:
+    """Whether ``node`` splits a value gathered along split dim ``d``
+    (``depth`` > 0, see :func:`merge_depth`) back into its ranks' parts,
+    inside a redistribution (a gather along another dim: all-gather on dim
+    0, split into the ranks' parts, concatenated along the gather dim).
+    Each chunk splits its own gathered rows the same way."""
+    if node.target is not _aten.split.Tensor or REDISTRIBUTE_KEY not in node.meta or depth <= 0:
+        return False
+    v = _val(node.args[0])
+    dim = _normalize(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), v.dim())
+    size = node.args[1]
+    return dim == d and v.shape[d] % size == 0 and v.shape[d] // size in mesh_sizes and size % 2 == 0
 
 
 class _quiet_fake_tensor:
@@ -145,9 +204,16 @@ def _size_args(node: fx.Node, dims: dict[fx.Node, int]) -> tuple[tuple, dict, in
             raise _Unknown(f"{node.name}: sizes of a view of a value without the split dim")
         in_shape = _val(src).shape
         out_shape = list(node.args[1])
+        if any(not isinstance(s, int) or s < 0 for s in out_shape):
+            # an inferred size (-1): the traced output's shape names it
+            out_shape = list(_val(node).shape)
         chain = REDISTRIBUTE_KEY in node.meta
         j = _view_dim(list(in_shape), d, out_shape, _MESH_SIZES.get() if chain else frozenset())
         return (src, _halve(out_shape, j)), dict(node.kwargs), j
+    if t is _aten.split.Tensor and REDISTRIBUTE_KEY in node.meta and d is not None:
+        dim = _normalize(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), _val(src).dim())
+        if dim == d:  # a gathered value split back into its ranks' parts (see group_split)
+            return (src, node.args[1] // 2, *node.args[2:]), dict(node.kwargs), None
     if t is _aten.expand.default:
         if d is None:
             raise _Unknown(f"{node.name}: expand of a value without the split dim")
@@ -335,18 +401,52 @@ def is_fill(node: fx.Node, memo: dict | None = None) -> bool:
     return hit
 
 
+# Arguments that broadcast against the query's [batch, heads, query, key]
+# dims (right-aligned): an attention mask or bias built outside the layer.
+_BROADCAST_ARGS = ("attn_mask", "attn_bias")
+
+
+def _broadcast_against(node: fx.Node) -> dict[fx.Node, fx.Node]:
+    """Mask-like input -> the input it broadcasts against (``query``)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return {}
+    by_name = {}
+    for k, a in enumerate(schema.arguments):
+        v = node.args[k] if k < len(node.args) and not a.kwarg_only else node.kwargs.get(a.name)
+        if isinstance(v, fx.Node):
+            by_name[a.name] = v
+    query = by_name.get("query")
+    if query is None:
+        return {}
+    return {by_name[n]: query for n in _BROADCAST_ARGS if n in by_name}
+
+
 def _full_size_partners(node: fx.Node, dims: dict[fx.Node, Any]) -> dict[fx.Node, int]:
     """Inputs of ``node`` that carry no split dim but line up with one at its
-    full size: of a pointwise op, broadcast (a gradient expanded from a
-    scalar); of any op, a constant fill of the same rank (:func:`is_fill`).
-    Input -> its dim that lines up with the split dim."""
+    full size, so each chunk must read its own part: of a pointwise op, by
+    broadcasting (a gradient expanded from a scalar, a bias or position
+    table built outside the region); of attention, a mask or bias against
+    the query; of any op, a constant fill of the same rank (:func:`is_fill`).
+    Broadcasting fixes what a dim means: a dim that lines up with the split
+    dim at its full size holds one entry per row of it, whatever its size
+    happens to equal elsewhere. Input -> its dim that lines up."""
     t = node.target
     pointwise = isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags
     split = [(a, dims[a]) for a in node.all_input_nodes if isinstance(dims.get(a), int)]
+    masks = _broadcast_against(node)
     out = {}
     for a in node.all_input_nodes:
         v = _val(a)
         if isinstance(dims.get(a), int) or not isinstance(v, torch.Tensor):
+            continue
+        if a in masks:
+            q = masks[a]
+            d = dims.get(q)
+            if isinstance(d, int):
+                i = d - _val(q).dim() + v.dim()
+                if 0 <= i < v.dim() and v.shape[i] == _val(q).shape[d] and v.shape[i] != 1:
+                    out[a] = i
             continue
         fill = not pointwise and is_fill(a)
         if not (pointwise or fill):
@@ -361,12 +461,15 @@ def _full_size_partners(node: fx.Node, dims: dict[fx.Node, Any]) -> dict[fx.Node
     return out
 
 
-def _probe(node: fx.Node, dims: dict[fx.Node, Any], half_vals: dict[fx.Node, Any], implicit: bool = False, fills=None):
+def _probe(
+    node: fx.Node, dims: dict[fx.Node, Any], half_vals: dict[fx.Node, Any], implicit: bool = False, partners=None
+):
     """(chunk value(s), state(s), (args, kwargs)) of ``node`` run on the
     halves: the fake output(s) for one chunk, per output its split dim or
-    REDUCED, and the arguments with chunk sizes. ``implicit``: halve the
-    full-size partners of pointwise ops too (else they are refused, except
-    constant fills, which ``fills`` collects: fill -> dim to halve)."""
+    REDUCED, and the arguments with chunk sizes. Full-size partners
+    (:func:`_full_size_partners`) are halved too; ``partners`` collects
+    them (input -> the dim each chunk reads its part of); without it they
+    are refused unless ``implicit`` (naming dims only)."""
     if node.target is operator.getitem and isinstance(dims.get(node.args[0]), tuple):
         out = half_vals[node.args[0]][node.args[1]]
         return out, dims[node.args[0]][node.args[1]], (node.args, node.kwargs)
@@ -382,17 +485,15 @@ def _probe(node: fx.Node, dims: dict[fx.Node, Any], half_vals: dict[fx.Node, Any
         args, kwargs, j = sized
     else:
         args, kwargs, j = node.args, node.kwargs, None
-    partners = _full_size_partners(node, dims)
+    found = _full_size_partners(node, dims)
     if not implicit:
-        for a in partners:
-            if not is_fill(a):
-                raise ChunkRefused(
-                    f"{node.name} ({node.target}) reads {a.name}, which is full size along the split dim"
-                )
-        if fills is not None:
-            fills.update(partners)
-    half_vals = dict(half_vals) if partners else half_vals
-    for a, i in partners.items():
+        if partners is None and found:
+            a = next(iter(found))
+            raise ChunkRefused(f"{node.name} ({node.target}) reads {a.name}, which is full size along the split dim")
+        if partners is not None:
+            partners.update(found)
+    half_vals = dict(half_vals) if found else half_vals
+    for a, i in found.items():
         half_vals[a] = _val(a).narrow(i, 0, _val(a).shape[i] // 2)
 
     def val(a):

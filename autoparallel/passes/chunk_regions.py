@@ -21,7 +21,11 @@ every joint node whose module path is in it, forward and backward. Then:
   length (or the hidden size) cannot be mistaken for it. (:mod:`.chunk_dims`)
 * **Live-ins** that carry it (activations, incoming gradients) are split in
   two (``split`` views); the others (parameters, their all-gather/cast
-  chains, masks, reduced values) are shared and never duplicated.
+  chains, reduced values) are shared and never duplicated. A value without
+  the split dim that a chunked op broadcasts against it at full size (an
+  attention mask or bias built outside the region with the literal batch,
+  a position table under sequence chunking, a constant fill) is split too,
+  where it is read: each chunk reads its own half.
 * **Duplication**: only the region nodes that depend on a split live-in;
   the original node becomes chunk A (on the halves), a copy right after it
   chunk B. The node-by-node interleave is what ``schedule_overlap`` needs:
@@ -44,13 +48,18 @@ every joint node whose module path is in it, forward and backward. Then:
 Redistributions (apply's layout changes, tagged ``REDISTRIBUTE_KEY``) keep
 their dims' meaning outside regions; inside a region they run per chunk, as
 redistributing each eager chunk would (a ``[group, per-rank]`` reshape keeps
-the mesh group factor and halves the per-rank one).
+the mesh group factor and halves the per-rank one; its inverse merges them
+back). A value gathered over a mesh dim along the split dim holds a chunk's
+rows rank by rank, interleaved with the other chunk's: fine inside the
+region (row-wise ops, sums), refused where it would leave it before being
+scattered back (:func:`~.chunk_dims.merge_depth`).
 
 Limits (refused, with the reason in the stats): a split dim that a reshape
 merges with an outer dim (sequence chunking where batch and sequence are
 flattened together with a batch > 1), one row per rank (nothing to split),
-redistributions that flatten a region value for a collective, factories
-whose sizes do not follow a split value.
+factories whose sizes do not follow a split value. When nothing was
+chunked the pass says so in one warning line, with one line per refusal
+reason (:meth:`ChunkRegionsStats.refusal_lines`).
 
 Buffer mutations stay where they are: their new values are rebuilt from
 both chunks (concatenated or summed) before the mutation output reads them.
@@ -58,7 +67,7 @@ The result is exactly eager module-level chunking (run the module on each
 half, concatenate): the same ops on the same halves, gradients added once.
 
 >>> # stats = chunk_regions(local.gm, ctx)   # doctest: +SKIP
->>> # ChunkRegionsStats(regions_chunked=2, refused={...}, nodes_added=310, ...)
+>>> # ChunkRegionsStats(regions_chunked=2, refusals={reason: count}, nodes_added=310, ...)
 """
 
 from __future__ import annotations
@@ -66,6 +75,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import operator
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +97,8 @@ from .chunk_dims import (
     _probe,
     _Unknown,
     _val,
+    group_split,
+    merge_depth,
     propagate_split_dims,
 )
 
@@ -149,7 +161,11 @@ class RegionReport:
 class ChunkRegionsStats:
     regions_chunked: int = 0
     regions_refused: int = 0
-    refused: dict[str, str] = field(default_factory=dict)  # region -> reason
+    # refusal reason -> how many regions (of the unfolded model) it refused
+    refusals: dict[str, int] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict, metadata={"json": False})  # region -> reason
+    # region -> its key in ``refusals`` (the reason without graph node names)
+    reason_keys: dict[str, str] = field(default_factory=dict, repr=False, metadata={"json": False})
     nodes_added: int = 0
     live_ins_split: int = 0
     live_ins_shared: int = 0
@@ -161,6 +177,30 @@ class ChunkRegionsStats:
     # ones are in ``refused``); the detail is in ``reports``
     chunked: dict[str, str] = field(default_factory=dict)
     reports: list[RegionReport] = field(default_factory=list, repr=False, metadata={"json": False})
+
+    def summary(self) -> str:
+        """One line: what was chunked, or that nothing was and why."""
+        if self.regions_chunked:
+            head = f"chunk_regions: {self.regions_chunked} region(s) chunked, +{self.nodes_added} nodes"
+            return head + (f", {self.regions_refused} refused" if self.regions_refused else "")
+        if not self.regions_refused:
+            return "chunk_regions: nothing chunked: no node belongs to a module matching the patterns"
+        return f"chunk_regions: nothing chunked: all {self.regions_refused} matching region(s) refused"
+
+    def refusal_lines(self, limit: int = 5) -> list[str]:
+        """One line per distinct refusal reason, most frequent first, with
+        the regions it refused (first and last named)."""
+        by_key: dict[str, list[str]] = {}
+        for region, why in self.refused.items():
+            by_key.setdefault(self.reason_keys.get(region, why), []).append(region)
+        lines = []
+        for key, regions in sorted(by_key.items(), key=lambda kv: -self.refusals.get(kv[0], len(kv[1]))):
+            n = self.refusals.get(key, len(regions))
+            where = regions[0] if len(regions) == 1 else f"{regions[0]} ... {regions[-1]}"
+            lines.append(f"  refused {n} ({where}): {self.refused[regions[0]]}")
+        if len(lines) > limit:
+            lines = lines[:limit] + [f"  ... and {len(lines) - limit} other reason(s)"]
+        return lines
 
 
 # ---------------------------------------------------------------------------
@@ -210,7 +250,10 @@ class _Plan:
     state: dict[fx.Node, Any]  # node -> dim | REDUCED | tuple of them
     probe: dict[fx.Node, tuple]  # node -> (A value, (args, kwargs) with chunk sizes)
     joins: dict[fx.Node, fx.Node] = field(default_factory=dict)  # rebuilt value -> original node
-    fills: dict[fx.Node, int] = field(default_factory=dict)  # constant fill -> dim both chunks read half of
+    # values without the split dim that line up with it at full size (a mask
+    # built outside the region with the literal batch, a constant fill):
+    # value -> dim; each chunk reads its own half
+    partners: dict[fx.Node, int] = field(default_factory=dict)
 
 
 def _is_random(n: fx.Node) -> bool:
@@ -280,8 +323,10 @@ def _plan_region(region: str, mode: str, members: list[fx.Node], global_dims: di
     shared: set[fx.Node] = set()
     dependent: list[fx.Node] = []
     summed: set[fx.Node] = set()  # sums over the split dim, added up at once
-    fills: dict[fx.Node, int] = {}  # constant fills both chunks read half of
+    partners: dict[fx.Node, int] = {}  # full-size inputs each chunk reads its part of
     late_reduced: dict[fx.Node, fx.Node] = {}  # linear ops on a partial sum, duplicated -> its producer
+    depth: dict[fx.Node, int] = {}  # see merge_depth: 0 where a chunk's rows are a contiguous half
+    mesh_sizes = _MESH_SIZES.get()
     for n in members:
         ins = n.all_input_nodes
         deps = []
@@ -323,14 +368,17 @@ def _plan_region(region: str, mode: str, members: list[fx.Node], global_dims: di
             raise ChunkRefused(f"{n.name} ({n.target}): attention under sequence chunking needs every key")
         in_dims = [state[a] for a in deps if isinstance(state.get(a), int)]
         first = next((a for a in deps if isinstance(state.get(a), int)), None)
-        if first is not None and _acts_along(
-            n, state[first], _val(first).dim() if isinstance(_val(first), torch.Tensor) else 0
+        regroup = first is not None and group_split(n, state[first], depth.get(first, 0), mesh_sizes)
+        if (
+            first is not None
+            and not regroup
+            and _acts_along(n, state[first], _val(first).dim() if isinstance(_val(first), torch.Tensor) else 0)
         ):
             if n.target not in sums:
                 raise ChunkRefused(f"{n.name} ({n.target}) acts along the split dim")
         found: dict[fx.Node, int] = {}
         try:
-            out, st, sized = _probe(n, state, half, fills=found)
+            out, st, sized = _probe(n, state, half, partners=found)
         except _Unknown as e:
             raise ChunkRefused(str(e)) from None
         sts = st if isinstance(st, list) else [st]
@@ -339,8 +387,19 @@ def _plan_region(region: str, mode: str, members: list[fx.Node], global_dims: di
         if not in_dims and n.target is not operator.getitem and not any(state.get(a) == PER_CHUNK for a in deps):
             raise ChunkRefused(f"{n.name} ({n.target}) depends on the split only through multi-output values")
         for f, i in found.items():
-            if fills.setdefault(f, i) != i:
-                raise ChunkRefused(f"{f.name}: a constant fill read along two different dims")
+            if partners.setdefault(f, i) != i:
+                raise ChunkRefused(f"{f.name} lines up with the split dim along two different dims")
+        depths = {depth.get(a, 0) for a in deps}
+        if len(depths) > 1 or (found and depths != {0}):
+            raise ChunkRefused(
+                f"{n.name} ({n.target}) combines rows in different orders (one gathered over a mesh dim "
+                "along the split dim inside the region)"
+            )
+        base = depths.pop() if depths else 0
+        if regroup:
+            depth[n] = base - 1  # each part: one rank's rows again
+        else:
+            depth[n] = base + (merge_depth(n, state[first], st, mesh_sizes) if first is not None else 0)
         state[n] = tuple(st) if isinstance(st, list) else st
         half[n] = out
         probe[n] = (out, sized)
@@ -356,6 +415,12 @@ def _plan_region(region: str, mode: str, members: list[fx.Node], global_dims: di
     if not dependent:
         raise ChunkRefused("no node of the region depends on a value carrying the split dim")
     for n in dependent:
+        u = next((u for u in n.users if u not in member_set), None)
+        if u is not None and depth.get(n, 0) and isinstance(state[n], int):
+            raise ChunkRefused(
+                f"{n.name} ({n.target}) was gathered or scattered over a mesh dim along the split dim and "
+                f"{u.name} outside the region reads it: the chunks' rows interleave rank by rank"
+            )
         if state[n] == PER_CHUNK:
             u = next((u for u in n.users if u not in member_set), None)
             if u is not None:
@@ -363,12 +428,11 @@ def _plan_region(region: str, mode: str, members: list[fx.Node], global_dims: di
                     f"{n.name} ({n.target}) is per-chunk (MoE routing or exchanged rows) and {u.name} "
                     "outside the region reads it: it cannot be rebuilt from the chunks"
                 )
-    return _Plan(region, mode, dependent, live_ins, len(shared), state, probe, fills=fills)
+    return _Plan(region, mode, dependent, live_ins, len(shared), state, probe, partners=partners)
 
 
 def _apply(gm: fx.GraphModule, plan: _Plan) -> int:
     """Rewrite ``gm`` per ``plan``; returns how many nodes were added."""
-    from ..apply.unfold import FOLD_KEY
 
     g = gm.graph
     dep = set(plan.nodes)
@@ -381,37 +445,12 @@ def _apply(gm: fx.GraphModule, plan: _Plan) -> int:
             if a in plan.live_ins and a not in first_use:
                 first_use[a] = n
     for x, d in plan.live_ins.items():
-        n0 = first_use[x]
-        size = _val(x).shape[d] // 2
-        with g.inserting_before(n0):
-            sp = g.call_function(_aten.split.Tensor, (x, size, d))
-            ha = g.call_function(operator.getitem, (sp, 0))
-            hb = g.call_function(operator.getitem, (sp, 1))
-        v = _val(x)
-        with _fake_mode([v]) or _null():
-            sp.meta["val"] = v.split(size, d)
-        ha.meta["val"], hb.meta["val"] = sp.meta["val"][0], sp.meta["val"][1]
-        for k, m in enumerate((sp, ha, hb)):
-            # copy the consumer's module path and AC tags; stamp like the live-in
-            for key in ("custom", "recompute", "ac_graph_id", "partitioner_tag", "stack_trace", "nn_module_stack"):
-                if key in n0.meta:
-                    m.meta[key] = n0.meta[key]
-            if FOLD_KEY in n0.meta:
-                key = x.meta.get(FOLD_KEY, (None, x.name))[1]
-                m.meta[FOLD_KEY] = (n0.meta[FOLD_KEY][0], ("chunk_split", key, k))
-        a_of[x], b_of[x] = ha, hb
+        a_of[x], b_of[x] = _split_before(g, x, d, first_use[x], "chunk_split")
         added += 3
-    for f, d in plan.fills.items():
-        # every half of a constant fill is the same: both chunks read the first
+    for f, d in plan.partners.items():
         n0 = next(u for u in plan.nodes if f in u.all_input_nodes)
-        size = _val(f).shape[d] // 2
-        with g.inserting_before(n0):
-            h = g.call_function(_aten.slice.Tensor, (f, d, 0, size))
-        h.meta = {k: v for k, v in n0.meta.items() if k not in ("val", CHUNK_KEY)}
-        h.meta["val"] = _val(f).narrow(d, 0, size)
-        _stamp(h, n0, "chunk_fill")
-        a_of[f] = b_of[f] = h
-        added += 1
+        a_of[f], b_of[f] = _split_before(g, f, d, n0, "chunk_partner")
+        added += 3
     for n in plan.nodes:
         out, (args, kwargs) = plan.probe[n]
 
@@ -457,6 +496,31 @@ def _apply(gm: fx.GraphModule, plan: _Plan) -> int:
         plan.joins[j] = n
         added += 1
     return added
+
+
+def _split_before(g: fx.Graph, x: fx.Node, d: int, n0: fx.Node, tag: str) -> tuple[fx.Node, fx.Node]:
+    """Split ``x`` in two halves along ``d`` right before its first chunked
+    consumer ``n0``; the halves (chunk A's, chunk B's)."""
+    from ..apply.unfold import FOLD_KEY
+
+    size = _val(x).shape[d] // 2
+    with g.inserting_before(n0):
+        sp = g.call_function(_aten.split.Tensor, (x, size, d))
+        ha = g.call_function(operator.getitem, (sp, 0))
+        hb = g.call_function(operator.getitem, (sp, 1))
+    v = _val(x)
+    with _fake_mode([v]) or _null():
+        sp.meta["val"] = v.split(size, d)
+    ha.meta["val"], hb.meta["val"] = sp.meta["val"][0], sp.meta["val"][1]
+    for k, m in enumerate((sp, ha, hb)):
+        # the consumer's module path and AC tags; folded like the split value
+        for key in ("custom", "recompute", "ac_graph_id", "partitioner_tag", "stack_trace", "nn_module_stack"):
+            if key in n0.meta:
+                m.meta[key] = n0.meta[key]
+        if FOLD_KEY in n0.meta:
+            key = x.meta.get(FOLD_KEY, (None, x.name))[1]
+            m.meta[FOLD_KEY] = (n0.meta[FOLD_KEY][0], (tag, key, k))
+    return ha, hb
 
 
 class _null:
@@ -559,9 +623,10 @@ def chunk_graph(
 def _chunk_graph(gm, modules, seeds, ctx, copies, stats, early_sums) -> ChunkRegionsStats:
     regions = _regions(gm, modules)
     if not regions:
-        logger.warning("chunk_regions: no node belongs to a module matching %s", sorted(modules))
+        logger.warning("chunk_regions: nothing chunked: no node belongs to a module matching %s", sorted(modules))
         return stats
     before = _scheduled_exposure(gm, ctx, modules)
+    names = {n.name for n in gm.graph.nodes}
     dims_by_mode = {mode: propagate_split_dims(gm, seeds.get(mode, {})) for mode in {m for m, _ in regions.values()}}
     for region, (mode, members) in regions.items():
         rep = RegionReport(region, mode, chunked=False)
@@ -572,7 +637,9 @@ def _chunk_graph(gm, modules, seeds, ctx, copies, stats, early_sums) -> ChunkReg
             rep.reason = str(e)
             stats.regions_refused += n_copies
             stats.refused[region] = rep.reason
-            logger.info("chunk_regions: %s (%s) refused: %s", region, mode, rep.reason)
+            key = stats.reason_keys[region] = _reason_key(rep.reason, names)
+            stats.refusals[key] = stats.refusals.get(key, 0) + n_copies
+            logger.debug("chunk_regions: %s (%s) refused: %s", region, mode, rep.reason)
             stats.reports.append(rep)
             continue
         rep.nodes_added = _apply(gm, plan)
@@ -604,7 +671,31 @@ def _chunk_graph(gm, modules, seeds, ctx, copies, stats, early_sums) -> ChunkReg
                 f"+{rep.nodes_added} nodes, exposed {rep.exposed_comm_before_s * 1e6:.0f} -> "
                 f"{rep.exposed_comm_after_s * 1e6:.0f} us"
             )
+    if stats.refused:
+        # the user asked for chunking: say plainly when it changed nothing
+        log = logger.warning if not stats.regions_chunked else logger.info
+        log("%s\n%s", stats.summary(), "\n".join(stats.refusal_lines()))
     return stats
+
+
+_WORD = re.compile(r"(?<![\w.])([A-Za-z_]\w*)(?: \(([^()]*)\))?(?![\w.])")
+
+
+def _reason_key(reason: str, names: set[str]) -> str:
+    """``reason`` without its graph node names (``mul_7 (aten.mul.Tensor)``
+    -> ``aten.mul.Tensor``, other names -> ``<node>``), so that the same
+    refusal in every layer counts as one."""
+
+    def sub(m):
+        name, target = m.group(1), m.group(2)
+        if name not in names:
+            return m.group(0)
+        if target:
+            return target
+        # a bare word that is also a node name ("split") stays
+        return "<node>" if "_" in name.strip("_") else m.group(0)
+
+    return _WORD.sub(sub, reason)
 
 
 def _seeds(gm: fx.GraphModule, ctx: PassContext) -> dict[str, dict[fx.Node, int]]:
