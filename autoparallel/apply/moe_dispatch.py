@@ -44,6 +44,7 @@ from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 
 import autoparallel.models.moe  # noqa: F401  (the ops being lowered)
 from autoparallel.models.moe import swiglu_backward
+from autoparallel.torch_compat import groups_of
 
 _ops = torch.ops.autoparallel
 
@@ -266,10 +267,7 @@ def _(grad_out, x, topk_idx, topk_w, w1, w3, w2, expert_ids, n_experts, group_na
 
 
 def _groups(group_name: str) -> list[list[int]]:
-    from torch.distributed._local_tensor._c10d import _prepare_collective_groups, _resolve_pg_or_name
-
-    ranks, offsets, _ = _prepare_collective_groups(_resolve_pg_or_name(group_name))
-    return [[off + r for r in ranks] for off in offsets]
+    return groups_of(group_name)
 
 
 def _local_run(tensors, n_experts, group_name, fn):
