@@ -205,6 +205,19 @@ def qualified_name(fn) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
+def decomposition_strategy(propagator):
+    """The propagator's ``decomp_strategy`` (sharding an op through its
+    decomposition), or None where torch's propagator has none (logged once)."""
+    found = getattr(propagator, "decomp_strategy", None)
+    if found is None:
+        say_once(
+            "no decomp_strategy",
+            "DTensor in torch %s has no decomposition strategies: ops without a rule of their own run replicated",
+            TORCH_VERSION,
+        )
+    return found
+
+
 def scalar_shape_adjusters(propagator) -> dict:
     """``ShardingPropagator.op_to_scalar_shape_adjuster`` (ops whose scalar
     shape arguments are rewritten for the local shard); empty where torch

@@ -21,7 +21,7 @@ from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, Tu
 from torch.distributed.tensor.placement_types import Replicate, Shard
 from torch.utils._pytree import tree_map
 
-from ..torch_compat import CODE_ERRORS, Swap, qualified_name, swapped
+from ..torch_compat import CODE_ERRORS, Swap, decomposition_strategy, qualified_name, swapped
 from .placements import tensor_meta_of
 
 logger = logging.getLogger(__name__)
@@ -189,7 +189,10 @@ def _decomp_strategy(node: torch.fx.Node, schema: OpSchema, mesh: DeviceMesh):
     op = node.target
     if not DecompShardingStrategy.has_decomp(op):
         return None
-    prop.decomp_strategy.ensure_schema_info(op)
+    decomp = decomposition_strategy(prop)
+    if decomp is None:
+        return None
+    decomp.ensure_schema_info(op)
 
     # The decomposition path wants one concrete spec per input: give it the
     # first candidate (it enumerates placements itself).
@@ -207,7 +210,7 @@ def _decomp_strategy(node: torch.fx.Node, schema: OpSchema, mesh: DeviceMesh):
         schema_info=prop.op_to_schema_info.get(op),
     )
     try:
-        return prop.decomp_strategy.propagate_strategy(spec_schema)
+        return decomp.propagate_strategy(spec_schema)
     except CODE_ERRORS:
         raise
     except Exception as e:  # noqa: BLE001 - any other failure means "no rule"

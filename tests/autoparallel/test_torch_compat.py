@@ -315,3 +315,9 @@ def test_a_dtensor_rule_raising_type_error_is_an_error(fake_world, monkeypatch):
     monkeypatch.setitem(table, op, gelu_rule_of_another_torch)
     with pytest.raises(torch_compat.RuleError, match="gelu_rule_of_another_torch for aten.gelu.default"):
         _enumerate_ffn()
+
+
+def test_decomposition_strategy_absent_is_none():
+    marker = object()
+    assert torch_compat.decomposition_strategy(types.SimpleNamespace(decomp_strategy=marker)) is marker
+    assert torch_compat.decomposition_strategy(types.SimpleNamespace()) is None
