@@ -35,6 +35,7 @@ from .problem.memory import ADAMW, OptimizerSpec
 from .plan import NodePlan, Plan
 from .provenance import PlanMismatch, check_applicable, provenance  # noqa: F401 - PlanMismatch re-exported
 from .progress import Stages, gc_paused
+from .torch_compat import current_ranks
 from .problem.builder import DEFAULT_MAX_PROBLEM_BYTES, BuiltProblem, Constraints, build_problem
 from .capture.repeated_layers import RepeatedLayers, find_repeated_layers
 from .options.strategies import NodeStrategy, StrategyEnumerator, format_specs
@@ -621,7 +622,7 @@ class AutoParallel:
 
         with unset_fake_temporarily():  # the mesh tensor, outside tracing's fake mode
             first = int(self.mesh.mesh.flatten()[0])
-        if first != dist.get_rank():
+        if first not in current_ranks():
             return  # one writer: rank 0 of the mesh
         t0 = time.perf_counter()
         os.makedirs(directory, exist_ok=True)

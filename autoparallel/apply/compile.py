@@ -33,16 +33,15 @@ import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch._aot_autograd.utils import make_boxed_func
 from torch._functorch.partitioners import (
-    _extract_fwd_bwd_modules,
     _extract_fwd_bwd_outputs,
     _is_primal,
     _is_tangent,
     classify_nodes,
     is_not_collective,
-    is_opaque_node,
     is_sym_node,
 )
 
+from ..torch_compat import extract_fwd_bwd_modules, is_opaque_node
 from .partition import SAVE_TAG
 
 __all__ = ["PartitionRecord", "autoparallel_backend", "LAST_PARTITION"]
@@ -119,9 +118,7 @@ def save_tagged_partition(joint: fx.GraphModule, _joint_inputs: Any, *, num_fwd_
         saved.append(n)
         if not _is_input(n) and not _tagged(n):
             untagged.append(n.name)
-    fw, bw = _extract_fwd_bwd_modules(
-        joint, saved, saved_sym_nodes=sym, saved_opaque_nodes=opaque, num_fwd_outputs=num_fwd_outputs
-    )
+    fw, bw = extract_fwd_bwd_modules(joint, saved, sym, opaque, num_fwd_outputs=num_fwd_outputs)
     # The extraction copies every node whose inputs are available, and its DCE
     # keeps collectives (impure): the forward gets the backward's re-gathers of
     # (views of) primals, the backward the forward's gathers of saved primals.

@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_map
 from ..capture import activation_checkpointing
 from ..cost_model.devices import H100, DeviceSpec
 from ..options.dtensor_query import _propagator
+from ..torch_compat import last_node, scalar_shape_adjusters, squeeze_dims_variants
 from ..options.strategies import NodeStrategy, format_specs
 from ..capture.tracing import TracedStep, module_path
 from .moe_dispatch import LOCAL_LOWERINGS
@@ -144,9 +145,10 @@ def _localize_schema(op, args, kwargs, in_specs, out_specs) -> OpSchema:
         and any(p.is_shard() for p in out_specs.placements)
     ):
         schema = prop._adjust_shape_and_stride_args(out_specs.tensor_meta, schema, out_specs)
-    if op in prop.op_to_scalar_shape_adjuster and any(p.is_shard() for s in in_specs for p in s.placements):
-        schema = prop.op_to_scalar_shape_adjuster[op](list(in_specs), schema)
-    if op in prop.squeeze_op_to_dims_variant:
+    adjusters = scalar_shape_adjusters(prop)
+    if op in adjusters and any(p.is_shard() for s in in_specs for p in s.placements):
+        schema = adjusters[op](list(in_specs), schema)
+    if op in squeeze_dims_variants(prop):
         adjusted = prop._adjust_squeeze_to_global_singletons(schema)
         if adjusted is not None:
             schema = adjusted
@@ -229,7 +231,7 @@ class _Interpreter:
         if same_placements(src.placements, dst.placements):
             return x
         graph = self._tracer_graph()
-        last = next(reversed(graph.nodes)) if graph is not None else None
+        last = last_node(graph)
         src_masks = self.masks.get(producer) if producer is not None else None
         dst_masks = self.masks.setdefault(consumer, {}) if consumer is not None else None
         try:
@@ -381,7 +383,7 @@ class _Interpreter:
         for node in traced.gm.graph.nodes:
             if node.op == "output":
                 break
-            last = next(reversed(graph.nodes)) if graph is not None and len(graph.nodes) else None
+            last = last_node(graph)
             with fx_traceback.set_current_meta(node):
                 if node.op == "placeholder":
                     _, opt = _chosen(self.strategies, self.choice, node)

@@ -45,6 +45,7 @@ from torch.utils._pytree import TreeSpec, keystr, tree_flatten_with_path, tree_u
 from ..errors import ApplyError
 from ..options.strategies import format_specs
 from ..options.placements import on_mesh
+from ..torch_compat import current_ranks
 from .init import wrap_init
 from .local_graph import LocalJoint, local_shape
 from .runtime import ParallelStep
@@ -178,9 +179,9 @@ class ParallelModuleMixin:
                 f"the plan is for a mesh of {st.mesh.size()} ranks {tuple(st.mesh.shape)} (ranks up to "
                 f"{max(ranks)}) but the process group has {world}"
             )
-        rank = dist.get_rank()
-        if rank not in ranks:
-            raise ApplyError(f"rank {rank} is not in the plan's mesh {tuple(st.mesh.shape)} of ranks {ranks}")
+        outside = [r for r in current_ranks() if r not in ranks]
+        if outside:
+            raise ApplyError(f"rank {outside[0]} is not in the plan's mesh {tuple(st.mesh.shape)} of ranks {ranks}")
 
     def _param_locals(self, st: ParallelState) -> list[torch.Tensor]:
         out = []

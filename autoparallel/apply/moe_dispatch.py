@@ -43,6 +43,7 @@ from torch.utils.flop_counter import register_flop_formula
 from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 
 from autoparallel.ops.moe import swiglu_backward  # also registers the ops being lowered
+from autoparallel.torch_compat import groups_of
 
 _ops = torch.ops.autoparallel
 
@@ -265,10 +266,7 @@ def _(grad_out, x, topk_idx, topk_w, w1, w3, w2, expert_ids, n_experts, group_na
 
 
 def _groups(group_name: str) -> list[list[int]]:
-    from torch.distributed._local_tensor._c10d import _prepare_collective_groups, _resolve_pg_or_name
-
-    ranks, offsets, _ = _prepare_collective_groups(_resolve_pg_or_name(group_name))
-    return [[off + r for r in ranks] for off in offsets]
+    return groups_of(group_name)
 
 
 def _local_run(tensors, n_experts, group_name, fn):

@@ -17,9 +17,10 @@ from torch.distributed.tensor.placement_types import (
     Placement,
     Replicate,
     Shard,
-    _is_shard_like,
     _StridedShard,
 )
+
+from ..torch_compat import is_shard_like as _is_shard_like
 
 from .compute import _mesh_shape
 from .devices import H100, DeviceSpec

@@ -10,11 +10,10 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor.placement_types import (
-    Placement,
-    _is_shard_like,
-)
+from torch.distributed.tensor.placement_types import Placement
 from torch.utils import flop_counter
+
+from ..torch_compat import is_shard_like as _is_shard_like
 
 from .devices import H100, DeviceSpec
 

@@ -20,7 +20,8 @@ import torch.fx
 from torch.distributed.tensor._dtensor_spec import TensorMeta
 from torch.distributed.tensor._op_schema import OpSpec, OpStrategy
 
-from .dtensor_query import _build_schema, _out_meta, _propagator
+from ..torch_compat import TORCH_VERSION, CODE_ERRORS, rule_error, say_once, strategy_function
+from .dtensor_query import _build_schema, _out_meta, _propagator, dtensor_rule_name
 from .placements import tensor_meta_of
 from .strategies import RULES, OpSpecConverter, Option, SpecPool, _arg_key, _val_key, dtensor_strategy_for
 
@@ -35,10 +36,30 @@ MAP_STRATEGIES = frozenset(
 )
 
 
+def _say_missing_map_strategies(prop) -> None:
+    """Log once each :data:`MAP_STRATEGIES` entry that no op of the running
+    DTensor uses (renamed, or the op moved to a single-dim strategy, which
+    needs no per-candidate memo)."""
+    registered = {
+        (fn.__module__, fn.__qualname__)
+        for fn in map(strategy_function, prop.op_strategy_funcs.values())
+        if fn is not None and hasattr(fn, "__qualname__")
+    }
+    for module, name in sorted(MAP_STRATEGIES - registered):
+        say_once(
+            ("map strategy", module, name),
+            "candidate memo: DTensor in torch %s registers no %s.%s; its ops are computed per candidate set",
+            TORCH_VERSION,
+            module,
+            name,
+        )
+
+
 class PerCandidateOptions:
     """(view, candidate) -> its option, for the life of one enumeration."""
 
     def __init__(self, pool: SpecPool):
+        _say_missing_map_strategies(_propagator())
         self.pool = pool
         # (op key, id(candidate spec)) -> (dedup key and option, or None where
         # filtered or DTensor raised; the exception; the candidate, kept
@@ -59,7 +80,7 @@ class PerCandidateOptions:
         hit = self._handles.get(op, self)
         if hit is self:
             prop = _propagator()
-            fn = prop.op_strategy_funcs.get(op)
+            fn = strategy_function(prop.op_strategy_funcs.get(op))
             hit = None
             if (
                 op not in RULES
@@ -112,11 +133,15 @@ class PerCandidateOptions:
         try:
             strategy = dtensor_strategy_for(node, inputs, [missing], self.pool.mesh)
             batches = [(missing, strategy, None)]
+        except CODE_ERRORS as e:
+            raise rule_error(node.target, node.name, dtensor_rule_name(node.target), e) from e
         except Exception:  # noqa: BLE001 - some candidate raised: find which, one by one
             batches = []
             for c in missing:
                 try:
                     batches.append(([c], dtensor_strategy_for(node, inputs, [[c]], self.pool.mesh), None))
+                except CODE_ERRORS as e:
+                    raise rule_error(node.target, node.name, dtensor_rule_name(node.target), e) from e
                 except Exception as e:  # noqa: BLE001 - this candidate has no option
                     batches.append(([c], None, e))
         for cands, strategy, exc in batches:
@@ -144,6 +169,8 @@ class PerCandidateOptions:
         try:
             schema = _build_schema(node, {inputs[0]: OpStrategy([OpSpec(missing[0])])})
             rules = dim_map(*schema.args_schema, **schema.kwargs_schema)
+        except CODE_ERRORS as e:
+            raise rule_error(node.target, node.name, dtensor_rule_name(node.target), e) from e
         except Exception as e:  # noqa: BLE001 - DTensor's rule raises for every candidate then
             for c in missing:
                 memo[(op_key, id(c))] = (None, e, c)
@@ -152,6 +179,8 @@ class PerCandidateOptions:
         for c in missing:
             try:
                 in_target, out = propagate_shape_and_sharding(c.placements, shape, rules, mesh_shape, strict_view)
+            except CODE_ERRORS as e:
+                raise rule_error(node.target, node.name, dtensor_rule_name(node.target), e) from e
             except Exception as e:  # noqa: BLE001 - this candidate has no option
                 memo[(op_key, id(c))] = (None, e, c)
                 continue

@@ -21,6 +21,7 @@ from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, Tu
 from torch.distributed.tensor.placement_types import Replicate, Shard
 from torch.utils._pytree import tree_map
 
+from ..torch_compat import CODE_ERRORS, Swap, decomposition_strategy, qualified_name, swapped
 from .placements import tensor_meta_of
 
 logger = logging.getLogger(__name__)
@@ -30,7 +31,16 @@ def _propagator():
     return DTensor._op_dispatcher.sharding_propagator
 
 
-def _zero_redistribute_cost(src: DTensorSpec, dst: DTensorSpec) -> float:
+def dtensor_rule_name(op) -> str:
+    """The qualified name of DTensor's rule for ``op`` (for errors)."""
+    prop = _propagator()
+    rule = prop.op_single_dim_strategy_funcs.get(op) or prop.op_strategy_funcs.get(op)
+    if rule is not None:
+        return qualified_name(rule)
+    return "DTensor's decomposition strategy"
+
+
+def _zero_redistribute_cost(current_spec: DTensorSpec, target_spec: DTensorSpec) -> float:
     return 0.0
 
 
@@ -76,18 +86,13 @@ def _without_dtensor_redistribute_costs():
     """
     from torch.distributed.tensor._ops import utils as ops_utils
 
-    saved = ops_utils.redistribute_cost
-    saved_rows = ops_utils.generate_redistribute_costs
-    bound = _modules_binding(saved_rows)
-    ops_utils.redistribute_cost = _zero_redistribute_cost
-    for module in bound:
-        module.generate_redistribute_costs = _zero_redistribute_costs
-    try:
+    swaps = [Swap(ops_utils, "redistribute_cost", _zero_redistribute_cost)]
+    swaps += [
+        Swap(module, "generate_redistribute_costs", _zero_redistribute_costs)
+        for module in _modules_binding(ops_utils.generate_redistribute_costs)
+    ]
+    with swapped(swaps, what="zero redistribution costs while enumerating"):
         yield
-    finally:
-        ops_utils.redistribute_cost = saved
-        for module in bound:
-            module.generate_redistribute_costs = saved_rows
 
 
 def _out_meta(node: torch.fx.Node):
@@ -184,7 +189,10 @@ def _decomp_strategy(node: torch.fx.Node, schema: OpSchema, mesh: DeviceMesh):
     op = node.target
     if not DecompShardingStrategy.has_decomp(op):
         return None
-    prop.decomp_strategy.ensure_schema_info(op)
+    decomp = decomposition_strategy(prop)
+    if decomp is None:
+        return None
+    decomp.ensure_schema_info(op)
 
     # The decomposition path wants one concrete spec per input: give it the
     # first candidate (it enumerates placements itself).
@@ -202,7 +210,9 @@ def _decomp_strategy(node: torch.fx.Node, schema: OpSchema, mesh: DeviceMesh):
         schema_info=prop.op_to_schema_info.get(op),
     )
     try:
-        return prop.decomp_strategy.propagate_strategy(spec_schema)
-    except Exception as e:  # noqa: BLE001 - any failure means "no rule"
+        return decomp.propagate_strategy(spec_schema)
+    except CODE_ERRORS:
+        raise
+    except Exception as e:  # noqa: BLE001 - any other failure means "no rule"
         logger.debug("decomposition strategy failed for %s: %s", op, e)
         return None

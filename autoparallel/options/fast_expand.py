@@ -28,18 +28,58 @@ placements, for the duration of a ``with``.
 from __future__ import annotations
 
 import contextlib
-import sys
+import dataclasses
+import inspect
 
 import numpy as np
 
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSpec, OpStrategy, StrategyType
-from torch.distributed.tensor.placement_types import Partial, Replicate, _StridedShard, _is_shard_like
+from torch.distributed.tensor.placement_types import Partial, Replicate, _StridedShard
+
+from ..torch_compat import Swap, accepts_like, modules_binding, say_once, swapped
+from ..torch_compat import is_shard_like as _is_shard_like
 
 _ORIGINAL = None
 
 
-def expand_to_full_mesh_op_strategy(
+# The replacement must take exactly the parameters of the running torch's
+# function (torch_compat.swapped checks before installing it): one adapter
+# per form the supported releases have, each naming the keywords as torch
+# does and passing them on to _expand.
+
+
+def expand_with_strategy_filter(
+    mesh,
+    op_schema,
+    single_mesh_dim_strategies,
+    *,
+    output_tensor_meta=None,
+    input_index: int = 1,
+    inplace_op: bool = False,
+    allow_unbacked_sharding=None,
+    allow_uneven_sharding: bool = False,
+    full_mesh_strategy_filter=None,
+    different_mesh_args=None,
+):
+    return _expand(
+        mesh,
+        op_schema,
+        single_mesh_dim_strategies,
+        dict(
+            output_tensor_meta=output_tensor_meta,
+            input_index=input_index,
+            inplace_op=inplace_op,
+            allow_unbacked_sharding=allow_unbacked_sharding,
+            allow_uneven_sharding=allow_uneven_sharding,
+            full_mesh_strategy_filter=full_mesh_strategy_filter,
+            different_mesh_args=different_mesh_args,
+        ),
+        strategy_filter=full_mesh_strategy_filter,
+    )
+
+
+def expand_with_valid_strategy_cb(
     mesh,
     op_schema,
     single_mesh_dim_strategies,
@@ -52,22 +92,11 @@ def expand_to_full_mesh_op_strategy(
     is_valid_strategy_cb=None,
     different_mesh_args=None,
 ):
-    from torch.distributed.tensor._ops import utils as ops_utils
-
-    input_args_strategy = op_schema.args_strategy + op_schema.kwargs_strategy
-    if (
-        inplace_op
-        or different_mesh_args
-        or op_schema.is_out_variant_op()
-        or input_index == 0
-        or any(
-            isinstance(p, _StridedShard) for s in input_args_strategy for p in s.strategies[0].output_spec.placements
-        )
-    ):
-        return _ORIGINAL(
-            mesh,
-            op_schema,
-            single_mesh_dim_strategies,
+    return _expand(
+        mesh,
+        op_schema,
+        single_mesh_dim_strategies,
+        dict(
             output_tensor_meta=output_tensor_meta,
             input_index=input_index,
             inplace_op=inplace_op,
@@ -75,7 +104,67 @@ def expand_to_full_mesh_op_strategy(
             allow_uneven_sharding=allow_uneven_sharding,
             is_valid_strategy_cb=is_valid_strategy_cb,
             different_mesh_args=different_mesh_args,
+        ),
+        strategy_filter=is_valid_strategy_cb,
+    )
+
+
+def expand_even_single_mesh(
+    mesh,
+    op_schema,
+    single_mesh_dim_strategies,
+    *,
+    output_tensor_meta=None,
+    input_index: int = 1,
+    inplace_op: bool = False,
+    allow_unbacked_sharding=None,
+    is_valid_strategy_cb=None,
+):
+    """The form without ``allow_uneven_sharding`` and ``different_mesh_args``."""
+    return _expand(
+        mesh,
+        op_schema,
+        single_mesh_dim_strategies,
+        dict(
+            output_tensor_meta=output_tensor_meta,
+            input_index=input_index,
+            inplace_op=inplace_op,
+            allow_unbacked_sharding=allow_unbacked_sharding,
+            is_valid_strategy_cb=is_valid_strategy_cb,
+        ),
+        strategy_filter=is_valid_strategy_cb,
+    )
+
+
+ADAPTERS = (expand_with_strategy_filter, expand_with_valid_strategy_cb, expand_even_single_mesh)
+
+
+def adapter_for(original):
+    """The adapter taking exactly ``original``'s parameters, else None."""
+    return next((a for a in ADAPTERS if accepts_like(a, original) is None), None)
+
+
+def _expand(mesh, op_schema, single_mesh_dim_strategies, keywords: dict, *, strategy_filter):
+    """DTensor's expansion as a table; ``keywords`` are the call's keyword
+    arguments as torch's function names them (passed on unchanged where
+    DTensor's own function runs)."""
+    from torch.distributed.tensor._ops import utils as ops_utils
+
+    output_tensor_meta = keywords["output_tensor_meta"]
+    input_index = keywords["input_index"]
+    allow_unbacked_sharding = keywords["allow_unbacked_sharding"]
+    allow_uneven_sharding = keywords.get("allow_uneven_sharding", False)
+    input_args_strategy = op_schema.args_strategy + op_schema.kwargs_strategy
+    if (
+        keywords["inplace_op"]
+        or keywords.get("different_mesh_args")
+        or op_schema.is_out_variant_op()
+        or input_index == 0
+        or any(
+            isinstance(p, _StridedShard) for s in input_args_strategy for p in s.strategies[0].output_spec.placements
         )
+    ):
+        return _ORIGINAL(mesh, op_schema, single_mesh_dim_strategies, **keywords)
     rows = single_mesh_dim_strategies
     n_rows = len(rows)
     n_positions = len(rows[0]) if rows else 0
@@ -185,8 +274,8 @@ def expand_to_full_mesh_op_strategy(
     strategy = ExpandedStrategy(
         mesh, numbers_at, metas_at, table, input_index, input_args_strategy, ops_utils.generate_redistribute_costs
     )
-    if is_valid_strategy_cb is not None:
-        ok = [is_valid_strategy_cb(ins, outs) for outs, ins in strategy.specs()]
+    if strategy_filter is not None:
+        ok = [strategy_filter(ins, outs) for outs, ins in strategy.specs()]
         strategy.table = table[np.array(ok, dtype=bool)] if ok else table
     return strategy
 
@@ -404,12 +493,13 @@ _POST_INIT: dict[tuple, tuple] = {}
 _ORIGINAL_POST_INIT = DTensorSpec.__post_init__
 
 
-def _memoised_post_init(spec: DTensorSpec) -> None:
+def _memoised_post_init(self: DTensorSpec) -> None:
     """``DTensorSpec.__post_init__`` memoised on the placements: what it
     derives (the strided flag, the default shard order, verified) depends on
     them only. DTensor's view, transpose, slice and cat rules build two
     specs per input candidate (~50 us each: ~120K of them for one LLaMA-3
     layer on a 4-D mesh). Specs given a shard order take the original."""
+    spec = self
     if spec.shard_order is not None:
         _ORIGINAL_POST_INIT(spec)
         return
@@ -428,29 +518,59 @@ def _memoised_post_init(spec: DTensorSpec) -> None:
     fields["_hash"] = None
 
 
-@contextlib.contextmanager
-def fast_expansion():
-    """Use :func:`expand_to_full_mesh_op_strategy` in DTensor's rule modules,
-    and :func:`_memoised_post_init` for DTensorSpec."""
+# What _memoised_post_init assumes of DTensorSpec: these fields, the derived
+# ones depending on the placements only.
+_SPEC_FIELDS = frozenset({"mesh", "placements", "tensor_meta", "shard_order", "use_strided_shard_as_shard_order"})
+
+
+def planning_swaps() -> list[Swap]:
+    """The swaps :func:`fast_expansion` makes in the running torch: the
+    adapter taking exactly the parameters of DTensor's
+    ``expand_to_full_mesh_op_strategy`` wherever DTensor's modules bound it,
+    and the memoised ``DTensorSpec.__post_init__``. Empty parts where this
+    torch's function or spec differs from what they handle (logged once)."""
     global _ORIGINAL
     from torch.distributed.tensor._ops import utils as ops_utils
 
-    original = _ORIGINAL = _ORIGINAL or ops_utils.expand_to_full_mesh_op_strategy
-    patched = []
-    for name, module in list(sys.modules.items()):
-        if (
-            name.startswith("torch.distributed.tensor")
-            and getattr(module, "expand_to_full_mesh_op_strategy", None) is original
-        ):
-            module.expand_to_full_mesh_op_strategy = expand_to_full_mesh_op_strategy
-            patched.append(module)
-    DTensorSpec.__post_init__ = _memoised_post_init
+    original = ops_utils.expand_to_full_mesh_op_strategy
+    if original in ADAPTERS:
+        raise RuntimeError("fast_expansion() entered while already active")
+    swaps = []
+    adapter = adapter_for(original)
+    if adapter is None:
+        say_once(
+            ("no adapter", id(original)),
+            "fast expansion: torch's expand_to_full_mesh_op_strategy%s matches none of the forms handled; "
+            "DTensor's own runs (slower, same options)",
+            inspect.signature(original),
+        )
+    else:
+        _ORIGINAL = original
+        swaps += [
+            Swap(m, "expand_to_full_mesh_op_strategy", adapter)
+            for m in modules_binding(original, "expand_to_full_mesh_op_strategy")
+        ]
+    fields = frozenset(f.name for f in dataclasses.fields(DTensorSpec))
+    if fields == _SPEC_FIELDS:
+        swaps.append(Swap(DTensorSpec, "__post_init__", _memoised_post_init))
+    else:
+        say_once(
+            ("spec fields", fields),
+            "fast expansion: DTensorSpec has fields %s; its own __post_init__ runs",
+            sorted(fields),
+        )
+    return swaps
+
+
+@contextlib.contextmanager
+def fast_expansion():
+    """Use the table expansion in DTensor's rule modules, and
+    :func:`_memoised_post_init` for DTensorSpec, where they take what torch's
+    own take (:func:`planning_swaps`); everything restored on exit."""
     try:
-        yield
+        with swapped(planning_swaps(), what="fast expansion"):
+            yield
     finally:
-        DTensorSpec.__post_init__ = _ORIGINAL_POST_INIT
-        for module in patched:
-            module.expand_to_full_mesh_op_strategy = original
         _SPECS.clear()
         _SHARDABLE.clear()
         _MIXED.clear()

@@ -6,10 +6,15 @@ PyTorch's own DTensor sharding propagation (strategy functions, single-mesh-dim
 strategies expanded over the mesh, decomposition-based strategies), called
 with every candidate placement of every input at once. Rules DTensor lacks,
 or that a user wants to override, go in :data:`RULES` via
-:func:`register_rule`. Ops without any rule, or whose DTensor rule raises,
-fall back to replicate-only (every input gathered, the op run in full on
+:func:`register_rule`. Ops without any rule, or whose DTensor rule rejects
+the case (NotImplementedError, or an assertion / RuntimeError / ValueError
+on the input layouts), fall back to replicate-only (every input gathered, the op run in full on
 every rank: correct for any deterministic op), with one warning listing
-them, why, and their module paths.
+them, why, and their module paths. A rule raising one of
+:data:`~autoparallel.torch_compat.CODE_ERRORS` (TypeError, AttributeError,
+ImportError, NameError: a bug, or a torch API this release lacks) is a
+:class:`~autoparallel.torch_compat.RuleError` naming the op, the rule and
+the torch version.
 
 Options that shard a tensor dim unevenly, or use ``_StridedShard``, are
 dropped at planning time so that planning and apply always agree. One
@@ -36,7 +41,15 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSpec, OpStrategy
 from torch.distributed.tensor.placement_types import Replicate
 
-from .dtensor_query import _build_schema, _dtensor_strategy, _out_meta, _propagator, _without_dtensor_redistribute_costs
+from ..torch_compat import CODE_ERRORS, qualified_name, rule_error
+from .dtensor_query import (
+    _build_schema,
+    _dtensor_strategy,
+    _out_meta,
+    _propagator,
+    _without_dtensor_redistribute_costs,
+    dtensor_rule_name,
+)
 from .fast_expand import fast_expansion
 from .conversion import (  # noqa: F401 - SpecPool: imported from here by rules
     OpSpecConverter,
@@ -327,7 +340,10 @@ class StrategyEnumerator:
     def _compute(self, node, inputs, candidates) -> tuple[list[Option], str]:
         op = node.target
         if op in RULES:
-            return RULES[op](node, candidates, self.mesh), "rule"
+            try:
+                return RULES[op](node, candidates, self.mesh), "rule"
+            except CODE_ERRORS as e:
+                raise rule_error(op, node.name, qualified_name(RULES[op]), e) from e
         if not inputs:
             # Factories (zeros, full, arange, ...) may produce any layout.
             return placeholder_options(node.meta["val"], self.mesh), "factory"
@@ -406,6 +422,8 @@ def _dtensor_options(node, inputs, candidates, pool: SpecPool, failures: list | 
     except NotImplementedError as e:
         logger.debug("no DTensor strategy for %s: %s", op, e)
         return []
+    except CODE_ERRORS as e:
+        raise rule_error(op, node.name, dtensor_rule_name(op), e) from e
     except Exception as e:  # noqa: BLE001 - DTensor rules assert on odd inputs
         failures.append(e)
         if len(candidates[0]) < 2:
@@ -422,6 +440,8 @@ def _dtensor_options(node, inputs, candidates, pool: SpecPool, failures: list | 
         restricted = [(spec,) if n is first else c for n, c in zip(inputs, candidates)]
         try:
             found = _propagate(node, inputs, restricted, pool)
+        except CODE_ERRORS as e:
+            raise rule_error(op, node.name, dtensor_rule_name(op), e) from e
         except Exception as e:  # noqa: BLE001 - this candidate has no option
             logger.debug("%s (%s): no option for input layout %s: %r", op, node.name, format_specs(spec), e)
             continue

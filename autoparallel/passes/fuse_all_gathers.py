@@ -47,6 +47,7 @@ import torch.distributed as dist
 import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from ..torch_compat import new_group_in_order, new_group_keeps_order
 from . import PassContext, register_pass
 from ..graph_vocab import ALL_GATHER as _AG, WAIT as _WAIT
 
@@ -112,7 +113,7 @@ def mesh_group(mesh, order: tuple[int, ...]) -> dist.ProcessGroup:
         if ranks == sorted(ranks) and mesh.mesh_dim_names:
             group = mesh._flatten().get_group()
         else:
-            group = dist.new_group(ranks, sort_ranks=False, group_desc="autoparallel_fused_all_gather")
+            group = new_group_in_order(ranks, "autoparallel_fused_all_gather")
     if dist.get_process_group_ranks(group) != ranks:
         raise RuntimeError(f"fused all-gather group has ranks {dist.get_process_group_ranks(group)}, wanted {ranks}")
     _GROUPS[key] = (mesh, group)
@@ -398,7 +399,8 @@ def fuse_all_gathers(
         order = tuple(s.mesh_dim for s in steps) + tuple(d for d in range(mesh.ndim) if d not in active)
         name = _order_name(order, mesh.ndim)
         reorder = None
-        if name != "row_major" and column_major == "reorder":
+        if name != "row_major" and (column_major == "reorder" or not new_group_keeps_order()):
+            # (a torch whose new_group sorts its ranks makes no permuted group)
             group = mesh_group(mesh, tuple(reversed(range(mesh.ndim))))
             reorder = order
         else:

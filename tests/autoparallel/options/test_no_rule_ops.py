@@ -5,6 +5,7 @@ and ``torch.linalg.inv`` (its error check is an effectful op) plan and apply."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -88,7 +89,15 @@ def test_raising_dtensor_rule_falls_back(fake_world, caplog, monkeypatch):
     def broken(schema):
         raise IndexError("broken rule")
 
-    monkeypatch.setitem(prop.op_strategy_funcs, aten.linalg_qr.default, broken)
+    def broken_single_dim(op, args_schema, kwargs_schema):
+        raise IndexError("broken rule")
+
+    op = aten.linalg_qr.default
+    if op in prop.op_single_dim_strategy_funcs:  # the rule's form depends on the torch release
+        record = prop.op_single_dim_strategy_funcs[op]
+        monkeypatch.setitem(prop.op_single_dim_strategy_funcs, op, dataclasses.replace(record, func=broken_single_dim))
+    else:
+        monkeypatch.setitem(prop.op_strategy_funcs, op, broken)
     fake_world(4)
     inputs = _inputs()
     with caplog.at_level(logging.WARNING, logger="autoparallel.options.strategies"):

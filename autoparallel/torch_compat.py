@@ -1,0 +1,329 @@
+"""Every use of a private torch API that differs between the supported
+releases (torch 2.11 to 2.15), in one place.
+
+Each helper detects the feature it needs (an attribute, a keyword in a
+signature) rather than comparing version strings, so a release that
+back-ports or renames something takes the right branch by itself.
+``docs/torch_compat.md`` lists every private API the project uses and what
+happens on each supported release.
+
+Functions the planner swaps into torch while it enumerates options
+(:func:`swapped`) are installed only when they accept exactly the
+parameters of the running torch's original (:func:`accepts_like`); otherwise
+the original stays (slower, same options) and one log line says so. Every
+swap is undone on exit, exceptions included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.fx
+
+logger = logging.getLogger(__name__)
+
+TORCH_VERSION = torch.__version__
+
+# Exceptions that mean "this code does not match the torch it runs on" (a
+# renamed keyword, a removed attribute or module) or a plain bug, never "this
+# layout is not supported": a rule raising one of them is an error, not a
+# replicate fallback. DTensor signals an unsupported case with
+# NotImplementedError (no rule), AssertionError / RuntimeError / ValueError
+# (the rule rejects the input layouts) or by returning None.
+CODE_ERRORS: tuple[type[BaseException], ...] = (TypeError, AttributeError, ImportError, NameError)
+
+
+class RuleError(RuntimeError):
+    """A sharding rule (the project's or DTensor's) failed with one of
+    :data:`CODE_ERRORS`: a bug or a torch API this version lacks."""
+
+
+def rule_error(op, node_name: str, rule: str, exc: BaseException) -> RuleError:
+    return RuleError(
+        f"the sharding rule {rule} for {op} (node {node_name}) raised {type(exc).__name__}: {exc} "
+        f"(torch {TORCH_VERSION}). This is a bug in the rule or a torch API it uses that this torch "
+        "release lacks, not an unsupported layout: report it with this message."
+    )
+
+
+# ---------------------------------------------------------------------------
+# Logging a missing name once
+
+
+_SAID: set = set()
+
+
+def say_once(key, message: str, *args) -> None:
+    """Log ``message`` at INFO the first time ``key`` is seen in this process."""
+    if key not in _SAID:
+        _SAID.add(key)
+        logger.info(message, *args)
+
+
+# ---------------------------------------------------------------------------
+# Signature-checked swaps
+
+
+@dataclass(frozen=True)
+class Swap:
+    """Set ``owner.name = replacement`` while a :func:`swapped` block runs."""
+
+    owner: Any
+    name: str
+    replacement: Any
+
+
+def _parameters(fn) -> list[tuple[str, Any, Any]] | None:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    return [(p.name, p.kind, p.default) for p in sig.parameters.values()]
+
+
+_ACCEPTS: dict[tuple, str | None] = {}
+
+
+def accepts_like(replacement, original) -> str | None:
+    """None if ``replacement`` takes exactly the parameters of ``original``
+    (names, kinds and defaults), else why not (memoised: swaps are checked
+    on every enumeration call)."""
+    try:
+        return _ACCEPTS[(replacement, original)]
+    except (KeyError, TypeError):
+        pass
+    why = _compare_parameters(replacement, original)
+    with contextlib.suppress(TypeError):
+        _ACCEPTS[(replacement, original)] = why
+    return why
+
+
+def _compare_parameters(replacement, original) -> str | None:
+    mine, theirs = _parameters(replacement), _parameters(original)
+    if mine is None or theirs is None:
+        return "no signature to compare"
+    if mine == theirs:
+        return None
+    names_mine = {n: (k, d) for n, k, d in mine}
+    names_theirs = {n: (k, d) for n, k, d in theirs}
+    missing = [n for n in names_theirs if n not in names_mine]
+    extra = [n for n in names_mine if n not in names_theirs]
+    differ = [n for n in names_theirs if n in names_mine and names_mine[n] != names_theirs[n]]
+    parts = []
+    if missing:
+        parts.append(f"torch's takes {missing}, ours does not")
+    if extra:
+        parts.append(f"ours takes {extra}, torch's does not")
+    if differ:
+        parts.append(f"{differ} differ in kind or default")
+    return "; ".join(parts) or "parameter order differs"
+
+
+@contextlib.contextmanager
+def swapped(swaps: list[Swap], *, what: str) -> Iterator[list[Swap]]:
+    """Install each swap whose replacement accepts what the attribute it
+    replaces accepts (attributes that are not functions, such as a class's
+    ``__post_init__``, are compared the same way); restore every installed
+    one on exit, also on an exception. Yields the swaps installed."""
+    installed: list[tuple[Swap, Any]] = []
+    try:
+        for swap in swaps:
+            original = getattr(swap.owner, swap.name)
+            why = accepts_like(swap.replacement, original)
+            if why is not None:
+                say_once(
+                    ("swap", getattr(swap.owner, "__name__", id(swap.owner)), swap.name, why),
+                    "%s: not replacing %s.%s on torch %s (%s); torch's own runs (slower, same options)",
+                    what,
+                    getattr(swap.owner, "__name__", type(swap.owner).__name__),
+                    swap.name,
+                    TORCH_VERSION,
+                    why,
+                )
+                continue
+            installed.append((swap, original))
+            setattr(swap.owner, swap.name, swap.replacement)
+        yield [s for s, _ in installed]
+    finally:
+        for swap, original in reversed(installed):
+            setattr(swap.owner, swap.name, original)
+
+
+def modules_binding(original, name: str, prefix: str = "torch.distributed.tensor") -> list:
+    """Loaded modules under ``prefix`` whose attribute ``name`` is ``original``
+    (DTensor's rule modules bind helpers such as
+    ``expand_to_full_mesh_op_strategy`` by name at import)."""
+    import sys
+
+    return [
+        module
+        for module_name, module in list(sys.modules.items())
+        if module_name.startswith(prefix) and getattr(module, name, None) is original
+    ]
+
+
+def keyword_of(fn, *names: str) -> str | None:
+    """The first of ``names`` that ``fn`` takes as a parameter, else None."""
+    params = _parameters(fn) or []
+    taken = {n for n, _, _ in params}
+    return next((n for n in names if n in taken), None)
+
+
+# ---------------------------------------------------------------------------
+# DTensor placements and sharding propagation
+
+
+def is_shard_like(placement) -> bool:
+    """``Shard`` or ``_StridedShard`` (``placement_types._is_shard_like`` where
+    torch has it; the same test otherwise)."""
+    from torch.distributed.tensor import placement_types
+
+    fn = getattr(placement_types, "_is_shard_like", None)
+    if fn is not None:
+        return fn(placement)
+    return isinstance(placement, (placement_types.Shard, placement_types._StridedShard))
+
+
+def strategy_function(strategy) -> Callable | None:
+    """The function behind an entry of the propagator's
+    ``op_single_dim_strategy_funcs`` (a function, or a record holding it in
+    ``func``) or ``op_strategy_funcs``."""
+    if strategy is None:
+        return None
+    fn = getattr(strategy, "func", strategy)
+    return fn if callable(fn) else None
+
+
+def qualified_name(fn) -> str:
+    fn = strategy_function(fn) or fn
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def decomposition_strategy(propagator):
+    """The propagator's ``decomp_strategy`` (sharding an op through its
+    decomposition), or None where torch's propagator has none (logged once)."""
+    found = getattr(propagator, "decomp_strategy", None)
+    if found is None:
+        say_once(
+            "no decomp_strategy",
+            "DTensor in torch %s has no decomposition strategies: ops without a rule of their own run replicated",
+            TORCH_VERSION,
+        )
+    return found
+
+
+def scalar_shape_adjusters(propagator) -> dict:
+    """``ShardingPropagator.op_to_scalar_shape_adjuster`` (ops whose scalar
+    shape arguments are rewritten for the local shard); empty where torch
+    has none."""
+    return getattr(propagator, "op_to_scalar_shape_adjuster", None) or {}
+
+
+def squeeze_dims_variants(propagator) -> dict:
+    """``ShardingPropagator.squeeze_op_to_dims_variant``; empty where torch has none."""
+    return getattr(propagator, "squeeze_op_to_dims_variant", None) or {}
+
+
+# ---------------------------------------------------------------------------
+# AOT partitioning
+
+
+def is_opaque_node(node: torch.fx.Node) -> bool:
+    """``partitioners.is_opaque_node`` (script objects such as a DeviceMesh
+    saved for the backward); False where torch has no such notion."""
+    from torch._functorch import partitioners
+
+    fn = getattr(partitioners, "is_opaque_node", None)
+    return bool(fn(node)) if fn is not None else False
+
+
+def extract_fwd_bwd_modules(joint, saved: list, sym: list, opaque: list, *, num_fwd_outputs: int):
+    """``partitioners._extract_fwd_bwd_modules``, passing the opaque saved
+    nodes where torch takes them."""
+    from torch._functorch.partitioners import _extract_fwd_bwd_modules
+
+    kwargs: dict = {"num_fwd_outputs": num_fwd_outputs}
+    if keyword_of(_extract_fwd_bwd_modules, "saved_opaque_nodes"):
+        kwargs["saved_opaque_nodes"] = opaque
+    elif opaque:
+        raise RuntimeError(
+            f"torch {TORCH_VERSION}'s partitioner cannot save opaque values for the backward "
+            f"({[n.name for n in opaque]})"
+        )
+    return _extract_fwd_bwd_modules(joint, saved, sym, **kwargs)
+
+
+# ---------------------------------------------------------------------------
+# Process groups and simulated ranks
+
+
+def current_ranks() -> list[int]:
+    """The ranks this process runs: ``[dist.get_rank()]``, or under
+    ``LocalTensorMode`` (where ``get_rank`` returns a per-rank int) every
+    simulated rank."""
+    rank = dist.get_rank()
+    if isinstance(rank, int):
+        return [rank]
+    node = getattr(rank, "node", rank)
+    local = getattr(node, "_local_ints", None)
+    if isinstance(local, dict):
+        return sorted(int(r) for r in local.values())
+    constant = getattr(node, "maybe_as_int", None)
+    value = constant() if callable(constant) else None
+    return [int(value if value is not None else rank)]
+
+
+def new_group_keeps_order() -> bool:
+    """Whether ``dist.new_group`` can keep the ranks in the given order
+    (``sort_ranks=False``)."""
+    return keyword_of(dist.new_group, "sort_ranks") is not None
+
+
+def new_group_in_order(ranks: list[int], group_desc: str):
+    """A process group whose ranks are ``ranks`` in that order; raises where
+    torch sorts them and they are not sorted (:func:`new_group_keeps_order`)."""
+    if new_group_keeps_order():
+        return dist.new_group(ranks, sort_ranks=False, group_desc=group_desc)
+    if list(ranks) != sorted(ranks):
+        raise RuntimeError(f"torch {TORCH_VERSION}'s new_group sorts its ranks; cannot make a group in order {ranks}")
+    return dist.new_group(ranks, group_desc=group_desc)
+
+
+def groups_of(group_name: str) -> list[list[int]]:
+    """Every group of global ranks that the process group named
+    ``group_name`` is one of (the group and its translations over the
+    world: the groups LocalTensorMode runs side by side)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    ranks = sorted(dist.get_process_group_ranks(_resolve_process_group(group_name)))
+    relative = [r - ranks[0] for r in ranks]
+    world = dist.get_world_size()
+    covered: set[int] = set()
+    groups = []
+    for start in range(world):
+        if start in covered:
+            continue
+        members = [start + r for r in relative]
+        if any(m >= world or m in covered for m in members):
+            raise RuntimeError(f"process group {group_name} (ranks {ranks}) does not tile the {world} ranks")
+        covered.update(members)
+        groups.append(members)
+    return groups
+
+
+# ---------------------------------------------------------------------------
+# FX graphs
+
+
+def last_node(graph: torch.fx.Graph | None) -> torch.fx.Node | None:
+    """The graph's last node (``reversed(graph.nodes)`` is an iterable, not an
+    iterator, on some releases)."""
+    if graph is None:
+        return None
+    return next(iter(reversed(graph.nodes)), None)
