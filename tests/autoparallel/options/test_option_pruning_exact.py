@@ -90,13 +90,13 @@ def test_fast_expansion_gives_dtensors_options(fake_world, monkeypatch):
     from autoparallel.options import fast_expand
 
     calls = []
-    fast_fn = fast_expand.expand_to_full_mesh_op_strategy
+    fast_fn = fast_expand._expand  # what every signature's adapter runs
 
     def counting(*args, **kwargs):
         calls.append(args[1].op)
         return fast_fn(*args, **kwargs)
 
-    monkeypatch.setattr(fast_expand, "expand_to_full_mesh_op_strategy", counting)
+    monkeypatch.setattr(fast_expand, "_expand", counting)
     fake_world(8)
     mesh = init_device_mesh("cpu", (2, 2, 2))
     with torch.device("meta"):
