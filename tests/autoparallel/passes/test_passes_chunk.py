@@ -391,6 +391,7 @@ def _moe_chunked(args, modules, a2a: bool = False, batch: int = 8, local_tensor:
     return parallel, plan, mesh
 
 
+@pytest.mark.slow  # 30-110 s: the tiny MoE planned, applied chunked and compared
 def test_moe_ep_chunked_matches_single_device(fake_world, monkeypatch):
     import test_moe
     from autoparallel.models import MOE_CONFIGS
@@ -406,6 +407,7 @@ def test_moe_ep_chunked_matches_single_device(fake_world, monkeypatch):
     test_moe._compare_one_step(parallel, mesh, args)
 
 
+@pytest.mark.slow  # 30-110 s: the tiny MoE planned, applied chunked and compared
 def test_moe_a2a_chunked_matches_single_device(fake_world, monkeypatch):
     """All-to-all EP on mesh dim 1, the MoE region chunked along the batch:
     each chunk routes, exchanges and combines its own tokens (the phases of
