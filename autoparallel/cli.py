@@ -93,9 +93,11 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     from .passes.chunk_options import ChunkOptionError
     from .problem.builder import ProblemTooLarge
     from .capture.tracing import DataDependentTraceError
+    from .apply.cudagraphs import CudaGraphError
 
     return (
         ConstraintError,
+        CudaGraphError,
         PlanMismatch,
         PlanFileError,
         ChunkOptionError,

@@ -55,7 +55,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
-RANKS = ("autoparallel", "hand")
+RANKS = ("autoparallel", "hand", "cudagraphs")  # cudagraphs: the plan run as captured CUDA graphs
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -79,7 +79,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per rank")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     ap.add_argument("--preset", default=None, help="DeviceSpec preset (default: from the GPU's name; H100 on CPU)")
-    ap.add_argument("--ranks", nargs="+", default=list(RANKS), choices=RANKS, help="which layouts to run")
+    ap.add_argument(
+        "--ranks",
+        nargs="+",
+        default=["autoparallel", "hand"],
+        choices=RANKS,
+        help="which layouts to run (cudagraphs: the plan with apply_placement(..., cudagraphs=True), CUDA only)",
+    )
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled step (no per-kind times)")
     ap.add_argument("--json", default=None, help="write the record (measurements and estimates) here")
     a = ap.parse_args(argv)
@@ -160,7 +166,7 @@ class RankResult:
         return d
 
 
-def plan_rank(a, mesh, device):
+def plan_rank(a, mesh, device, cudagraphs: bool = False):
     """The example's plan of the model, applied; rank 0's module on ``device``."""
     import example_llama3
 
@@ -169,7 +175,9 @@ def plan_rank(a, mesh, device):
     from autoparallel.report.numbers import step_estimate
 
     config = model_config(a)
-    plan, parallel, _ = example_llama3.plan_model(example_args(a), mesh, meta_model(a, config), config)
+    args = example_args(a)
+    args.cudagraphs = cudagraphs
+    plan, parallel, _ = example_llama3.plan_model(args, mesh, meta_model(a, config), config)
     e = step_estimate(plan)
     ms = lambda s: None if s is None else s * 1e3  # noqa: E731
     estimate = {
@@ -279,14 +287,16 @@ def profile_by_kind(model, tokens, grad, device) -> dict[str, float]:
 def run_rank(name, a, mesh, device) -> RankResult:
     t0 = time.perf_counter()
     estimate = by_kind_est = None
-    if name == "autoparallel":
-        model, estimate, by_kind_est = plan_rank(a, mesh, device)
+    if name in ("autoparallel", "cudagraphs"):
+        model, estimate, by_kind_est = plan_rank(a, mesh, device, cudagraphs=name == "cudagraphs")
     else:
         model = hand_rank(a, mesh, device)
     setup = time.perf_counter() - t0
     dp = a.mesh[0]
     tokens = torch.randint(0, a.vocab, (a.batch // dp, a.seq), generator=torch.Generator().manual_seed(1))
     fwd_bwd, optim, peak, by_kind = measure(model, tokens.to(device), device, a)
+    if hasattr(model, "release_cuda_graphs"):
+        model.release_cuda_graphs()  # before the process group goes
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -138,6 +138,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--no-apply", action="store_true", help="plan only")
     ap.add_argument(
+        "--cudagraphs",
+        action="store_true",
+        help="run the applied step as captured CUDA graphs (a CUDA device only; see docs/cudagraphs.md)",
+    )
+    ap.add_argument(
         "--baselines",
         action="store_true",
         help="also plan, apply and estimate the hand layouts (DDP, FSDP, FSDP x TP + SP, HSDP) and print "
@@ -163,6 +168,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.chunk is not None and args.no_apply:
         ap.error("--chunk chunks the applied graphs: it does nothing with --no-apply (drop one of them)")
+    if args.cudagraphs and (args.no_apply or not torch.cuda.is_available()):
+        ap.error("--cudagraphs runs the applied step on a CUDA device: it needs one, and no --no-apply")
     for flag in ("layers", "dim", "seq", "batch", "steps"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -260,7 +267,7 @@ def plan_model(args: argparse.Namespace, mesh, model, config):
             plan = autop.optimize_placement()
         if not args.no_apply:
             wall, cpu = time.perf_counter(), time.process_time()
-            parallel = autop.apply_placement(plan, pass_options=chunking)
+            parallel = autop.apply_placement(plan, pass_options=chunking, cudagraphs=getattr(args, "cudagraphs", False))
             report = ApplyReport.of(parallel, mesh, time.perf_counter() - wall, time.process_time() - cpu)
         if args.baselines:
             from autoparallel import baselines
