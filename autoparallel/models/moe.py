@@ -153,6 +153,10 @@ class MoE(nn.Module):
         self.w1 = nn.Parameter(torch.empty(e, d, h))
         self.w3 = nn.Parameter(torch.empty(e, d, h))
         self.w2 = nn.Parameter(torch.empty(e, h, d))
+        # Initialised here, as nn.Linear initialises its weight: a model built
+        # without init_weights() must not compute with uninitialised memory.
+        for w in (self.w1, self.w3, self.w2):
+            _trunc_normal(w, 0.02)
         self.shared = FeedForward(d, h * args.n_shared_experts) if args.n_shared_experts else None
         self.register_buffer("expert_bias", torch.zeros(e, dtype=torch.float32))
         # Which experts this module holds; sharded with the weights under EP.

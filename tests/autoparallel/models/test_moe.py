@@ -54,6 +54,15 @@ def test_moe_experts_op_matches_dense_and_gradcheck():
     assert torch.autograd.gradcheck(lambda *a: moe_experts(a[0], idx, a[1], *a[2:], ids, E), (x, tw, w1, w3, w2))
 
 
+def test_moe_experts_are_initialised_by_the_constructor():
+    # like nn.Linear: a model built without init_weights() (a reference
+    # model loaded from its own state dict) computes with finite weights
+    torch.manual_seed(0)
+    moe = MoETransformer(ARGS).layers[-1].moe
+    for w in (moe.w1, moe.w2, moe.w3):
+        assert torch.isfinite(w).all() and 0 < float(w.abs().max()) <= 2.0
+
+
 def test_moe_model_forward_backward_and_ac():
     torch.manual_seed(0)
     m = MoETransformer(ARGS)

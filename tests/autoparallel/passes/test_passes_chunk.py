@@ -629,13 +629,13 @@ def _our_model(kind: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["llama3"])
+@pytest.mark.parametrize("kind", ["llama3", "moe"])
 @pytest.mark.parametrize("device", ["default", "compute-bound"])
 def test_our_decoder_layers_chunked_equal_unchunked(fake_world, kind, device):
-    """Whole decoder layers of our LLaMA-3, under the default plan and one
-    that shards the batch over both mesh dims (all-gathers and all-to-alls
-    of the split dim inside the layers). (The MoE's layers: the MoE blocks
-    are chunked in the tests above.)"""
+    """Whole decoder layers (attention with the dense feed-forward or the
+    MoE block) of our LLaMA-3 and MoE, under the default plan and one that
+    shards the batch over both mesh dims (all-gathers and all-to-alls of the
+    split dim inside the layers)."""
     fake_world(4)
     build, args = _our_model(kind)
     tokens = (torch.randint(0, args.vocab_size, (8, 16), generator=torch.Generator().manual_seed(1)),)
