@@ -105,3 +105,31 @@ def test_forced_rules_give_dtensors_options(fake_world, monkeypatch):
     assert ((Partial("avg"), Shard(2)), ((Partial("avg"), Shard(2)), (Replicate(), Shard(2)))) in forced
     # per mesh dim: R, S(0..2) on all three, and 4 Partial rows: 8 rows, 8 x 8 over two dims
     assert len(forced) == 64
+
+
+def test_per_candidate_reduction_keeps_each_candidates_partial(fake_world):
+    """``sum`` of a ``P(avg)`` candidate reduces the partial first; a later
+    ``P(sum)`` candidate keeps its partial (one candidate's Partial does not
+    change another's options)."""
+    from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy
+
+    fake_world(4)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    meta = _meta((8, 4))
+    candidates = OpStrategy(
+        [
+            OpSpec(DTensorSpec(mesh, placements, tensor_meta=meta))
+            for placements in [(Partial("avg"), Shard(0)), (Partial("sum"), Shard(0))]
+        ]
+    )
+    op = aten.sum.dim_IntList
+    rule = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs[op]
+    schema = OpSchema(op, (candidates, [1], False), {})
+    options = [
+        (tuple(s.input_specs[0].placements), tuple(s.output_spec.placements))
+        for s in dtensor_query.per_candidate_reduction(rule, schema).strategies
+    ]
+    assert options == [
+        ((Replicate(), Shard(0)), (Replicate(), Shard(0))),
+        ((Partial("sum"), Shard(0)), (Partial("sum"), Shard(0))),
+    ]
