@@ -218,6 +218,41 @@ def decomposition_strategy(propagator):
     return found
 
 
+def pointwise_ops_are_single_dim(propagator) -> bool:
+    """Whether DTensor's pointwise ops are single-mesh-dim strategies (with
+    the Partial placements each op preserves) rather than the older
+    whole-mesh rule that follows the first input (see
+    :mod:`autoparallel.options.pointwise`)."""
+    return torch.ops.aten.mul.Tensor in propagator.op_single_dim_strategy_funcs
+
+
+_POINTWISE_MODULE = "torch.distributed.tensor._ops._pointwise_ops"
+
+
+def dtensor_pointwise_rule(propagator, op) -> Callable | None:
+    """DTensor's whole-mesh pointwise strategy function for ``op``, or None
+    where ``op``'s rule is another (or a list op: ``_foreach_*``,
+    ``_fused_*``, whose lists the single-dim rules here do not handle)."""
+    fn = strategy_function(propagator.op_strategy_funcs.get(op))
+    if fn is None or getattr(fn, "__module__", None) != _POINTWISE_MODULE:
+        return None
+    if op.name().startswith(("aten::_foreach_", "aten::_amp_foreach_", "aten::_fused_")):
+        return None
+    return fn
+
+
+def reduction_linearity_leaks() -> bool:
+    """Whether DTensor's ``common_reduction_strategy`` lets one candidate
+    whose Partial differs from the reduction (a ``P(avg)`` input of ``sum``)
+    turn off the linear case for every later candidate; where it does, the
+    planner calls the linear reduction rule once per candidate (see
+    :func:`autoparallel.options.dtensor_query.per_candidate_reduction`)."""
+    from torch.distributed.tensor._ops import _math_ops
+
+    fn = getattr(_math_ops, "common_reduction_strategy", None)
+    return fn is not None and "is_reduction_linear" not in fn.__code__.co_varnames
+
+
 def scalar_shape_adjusters(propagator) -> dict:
     """``ShardingPropagator.op_to_scalar_shape_adjuster`` (ops whose scalar
     shape arguments are rewritten for the local shard); empty where torch

@@ -21,7 +21,16 @@ from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, Tu
 from torch.distributed.tensor.placement_types import Replicate, Shard
 from torch.utils._pytree import tree_map
 
-from ..torch_compat import CODE_ERRORS, Swap, decomposition_strategy, qualified_name, swapped
+from ..torch_compat import (
+    CODE_ERRORS,
+    Swap,
+    decomposition_strategy,
+    pointwise_ops_are_single_dim,
+    qualified_name,
+    reduction_linearity_leaks,
+    strategy_function,
+    swapped,
+)
 from .placements import tensor_meta_of
 
 logger = logging.getLogger(__name__)
@@ -135,15 +144,25 @@ def _build_schema(
     return OpSchema(op, args, kwargs, schema_info=info)
 
 
+def single_dim_rule(op):
+    """The single-mesh-dim rule expanded over the mesh for ``op``: DTensor's,
+    or for a pointwise op whose DTensor rule is the older whole-mesh one,
+    the same rule written here (:mod:`.pointwise`); None where ``op`` has
+    a whole-mesh rule or none."""
+    from .pointwise import pointwise_single_dim_rule
+
+    prop = _propagator()
+    return prop.op_single_dim_strategy_funcs.get(op) or pointwise_single_dim_rule(prop, op)
+
+
 def _dtensor_strategy(node: torch.fx.Node, schema: OpSchema, mesh: DeviceMesh):
     """OpStrategy/TupleStrategy from DTensor for ``schema``, or None if no rule."""
     from torch.distributed.tensor._ops.single_dim_strategy import (
         _expand_single_dim_strategy_to_mesh,
     )
 
-    prop = _propagator()
     op = node.target
-    single = prop.op_single_dim_strategy_funcs.get(op)
+    single = single_dim_rule(op)
     if single is not None:
         # Single-dim strategies are expanded over the whole mesh independently
         # of the input placements; DTensor only looks at the inputs to learn
@@ -152,10 +171,38 @@ def _dtensor_strategy(node: torch.fx.Node, schema: OpSchema, mesh: DeviceMesh):
         schema = _representative_schema(schema, mesh)
         fn = _expand_single_dim_strategy_to_mesh(mesh, schema, single, _out_meta(node))
         return fn(op, schema.args_meta, schema.kwargs_meta)
-    func = prop.op_strategy_funcs.get(op)
+    func = _propagator().op_strategy_funcs.get(op)
     if func is not None:
+        if _reduction_per_candidate(func):
+            return per_candidate_reduction(func, schema)
         return func(schema)
     return _decomp_strategy(node, schema, mesh)
+
+
+def _reduction_per_candidate(func) -> bool:
+    """Whether ``func`` is DTensor's linear reduction rule, called where
+    the planner's own pointwise rules (:mod:`.pointwise`) run and the rule
+    lets one candidate's Partial turn off the linear case of later ones."""
+    fn = strategy_function(func)
+    return (
+        getattr(fn, "__module__", None) == "torch.distributed.tensor._ops._math_ops"
+        and getattr(fn, "__qualname__", None) == "linear_reduction_strategy"
+        and not pointwise_ops_are_single_dim(_propagator())
+        and reduction_linearity_leaks()
+    )
+
+
+def per_candidate_reduction(func, schema: OpSchema) -> OpStrategy:
+    """DTensor's linear reduction rule called with one input candidate at a
+    time: each candidate's options as if it were the only one (a ``P(avg)``
+    candidate of ``sum`` needs its partial reduced, a ``P(sum)`` one keeps
+    its partial whatever came before), as newer DTensor rules give them."""
+    first, *rest = schema.args_schema
+    strategies: list[OpSpec] = []
+    for spec in first.strategies:
+        one = OpSchema(schema.op, (OpStrategy([spec]), *rest), schema.kwargs_schema, schema_info=schema.schema_info)
+        strategies += func(one).strategies
+    return OpStrategy(strategies)
 
 
 def _representative_schema(schema: OpSchema, mesh: DeviceMesh) -> OpSchema:

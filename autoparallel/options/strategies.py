@@ -49,6 +49,7 @@ from .dtensor_query import (
     _propagator,
     _without_dtensor_redistribute_costs,
     dtensor_rule_name,
+    single_dim_rule,
 )
 from .fast_expand import fast_expansion
 from .conversion import (  # noqa: F401 - SpecPool: imported from here by rules
@@ -463,7 +464,7 @@ def _candidate_free(op) -> bool:
     specs: DTensor's single-mesh-dim strategies expand over the mesh
     whatever the inputs hold (:func:`_dtensor_strategy` hands them one
     representative spec per input); a registered rule sees the candidates."""
-    return op not in RULES and op in _propagator().op_single_dim_strategy_funcs
+    return op not in RULES and single_dim_rule(op) is not None
 
 
 def _module_path(node: torch.fx.Node) -> str:

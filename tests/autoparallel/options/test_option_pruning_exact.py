@@ -75,6 +75,24 @@ def test_greedy_plan_equals_comm_plan(fake_world):
             assert ours == (src_divs, tuple((m, kinds, divs) for m, _a, _b, kinds, divs in steps))
 
 
+def _dtensor_expansion_keeps_mixed_partials() -> bool:
+    from torch.distributed.tensor._ops import utils as ops_utils
+
+    return "has_mixed_partial" not in ops_utils.expand_to_full_mesh_op_strategy.__code__.co_varnames
+
+
+def _mixed_partial_label(label: str) -> bool:
+    """Whether a spec of an option label (``P(max)P(min)R->...``) mixes
+    Partial kinds other than sum with avg."""
+    import re
+
+    for spec in re.split(r"->|,", label):
+        kinds = {kind or "sum" for kind in re.findall(r"P(?:\((\w+)\))?", spec)}
+        if len(kinds) > 1 and kinds != {"sum", "avg"}:
+            return True
+    return False
+
+
 def test_fast_expansion_gives_dtensors_options(fake_world, monkeypatch):
     """Options enumerated with autoparallel.options.fast_expand equal DTensor's own
     expansion, option for option and in order (FFN with bias on 2x2x2:
@@ -110,6 +128,9 @@ def test_fast_expansion_gives_dtensors_options(fake_world, monkeypatch):
                     monkeypatch.setattr(strategies, "fast_expansion", contextlib.nullcontext)
                 st = strategies.StrategyEnumerator(mesh).enumerate(traced.gm, set(traced.param_nodes.values()))
                 labels.append({n.name: [o.label for o in s.options] for n, s in st.items()})
+    if _dtensor_expansion_keeps_mixed_partials():
+        # the fast expansion drops them everywhere, as newer DTensor does
+        labels[1] = {k: [x for x in v if not _mixed_partial_label(x)] for k, v in labels[1].items()}
     assert labels[0] == labels[1]
     assert sum(len(v) for v in labels[0].values()) > 1000
     # the fast expansion ran (for the matmuls and pointwise ops)
