@@ -25,7 +25,6 @@ from ..torch_compat import (
     CODE_ERRORS,
     Swap,
     decomposition_strategy,
-    pointwise_ops_are_single_dim,
     qualified_name,
     reduction_linearity_leaks,
     strategy_function,
@@ -180,14 +179,13 @@ def _dtensor_strategy(node: torch.fx.Node, schema: OpSchema, mesh: DeviceMesh):
 
 
 def _reduction_per_candidate(func) -> bool:
-    """Whether ``func`` is DTensor's linear reduction rule, called where
-    the planner's own pointwise rules (:mod:`.pointwise`) run and the rule
-    lets one candidate's Partial turn off the linear case of later ones."""
+    """Whether ``func`` is DTensor's linear reduction rule in a release
+    whose rule lets one candidate's Partial turn off the linear case of the
+    later ones (then each candidate is asked on its own)."""
     fn = strategy_function(func)
     return (
         getattr(fn, "__module__", None) == "torch.distributed.tensor._ops._math_ops"
         and getattr(fn, "__qualname__", None) == "linear_reduction_strategy"
-        and not pointwise_ops_are_single_dim(_propagator())
         and reduction_linearity_leaks()
     )
 
