@@ -267,7 +267,7 @@ def plan_model(args: argparse.Namespace, mesh, model, config):
             plan = autop.optimize_placement()
         if not args.no_apply:
             wall, cpu = time.perf_counter(), time.process_time()
-            parallel = autop.apply_placement(plan, pass_options=chunking, cudagraphs=getattr(args, "cudagraphs", False))
+            parallel = autop.apply_placement(plan, pass_options=chunking, cudagraphs=args.cudagraphs)
             report = ApplyReport.of(parallel, mesh, time.perf_counter() - wall, time.process_time() - cpu)
         if args.baselines:
             from autoparallel import baselines

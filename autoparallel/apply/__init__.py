@@ -195,7 +195,7 @@ def apply_placement(
     stats.update(joint_stats)
     stats.update(passes.run_stage("graphs", ctx, disabled, graphs.fw, graphs.bw))
     plan.pass_stats = stats
-    step = ParallelStep(local, graphs, grad_scales=grad_scales(local, getattr(autop, "grad_reduction", "sum")))
+    step = ParallelStep(local, graphs, grad_scales=grad_scales(local, autop.grad_reduction))
     if cudagraphs:
         check_capturable(graphs)
         step.cuda_graphs = CudaGraphSession(static_inputs(local, graphs))
