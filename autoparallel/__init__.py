@@ -6,7 +6,7 @@ step, lists DTensor placement options for every node, and
 program (see README.md).
 """
 
-from .agreement import PlanDisagreement
+from .checks.agreement import PlanDisagreement
 from .api import AutoParallel, ConstraintError
 from .apply.compile import autoparallel_backend
 from .apply.cudagraphs import CudaGraphError, release_cuda_graphs

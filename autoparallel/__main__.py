@@ -19,7 +19,7 @@ from .report import units
 
 
 def _load(path: str) -> Plan:
-    from .preflight import PlanFileError, read_plan
+    from .checks.preflight import PlanFileError, read_plan
 
     try:
         return read_plan(path)

@@ -25,15 +25,16 @@ from torch.distributed.tensor.placement_types import Placement
 
 import solver
 
-from . import agreement, cost_model, preflight, validation
-from . import mesh_roles as mesh_roles_mod
+from . import cost_model
+from .checks import agreement, preflight, validation
+from .problem import mesh_roles as mesh_roles_mod
 from .options import rules  # noqa: F401 - rules register on import
 from .problem import coarse_seed, infeasibility
 from .problem import memory_budget as memory_budget_mod
 from .problem import pricing as option_pricing
 from .problem.memory import ADAMW, OptimizerSpec
 from .plan import NodePlan, Plan
-from .provenance import PlanMismatch, check_applicable, provenance  # noqa: F401 - PlanMismatch re-exported
+from .checks.provenance import PlanMismatch, check_applicable, provenance  # noqa: F401 - PlanMismatch re-exported
 from .progress import Stages, gc_paused
 from .torch_compat import current_ranks
 from .problem.builder import DEFAULT_MAX_PROBLEM_BYTES, BuiltProblem, Constraints, build_problem
@@ -94,7 +95,7 @@ class AutoParallel:
             reached it says so (``plan.solution.stopped_by``) and may depend
             on the machine's load. Plans proven optimal are unaffected.
             With several processes, the ranks of the mesh then check they
-            hold the same plan (:mod:`autoparallel.agreement`).
+            hold the same plan (:mod:`autoparallel.checks.agreement`).
         max_problem_bytes: a problem whose dense edge matrices are estimated
             to need more memory is solved by option pricing with lazy
             matrices instead (:mod:`autoparallel.problem.pricing`); one too
@@ -111,7 +112,7 @@ class AutoParallel:
             checked against the example inputs' shapes and the mesh before
             tracing (a batch that does not split over the data-parallel
             ranks fails in the first second, not after the trace).
-        mesh_roles: what each mesh dim is for (:mod:`autoparallel.mesh_roles`):
+        mesh_roles: what each mesh dim is for (:mod:`autoparallel.problem.mesh_roles`):
             a dict of dim name -> ``"replicate"`` (HSDP / DDP: parameters
             replicated, gradients all-reduced), ``"shard"`` (FSDP),
             ``"tp"``, ``"cp"`` or ``"ep"`` (routed experts with all-to-all
@@ -505,7 +506,7 @@ class AutoParallel:
 
     def optimize_placement(self) -> Plan:
         """Solve for the plan; with several processes, check every rank of
-        the mesh holds the same one (:mod:`autoparallel.agreement`), or
+        the mesh holds the same one (:mod:`autoparallel.checks.agreement`), or
         raise naming the ranks and what differs."""
         try:
             plan = self._optimize_placement()

@@ -87,9 +87,9 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     traceback."""
     import solver
 
-    from .provenance import PlanMismatch
-    from .validation import ConstraintError
-    from .preflight import PlanFileError
+    from .checks.provenance import PlanMismatch
+    from .checks.validation import ConstraintError
+    from .checks.preflight import PlanFileError
     from .passes.chunk_options import ChunkOptionError
     from .problem.builder import ProblemTooLarge
     from .capture.tracing import DataDependentTraceError

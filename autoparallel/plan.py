@@ -80,7 +80,7 @@ class Plan:
     parameter_bytes_total: float = 0.0
     # Rewrite passes run by apply_placement: name -> stats (see autoparallel.passes).
     pass_stats: dict[str, Any] = field(default_factory=dict)
-    # What the plan was made for (see autoparallel.provenance): graph
+    # What the plan was made for (see autoparallel.checks.provenance): graph
     # fingerprint, input shapes, device spec, mixed precision.
     provenance: dict[str, Any] = field(default_factory=dict)
     # Collectives of the applied graphs per (phase, kind, group): count,

@@ -57,7 +57,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from autoparallel import AutoParallel, preflight
+from autoparallel import AutoParallel
+from autoparallel.checks import preflight
 from autoparallel.apply import collectives
 from autoparallel.cli import HelpFormatter, setup_logging, user_errors
 from autoparallel.cost_model import DeviceSpec

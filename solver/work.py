@@ -13,7 +13,7 @@ A ``time_limit`` stays, as a safety cap: when the wall clock reaches it the
 solve stops at the next check and its solution says so
 (``Solution.stopped_by == "time limit"``); such a plan may depend on the
 machine's load, which the ranks' agreement check
-(:mod:`autoparallel.agreement`) then catches. A plan stopped by a count says
+(:mod:`autoparallel.checks.agreement`) then catches. A plan stopped by a count says
 ``"work limit"``: it is the same on every run.
 
 Example::

@@ -165,7 +165,7 @@ def apply_placement(
     captured CUDA graph after one warm-up step (:mod:`.cudagraphs`);
     refused, naming the nodes, where the step cannot be captured, and
     without a CUDA device."""
-    from ..provenance import resolve_choice
+    from ..checks.provenance import resolve_choice
 
     # A loaded plan (Plan.load_json) needs no problem: the traced options suffice.
     strategies = autop.built.strategies if autop.built is not None else autop.strategies

@@ -4,7 +4,7 @@ A pin (``Constraints.pins``) allows one layout of a node on every mesh dim.
 An :class:`OptionRule` says something about one mesh dim only and leaves the
 others free: "this parameter is replicated over ``dp_replicate``", "this
 routed-experts op takes its tokens sharded and its expert weights
-``Shard(0)`` over ``ep``". Mesh-dim roles (:mod:`autoparallel.mesh_roles`)
+``Shard(0)`` over ``ep``". Mesh-dim roles (:mod:`autoparallel.problem.mesh_roles`)
 are written in it; the problem builder turns each into a named
 :class:`solver.Pin` over the options that satisfy it.
 

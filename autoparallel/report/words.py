@@ -220,7 +220,7 @@ def describe(plan) -> list[str]:
             what += "; except " + "; ".join(f"{k} for {', '.join(v)}" for k, v in odd.items())
         overall.append(f"{name} ({mesh[d]}): {what}")
     lines = ["parallelism per mesh dim: " + "; ".join(overall)]
-    from ..mesh_roles import dim_notes  # roles asked for, or why the planner chose
+    from ..problem.mesh_roles import dim_notes  # roles asked for, or why the planner chose
 
     lines += ["  " + note for note in dim_notes(plan, mains, sharded)]
     if hsdp:

@@ -45,7 +45,8 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
 def _gru_rank(rank: int, world: int, digest_file: str) -> None:
     import warnings
 
-    from autoparallel import AutoParallel, agreement
+    from autoparallel import AutoParallel
+    from autoparallel.checks import agreement
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     mesh = init_device_mesh("cpu", (2, 2))

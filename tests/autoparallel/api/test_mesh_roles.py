@@ -1,4 +1,4 @@
-"""Mesh-dim roles (autoparallel.mesh_roles) and grad_reduction="mean": roles
+"""Mesh-dim roles (autoparallel.problem.mesh_roles) and grad_reduction="mean": roles
 pin what they say (HSDP replicates parameters over dp_replicate and
 all-reduces their gradients there; ep gives all-to-all expert dispatch), the
 step matches a single device on LocalTensorMode ranks, and the mean option
@@ -16,7 +16,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autoparallel import AutoParallel
 from autoparallel.api import ConstraintError
-from autoparallel.mesh_roles import resolve
+from autoparallel.problem.mesh_roles import resolve
 from autoparallel.models import FFN, MOE_CONFIGS, MoETransformer
 from autoparallel.passes import PassOptions
 

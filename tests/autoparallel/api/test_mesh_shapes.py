@@ -147,7 +147,7 @@ def test_bad_input_constraints_on_3d_meshes(fake_world, shape, batch, placements
     """Placement tuples of the wrong length and batches that do not divide
     the data-parallel ranks stop at the constraint, naming the mesh dims
     and sizes (before any solve)."""
-    from autoparallel.validation import ConstraintError
+    from autoparallel.checks.validation import ConstraintError
 
     fake_world(12)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=HSDP)
@@ -166,7 +166,7 @@ def test_saved_plan_with_other_input_layout_is_refused(fake_world, tmp_path):
     read each rank's local input as another shard than the one fed.
     With the same constraints it applies."""
     from autoparallel import Plan
-    from autoparallel.provenance import PlanMismatch
+    from autoparallel.checks.provenance import PlanMismatch
 
     fake_world(8)
     mesh = init_device_mesh("cpu", (1, 4, 2), mesh_dim_names=HSDP)

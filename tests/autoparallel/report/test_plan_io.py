@@ -16,7 +16,7 @@ from autoparallel import AutoParallel
 from autoparallel.apply.fingerprint import differences, fingerprint
 from autoparallel.models import LLAMA3_CONFIGS, Transformer
 from autoparallel.plan import Plan
-from autoparallel.provenance import PlanMismatch
+from autoparallel.checks.provenance import PlanMismatch
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning"),

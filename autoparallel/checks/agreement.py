@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from .plan import Plan
+    from ..plan import Plan
 
 logger = logging.getLogger(__name__)
 

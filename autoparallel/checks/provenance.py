@@ -19,18 +19,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import PlanMismatch
-from .options.strategies import format_specs
+from ..errors import PlanMismatch
+from ..options.strategies import format_specs
 
 if TYPE_CHECKING:
-    from .api import AutoParallel
-    from .plan import Plan
+    from ..api import AutoParallel
+    from ..plan import Plan
 
 
 def graph_fingerprint(gm: torch.fx.GraphModule) -> str:
     """sha1 over the structural hashes of the joint graph (node names play
     no part; placeholders by position, shape and dtype)."""
-    from .apply.fingerprint import node_hashes
+    from ..apply.fingerprint import node_hashes
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
 
@@ -113,7 +113,7 @@ def _check_pins(plan: "Plan", autop: "AutoParallel") -> None:
     """The constraints of ``autop`` hold in ``plan``: a plan made with other
     input or output layouts would run on inputs laid out another way than
     the caller feeds (wrong numbers, no error)."""
-    from .options.placements import format_placement
+    from ..options.placements import format_placement
 
     for node_name, (cname, placements) in autop._constraints.pins.items():
         n = plan.nodes.get(node_name)

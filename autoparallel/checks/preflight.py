@@ -43,7 +43,7 @@ def example_input_shapes(inputs: Any) -> list[tuple[tuple[int, ...], torch.dtype
     """Shape and dtype of each tensor input, in the flattened ``(args,
     kwargs)`` order that constraints use. A callable is called on the meta
     device (as tracing does), so nothing is allocated."""
-    from .capture.tracing import normalize_inputs
+    from ..capture.tracing import normalize_inputs
 
     if callable(inputs) and not isinstance(inputs, (torch.Tensor, nn.Module)):
         with torch.device("meta"):
@@ -117,7 +117,7 @@ def check_input_constraints(inputs: Any, constraints: Sequence[Any], mesh: Devic
 def read_plan(path: str):
     """The :class:`~autoparallel.plan.Plan` in ``path`` (``.gz``: gzip), or a
     :class:`PlanFileError` saying in one line why it cannot be read."""
-    from .plan import Plan
+    from ..plan import Plan
 
     if not os.path.exists(path):
         raise PlanFileError(f"plan file {path}: no such file")

@@ -44,8 +44,8 @@ import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
-from .problem.option_rules import OptionRule, allowed_mask
-from .validation import ConstraintError
+from .option_rules import OptionRule, allowed_mask
+from ..checks.validation import ConstraintError
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ def option_rules(
                     continue
                 found += 1
                 if not any(allowed_mask([rule], strat.options)):
-                    from .capture.tracing import module_path
+                    from ..capture.tracing import module_path
 
                     raise ConstraintError(
                         f"{cname}: the routed-experts op {node.name} ({module_path(node) or 'no module path'}) has "

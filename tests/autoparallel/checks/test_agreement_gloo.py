@@ -1,4 +1,4 @@
-"""Ranks agree on the plan (autoparallel.agreement), on 4 real gloo processes.
+"""Ranks agree on the plan (autoparallel.checks.agreement), on 4 real gloo processes.
 
 Simulated ranks share one plan, so only real processes can disagree. Each
 rank plans a bias FFN on a 2x2 mesh through option pricing (the threshold
@@ -32,8 +32,9 @@ def _scenarios(rank: int, world: int, plan_path: str) -> None:
     import warnings
 
     import solver.api
-    from autoparallel import AutoParallel, Plan, agreement
-    from autoparallel.agreement import PlanDisagreement
+    from autoparallel import AutoParallel, Plan
+    from autoparallel.checks import agreement
+    from autoparallel.checks.agreement import PlanDisagreement
     from autoparallel.models import FFN
 
     warnings.filterwarnings("ignore", category=FutureWarning)

@@ -17,7 +17,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import solver
-from autoparallel import AutoParallel, ConstraintError, PlanMismatch, preflight
+from autoparallel import AutoParallel, ConstraintError, PlanMismatch
+from autoparallel.checks import preflight
 from autoparallel.models import FFN
 from autoparallel.passes.chunk_options import ChunkOptionError, check_chunk_modules, parse_chunk_args
 from autoparallel.plan import NodePlan, Plan

@@ -1,0 +1,9 @@
+"""Checks that keep a run honest, in the order a run meets them.
+
+* :mod:`.validation`: every argument of the API named before tracing;
+* :mod:`.preflight`: mistakes found in the first second (input shapes
+  against the mesh and constraints, plan files, pass options);
+* :mod:`.provenance`: what a plan was made for, and that it is applied to
+  the same model, mesh and inputs;
+* :mod:`.agreement`: every rank of the job holds the same plan.
+"""
