@@ -126,14 +126,7 @@ class HighsBackend(Backend):
     def solve(self, model, *, time_limit=None, rel_gap=None, node_limit=None):
         if model.num_cols == 0:
             return _trivial(model)
-        import highspy
-        import numpy as np
-
-        S = highspy.HighsModelStatus
-        t1 = time.perf_counter()
-        timings = {"build": 0.0}
-        scale, off = model.objective_scale, model.objective_offset
-
+        run = _HighsRun(model, time_limit, rel_gap, node_limit)
         # The LP relaxation first: the pairwise encoding is integral on trees
         # and often on transformer graphs, and an integral LP optimum is a
         # proven MIP optimum. Without HiGHS' presolve it takes a fraction of
@@ -144,144 +137,16 @@ class HighsBackend(Backend):
         # its optimum there is no rounded start, hence no plan at all (a
         # 16x8x8 LLaMA-3 70B problem's LP took 12 s against a 10 s limit).
         if model.num_cols - model.num_x >= colgen.MIN_PAIR_COLUMNS:
-            cg = colgen.solve_lp(model, None)
-            if cg is not None:
-                x = np.asarray(cg.values[: model.num_x])
-                logger.debug(
-                    "highs: column generation: %d of %d pair columns, %d rounds",
-                    cg.columns,
-                    model.num_cols - model.num_x,
-                    cg.rounds,
-                )
-                if np.all(np.minimum(np.abs(x), np.abs(1.0 - x)) <= INTEGRALITY_TOL):
-                    objective = cg.objective * scale + off
-                    timings.update(solve=time.perf_counter() - t1, extract=0.0)
-                    logger.debug("highs: LP relaxation (column generation) is integral")
-                    return BackendResult("optimal", cg.values, objective, objective, 0.0, timings)
-        # The full model for HiGHS: only now, as column generation may have
-        # ended the solve (its arrays cost 0.4 s on a 1M-column model).
-        t0 = time.perf_counter()
-        lp = self._lp(model)
-        timings["build"] = time.perf_counter() - t0
-        t1 += timings["build"]  # "solve" and the time limit leave the build out, as before
-        h = self._highs({"presolve": "off"}, None)
-        h.passModel(lp)
-        h.run()
-        ms = h.getModelStatus()
-        t_search = time.perf_counter()  # the search's time limit starts now
-        if ms == S.kInfeasible:
-            timings.update(solve=time.perf_counter() - t1, extract=0.0)
-            return BackendResult("infeasible", timings=timings)
-        if ms == S.kOptimal:
-            values = h.getSolution().col_value
-            x = np.asarray(values[: model.num_x])
-            if np.all(np.minimum(np.abs(x), np.abs(1.0 - x)) <= INTEGRALITY_TOL):
-                t2 = time.perf_counter()
-                objective = h.getInfo().objective_function_value * scale + off
-                timings.update(solve=t2 - t1, extract=0.0)
-                logger.debug("highs: LP relaxation is integral")
-                return BackendResult("optimal", values, objective, objective, 0.0, timings)
-        logger.debug("highs: LP relaxation is fractional, solving the MIP")
-        # The LP optimum rounded (each decision takes its largest option) is
-        # a MIP start: on the 1-layer LLaMA it is within 0.03% of the
-        # optimum, where HiGHS' own heuristics spent 20 s at a 10% gap. With
-        # a time limit, the plan is then this good however early HiGHS stops.
-        start = _rounded(model, h.getSolution().col_value) if ms == S.kOptimal else None
-        # The relaxation's optimum bounds the MIP: the bound to report if the
-        # MIP stops (time limit) before its own root LP is solved.
-        lp_bound = h.getInfo().objective_function_value * scale + off if ms == S.kOptimal else None
-        incumbent = None  # (values, objective) found before the MIP
-        if ms == S.kOptimal:
-            # Our own branching on decisions first (see solver.highs_bb):
-            # it proved the 1-layer LLaMA in 15 LP re-solves (2 s) where
-            # HiGHS' MIP took 50 s. Most of the time limit: on placement
-            # problems HiGHS' MIP rarely proves anything in the rest (its
-            # root alone took 30 s on the LLaMA), but keeps improving on
-            # problems like random grids where cuts pay.
-            # its node budget is the normal stop; the time limit a safety cap
-            deadline = None if time_limit is None else t_search + time_limit
-            bb = branch_and_bound(h, model, h.getInfo().objective_function_value, start, deadline, rel_gap)
-            if bb.values is not None:
-                start = np.asarray(bb.values[: model.num_x])
-                objective = bb.objective * scale + off
-                bound = bb.bound * scale + off
-                lp_bound = max(lp_bound, bound)
-                gap = _relative_gap(objective, bound)
-                if bb.proven or (rel_gap is not None and gap is not None and gap <= rel_gap):
-                    status = "optimal" if bb.proven else "feasible"
-                    timings.update(solve=time.perf_counter() - t1, extract=0.0)
-                    return BackendResult(
-                        status,
-                        bb.values,
-                        objective,
-                        objective if bb.proven else bound,
-                        0.0 if bb.proven else gap,
-                        timings,
-                    )
-                incumbent = (bb.values, objective)
-            logger.debug("highs: branching on decisions did not finish; solving the MIP")
-
-        remaining = None
-        if time_limit is not None:
-            remaining = max(0.0, time_limit - (time.perf_counter() - t_search))
-        kint, kcont = highspy.HighsVarType.kInteger, highspy.HighsVarType.kContinuous
-        lp.integrality_ = [kint] * model.num_x + [kcont] * (model.num_cols - model.num_x)
-        h = self._highs(
-            # The objective is scaled to unit max coefficient: an absolute
-            # gap would be meaningless, so rely on the relative one alone.
-            # The default integrality tolerance (1e-6) let a nearly
-            # integral x pick cheaper pairs: on a real LLaMA problem the
-            # decoded choice came out 6e-8 (relative) above the optimum.
-            {
-                "mip_rel_gap": 0.0 if rel_gap is None else float(rel_gap),
-                "mip_abs_gap": 0.0,
-                "mip_feasibility_tolerance": INTEGRALITY_TOL,
-                # Feasibility checks (diagnosis) found a solution about twice
-                # as fast without HiGHS' presolve; optimisation was faster
-                # with it.
-                **({} if model.col_cost.any() else {"presolve": "off"}),
-                # counted, so the incumbent does not depend on the machine's load
-                **({} if node_limit is None else {"mip_max_nodes": int(node_limit)}),
-            },
-            remaining,
-        )
-        h.passModel(lp)
-        if start is not None:
-            # Only the binaries: HiGHS completes the pair variables with an
-            # LP and drops the start if it violates a (resource) row.
-            h.setSolution(model.num_x, np.arange(model.num_x, dtype=np.int32), start)
-        h.run()
-        t2 = time.perf_counter()
-        timings["solve"] = t2 - t1
-
-        ms = h.getModelStatus()
-        info = h.getInfo()
-        has_solution = info.primal_solution_status == 2  # kSolutionStatusFeasible
-        if ms in (S.kInfeasible, S.kUnboundedOrInfeasible):
-            timings["extract"] = 0.0
-            return BackendResult("infeasible", timings=timings)
-        if not has_solution and incumbent is None:
-            timings["extract"] = 0.0
-            if ms in (S.kTimeLimit, S.kIterationLimit, S.kInterrupt, S.kSolutionLimit):
-                return BackendResult("unknown", timings=timings)
-            raise SolverError(f"HiGHS stopped with status {h.modelStatusToString(ms)}")
-
-        if has_solution:
-            values = h.getSolution().col_value
-            objective = info.objective_function_value * scale + off
-        if incumbent is not None and (not has_solution or objective > incumbent[1]):
-            # HiGHS stopped without improving on (or dropped) the start.
-            values, objective = incumbent
-        bound = info.mip_dual_bound * scale + off if math.isfinite(info.mip_dual_bound) else None
-        gap = info.mip_gap if math.isfinite(info.mip_gap) else _relative_gap(objective, bound)
-        if lp_bound is not None and (bound is None or lp_bound > bound):
-            bound, gap = lp_bound, _relative_gap(objective, lp_bound)
-        # Asked for no gap, HiGHS stops at optimality within its tolerances.
-        optimal = ms == S.kOptimal and (rel_gap is None or (gap is not None and gap <= OPTIMAL_GAP))
-        if optimal:
-            gap = 0.0
-        timings["extract"] = time.perf_counter() - t2
-        return BackendResult("optimal" if optimal else "feasible", values, objective, bound, gap, timings)
+            result = run.column_generation()
+            if result is not None:
+                return result
+        result = run.relaxation()
+        if result is None:
+            logger.debug("highs: LP relaxation is fractional, solving the MIP")
+            result = run.branch_on_decisions()
+        if result is None:
+            result = run.mip()
+        return result
 
     @staticmethod
     def _highs(options: dict, time_limit: float | None):
@@ -317,6 +182,203 @@ class HighsBackend(Backend):
         a.index_ = model.row_index.astype(np.int32)
         a.value_ = model.row_value
         return lp
+
+
+class _HighsRun:
+    """One :meth:`HighsBackend.solve` of a model with columns, phase by
+    phase: LP relaxation (by column generation, then whole), branching on
+    decisions from its rounded optimum, HiGHS' MIP. Each phase returns the
+    result when it ends the solve, ``None`` to go on."""
+
+    def __init__(self, model: IlpModel, time_limit, rel_gap, node_limit):
+        self.model = model
+        self.time_limit, self.rel_gap, self.node_limit = time_limit, rel_gap, node_limit
+        self.t1 = time.perf_counter()  # "solve" starts here, less the build
+        self.timings = {"build": 0.0}
+        self.scale, self.off = model.objective_scale, model.objective_offset
+        self.lp = None  # the HighsLp, once built
+        self.relaxed = None  # the LP relaxation's Highs, when solved to optimality
+        self.t_search = None  # the search's time limit starts with it
+        self.start = None  # binary MIP start
+        self.lp_bound = None  # the relaxation's optimum (true units)
+        self.incumbent = None  # (values, objective) found before the MIP
+
+    def _ended(self, *args) -> BackendResult:
+        self.timings.update(solve=time.perf_counter() - self.t1, extract=0.0)
+        return BackendResult(*args, timings=self.timings)
+
+    def column_generation(self) -> BackendResult | None:
+        """The LP optimum by column generation; ends the solve when integral."""
+        import numpy as np
+
+        model = self.model
+        cg = colgen.solve_lp(model, None)
+        if cg is None:
+            return None
+        x = np.asarray(cg.values[: model.num_x])
+        logger.debug(
+            "highs: column generation: %d of %d pair columns, %d rounds",
+            cg.columns,
+            model.num_cols - model.num_x,
+            cg.rounds,
+        )
+        if not np.all(np.minimum(np.abs(x), np.abs(1.0 - x)) <= INTEGRALITY_TOL):
+            return None
+        objective = cg.objective * self.scale + self.off
+        logger.debug("highs: LP relaxation (column generation) is integral")
+        return self._ended("optimal", cg.values, objective, objective, 0.0)
+
+    def relaxation(self) -> BackendResult | None:
+        """The full LP relaxation: ends the solve when infeasible or integral."""
+        import numpy as np
+
+        model = self.model
+        # The full model for HiGHS: only now, as column generation may have
+        # ended the solve (its arrays cost 0.4 s on a 1M-column model).
+        t0 = time.perf_counter()
+        self.lp = HighsBackend._lp(model)
+        self.timings["build"] = time.perf_counter() - t0
+        self.t1 += self.timings["build"]  # "solve" and the time limit leave the build out, as before
+        h = HighsBackend._highs({"presolve": "off"}, None)
+        h.passModel(self.lp)
+        h.run()
+        ms = h.getModelStatus()
+        self.t_search = time.perf_counter()  # the search's time limit starts now
+        S = _highs_status()
+        if ms == S.kInfeasible:
+            return self._ended("infeasible")
+        if ms != S.kOptimal:
+            return None
+        self.relaxed = h
+        values = h.getSolution().col_value
+        x = np.asarray(values[: model.num_x])
+        if np.all(np.minimum(np.abs(x), np.abs(1.0 - x)) <= INTEGRALITY_TOL):
+            objective = h.getInfo().objective_function_value * self.scale + self.off
+            logger.debug("highs: LP relaxation is integral")
+            return self._ended("optimal", values, objective, objective, 0.0)
+        return None
+
+    def branch_on_decisions(self) -> BackendResult | None:
+        """From the LP optimum rounded, branching on decisions
+        (:mod:`solver.highs_bb`); ends the solve when it proves its plan (or
+        meets ``rel_gap``), else leaves the MIP its plan and bound."""
+        import numpy as np
+
+        if self.relaxed is None:
+            return None
+        model, h, rel_gap = self.model, self.relaxed, self.rel_gap
+        # The LP optimum rounded (each decision takes its largest option) is
+        # a MIP start: on the 1-layer LLaMA it is within 0.03% of the
+        # optimum, where HiGHS' own heuristics spent 20 s at a 10% gap. With
+        # a time limit, the plan is then this good however early HiGHS stops.
+        self.start = _rounded(model, h.getSolution().col_value)
+        # The relaxation's optimum bounds the MIP: the bound to report if the
+        # MIP stops (time limit) before its own root LP is solved.
+        self.lp_bound = h.getInfo().objective_function_value * self.scale + self.off
+        # Our own branching on decisions first (see solver.highs_bb):
+        # it proved the 1-layer LLaMA in 15 LP re-solves (2 s) where
+        # HiGHS' MIP took 50 s. Most of the time limit: on placement
+        # problems HiGHS' MIP rarely proves anything in the rest (its
+        # root alone took 30 s on the LLaMA), but keeps improving on
+        # problems like random grids where cuts pay.
+        # its node budget is the normal stop; the time limit a safety cap
+        deadline = None if self.time_limit is None else self.t_search + self.time_limit
+        bb = branch_and_bound(h, model, h.getInfo().objective_function_value, self.start, deadline, rel_gap)
+        if bb.values is not None:
+            self.start = np.asarray(bb.values[: model.num_x])
+            objective = bb.objective * self.scale + self.off
+            bound = bb.bound * self.scale + self.off
+            self.lp_bound = max(self.lp_bound, bound)
+            gap = _relative_gap(objective, bound)
+            if bb.proven or (rel_gap is not None and gap is not None and gap <= rel_gap):
+                status = "optimal" if bb.proven else "feasible"
+                return self._ended(
+                    status, bb.values, objective, objective if bb.proven else bound, 0.0 if bb.proven else gap
+                )
+            self.incumbent = (bb.values, objective)
+        logger.debug("highs: branching on decisions did not finish; solving the MIP")
+        return None
+
+    def mip(self) -> BackendResult:
+        """HiGHS' MIP from the start, for what is left of the time limit."""
+        import highspy
+        import numpy as np
+
+        model, rel_gap, node_limit = self.model, self.rel_gap, self.node_limit
+        remaining = None
+        if self.time_limit is not None:
+            remaining = max(0.0, self.time_limit - (time.perf_counter() - self.t_search))
+        kint, kcont = highspy.HighsVarType.kInteger, highspy.HighsVarType.kContinuous
+        self.lp.integrality_ = [kint] * model.num_x + [kcont] * (model.num_cols - model.num_x)
+        h = HighsBackend._highs(
+            # The objective is scaled to unit max coefficient: an absolute
+            # gap would be meaningless, so rely on the relative one alone.
+            # The default integrality tolerance (1e-6) let a nearly
+            # integral x pick cheaper pairs: on a real LLaMA problem the
+            # decoded choice came out 6e-8 (relative) above the optimum.
+            {
+                "mip_rel_gap": 0.0 if rel_gap is None else float(rel_gap),
+                "mip_abs_gap": 0.0,
+                "mip_feasibility_tolerance": INTEGRALITY_TOL,
+                # Feasibility checks (diagnosis) found a solution about twice
+                # as fast without HiGHS' presolve; optimisation was faster
+                # with it.
+                **({} if model.col_cost.any() else {"presolve": "off"}),
+                # counted, so the incumbent does not depend on the machine's load
+                **({} if node_limit is None else {"mip_max_nodes": int(node_limit)}),
+            },
+            remaining,
+        )
+        h.passModel(self.lp)
+        if self.start is not None:
+            # Only the binaries: HiGHS completes the pair variables with an
+            # LP and drops the start if it violates a (resource) row.
+            h.setSolution(model.num_x, np.arange(model.num_x, dtype=np.int32), self.start)
+        h.run()
+        t2 = time.perf_counter()
+        self.timings["solve"] = t2 - self.t1
+        return self._mip_result(h, t2)
+
+    def _mip_result(self, h, t2: float) -> BackendResult:
+        """The MIP's plan (or the incumbent, when HiGHS found none better),
+        its bound (at least the relaxation's) and gap; ``t2``: when the MIP
+        ended (the extraction's start)."""
+        S = _highs_status()
+        ms = h.getModelStatus()
+        info = h.getInfo()
+        has_solution = info.primal_solution_status == 2  # kSolutionStatusFeasible
+        if ms in (S.kInfeasible, S.kUnboundedOrInfeasible):
+            self.timings["extract"] = 0.0
+            return BackendResult("infeasible", timings=self.timings)
+        if not has_solution and self.incumbent is None:
+            self.timings["extract"] = 0.0
+            if ms in (S.kTimeLimit, S.kIterationLimit, S.kInterrupt, S.kSolutionLimit):
+                return BackendResult("unknown", timings=self.timings)
+            raise SolverError(f"HiGHS stopped with status {h.modelStatusToString(ms)}")
+
+        if has_solution:
+            values = h.getSolution().col_value
+            objective = info.objective_function_value * self.scale + self.off
+        if self.incumbent is not None and (not has_solution or objective > self.incumbent[1]):
+            # HiGHS stopped without improving on (or dropped) the start.
+            values, objective = self.incumbent
+        bound = info.mip_dual_bound * self.scale + self.off if math.isfinite(info.mip_dual_bound) else None
+        gap = info.mip_gap if math.isfinite(info.mip_gap) else _relative_gap(objective, bound)
+        lp_bound = self.lp_bound
+        if lp_bound is not None and (bound is None or lp_bound > bound):
+            bound, gap = lp_bound, _relative_gap(objective, lp_bound)
+        # Asked for no gap, HiGHS stops at optimality within its tolerances.
+        optimal = ms == S.kOptimal and (self.rel_gap is None or (gap is not None and gap <= OPTIMAL_GAP))
+        if optimal:
+            gap = 0.0
+        self.timings["extract"] = time.perf_counter() - t2
+        return BackendResult("optimal" if optimal else "feasible", values, objective, bound, gap, self.timings)
+
+
+def _highs_status():
+    import highspy
+
+    return highspy.HighsModelStatus
 
 
 def _rounded(model: IlpModel, values) -> "np.ndarray":

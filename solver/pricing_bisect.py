@@ -33,14 +33,15 @@ neighbourhood only: 12,866 options and 1.4M pairs (2.6 s with presolve)
 where fixing at the plan's cost needed 25,410 options and 7.9M pairs.
 
 >>> from solver.problem import Decision, Edge, Problem
->>> from solver.pricing import PricingStats, _Pricer
+>>> from solver.pricing import PricingStats
+>>> from solver.pricing_rounds import Pricer
 >>> from solver.pricing_quotient import build_quotient
 >>> from solver.dual_bound import DualAscent
 >>> clash = [[1.0, 0.0], [0.0, 1.0]]  # equal options clash: an odd cycle is frustrated
 >>> p = Problem([Decision(n, ["a", "b"], [0.0, 0.0]) for n in "xyz"],
 ...             [Edge("x", "y", 0, clash), Edge("y", "z", 0, clash), Edge("z", "x", 0, clash)])
 >>> q = build_quotient(p)
->>> pr = _Pricer(q); pr.seed(p, {n: [0] for n in "xyz"})
+>>> pr = Pricer(q); pr.seed(p, {n: [0] for n in "xyz"})
 >>> ascent = DualAscent(q); lo = ascent.run(20)  # the LP's optimum: 0, every choice costs >= 1
 >>> found, bound, proven = bisect_targets(pr, ascent, 3.0, lo, lambda _: pr.solve_ilp(None, None),
 ...                                       100, 10**6, None, PricingStats())
@@ -62,7 +63,8 @@ from .tree_bound import eliminate
 
 if TYPE_CHECKING:
     from .dual_bound import DualAscent
-    from .pricing import PricingStats, _Pricer
+    from .pricing import PricingStats
+    from .pricing_rounds import Pricer
     from .problem import Solution
 
 logger = logging.getLogger(__name__)
@@ -116,7 +118,7 @@ class Probe:
 
 
 def plans_up_to(
-    pr: _Pricer, ascent: DualAscent, target: float, deadline: float | None, far_over=None
+    pr: Pricer, ascent: DualAscent, target: float, deadline: float | None, far_over=None
 ) -> tuple[list[np.ndarray], tuple[float, list[int]] | None]:
     """Per class, the options a plan costing at most ``target`` may use:
     live in the ascent, a belief within ``target - D`` of the class's best,
@@ -163,7 +165,7 @@ def plans_up_to(
 
 
 def bisect_targets(
-    pr: _Pricer,
+    pr: Pricer,
     ascent: DualAscent,
     upper: float,
     bound: float,
@@ -273,7 +275,7 @@ def bisect_targets(
     return best, lo, proven
 
 
-def _far_over(pr: _Pricer, keep: list[np.ndarray], cap: int, max_pairs: int) -> bool:
+def _far_over(pr: Pricer, keep: list[np.ndarray], cap: int, max_pairs: int) -> bool:
     with_them = [k | kept for k, kept in zip(keep, pr.kept)]
     return sum(int(k.sum()) for k in with_them) > FAR_OVER * cap or pairs_among(pr.q, with_them) > FAR_OVER * max_pairs
 

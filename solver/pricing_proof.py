@@ -40,7 +40,8 @@ from .tree_bound import MAX_PASSES, choice_cost, eliminate
 from .work import MAX_ASCENT_SWEEPS
 
 if TYPE_CHECKING:
-    from .pricing import PricingStats, _Pricer
+    from .pricing import PricingStats
+    from .pricing_rounds import Pricer
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +66,7 @@ FOREST_ENOUGH_PAIRS = 20_000
 OPT_RTOL = 1e-9
 
 
-def prefilter(
-    pr: _Pricer, backend, deadline: float | None, stats: PricingStats
-) -> tuple[int, DualAscent | None, float]:
+def prefilter(pr: Pricer, backend, deadline: float | None, stats: PricingStats) -> tuple[int, DualAscent | None, float]:
     """Narrow the pricer's classes to the options a plan no dearer than the
     seed's restricted ILP may use (module docstring). Returns how many
     options left, the dual ascent (None when it did not run) and the known
@@ -119,7 +118,7 @@ def prefilter(
 
 
 def final_ascent(
-    pr: _Pricer, ascent: DualAscent, upper: float, plan: list[int], backend, deadline: float | None, stats: PricingStats
+    pr: Pricer, ascent: DualAscent, upper: float, plan: list[int], backend, deadline: float | None, stats: PricingStats
 ) -> tuple[list[np.ndarray], float, list[int], float]:
     """The ascent of :func:`prefilter` continued against a plan of cost
     ``upper`` (class choices ``plan``) until ``deadline``: per class the
@@ -130,7 +129,7 @@ def final_ascent(
 
 
 def _ascend(
-    pr: _Pricer, ascent: DualAscent, upper: float, plan: list[int], backend, deadline: float | None, stats: PricingStats
+    pr: Pricer, ascent: DualAscent, upper: float, plan: list[int], backend, deadline: float | None, stats: PricingStats
 ) -> tuple[list[np.ndarray], float, list[int], float]:
     """Sweeps until the bound meets the best plan, stalls, or the ascent
     has made MAX_ASCENT_SWEEPS sweeps (counted: the same stop on every run;
@@ -183,7 +182,7 @@ def _ascend(
 
 
 def _ilp_near_duals(
-    pr: _Pricer, ascent: DualAscent, upper: float, plan: list[int], backend, deadline: float | None
+    pr: Pricer, ascent: DualAscent, upper: float, plan: list[int], backend, deadline: float | None
 ) -> tuple[float, list[int]]:
     """The restricted ILP with each class's ILP_PER_CLASS live options of
     least belief added: the plan near the dual's (its decoding alone
@@ -208,7 +207,7 @@ def _ilp_near_duals(
     return upper, plan
 
 
-def narrow(pr: _Pricer, keep: list[np.ndarray], plan: list[int]) -> None:
+def narrow(pr: Pricer, keep: list[np.ndarray], plan: list[int]) -> None:
     """Allow only ``keep`` (and ``plan``'s options, whatever the rounding);
     the restricted problems hold ``plan``."""
     for q, (cls, k) in enumerate(zip(pr.q.classes, keep)):

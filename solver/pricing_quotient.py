@@ -371,134 +371,168 @@ def build_quotient(problem: Problem) -> Quotient:
     malformed and :class:`InfeasibleError` when a class has no allowed option.
     """
     problem._validate(edge_costs=False)  # names, pins, links, resources
-    decs = problem.decisions
-    index = {d.name: i for i, d in enumerate(decs)}
-    comps = _Links(problem)._link_components(index)
-    in_comp = {i for comp in comps for i in comp[0]}
-    plan = [([i], [None], None, None) for i in range(len(decs)) if i not in in_comp]
-    plan += comps
-    plan.sort(key=lambda t: t[0][0])
-
-    arrays: dict[int, np.ndarray] = {}  # id(list) -> array (shared cost lists read once)
-
-    def as_array(values: list) -> np.ndarray:
-        a = arrays.get(id(values))
-        if a is None:
-            a = arrays[id(values)] = np.fromiter(values, float, len(values))
-        return a
-
-    pins_on: dict[int, list] = {}
-    for pin in problem.pins:
-        pins_on.setdefault(index[pin.decision], []).append(pin)
-    class_of = [-1] * len(decs)
-    member_map: list[np.ndarray | None] = [None] * len(decs)
-    classes: list[OptionClass] = []
-    why: list[str] = []
-    for q, (members, omaps, valid, cause) in enumerate(plan):
-        root = decs[members[0]]
-        n = len(root.options)
-        allowed = np.ones(n, dtype=bool) if valid is None else np.asarray(valid, dtype=bool).copy()
-        reason = cause or "every option has an infinite unary cost"
-        unary = np.zeros(n)
-        for m, omap in zip(members, omaps):
-            class_of[m] = q
-            sel = None if omap is None else np.where(omap >= 0, omap, 0)
-            member_map[m] = sel
-            c = as_array(decs[m].costs)
-            unary = unary + (c if sel is None else c[sel])
-            for pin in pins_on.get(m, ()):
-                ids = np.arange(n) if sel is None else sel
-                allowed &= np.isin(ids, pin.allowed)
-                reason = f"pin {pin.name!r} on {decs[m].name!r} allows {sorted(pin.allowed)}"
-        allowed &= np.isfinite(unary)
-        unary[~allowed] = math.inf
-        classes.append(
-            OptionClass(root.name, [(decs[m].name, member_map[m]) for m in members], allowed, unary, list(root.options))
-        )
-        why.append(reason)
-
-    def ids(m: int) -> np.ndarray:
-        s = member_map[m]
-        return np.arange(len(decs[m].options)) if s is None else s
-
-    resources = []
-    for rc in problem.resources:
-        weights: dict[int, np.ndarray] = {}
-        for name, w in rc.terms.items():
-            m = index[name]
-            q = class_of[m]
-            arr = as_array(w)[ids(m)]
-            weights[q] = weights[q] + arr if q in weights else arr
-        resources.append(ClassResource(rc.name, rc.low, rc.high, weights))
-
-    caches: dict[int, BlockCache] = {}
-    dense: dict[int, DenseMatrix] = {}
-    edge_caches: list[BlockCache] = []
-    diagonals: list[tuple[int, BlockCache, int, int, str]] = []
-    grouped: dict[tuple[int, int], dict[tuple, Term]] = {}
-    edge_names: dict[tuple[int, int], list[str]] = {}
-    for k, e in enumerate(problem.edges):
-        a, b = index[e.producer], index[e.consumer]
-        where = f"edge #{k} ({e.producer!r} -> {e.consumer!r})"
-        shape = (len(decs[a].options), len(decs[b].options))
-        matrix = e.costs
-        if not is_lazy(matrix):
-            matrix = dense.get(id(e.costs))
-            if matrix is None or matrix.shape != shape:
-                matrix = dense[id(e.costs)] = DenseMatrix(e.costs, *shape, where)
-        elif tuple(matrix.shape) != shape:
-            raise ProblemError(f"{where}: lazy matrix has shape {tuple(matrix.shape)}, expected {shape}")
-        cache = caches.get(id(matrix))
-        if cache is None:
-            cache = caches[id(matrix)] = BlockCache(matrix)
-        edge_caches.append(cache)
-        qa, qb = class_of[a], class_of[b]
-        if qa == qb:
-            diagonals.append((qa, cache, a, b, where))
-            continue
-        transposed = qa > qb
-        key = (qb, qa) if transposed else (qa, qb)
-        rm, cm = (b, a) if transposed else (a, b)
-        sig = (id(cache), id(member_map[rm]), id(member_map[cm]), transposed)
-        terms = grouped.setdefault(key, {})
-        edge_names.setdefault(key, []).append(f"{e.producer} -> {e.consumer}")
-        if sig in terms:
-            terms[sig].count += 1
-        else:
-            terms[sig] = Term(cache, ids(rm), ids(cm), transposed)
-
-    for q, cache, a, b, where in diagonals:
-        cls = classes[q]
-        opts = np.flatnonzero(cls.allowed)
-        diag = cache.pairs(ids(a)[opts], ids(b)[opts])
-        cls.unary[opts] += diag
-        bad = ~np.isfinite(cls.unary)
-        if bad[opts].any():
-            why[q] = f"{where}, inside the linked group, forbids its diagonal pairs"
-        cls.allowed &= ~bad
-        cls.unary[bad] = math.inf
-
-    empty = [q for q, c in enumerate(classes) if not c.allowed.any()]
-    if empty:
-        names = [classes[q].name for q in empty]
-        raise InfeasibleError(
-            "Infeasible: no allowed option left for " + "; ".join(f"{classes[q].name!r} ({why[q]})" for q in empty),
-            decisions=names,
-        )
-
+    b = _QuotientBuilder(problem)
+    b.make_classes()
+    resources = b.class_resources()
+    grouped, diagonals = b.group_edges()
+    b.fold_diagonals(diagonals)
+    b.check_allowed()
     edges = []
     for (p, c), terms in grouped.items():
         ts = list(terms.values())
-        edges.append(QuotientEdge(p, c, ts, sum(t.count * t.cache.floor for t in ts), edge_names[(p, c)]))
+        edges.append(QuotientEdge(p, c, ts, sum(t.count * t.cache.floor for t in ts), b.edge_names[(p, c)]))
     logger.debug(
         "quotient: %d decisions -> %d classes, %d edges -> %d, %d matrix objects",
-        len(decs),
-        len(classes),
+        len(b.decs),
+        len(b.classes),
         len(problem.edges),
         len(edges),
-        len(caches),
+        len(b.caches),
     )
-    return Quotient(classes, edges, resources, caches, edge_caches)
+    return Quotient(b.classes, edges, resources, b.caches, b.edge_caches)
+
+
+class _QuotientBuilder:
+    """The steps of :func:`build_quotient` over what they share: per
+    decision its class and option map, the classes, and the arrays and
+    matrix caches (shared cost lists and matrices read once)."""
+
+    def __init__(self, problem: Problem):
+        self.problem = problem
+        self.decs = problem.decisions
+        self.index = {d.name: i for i, d in enumerate(self.decs)}
+        self.arrays: dict[int, np.ndarray] = {}  # id(list) -> array (shared cost lists read once)
+        self.class_of = [-1] * len(self.decs)
+        self.member_map: list[np.ndarray | None] = [None] * len(self.decs)
+        self.classes: list[OptionClass] = []
+        self.why: list[str] = []  # per class, why an option may be forbidden
+        self.caches: dict[int, BlockCache] = {}  # id(matrix) -> its cache
+        self.edge_caches: list[BlockCache] = []  # per edge of the problem
+        self.edge_names: dict[tuple[int, int], list[str]] = {}
+
+    def as_array(self, values: list) -> np.ndarray:
+        a = self.arrays.get(id(values))
+        if a is None:
+            a = self.arrays[id(values)] = np.fromiter(values, float, len(values))
+        return a
+
+    def ids(self, m: int) -> np.ndarray:
+        """Decision ``m``'s option id per option of its class."""
+        s = self.member_map[m]
+        return np.arange(len(self.decs[m].options)) if s is None else s
+
+    def make_classes(self) -> None:
+        """One class per linked group (or unlinked decision): its allowed
+        options (valid across links, pins, finite summed unary cost)."""
+        decs, index = self.decs, self.index
+        comps = _Links(self.problem)._link_components(index)
+        in_comp = {i for comp in comps for i in comp[0]}
+        plan = [([i], [None], None, None) for i in range(len(decs)) if i not in in_comp]
+        plan += comps
+        plan.sort(key=lambda t: t[0][0])
+        pins_on: dict[int, list] = {}
+        for pin in self.problem.pins:
+            pins_on.setdefault(index[pin.decision], []).append(pin)
+        for q, (members, omaps, valid, cause) in enumerate(plan):
+            root = decs[members[0]]
+            n = len(root.options)
+            allowed = np.ones(n, dtype=bool) if valid is None else np.asarray(valid, dtype=bool).copy()
+            reason = cause or "every option has an infinite unary cost"
+            unary = np.zeros(n)
+            for m, omap in zip(members, omaps):
+                self.class_of[m] = q
+                sel = None if omap is None else np.where(omap >= 0, omap, 0)
+                self.member_map[m] = sel
+                c = self.as_array(decs[m].costs)
+                unary = unary + (c if sel is None else c[sel])
+                for pin in pins_on.get(m, ()):
+                    ids = np.arange(n) if sel is None else sel
+                    allowed &= np.isin(ids, pin.allowed)
+                    reason = f"pin {pin.name!r} on {decs[m].name!r} allows {sorted(pin.allowed)}"
+            allowed &= np.isfinite(unary)
+            unary[~allowed] = math.inf
+            members_maps = [(decs[m].name, self.member_map[m]) for m in members]
+            self.classes.append(OptionClass(root.name, members_maps, allowed, unary, list(root.options)))
+            self.why.append(reason)
+
+    def class_resources(self) -> list[ClassResource]:
+        """Resource weights per class option, summed over its members."""
+        resources = []
+        for rc in self.problem.resources:
+            weights: dict[int, np.ndarray] = {}
+            for name, w in rc.terms.items():
+                m = self.index[name]
+                q = self.class_of[m]
+                arr = self.as_array(w)[self.ids(m)]
+                weights[q] = weights[q] + arr if q in weights else arr
+            resources.append(ClassResource(rc.name, rc.low, rc.high, weights))
+        return resources
+
+    def group_edges(self) -> tuple[dict[tuple[int, int], dict[tuple, Term]], list[tuple]]:
+        """Edges between two classes grouped by (row class, column class),
+        equal terms counted once; edges inside a class returned apart
+        (``(class, cache, a, b, where)``) to fold into its unary costs."""
+        decs, index = self.decs, self.index
+        dense: dict[int, DenseMatrix] = {}
+        diagonals: list[tuple[int, BlockCache, int, int, str]] = []
+        grouped: dict[tuple[int, int], dict[tuple, Term]] = {}
+        for k, e in enumerate(self.problem.edges):
+            a, b = index[e.producer], index[e.consumer]
+            where = f"edge #{k} ({e.producer!r} -> {e.consumer!r})"
+            shape = (len(decs[a].options), len(decs[b].options))
+            matrix = e.costs
+            if not is_lazy(matrix):
+                matrix = dense.get(id(e.costs))
+                if matrix is None or matrix.shape != shape:
+                    matrix = dense[id(e.costs)] = DenseMatrix(e.costs, *shape, where)
+            elif tuple(matrix.shape) != shape:
+                raise ProblemError(f"{where}: lazy matrix has shape {tuple(matrix.shape)}, expected {shape}")
+            cache = self.caches.get(id(matrix))
+            if cache is None:
+                cache = self.caches[id(matrix)] = BlockCache(matrix)
+            self.edge_caches.append(cache)
+            qa, qb = self.class_of[a], self.class_of[b]
+            if qa == qb:
+                diagonals.append((qa, cache, a, b, where))
+                continue
+            transposed = qa > qb
+            key = (qb, qa) if transposed else (qa, qb)
+            rm, cm = (b, a) if transposed else (a, b)
+            sig = (id(cache), id(self.member_map[rm]), id(self.member_map[cm]), transposed)
+            terms = grouped.setdefault(key, {})
+            self.edge_names.setdefault(key, []).append(f"{e.producer} -> {e.consumer}")
+            if sig in terms:
+                terms[sig].count += 1
+            else:
+                terms[sig] = Term(cache, self.ids(rm), self.ids(cm), transposed)
+        return grouped, diagonals
+
+    def fold_diagonals(self, diagonals: list[tuple]) -> None:
+        """An edge inside a linked group only ever pays its diagonal: a
+        unary cost of the class (an infinite one forbids the option)."""
+        for q, cache, a, b, where in diagonals:
+            cls = self.classes[q]
+            opts = np.flatnonzero(cls.allowed)
+            diag = cache.pairs(self.ids(a)[opts], self.ids(b)[opts])
+            cls.unary[opts] += diag
+            bad = ~np.isfinite(cls.unary)
+            if bad[opts].any():
+                self.why[q] = f"{where}, inside the linked group, forbids its diagonal pairs"
+            cls.allowed &= ~bad
+            cls.unary[bad] = math.inf
+
+    def check_allowed(self) -> None:
+        """Raise :class:`InfeasibleError` naming every class without an
+        allowed option, and why."""
+        classes = self.classes
+        empty = [q for q, c in enumerate(classes) if not c.allowed.any()]
+        if empty:
+            names = [classes[q].name for q in empty]
+            raise InfeasibleError(
+                "Infeasible: no allowed option left for "
+                + "; ".join(f"{classes[q].name!r} ({self.why[q]})" for q in empty),
+                decisions=names,
+            )
 
 
 def evaluate_lazy(problem: Problem, quotient: Quotient, choice: dict[str, int]) -> tuple[float, float]:

@@ -139,127 +139,152 @@ class Problem:
         itself (:func:`solver.presolve.presolve` with ``check_costs=True``).
         When that finds nothing wrong, :meth:`validate` may still raise an
         earlier error about a matrix."""
-        by_name: dict[str, Decision] = {}
-        for i, d in enumerate(self.decisions):
-            if d.name not in by_name and d.options and len(d.costs) == len(d.options) and _all_costs(d.costs):
-                by_name[d.name] = d
-                continue  # fast path: the checks below, without building messages
-            where = f"decision {d.name!r} (#{i})"
-            if d.name in by_name:
-                raise ProblemError(f"{where}: duplicate decision name")
-            if not d.options:
-                raise ProblemError(f"{where}: has no options")
-            if len(d.costs) != len(d.options):
-                raise ProblemError(f"{where}: {len(d.costs)} costs for {len(d.options)} options")
-            if not _all_costs(d.costs):
-                for j, c in enumerate(d.costs):
-                    _check_cost(c, f"{where}, option {j}")
+        by_name = _checked_decisions(self.decisions)
+        _check_edges(self.edges, by_name, edge_costs)
+        _check_pins(self.pins, by_name)
+        _check_links(self.links, by_name)
+        _check_resources(self.resources, by_name)
+
+
+def _checked_decisions(decisions: list[Decision]) -> dict[str, Decision]:
+    """The decisions by name, each checked (unique name, options, one valid
+    cost per option)."""
+    by_name: dict[str, Decision] = {}
+    for i, d in enumerate(decisions):
+        if d.name not in by_name and d.options and len(d.costs) == len(d.options) and _all_costs(d.costs):
             by_name[d.name] = d
+            continue  # fast path: the checks below, without building messages
+        where = f"decision {d.name!r} (#{i})"
+        if d.name in by_name:
+            raise ProblemError(f"{where}: duplicate decision name")
+        if not d.options:
+            raise ProblemError(f"{where}: has no options")
+        if len(d.costs) != len(d.options):
+            raise ProblemError(f"{where}: {len(d.costs)} costs for {len(d.options)} options")
+        if not _all_costs(d.costs):
+            for j, c in enumerate(d.costs):
+                _check_cost(c, f"{where}, option {j}")
+        by_name[d.name] = d
+    return by_name
 
-        def lookup(name: str, where: str) -> Decision:
-            if name not in by_name:
-                raise ProblemError(f"{where}: unknown decision {name!r}")
-            return by_name[name]
 
-        # Matrices already found well-formed, by id, with their shape: repeated
-        # layers share one matrix object, read once instead of once per layer.
-        checked: dict[int, tuple[int, int]] = {}
-        for k, e in enumerate(self.edges):
-            p = by_name.get(e.producer)
-            c = by_name.get(e.consumer)
-            if p is not None and c is not None and p is not c:
-                if not edge_costs:
-                    continue
-                shape = (len(p.options), len(c.options))
-                if checked.get(id(e.costs)) == shape:
-                    continue
-                if _matrix_ok(e.costs, *shape):
-                    checked[id(e.costs)] = shape
-                    continue  # fast path: big problems have millions of entries
-            where = f"edge #{k} ({e.producer!r} -> {e.consumer!r})"
-            p = lookup(e.producer, where)
-            c = lookup(e.consumer, where)
-            if e.producer == e.consumer:
-                raise ProblemError(f"{where}: self-loop")
-            if len(e.costs) != p.num_options:
-                raise ProblemError(
-                    f"{where}: cost matrix has {len(e.costs)} rows, producer has {p.num_options} options"
-                )
-            n_c = c.num_options
-            for i, row in enumerate(e.costs):
-                if len(row) != n_c:
-                    raise ProblemError(f"{where}: row {i} has {len(row)} entries, consumer has {n_c} options")
-                if _all_costs(row):
-                    continue
-                for j, v in enumerate(row):
-                    _check_cost(v, f"{where}, entry [{i}][{j}]")
+def _lookup(by_name: dict[str, Decision], name: str, where: str) -> Decision:
+    if name not in by_name:
+        raise ProblemError(f"{where}: unknown decision {name!r}")
+    return by_name[name]
 
-        for pin in self.pins:
-            where = f"pin {pin.name!r} on {pin.decision!r}"
-            d = lookup(pin.decision, where)
-            for o in pin.allowed:
-                if not isinstance(o, int) or not 0 <= o < d.num_options:
-                    raise ProblemError(f"{where}: option {o!r} out of range 0..{d.num_options - 1}")
 
-        ranges: dict[int, list[int]] = {}  # n -> list(range(n))
-        for link in self.links:
-            a = by_name.get(link.a)
-            b = by_name.get(link.b)
-            if a is not None and b is not None and a is not b:
-                n = len(a.options)
-                if n == len(b.options):
-                    ident = ranges.get(n) or ranges.setdefault(n, list(range(n)))
-                    # Identity (repeated layers): entries equal to 0..n-1 whose
-                    # sum is a plain int are ints (a float, numpy integer or
-                    # Fraction would make the sum one), at C speed.
-                    if link.mapping == ident and type(sum(link.mapping)) is int:
-                        continue  # fast path
-                vals = link.mapping
-                if None in vals:
-                    vals = [o for o in vals if o is not None]
-                if len(link.mapping) == len(a.options) and (
-                    not vals
-                    or (
-                        set(map(type, vals)) == {int}
-                        and 0 <= min(vals)
-                        and max(vals) < len(b.options)
-                        and len(set(vals)) == len(vals)
-                    )
-                ):
-                    continue  # fast path
-            where = f"link {link.name!r} ({link.a!r} ~ {link.b!r})"
-            a = lookup(link.a, where)
-            b = lookup(link.b, where)
-            if link.a == link.b:
-                raise ProblemError(f"{where}: links a decision to itself")
-            if len(link.mapping) != a.num_options:
-                raise ProblemError(
-                    f"{where}: mapping has {len(link.mapping)} entries, {link.a!r} has {a.num_options} options"
-                )
-            seen: set[int] = set()
-            for i, o in enumerate(link.mapping):
-                if o is None:
-                    continue
-                if not isinstance(o, int) or not 0 <= o < b.num_options:
-                    raise ProblemError(f"{where}: mapping[{i}] = {o!r} out of range 0..{b.num_options - 1}")
-                if o in seen:
-                    raise ProblemError(f"{where}: mapping is not injective ({o} twice)")
-                seen.add(o)
+def _check_edges(edges: list[Edge], by_name: dict[str, Decision], edge_costs: bool) -> None:
+    """Edges between two distinct known decisions, with (when
+    ``edge_costs``) a well-formed cost matrix of their shape."""
+    # Matrices already found well-formed, by id, with their shape: repeated
+    # layers share one matrix object, read once instead of once per layer.
+    checked: dict[int, tuple[int, int]] = {}
+    for k, e in enumerate(edges):
+        p = by_name.get(e.producer)
+        c = by_name.get(e.consumer)
+        if p is not None and c is not None and p is not c:
+            if not edge_costs:
+                continue
+            shape = (len(p.options), len(c.options))
+            if checked.get(id(e.costs)) == shape:
+                continue
+            if _matrix_ok(e.costs, *shape):
+                checked[id(e.costs)] = shape
+                continue  # fast path: big problems have millions of entries
+        where = f"edge #{k} ({e.producer!r} -> {e.consumer!r})"
+        p = _lookup(by_name, e.producer, where)
+        c = _lookup(by_name, e.consumer, where)
+        if e.producer == e.consumer:
+            raise ProblemError(f"{where}: self-loop")
+        if len(e.costs) != p.num_options:
+            raise ProblemError(f"{where}: cost matrix has {len(e.costs)} rows, producer has {p.num_options} options")
+        n_c = c.num_options
+        for i, row in enumerate(e.costs):
+            if len(row) != n_c:
+                raise ProblemError(f"{where}: row {i} has {len(row)} entries, consumer has {n_c} options")
+            if _all_costs(row):
+                continue
+            for j, v in enumerate(row):
+                _check_cost(v, f"{where}, entry [{i}][{j}]")
 
-        for r in self.resources:
-            where = f"resource constraint {r.name!r}"
-            for name, weights in r.terms.items():
-                d = lookup(name, where)
-                if len(weights) != d.num_options:
-                    raise ProblemError(
-                        f"{where}: {len(weights)} weights for {name!r}, which has {d.num_options} options"
-                    )
-                for j, w in enumerate(weights):
-                    if not isinstance(w, (int, float)) or not math.isfinite(w):
-                        raise ProblemError(f"{where}: weight {w!r} for {name!r}[{j}]")
-            for bound in (r.low, r.high):
-                if bound is not None and (not isinstance(bound, (int, float)) or math.isnan(bound)):
-                    raise ProblemError(f"{where}: bound {bound!r} is not a number")
+
+def _check_pins(pins: list[Pin], by_name: dict[str, Decision]) -> None:
+    for pin in pins:
+        where = f"pin {pin.name!r} on {pin.decision!r}"
+        d = _lookup(by_name, pin.decision, where)
+        for o in pin.allowed:
+            if not isinstance(o, int) or not 0 <= o < d.num_options:
+                raise ProblemError(f"{where}: option {o!r} out of range 0..{d.num_options - 1}")
+
+
+def _check_links(links: list[Link], by_name: dict[str, Decision]) -> None:
+    """Links between two distinct known decisions, each mapping an
+    injective map of ``a``'s options into ``b``'s (``None``: unmapped)."""
+    ranges: dict[int, list[int]] = {}  # n -> list(range(n))
+    for link in links:
+        a = by_name.get(link.a)
+        b = by_name.get(link.b)
+        if a is not None and b is not None and a is not b and _link_ok(link, a, b, ranges):
+            continue  # fast path
+        where = f"link {link.name!r} ({link.a!r} ~ {link.b!r})"
+        a = _lookup(by_name, link.a, where)
+        b = _lookup(by_name, link.b, where)
+        if link.a == link.b:
+            raise ProblemError(f"{where}: links a decision to itself")
+        if len(link.mapping) != a.num_options:
+            raise ProblemError(
+                f"{where}: mapping has {len(link.mapping)} entries, {link.a!r} has {a.num_options} options"
+            )
+        seen: set[int] = set()
+        for i, o in enumerate(link.mapping):
+            if o is None:
+                continue
+            if not isinstance(o, int) or not 0 <= o < b.num_options:
+                raise ProblemError(f"{where}: mapping[{i}] = {o!r} out of range 0..{b.num_options - 1}")
+            if o in seen:
+                raise ProblemError(f"{where}: mapping is not injective ({o} twice)")
+            seen.add(o)
+
+
+def _link_ok(link: Link, a: Decision, b: Decision, ranges: dict[int, list[int]]) -> bool:
+    """The checks of :func:`_check_links` at C speed, without messages."""
+    n = len(a.options)
+    if n == len(b.options):
+        ident = ranges.get(n) or ranges.setdefault(n, list(range(n)))
+        # Identity (repeated layers): entries equal to 0..n-1 whose
+        # sum is a plain int are ints (a float, numpy integer or
+        # Fraction would make the sum one), at C speed.
+        if link.mapping == ident and type(sum(link.mapping)) is int:
+            return True
+    vals = link.mapping
+    if None in vals:
+        vals = [o for o in vals if o is not None]
+    return len(link.mapping) == len(a.options) and (
+        not vals
+        or (
+            set(map(type, vals)) == {int}
+            and 0 <= min(vals)
+            and max(vals) < len(b.options)
+            and len(set(vals)) == len(vals)
+        )
+    )
+
+
+def _check_resources(resources: list[ResourceConstraint], by_name: dict[str, Decision]) -> None:
+    """One finite weight per option of each known decision, numeric bounds."""
+    for r in resources:
+        where = f"resource constraint {r.name!r}"
+        for name, weights in r.terms.items():
+            d = _lookup(by_name, name, where)
+            if len(weights) != d.num_options:
+                raise ProblemError(f"{where}: {len(weights)} weights for {name!r}, which has {d.num_options} options")
+            for j, w in enumerate(weights):
+                if not isinstance(w, (int, float)) or not math.isfinite(w):
+                    raise ProblemError(f"{where}: weight {w!r} for {name!r}[{j}]")
+        for bound in (r.low, r.high):
+            if bound is not None and (not isinstance(bound, (int, float)) or math.isnan(bound)):
+                raise ProblemError(f"{where}: bound {bound!r} is not a number")
 
 
 def _matrix_ok(costs: list, n_rows: int, n_cols: int) -> bool:

@@ -73,7 +73,7 @@ class Reparam:
     ``unary[q]`` and edge ``k``'s entries ``C(i, j) - alpha[k][i] -
     beta[k][j]`` (never negative for dual-feasible duals), and every
     feasible choice costs at least ``constant`` plus its rewritten cost
-    (:meth:`solver.pricing._Pricer.reduced_costs`). A forest over the
+    (:meth:`solver.pricing_rounds.Pricer.reduced_costs`). A forest over the
     rewritten costs bounds at least as high as the LP bound."""
 
     constant: float

@@ -293,107 +293,18 @@ def build_problem(
     repeats: RepeatedLayers | None = None,
 ) -> BuiltProblem:
     t0 = time.perf_counter()
-    param_chain = _forward_param_chain(traced)
-    grad_tail = _grad_tail(traced)
-    unreducible = _unreducible_grad_nodes(traced, constraints.reduce_dtype)
-    redist_edges = []
-    for node, strat in strategies.items():
-        if strat.getitem_index is not None:
-            continue
-        for k, producer in enumerate(strat.inputs):
-            kind = None
-            if producer in param_chain and node.meta.get("partitioner_tag") != "is_backward":
-                kind = cost_model.PARAM_ALL_GATHER
-            elif node in grad_tail:
-                kind = cost_model.GRAD_REDUCE_SCATTER
-            redist_edges.append(RedistEdge(producer, node, k, kind, producer in unreducible))
-
-    # id(option list) -> compute costs. Structurally identical nodes
-    # (repeated layers, forward and backward) share one option list object
-    # (same op, arguments, shapes and input candidates), so their costs are
-    # computed once and their decisions share the lists.
-    unary: dict[int, list[float]] = {}
-    shapes = _LocalShapeCodes()
-    for node, strat in strategies.items():
-        if id(strat.options) not in unary:
-            if node.op == "call_function" and strat.getitem_index is None:
-                unary[id(strat.options)] = _compute_costs(node, strat.options, shapes, mesh, device)
-            else:
-                unary[id(strat.options)] = [0.0] * len(strat.options)
-
+    redist_edges = _redistribution_edges(traced, strategies, constraints)
+    unary = _unary_costs(strategies, mesh, device)
     if overlap.enabled and overlap.compute_windows:
         redist_edges = _with_compute_windows(traced, strategies, unary, redist_edges)
 
-    size = size_unpruned = estimate_problem_size(traced, strategies)
-    logger.info("problem size before pruning: %s", size.describe())
-    pruning = None
-    if constraints.prune_options and cost_model_allows_pruning(device):
-        frozen = _frozen_nodes(traced, strategies, constraints, repeats)
-        linked = list(repeats.reference.items()) if repeats is not None else []
-        strategies, pruning = prune_partials(strategies, unary, frozen, mesh.ndim, linked)
-        size = estimate_problem_size(traced, strategies)
-        logger.info("problem size after pruning: %s", size.describe())
-    lazy = constraints.option_pricing
-    if lazy is None:
-        lazy = constraints.max_problem_bytes is not None and size.estimated_bytes > constraints.max_problem_bytes
-        if lazy:
-            logger.info(
-                "dense problem estimated at %.2f GB, over max_problem_bytes (%.2f GB): lazy edge matrices and option pricing",
-                size.estimated_bytes / 1e9,
-                constraints.max_problem_bytes / 1e9,
-            )
-    if lazy:
-        check_lazy_size(size, mesh, constraints.max_problem_bytes)
-    else:
-        check_problem_size(size, mesh, constraints.max_problem_bytes)
+    strategies, size, size_unpruned, pruning = _pruned(traced, strategies, unary, mesh, constraints, device, repeats)
+    lazy = _use_lazy_matrices(size, mesh, constraints)
     matrices = EdgeMatrices(device, overlap, lazy=lazy)
     nodes = list(strategies)
-    decisions: list[solver.Decision] = []
-    compute: dict[str, list[float]] = {}
-    labels_cache: dict[int, list[str]] = {}
-    label = SpecLabels().option
-    for node in nodes:
-        strat = strategies[node]
-        key = id(strat.options)
-        labels = labels_cache.get(key)
-        if labels is None:
-            labels = labels_cache[key] = [label(o) for o in strat.options]
-        compute[node.name] = unary[key]
-        decisions.append(solver.Decision(node.name, labels, unary[key]))
-
-    edges: list[solver.Edge] = []
-    progress = _Progress("costing edges", size.edges)
-    by_consumer: dict[torch.fx.Node, list] = {}
-    for e in redist_edges:
-        by_consumer.setdefault(e.consumer, []).append(e)
-    for node in nodes:
-        strat = strategies[node]
-        progress.tick(len(edges))
-        if strat.getitem_index is not None:
-            parent = strat.inputs[0]
-            matrix = matrices.getitem(strategies[parent].options, strat.options, strat.getitem_index)
-            edges.append(solver.Edge(parent.name, node.name, 0, matrix))
-            continue
-        for e in by_consumer.get(node, ()):
-            matrix = matrices.redistribution(
-                strategies[e.producer].options, strat.options, e.arg, e.kind, keep_partial=e.keep_partial
-            )
-            edges.append(solver.Edge(e.producer.name, node.name, e.arg, matrix))
-
-    # A gradient is laid out like its parameter (or redistributed to a
-    # tp-outer one); a tangent like its output.
-    for fqn, grad in traced.grad_nodes.items():
-        param = traced.param_nodes.get(fqn)
-        if grad is None or param is None or grad not in strategies:
-            continue
-        matrix = matrices.gradient(strategies[param].options, strategies[grad].options, cost_model.GRAD_REDUCE_SCATTER)
-        edges.append(solver.Edge(param.name, grad.name, -1, matrix))
-    for out_idx, tangent in traced.tangent_nodes.items():
-        out = traced.output_nodes[out_idx]
-        if out in strategies and tangent in strategies:
-            matrix = matrices.equal_placements(strategies[out].options, strategies[tangent].options)
-            edges.append(solver.Edge(out.name, tangent.name, -1, matrix))
-
+    decisions, compute = _decisions(nodes, strategies, unary)
+    edges = _edges(nodes, strategies, redist_edges, matrices, size)
+    edges += _structural_edges(traced, strategies, matrices)
     if not lazy:
         # the step plans per placement pair are only needed while costing
         # (millions of entries on a 4-D mesh); lazy matrices cost while the
@@ -401,39 +312,9 @@ def build_problem(
         clear_edge_cost_caches()
         matrices.drop_pair_cache()
 
-    pins = []
-    for name, (cname, placements) in constraints.pins.items():
-        node = next(n for n in nodes if n.name == name)
-        allowed = [
-            i for i, o in enumerate(strategies[node].options) if placements_of(o.output_specs) == tuple(placements)
-        ]
-        pins.append(solver.Pin(cname, name, allowed))
-    by_name = {n.name: n for n in nodes}
-    for name, rules in constraints.option_rules.items():
-        node = by_name.get(name)
-        if node is None:
-            continue
-        for rule in rules:
-            allowed = [i for i, o in enumerate(strategies[node].options) if rule.allows(o)]
-            pins.append(solver.Pin(rule.name, name, allowed))
-
+    pins = _pins(nodes, strategies, constraints)
     resources = [_memory_constraint(traced, strategies, mesh, constraints, repeats)]
-
-    links = []
-    if repeats is not None:
-        # per (reference list, repeat list), by identity: layers 2..N share
-        # their lists, so each distinct pair is mapped once, not per layer
-        # (the solver only reads the mappings)
-        mappings: dict[tuple[int, int], list[int | None]] = {}
-        for node, ref in repeats.reference.items():
-            if node in strategies and ref in strategies:
-                ref_options, options = strategies[ref].options, strategies[node].options
-                mapping = mappings.get((id(ref_options), id(options)))
-                if mapping is None:
-                    mapping = mappings[(id(ref_options), id(options))] = _option_mapping(ref_options, options)
-                name = _layer_name(node) or repeats.layer_name(node)
-                links.append(solver.Link(f"repeated layer {name}", ref.name, node.name, mapping))
-
+    links = _links(strategies, repeats)
     problem = solver.Problem(
         decisions=decisions,
         edges=edges,
@@ -452,6 +333,182 @@ def build_problem(
         seconds,
     )
     return BuiltProblem(problem, nodes, strategies, compute, seconds, size, pruning, size_unpruned, lazy)
+
+
+def _redistribution_edges(traced: TracedStep, strategies, constraints: Constraints) -> list[RedistEdge]:
+    """One edge per (producer, consumer, argument), tagged with the overlap
+    kind of communication it may hide (a parameter's all-gather in forward, a
+    gradient's reduction in backward)."""
+    param_chain = _forward_param_chain(traced)
+    grad_tail = _grad_tail(traced)
+    unreducible = _unreducible_grad_nodes(traced, constraints.reduce_dtype)
+    redist_edges = []
+    for node, strat in strategies.items():
+        if strat.getitem_index is not None:
+            continue
+        for k, producer in enumerate(strat.inputs):
+            kind = None
+            if producer in param_chain and node.meta.get("partitioner_tag") != "is_backward":
+                kind = cost_model.PARAM_ALL_GATHER
+            elif node in grad_tail:
+                kind = cost_model.GRAD_REDUCE_SCATTER
+            redist_edges.append(RedistEdge(producer, node, k, kind, producer in unreducible))
+    return redist_edges
+
+
+def _unary_costs(strategies, mesh: DeviceMesh, device) -> dict[int, list[float]]:
+    """id(option list) -> compute costs. Structurally identical nodes
+    (repeated layers, forward and backward) share one option list object
+    (same op, arguments, shapes and input candidates), so their costs are
+    computed once and their decisions share the lists."""
+    unary: dict[int, list[float]] = {}
+    shapes = _LocalShapeCodes()
+    for node, strat in strategies.items():
+        if id(strat.options) not in unary:
+            if node.op == "call_function" and strat.getitem_index is None:
+                unary[id(strat.options)] = _compute_costs(node, strat.options, shapes, mesh, device)
+            else:
+                unary[id(strat.options)] = [0.0] * len(strat.options)
+    return unary
+
+
+def _pruned(traced, strategies, unary, mesh: DeviceMesh, constraints: Constraints, device, repeats):
+    """``(strategies, size, size_unpruned, pruning)``: the strategies without
+    the Partial options that cannot help (when the constraints and the cost
+    model allow pruning), and the problem's estimated size before and after."""
+    size = size_unpruned = estimate_problem_size(traced, strategies)
+    logger.info("problem size before pruning: %s", size.describe())
+    pruning = None
+    if constraints.prune_options and cost_model_allows_pruning(device):
+        frozen = _frozen_nodes(traced, strategies, constraints, repeats)
+        linked = list(repeats.reference.items()) if repeats is not None else []
+        strategies, pruning = prune_partials(strategies, unary, frozen, mesh.ndim, linked)
+        size = estimate_problem_size(traced, strategies)
+        logger.info("problem size after pruning: %s", size.describe())
+    return strategies, size, size_unpruned, pruning
+
+
+def _use_lazy_matrices(size: ProblemSize, mesh: DeviceMesh, constraints: Constraints) -> bool:
+    """Whether to build lazy edge matrices (solved by option pricing): as the
+    constraints say, or when the dense problem would exceed
+    ``max_problem_bytes``. Raises :class:`ProblemTooLarge` when even the
+    chosen form is over the limit."""
+    lazy = constraints.option_pricing
+    if lazy is None:
+        lazy = constraints.max_problem_bytes is not None and size.estimated_bytes > constraints.max_problem_bytes
+        if lazy:
+            logger.info(
+                "dense problem estimated at %.2f GB, over max_problem_bytes (%.2f GB): lazy edge matrices and option pricing",
+                size.estimated_bytes / 1e9,
+                constraints.max_problem_bytes / 1e9,
+            )
+    if lazy:
+        check_lazy_size(size, mesh, constraints.max_problem_bytes)
+    else:
+        check_problem_size(size, mesh, constraints.max_problem_bytes)
+    return lazy
+
+
+def _decisions(nodes, strategies, unary) -> tuple[list[solver.Decision], dict[str, list[float]]]:
+    """One decision per node, its options labelled by placement, and each
+    node's per-option compute seconds."""
+    decisions: list[solver.Decision] = []
+    compute: dict[str, list[float]] = {}
+    labels_cache: dict[int, list[str]] = {}
+    label = SpecLabels().option
+    for node in nodes:
+        strat = strategies[node]
+        key = id(strat.options)
+        labels = labels_cache.get(key)
+        if labels is None:
+            labels = labels_cache[key] = [label(o) for o in strat.options]
+        compute[node.name] = unary[key]
+        decisions.append(solver.Decision(node.name, labels, unary[key]))
+    return decisions, compute
+
+
+def _edges(nodes, strategies, redist_edges: list[RedistEdge], matrices: EdgeMatrices, size) -> list[solver.Edge]:
+    """The data-flow edges, consumer by consumer: a getitem's choice of its
+    parent's output, and each redistribution's cost matrix."""
+    edges: list[solver.Edge] = []
+    progress = _Progress("costing edges", size.edges)
+    by_consumer: dict[torch.fx.Node, list] = {}
+    for e in redist_edges:
+        by_consumer.setdefault(e.consumer, []).append(e)
+    for node in nodes:
+        strat = strategies[node]
+        progress.tick(len(edges))
+        if strat.getitem_index is not None:
+            parent = strat.inputs[0]
+            matrix = matrices.getitem(strategies[parent].options, strat.options, strat.getitem_index)
+            edges.append(solver.Edge(parent.name, node.name, 0, matrix))
+            continue
+        for e in by_consumer.get(node, ()):
+            matrix = matrices.redistribution(
+                strategies[e.producer].options, strat.options, e.arg, e.kind, keep_partial=e.keep_partial
+            )
+            edges.append(solver.Edge(e.producer.name, node.name, e.arg, matrix))
+    return edges
+
+
+def _structural_edges(traced: TracedStep, strategies, matrices: EdgeMatrices) -> list[solver.Edge]:
+    """A gradient is laid out like its parameter (or redistributed to a
+    tp-outer one); a tangent like its output."""
+    edges: list[solver.Edge] = []
+    for fqn, grad in traced.grad_nodes.items():
+        param = traced.param_nodes.get(fqn)
+        if grad is None or param is None or grad not in strategies:
+            continue
+        matrix = matrices.gradient(strategies[param].options, strategies[grad].options, cost_model.GRAD_REDUCE_SCATTER)
+        edges.append(solver.Edge(param.name, grad.name, -1, matrix))
+    for out_idx, tangent in traced.tangent_nodes.items():
+        out = traced.output_nodes[out_idx]
+        if out in strategies and tangent in strategies:
+            matrix = matrices.equal_placements(strategies[out].options, strategies[tangent].options)
+            edges.append(solver.Edge(out.name, tangent.name, -1, matrix))
+    return edges
+
+
+def _pins(nodes, strategies, constraints: Constraints) -> list[solver.Pin]:
+    """The user's placement constraints and the mesh-dim option rules, as
+    named pins to the options they allow."""
+    pins = []
+    for name, (cname, placements) in constraints.pins.items():
+        node = next(n for n in nodes if n.name == name)
+        allowed = [
+            i for i, o in enumerate(strategies[node].options) if placements_of(o.output_specs) == tuple(placements)
+        ]
+        pins.append(solver.Pin(cname, name, allowed))
+    by_name = {n.name: n for n in nodes}
+    for name, rules in constraints.option_rules.items():
+        node = by_name.get(name)
+        if node is None:
+            continue
+        for rule in rules:
+            allowed = [i for i, o in enumerate(strategies[node].options) if rule.allows(o)]
+            pins.append(solver.Pin(rule.name, name, allowed))
+    return pins
+
+
+def _links(strategies, repeats: RepeatedLayers | None) -> list[solver.Link]:
+    """Each node of a repeated layer linked to its node in the reference
+    layer, option to option."""
+    links = []
+    if repeats is None:
+        return links
+    # per (reference list, repeat list), by identity: layers 2..N share
+    # their lists, so each distinct pair is mapped once, not per layer
+    # (the solver only reads the mappings)
+    mappings: dict[tuple[int, int], list[int | None]] = {}
+    for node, ref in repeats.reference.items():
+        if node in strategies and ref in strategies:
+            ref_options, options = strategies[ref].options, strategies[node].options
+            mapping = mappings.get((id(ref_options), id(options)))
+            if mapping is None:
+                mapping = mappings[(id(ref_options), id(options))] = _option_mapping(ref_options, options)
+            name = _layer_name(node) or repeats.layer_name(node)
+            links.append(solver.Link(f"repeated layer {name}", ref.name, node.name, mapping))
+    return links
 
 
 def _layer_name(node: torch.fx.Node) -> str | None:

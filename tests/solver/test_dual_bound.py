@@ -13,7 +13,7 @@ import pytest
 
 from solver import Decision, Edge, Problem, ResourceConstraint
 from solver.dual_bound import DualAscent, resource_filter
-from solver.pricing import _Pricer
+from solver.pricing_rounds import Pricer
 from solver.pricing_quotient import build_quotient
 from solver.tree_bound import choice_cost, eliminate
 
@@ -25,7 +25,7 @@ pytest.importorskip("highspy")
 def full_lp(problem: Problem) -> float:
     """The LP relaxation (local polytope) over every option."""
     q = build_quotient(problem)
-    full = _Pricer(q)
+    full = Pricer(q)
     for i, c in enumerate(q.classes):
         full.add(i, np.flatnonzero(c.allowed))
     return full.solve_lp(None).objective

@@ -10,7 +10,8 @@ import pytest
 
 from solver import Decision, Edge, InfeasibleError, Link, Pin, Problem, ResourceConstraint, solve
 from solver import pricing_proof
-from solver.pricing import PricingResult, _Pricer, solve_by_pricing
+from solver.pricing import PricingResult, solve_by_pricing
+from solver.pricing_rounds import Pricer
 from solver.pricing_quotient import build_quotient
 
 from ilp_cases import random_problem
@@ -181,7 +182,7 @@ def test_duals_match_highs_reduced_costs_and_full_lp():
     for seed in range(6):
         p = layered_problem(seed, inf_rate=0.1)
         q = build_quotient(p)
-        pr = _Pricer(q)
+        pr = Pricer(q)
         try:
             pr.seed(p, None)
         except InfeasibleError:
@@ -201,7 +202,7 @@ def test_duals_match_highs_reduced_costs_and_full_lp():
                 pr.relax(qi, o)
             for qi, opts in promote:
                 pr.add(qi, opts)
-        full = _Pricer(q)
+        full = Pricer(q)
         for qi, c in enumerate(q.classes):
             full.add(qi, np.flatnonzero(c.allowed))
         full_lp = full.solve_lp(None)
@@ -384,7 +385,7 @@ def test_quotient_edge_min_plus_is_exact_or_a_lower_bound():
 def first_round_bound(problem: Problem) -> float | None:
     """The bound of the first restricted LP over the seed (None: infeasible)."""
     q = build_quotient(problem)
-    pr = _Pricer(q)
+    pr = Pricer(q)
     pr.seed(problem, None)
     lp = pr.solve_lp(None)
     if lp is None:
@@ -436,7 +437,7 @@ def test_ilp_near_the_ascent_duals_is_no_dearer_than_a_decoded_plan():
     for seed in range(12):
         p = reducing_copy(layered_problem(seed, inf_rate=0.1, resource=False))
         q = build_quotient(p)
-        pr = _Pricer(q)
+        pr = Pricer(q)
         pr.seed(p, one_option_each(p))
         ascent = DualAscent(q)
         ascent.run(3)

@@ -15,7 +15,8 @@ from solver import Decision, Edge, Problem, solve
 from solver import pricing, pricing_bisect
 from solver.dual_bound import DualAscent
 from solver.evaluate import evaluate
-from solver.pricing import PricingStats, _Pricer, solve_by_pricing
+from solver.pricing import PricingStats, solve_by_pricing
+from solver.pricing_rounds import Pricer
 from solver.pricing_quotient import build_quotient
 
 from test_pricing import dense_copy, layered_problem, one_option_each, reducing_copy
@@ -60,7 +61,7 @@ def _ascended(problem: Problem, sweeps: int = 50):
     """A pricer seeded with one option per decision, its restricted ILP's
     plan (usually dearer than the optimum) and a converged dual ascent."""
     q = build_quotient(problem)
-    pr = _Pricer(q)
+    pr = Pricer(q)
     pr.seed(problem, one_option_each(problem))
     start = pr.solve_ilp(None, None)
     ascent = DualAscent(q)

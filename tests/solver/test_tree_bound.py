@@ -126,13 +126,13 @@ def test_forest_over_dual_rewritten_costs_bounds_between_lp_bound_and_optimum():
     sys.path.insert(0, os.path.dirname(__file__))
     from test_pricing import layered_problem, reducing_copy
     from solver import solve
-    from solver.pricing import _Pricer
+    from solver.pricing_rounds import Pricer
 
     higher = 0
     for seed in range(8):
         p = reducing_copy(layered_problem(seed, inf_rate=0.1, pins=False))
         q = build_quotient(p)
-        pr = _Pricer(q)
+        pr = Pricer(q)
         pr.seed(p, None)
         lp = pr.solve_lp(None)
         if lp is None:
