@@ -581,11 +581,11 @@ def exposed_comm_by_region(nodes: list[fx.Node], costs, regions: dict[str, str],
 def _scheduled_exposure(gm: fx.GraphModule, ctx, modules: dict[str, str]) -> dict[str, float]:
     """:func:`exposed_comm_by_region` of ``gm`` in ``schedule_overlap``'s order."""
     from .overlap_model import Costs
-    from .schedule_overlap import ScheduleStats, _schedule
+    from .schedule_overlap import ScheduleStats, schedule_order
 
     try:
         costs = Costs(ctx)
-        order = _schedule(gm, ctx, ScheduleStats(), costs)
+        order = schedule_order(gm, ctx, ScheduleStats(), costs)
         return exposed_comm_by_region(order, costs, modules)
     except Exception as e:  # an estimate only: never fail the pass on it
         logger.warning("chunk_regions: no exposure estimate: %s", e)
