@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,10 @@ from .problem.builder import DEFAULT_MAX_PROBLEM_BYTES, BuiltProblem, Constraint
 from .capture.repeated_layers import RepeatedLayers, find_repeated_layers
 from .options.strategies import NodeStrategy, StrategyEnumerator, format_specs
 from .capture.tracing import TracedStep, module_path, trace_training_step
+
+if TYPE_CHECKING:
+    from .apply import GradReduction, Partitioner
+    from .passes import PassOptions
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +150,7 @@ class AutoParallel:
         option_pricing: bool | None = None,
         input_constraints: Sequence[Sequence[Placement] | None] | None = None,
         mesh_roles: dict[str | int, str] | None = None,
-        grad_reduction: str = "sum",
+        grad_reduction: GradReduction = "sum",
     ):
         validation.check_arguments(
             model=model,
@@ -733,9 +737,9 @@ class AutoParallel:
         self,
         plan: Plan,
         *,
-        partitioner: str = "min_cut",
+        partitioner: Partitioner = "min_cut",
         disable_passes: Sequence[str] = (),
-        pass_options: Any = None,
+        pass_options: PassOptions | None = None,
         fold_layers: bool = True,
         cudagraphs: bool = False,
     ) -> nn.Module:

@@ -25,7 +25,7 @@ Usage, inside the ``AutoParallel`` context::
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn as nn
@@ -41,7 +41,7 @@ from .fold import MIDDLE, FoldRejected
 from .fold import fold_layers as fold_layers_of
 from .local_graph import ApplyError, LocalJoint, build_local_joint, full_local_joint, local_shape
 from .module import InputSlot, ParallelModuleMixin, ParallelState, make_parallel_module
-from .partition import StepGraphs, split_joint
+from .partition import Partitioner, StepGraphs, split_joint
 from .redistribute import UnsupportedRedistribution, redistribute
 from .runtime import ParallelStep
 from .unfold import check_shift, layer_tags, stamp, unfold_step
@@ -54,6 +54,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "ApplyError",
+    "GradReduction",
+    "Partitioner",
     "Collective",
     "CudaGraphError",
     "InputSlot",
@@ -124,7 +126,12 @@ def _apply_folded(autop: "AutoParallel", ctx: "passes.PassContext", disabled, pa
     return local, graphs, joint_stats
 
 
-def grad_scales(local: LocalJoint, grad_reduction: str) -> list[float]:
+# How parameter gradients combine the ranks' losses (AutoParallel's
+# ``grad_reduction``): of their sum, or of their mean over the output's shards.
+GradReduction = Literal["sum", "mean"]
+
+
+def grad_scales(local: LocalJoint, grad_reduction: GradReduction) -> list[float]:
     """Per differentiable output, what its incoming gradient is multiplied
     by: 1 for ``"sum"``; for ``"mean"``, 1 / the number of shards the
     output's layout cuts it into (the mesh dims it is sharded over), so the
@@ -147,7 +154,7 @@ def apply_placement(
     autop: "AutoParallel",
     plan: "Plan",
     *,
-    partitioner: str = "min_cut",
+    partitioner: Partitioner = "min_cut",
     disable_passes: tuple[str, ...] | list[str] = (),
     pass_options: "passes.PassOptions | None" = None,
     fold_layers: bool = True,

@@ -25,11 +25,28 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal
+
+if TYPE_CHECKING:
+    import torch.fx as fx
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ..apply.local_graph import LocalJoint
+    from ..capture.tracing import TracedStep
+    from ..options.strategies import NodeStrategy
+    from ..plan import Plan
 
 logger = logging.getLogger(__name__)
 
 Stage = Literal["plan", "joint", "graphs"]
+# Which graph a "graphs"-stage pass is called on.
+GraphKind = Literal["forward", "backward"]
+# How fuse_all_gathers gathers chains whose first gather is on the first
+# mesh dim (see PassOptions.column_major_all_gather).
+ColumnMajorAllGather = Literal["group", "reorder"]
+# Which dim chunk_regions splits a region's work along (user inputs are
+# [batch, seq, ...]).
+ChunkMode = Literal["batch", "seq"]
 
 
 @dataclass
@@ -56,11 +73,11 @@ class PassOptions:
     # (tp-outer parameters): "group" gathers on a column-major process
     # group; "reorder" on the row-major one, then reorders the chunks locally
     # (what LocalTensorMode can simulate: it only knows sorted groups).
-    column_major_all_gather: str = "group"
+    column_major_all_gather: ColumnMajorAllGather = "group"
     # chunk_regions (opt-in): module-path pattern ("layers.*.moe", "*" one
     # path component) -> "batch" or "seq": split those modules' work in two
     # chunks so one chunk's communication overlaps the other's compute.
-    chunk_modules: dict[str, str] | None = None
+    chunk_modules: dict[str, ChunkMode] | None = None
     # ... True: a chunked region's sums over the split dim (weight gradients)
     # are added at once, before their collectives (one reduce-scatter);
     # False: each chunk's goes through its own reduce-scatter, added after
@@ -72,22 +89,22 @@ class PassOptions:
 class PassContext:
     """What passes may read: the mesh, the plan and the apply state so far."""
 
-    mesh: Any  # DeviceMesh
-    plan: Any  # autoparallel.plan.Plan
+    mesh: DeviceMesh
+    plan: Plan
     options: PassOptions = field(default_factory=PassOptions)
     # Set by apply as it goes (None until that stage).
-    traced: Any = None  # autoparallel.capture.tracing.TracedStep
-    strategies: Any = None  # dict[fx.Node, NodeStrategy]
+    traced: TracedStep | None = None
+    strategies: dict[fx.Node, NodeStrategy] | None = None
     choice: dict[str, int] | None = None  # node name -> option index (mutable in "plan")
-    local: Any = None  # autoparallel.apply.LocalJoint ("joint" and later)
-    graph_kind: str | None = None  # "forward" | "backward" during "graphs"
+    local: LocalJoint | None = None  # the rank-local joint graph ("joint" and later)
+    graph_kind: GraphKind | None = None  # during "graphs"
     # Layer folding (autoparallel.apply.fold): a "joint"-stage pass sees a
     # joint graph in which one representative stands for several identical
     # transformer layers; node name -> how many layers it stands for.
     # Stats count a node ``copies(node)`` times so they describe the model.
     folded_copies: dict[str, int] = field(default_factory=dict)
 
-    def copies(self, node) -> int:
+    def copies(self, node: fx.Node) -> int:
         """How many nodes of the unfolded graph ``node`` stands for (1 unless folded)."""
         return self.folded_copies.get(node.name, 1)
 

@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 
 from ..capture.tracing import module_path
-from . import PassContext
+from . import ChunkMode, PassContext
 from .chunk_dims import (
     PER_CHUNK,
     _ATTENTION_NAMES,
@@ -53,7 +53,7 @@ __all__ = [
 ]
 
 # Which dim of a user input each mode splits (inputs are [batch, seq, ...]).
-MODE_INPUT_DIM = {"batch": 0, "seq": 1}
+MODE_INPUT_DIM: dict[ChunkMode, int] = {"batch": 0, "seq": 1}
 
 _aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
@@ -97,9 +97,9 @@ def region_of(path: str | None, pattern: str) -> str | None:
     return None
 
 
-def find_regions(gm: fx.GraphModule, modules: dict[str, str]) -> dict[str, tuple[str, list[fx.Node]]]:
+def find_regions(gm: fx.GraphModule, modules: dict[str, ChunkMode]) -> dict[str, tuple[ChunkMode, list[fx.Node]]]:
     """region -> (mode, its call nodes in graph order); first pattern wins."""
-    out: dict[str, tuple[str, list[fx.Node]]] = {}
+    out: dict[str, tuple[ChunkMode, list[fx.Node]]] = {}
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
@@ -121,7 +121,7 @@ class RegionPlan:
     """What :func:`plan_region` decided for one region; the rewrite's input."""
 
     region: str
-    mode: str
+    mode: ChunkMode
     nodes: list[fx.Node]  # region nodes that depend on split live-ins, graph order
     live_ins: dict[fx.Node, int]  # split ones -> dim
     shared: int
@@ -187,7 +187,7 @@ def _is_linear(n: fx.Node) -> bool:
 
 
 def plan_region(
-    region: str, mode: str, members: list[fx.Node], global_dims: dict, early_sums: bool = True
+    region: str, mode: ChunkMode, members: list[fx.Node], global_dims: dict, early_sums: bool = True
 ) -> RegionPlan:
     """Decide what to split, duplicate and rebuild; raise :class:`ChunkRefused`."""
     member_set = set(members)

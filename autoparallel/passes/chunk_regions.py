@@ -84,7 +84,7 @@ import torch
 import torch.fx as fx
 
 from ..capture.tracing import module_path
-from . import PassContext, register_pass
+from . import ChunkMode, PassContext, register_pass
 from .chunk_analysis import (
     MODE_INPUT_DIM,
     RegionPlan,
@@ -127,7 +127,7 @@ _c10d = torch.ops._c10d_functional
 @dataclass
 class RegionReport:
     region: str  # module path of the instance (layers.3.moe)
-    mode: str  # "batch" | "seq"
+    mode: ChunkMode
     chunked: bool
     reason: str = ""  # why refused
     nodes_added: int = 0
@@ -334,7 +334,7 @@ def exposed_comm_by_region(nodes: list[fx.Node], costs, regions: dict[str, str],
     return out
 
 
-def _scheduled_exposure(gm: fx.GraphModule, ctx, modules: dict[str, str]) -> dict[str, float]:
+def _scheduled_exposure(gm: fx.GraphModule, ctx, modules: dict[str, ChunkMode]) -> dict[str, float]:
     """:func:`exposed_comm_by_region` of ``gm`` in ``schedule_overlap``'s order."""
     from .overlap_model import Costs
     from .schedule_overlap import ScheduleStats, schedule_order
@@ -354,7 +354,7 @@ def _scheduled_exposure(gm: fx.GraphModule, ctx, modules: dict[str, str]) -> dic
 
 def chunk_graph(
     gm: fx.GraphModule,
-    modules: dict[str, str],
+    modules: dict[str, ChunkMode],
     seeds: dict[str, dict[fx.Node, int]],
     ctx: PassContext | None = None,
     *,
