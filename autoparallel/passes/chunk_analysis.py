@@ -28,15 +28,15 @@ from ..capture.tracing import module_path
 from . import ChunkMode, PassContext
 from .chunk_dims import (
     PER_CHUNK,
-    _ATTENTION_NAMES,
-    _FILLS,
-    _MESH_SIZES,
+    ATTENTION_NAMES,
+    FILLS,
+    MESH_SIZES,
     REDUCED,
     ChunkRefused,
-    _acts_along,
-    _probe,
-    _Unknown,
-    _val,
+    acts_along,
+    probe_op,
+    UnknownSplitDim,
+    fake_val,
     group_split,
     merge_depth,
     propagate_split_dims,
@@ -192,7 +192,7 @@ def plan_region(
     """Decide what to split, duplicate and rebuild; raise :class:`ChunkRefused`."""
     member_set = set(members)
     if mode == "seq":
-        att = next((n for n in members if any(s in str(n.target) for s in _ATTENTION_NAMES)), None)
+        att = next((n for n in members if any(s in str(n.target) for s in ATTENTION_NAMES)), None)
         if att is not None:
             raise ChunkRefused(f"{att.name} ({att.target}): attention under sequence chunking needs every key")
     sums = _SUM_REDUCTIONS | _extra_sum_reductions()
@@ -206,7 +206,7 @@ def plan_region(
     partners: dict[fx.Node, int] = {}  # full-size inputs each chunk reads its part of
     late_reduced: dict[fx.Node, fx.Node] = {}  # linear ops on a partial sum, duplicated -> its producer
     depth: dict[fx.Node, int] = {}  # see merge_depth: 0 where a chunk's rows are a contiguous half
-    mesh_sizes = _MESH_SIZES.get()
+    mesh_sizes = MESH_SIZES.get()
     for n in members:
         ins = n.all_input_nodes
         deps = []
@@ -218,7 +218,7 @@ def plan_region(
             g = global_dims.get(a, "absent")
             if isinstance(g, int):
                 if a not in live_ins:
-                    v = _val(a)
+                    v = fake_val(a)
                     if v.shape[g] % 2:
                         raise ChunkRefused(f"live-in {a.name} has odd size {v.shape[g]} on the split dim {g}")
                     live_ins[a] = g
@@ -229,11 +229,11 @@ def plan_region(
                 raise ChunkRefused(f"cannot tell the split dim of live-in {a.name} (feeding {n.name})")
             else:
                 shared.add(a)
-        if not deps or n.target in _FILLS:
+        if not deps or n.target in FILLS:
             continue  # a fill reads its input for the dtype only: shared
         if n in late_reduced:
             # a linear op on one chunk's partial sum (its gradient collective)
-            out, st, sized = _probe(n, state, half)
+            out, st, sized = probe_op(n, state, half)
             state[n], half[n], probe[n] = REDUCED, out, (out, sized)
             dependent.append(n)
             continue
@@ -244,7 +244,7 @@ def plan_region(
             )
         if _is_random(n):
             raise ChunkRefused(f"{n.name} ({n.target}) is random: the chunks would draw other numbers")
-        if mode == "seq" and any(s in str(n.target) for s in _ATTENTION_NAMES):
+        if mode == "seq" and any(s in str(n.target) for s in ATTENTION_NAMES):
             raise ChunkRefused(f"{n.name} ({n.target}): attention under sequence chunking needs every key")
         in_dims = [state[a] for a in deps if isinstance(state.get(a), int)]
         first = next((a for a in deps if isinstance(state.get(a), int)), None)
@@ -252,14 +252,14 @@ def plan_region(
         if (
             first is not None
             and not regroup
-            and _acts_along(n, state[first], _val(first).dim() if isinstance(_val(first), torch.Tensor) else 0)
+            and acts_along(n, state[first], fake_val(first).dim() if isinstance(fake_val(first), torch.Tensor) else 0)
         ):
             if n.target not in sums:
                 raise ChunkRefused(f"{n.name} ({n.target}) acts along the split dim")
         found: dict[fx.Node, int] = {}
         try:
-            out, st, sized = _probe(n, state, half, partners=found)
-        except _Unknown as e:
+            out, st, sized = probe_op(n, state, half, partners=found)
+        except UnknownSplitDim as e:
             raise ChunkRefused(str(e)) from None
         sts = st if isinstance(st, list) else [st]
         if REDUCED in sts and n.target not in sums and n.target is not operator.getitem:
@@ -342,7 +342,7 @@ def split_seeds(gm: fx.GraphModule, ctx: PassContext) -> dict[str, dict[fx.Node,
     for mode, d in MODE_INPUT_DIM.items():
         seeds = {}
         for p in inputs:
-            v = _val(p)
+            v = fake_val(p)
             if isinstance(v, torch.Tensor) and v.dim() > d and v.shape[d] % 2 == 0:
                 seeds[p] = d
         # tangents: like the forward outputs they are the gradients of

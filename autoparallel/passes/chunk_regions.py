@@ -96,12 +96,12 @@ from .chunk_analysis import (
 )
 from .chunk_dims import (
     PER_CHUNK,
-    _MESH_SIZES,
+    MESH_SIZES,
     REDUCED,
     ChunkRefused,
-    _stamp,
-    _fake_mode,
-    _val,
+    stamp_like,
+    fake_mode_of,
+    fake_val,
     propagate_split_dims,
 )
 
@@ -221,7 +221,7 @@ def _apply(gm: fx.GraphModule, plan: RegionPlan) -> int:
         with g.inserting_after(n):
             b = g.create_node("call_function", n.target, b_args, b_kwargs, name=f"{n.name}_chunk1")
         b.meta = dict(n.meta)
-        _stamp(b, n, "chunk1")
+        stamp_like(b, n, "chunk1")
         n.args = fx.node.map_arg(args, to_a)
         n.kwargs = fx.node.map_arg(kwargs, to_a)
         n.meta["val"] = out
@@ -246,7 +246,7 @@ def _apply(gm: fx.GraphModule, plan: RegionPlan) -> int:
                 j = g.call_function(_aten.cat.default, ([n, b], st))
         j.meta = {k: v for k, v in n.meta.items() if k not in (CHUNK_KEY,)}
         j.meta["val"] = _rerun(j, None)
-        _stamp(j, n, "chunk_join")
+        stamp_like(j, n, "chunk_join")
         for u in outside:
             u.replace_input_with(n, j)
         plan.joins[j] = n
@@ -259,13 +259,13 @@ def _split_before(g: fx.Graph, x: fx.Node, d: int, n0: fx.Node, tag: str) -> tup
     consumer ``n0``; the halves (chunk A's, chunk B's)."""
     from ..apply.unfold import FOLD_KEY
 
-    size = _val(x).shape[d] // 2
+    size = fake_val(x).shape[d] // 2
     with g.inserting_before(n0):
         sp = g.call_function(_aten.split.Tensor, (x, size, d))
         ha = g.call_function(operator.getitem, (sp, 0))
         hb = g.call_function(operator.getitem, (sp, 1))
-    v = _val(x)
-    with _fake_mode([v]) or _null():
+    v = fake_val(x)
+    with fake_mode_of([v]) or _null():
         sp.meta["val"] = v.split(size, d)
     ha.meta["val"], hb.meta["val"] = sp.meta["val"][0], sp.meta["val"][1]
     for k, m in enumerate((sp, ha, hb)):
@@ -289,10 +289,10 @@ class _null:
 
 def _rerun(n: fx.Node, fallback):
     """Fake value of ``n`` from its inputs' values."""
-    vals = [_val(a) for a in n.all_input_nodes]
-    mode = _fake_mode(vals if not isinstance(vals[0], (tuple, list)) else list(vals[0]) + vals[1:])
-    args = fx.node.map_arg(n.args, _val)
-    kwargs = fx.node.map_arg(n.kwargs, _val)
+    vals = [fake_val(a) for a in n.all_input_nodes]
+    mode = fake_mode_of(vals if not isinstance(vals[0], (tuple, list)) else list(vals[0]) + vals[1:])
+    args = fx.node.map_arg(n.args, fake_val)
+    kwargs = fx.node.map_arg(n.kwargs, fake_val)
     if n.target is operator.getitem:
         return args[0][args[1]]
     if mode is None:
@@ -369,11 +369,11 @@ def chunk_graph(
             raise ValueError(f"chunk_modules[{pattern!r}] = {mode!r}: the mode must be one of {sorted(MODE_INPUT_DIM)}")
     stats = ChunkRegionsStats()
     mesh = getattr(ctx, "mesh", None)
-    token = _MESH_SIZES.set(frozenset(mesh.shape) if mesh is not None else frozenset())
+    token = MESH_SIZES.set(frozenset(mesh.shape) if mesh is not None else frozenset())
     try:
         return _chunk_graph(gm, modules, seeds, ctx, copies, stats, early_sums)
     finally:
-        _MESH_SIZES.reset(token)
+        MESH_SIZES.reset(token)
 
 
 def _chunk_graph(gm, modules, seeds, ctx, copies, stats, early_sums) -> ChunkRegionsStats:

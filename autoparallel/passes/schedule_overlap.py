@@ -82,7 +82,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from . import PassContext, register_pass
-from .param_chains import _chain_users, _deferred_chain_ops, _layer_ranks, _param_chains
+from .param_chains import chain_users, deferred_chain_ops, layer_ranks, gathers_by_layer
 from .overlap_model import (
     AG,
     RS,
@@ -202,13 +202,13 @@ class OverlapScheduler:
         # otherwise pull the wait forward to its place in the original order (a
         # copy out of the bucket stays there: deferred, it would hold the whole
         # bucket until the last parameter's use)
-        self.deferred = {n for n in nodes if self.kind[n] == 2} | _deferred_chain_ops(self.ag_layer, info)
+        self.deferred = {n for n in nodes if self.kind[n] == 2} | deferred_chain_ops(self.ag_layer, info)
 
     # -- reading the graph --------------------------------------------------
 
     def _read_gather_chains(self, gm: fx.GraphModule, ctx: PassContext | None) -> None:
         nodes, index, stats = self.nodes, self.index, self.stats
-        self.ag_layer = ag_layer = _param_chains(gm, ctx)
+        self.ag_layer = ag_layer = gathers_by_layer(gm, ctx)
         stats.all_gathers = sum(1 for n in nodes if n.target is AG)
         stats.reduce_scatters = sum(1 for n in nodes if n.target is RS)
         # each gather's first need (the first consumer outside its chain of what
@@ -221,11 +221,11 @@ class OverlapScheduler:
             chain_set = chain_sets.get(id(chain))
             if chain_set is None:
                 chain_set = chain_sets[id(chain)] = set(chain)
-            need = min((index[u] for u in _chain_users(ag, chain_set)), default=index[ag])
+            need = min((index[u] for u in chain_users(ag, chain_set)), default=index[ag])
             need_of[ag] = need
             first_need[layer] = min(first_need.get(layer, need), need)
         layer_order = sorted(first_need, key=first_need.__getitem__)
-        self.layer_rank = _layer_ranks(layer_order)
+        self.layer_rank = layer_ranks(layer_order)
         stats.layers = len(layer_order)
         # prefetch candidates: one gather at a time, in order of need
         # (not those the graph only returns, a gathered weight saved for
@@ -493,7 +493,7 @@ def _only_output_reads(wait: fx.Node | None, output: fx.Node) -> bool:
     """Whether the result of ``wait`` (through views and layout ops: the
     split and concatenation of a gather along another dim) is read only by
     the graph output."""
-    from .recompute_all_gathers import _is_chain_op
+    from .recompute_all_gathers import is_chain_op
 
     if wait is None:
         return False
@@ -502,7 +502,7 @@ def _only_output_reads(wait: fx.Node | None, output: fx.Node) -> bool:
         for u in stack.pop().users:
             if u is output or u in seen:
                 continue
-            if _is_chain_op(u) and u.target not in STARTS and u.target is not WAIT:
+            if is_chain_op(u) and u.target not in STARTS and u.target is not WAIT:
                 seen.add(u)
                 stack.append(u)
             else:

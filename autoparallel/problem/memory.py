@@ -133,27 +133,29 @@ class MemoryBreakdown:
     def lines(self) -> list[str]:
         applied = self.scheduler_activations is not None
         out = [
-            f"parameters   {_size(self.parameters):>10s}",
-            f"gradients    {_size(self.gradients):>10s}",
-            f"optimizer    {_size(self.optimizer):>10s} ({self.optimizer_name})",
+            f"parameters   {size_text(self.parameters):>10s}",
+            f"gradients    {size_text(self.gradients):>10s}",
+            f"optimizer    {size_text(self.optimizer):>10s} ({self.optimizer_name})",
         ]
-        planned_parts = f"saved activations {_size(self.activations)}" + (
-            f" + outputs and their gradients {_size(self.outputs)}" if self.outputs else ""
+        planned_parts = f"saved activations {size_text(self.activations)}" + (
+            f" + outputs and their gradients {size_text(self.outputs)}" if self.outputs else ""
         )
         if applied:
             out.append(
-                f"activations  {_size(self.scheduler_activations):>10s} (activations and transients at the overlap "
+                f"activations  {size_text(self.scheduler_activations):>10s} (activations and transients at the overlap "
                 f"scheduler's live-bytes peak; the planner estimated {planned_parts})"
             )
         else:
             out.append(
-                f"activations  {_size(self.activations):>10s}"
+                f"activations  {size_text(self.activations):>10s}"
                 + (f" ({self.activations_source})" if self.activations_source else "")
             )
             if self.outputs:
-                out.append(f"outputs      {_size(self.outputs):>10s} (the step's outputs and their incoming gradients)")
+                out.append(
+                    f"outputs      {size_text(self.outputs):>10s} (the step's outputs and their incoming gradients)"
+                )
         out.append(
-            f"peak         {_size(self.total):>10s} per rank of {self.hbm / GB:.0f} GB HBM "
+            f"peak         {size_text(self.total):>10s} per rank of {self.hbm / GB:.0f} GB HBM "
             f"({100 * self.total / self.hbm:.0f}%)"
             + (
                 ""
@@ -163,15 +165,15 @@ class MemoryBreakdown:
         )
         if self.budget is not None:
             line = (
-                f"budget       {_size(self.budget):>10s} ({self.budget_source}): bounds the planner's estimate, "
-                f"{_size(self.planned)} ({100 * self.planned / self.budget:.0f}%)"
+                f"budget       {size_text(self.budget):>10s} ({self.budget_source}): bounds the planner's estimate, "
+                f"{size_text(self.planned)} ({100 * self.planned / self.budget:.0f}%)"
             )
             if applied:
                 line += f"; the peak is {100 * self.total / self.budget:.0f}% of it"
             out.append(line)
             if applied and self.total > self.budget * (1 + 1e-9):
                 out.append(
-                    f"WARNING: the peak, {_size(self.total)}, exceeds the budget: transients the planner's estimate "
+                    f"WARNING: the peak, {size_text(self.total)}, exceeds the budget: transients the planner's estimate "
                     "leaves out (gathered weights, activation gradients, communication buffers); lower the budget "
                     "(add_memory_budget) by the difference and plan again"
                 )
@@ -179,13 +181,13 @@ class MemoryBreakdown:
             out.append(f"budget       none ({self.budget_source})")
         if self.total > self.hbm:
             out.append(
-                f"WARNING: does not fit: {_size(self.total)} needed per rank, the device has "
+                f"WARNING: does not fit: {size_text(self.total)} needed per rank, the device has "
                 f"{self.hbm / GB:.0f} GB (shard more, recompute more, or use a smaller batch)"
             )
         return out + self.notes
 
 
-def _size(b: float) -> str:
+def size_text(b: float) -> str:
     """Bytes in GB, MB or kB (powers of 10, as :data:`GB`)."""
     for unit, f in (("GB", GB), ("MB", 1e6), ("kB", 1e3)):
         if b >= f:
@@ -255,7 +257,7 @@ def _budget_breakdown(plan, entry: dict, optimizer: OptimizerSpec | None, hbm: f
     slack = sum(model.estimate(plan.nodes, plan.mesh_shape, row=True).values()) - sum(est.values())
     if slack > 1e-9 * sum(est.values()):
         notes = notes + [
-            f"the budget's ILP row counts {_size(slack)} more: a value recomputed for the backward but read "
+            f"the budget's ILP row counts {size_text(slack)} more: a value recomputed for the backward but read "
             "in another layout, weighed one option at a time, is bounded from above"
         ]
     name = model.optimizer

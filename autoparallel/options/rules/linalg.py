@@ -105,12 +105,12 @@ def _runs_locally(node, option) -> bool:
 
 
 def _register_batched_solves() -> None:
-    from ..strategies import SpecPool, _dtensor_options, register_rule, replicate_options, tensor_inputs
+    from ..strategies import SpecPool, dtensor_options, register_rule, replicate_options, tensor_inputs
 
     @register_rule(*_BATCHED_SOLVES)
     def batched_solve_rule(node, input_candidates, mesh):
         inputs = tensor_inputs(node)
-        options = _dtensor_options(node, inputs, input_candidates, SpecPool(mesh))
+        options = dtensor_options(node, inputs, input_candidates, SpecPool(mesh))
         kept = [o for o in options if _runs_locally(node, o)]
         return kept or replicate_options(node, inputs, mesh)
 
