@@ -41,6 +41,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSpec, OpStrategy
 from torch.distributed.tensor.placement_types import Replicate
 
+from ..graph_vocab import module_path
 from ..torch_compat import CODE_ERRORS, qualified_name, rule_error
 from .dtensor_query import (
     build_schema,
@@ -468,8 +469,6 @@ def _candidate_free(op) -> bool:
 
 
 def _module_path(node: torch.fx.Node) -> str:
-    from ..capture.tracing import module_path
-
     return module_path(node) or "<top level>"
 
 

@@ -86,7 +86,7 @@ import torch
 import torch.fx as fx
 
 from ..graph_vocab import ALL_GATHER as _AG, ALL_REDUCE as _AR, REDUCE_SCATTER as _RS, WAIT as _WAIT
-from . import PassContext, register_pass
+from .base import PassContext, register_pass
 from .bucket_buffers import CHUNK_CAT, buffer_source, copy_meta, erase_dead, renumber, bucket_values
 
 __all__ = ["BucketStats", "bucket_collectives"]

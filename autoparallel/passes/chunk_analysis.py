@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 
 from ..capture.tracing import module_path
-from . import ChunkMode, PassContext
+from .base import ChunkMode, PassContext
 from .chunk_dims import (
     PER_CHUNK,
     ATTENTION_NAMES,

@@ -84,7 +84,7 @@ import torch
 import torch.fx as fx
 
 from ..capture.tracing import module_path
-from . import ChunkMode, PassContext, register_pass
+from .base import ChunkMode, PassContext, register_pass
 from .chunk_analysis import (
     MODE_INPUT_DIM,
     RegionPlan,

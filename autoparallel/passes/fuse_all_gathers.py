@@ -48,7 +48,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..torch_compat import new_group_in_order, new_group_keeps_order
-from . import ColumnMajorAllGather, PassContext, register_pass
+from .base import ColumnMajorAllGather, PassContext, register_pass
 from ..graph_vocab import ALL_GATHER as _AG, WAIT as _WAIT
 
 __all__ = ["FuseAllGathersStats", "fuse_all_gathers", "mesh_group"]

@@ -39,7 +39,7 @@ from ..apply.moe_a2a_phases import EXCHANGE as MOE_EXCHANGE
 from ..apply.moe_dispatch import in_op_collectives
 from ..graph_vocab import ALL_GATHER as AG, ALL_REDUCE as AR, ALL_TO_ALL as A2A, REDUCE_SCATTER as RS, WAIT
 from ..graph_vocab import COLLECTIVE_START, NOT_A_CALL, OTHER_CALL, WAIT_NODE, NodeKind
-from . import PassContext
+from .base import PassContext
 
 __all__ = ["Clock", "Info", "LiveBytes", "estimate", "is_compute", "longest_compute_run", "check_topological"]
 

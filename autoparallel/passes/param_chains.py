@@ -10,7 +10,7 @@ import re
 
 import torch.fx as fx
 
-from . import PassContext
+from .base import PassContext
 from .overlap_model import AG, STARTS, WAIT, Info
 
 

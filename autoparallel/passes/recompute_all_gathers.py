@@ -44,7 +44,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ..capture.activation_checkpointing import forward_nodes
 from ..graph_vocab import ALL_GATHER as _AG, ALL_TO_ALL, WAIT
-from . import PassContext, register_pass
+from .base import PassContext, register_pass
 
 __all__ = [
     "RecomputeAllGathersStats",

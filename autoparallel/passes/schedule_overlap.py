@@ -81,7 +81,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from . import PassContext, register_pass
+from .base import PassContext, register_pass
 from .param_chains import chain_users, deferred_chain_ops, layer_ranks, gathers_by_layer
 from .overlap_model import (
     AG,

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ..apply import moe_dispatch  # noqa: F401 - registers the moe_experts_a2a op and its phases
+from ..apply import moe_a2a_phases  # noqa: F401 - registers the phase ops (and moe_experts_a2a, through moe_dispatch)
 from ..graph_vocab import C10D as _c10d, SOURCE_KEY
-from . import PassContext, register_pass
+from .base import PassContext, register_pass
 from .chunk_dims import fake_mode_of, stamp_like, fake_val
 
 __all__ = ["SplitMoEStats", "split_moe_a2a"]

@@ -60,7 +60,7 @@ import torch.fx
 
 import solver
 
-from .memory import ADAMW, HBM_BYTES, OptimizerSpec, shard_factor
+from .param_memory import ADAMW, HBM_BYTES, OptimizerSpec, shard_factor, size_text
 from ..options.placements import SpecLabels
 from ..capture.saved_activations import (  # noqa: F401  (saved_activation_nodes: public here too)
     nbytes,
@@ -399,15 +399,11 @@ def _fmt(p) -> str:
 
 
 def describe(parts: dict[str, float]) -> str:
-    from .memory import size_text
-
     return ", ".join(f"{cat} {size_text(parts[cat])}" for cat in CATEGORIES if parts.get(cat))
 
 
 def describe_entry(entry: dict) -> str:
     """A constraint-log entry of the budget in words, for conflict messages."""
-    from .memory import size_text
-
     text = f"{size_text(entry['budget_bytes'])} per rank, {entry.get('source', '')}"
     if entry.get("smallest_bytes") is not None:
         text += f"; every term at its smallest layout: {size_text(entry['smallest_bytes'])}"
@@ -427,8 +423,7 @@ def check_budget(
     budget; returns that lower bound by category. (A budget above it may
     still be infeasible through the graph's edges: the solver then names
     the budget.)"""
-    from .infeasibility import InfeasibleConstraintError
-    from .memory import size_text
+    from ..errors import InfeasibleConstraintError
 
     low = smallest(model, strategies, mesh_shape, pins)
     total = sum(low.values())
