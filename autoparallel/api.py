@@ -12,8 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -29,18 +28,21 @@ from . import cost_model
 from .checks import agreement, preflight, validation
 from .problem import mesh_roles as mesh_roles_mod
 from .options import rules  # noqa: F401 - rules register on import
-from .problem import coarse_seed, infeasibility
+from .problem import coarse_seed, infeasibility, to_plan
 from .problem import memory_budget as memory_budget_mod
 from .problem import pricing as option_pricing
 from .problem.memory import ADAMW, OptimizerSpec
-from .plan import NodePlan, Plan
+from .plan import Plan
 from .checks.provenance import PlanMismatch, check_applicable, provenance  # noqa: F401 - PlanMismatch re-exported
 from .progress import Stages, gc_paused
-from .torch_compat import current_ranks
 from .problem.builder import DEFAULT_MAX_PROBLEM_BYTES, BuiltProblem, Constraints, build_problem
 from .capture.repeated_layers import RepeatedLayers, find_repeated_layers
-from .options.strategies import NodeStrategy, StrategyEnumerator, format_specs
+from .options.strategies import NodeStrategy, StrategyEnumerator
 from .capture.tracing import TracedStep, module_path, trace_training_step
+
+if TYPE_CHECKING:
+    from .apply import GradReduction, Partitioner
+    from .passes import PassOptions
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,10 @@ DUMP_GZIP_ENV = "AUTOPARALLEL_DUMP_GZIP"
 
 
 ConstraintError = validation.ConstraintError
+
+
+def _dump_gzip() -> bool:
+    return os.environ.get(DUMP_GZIP_ENV, "") not in ("", "0")
 
 
 def _clear_sharding_caches() -> None:
@@ -146,7 +152,7 @@ class AutoParallel:
         option_pricing: bool | None = None,
         input_constraints: Sequence[Sequence[Placement] | None] | None = None,
         mesh_roles: dict[str | int, str] | None = None,
-        grad_reduction: str = "sum",
+        grad_reduction: GradReduction = "sum",
     ):
         validation.check_arguments(
             model=model,
@@ -614,118 +620,20 @@ class AutoParallel:
         plan: Plan | None,
         status: str | None = None,
     ) -> None:
-        """Write problem.json (each distinct cost table once: repeated layers
-        cost one layer), solution.json and plan.json to ``directory``, from
-        rank 0 of the mesh only, each replaced atomically. A failed solve
-        writes the problem with ``status`` saying why and removes the
-        previous run's solution and plan, which would no longer match."""
-        from solver import serialize
-
-        with unset_fake_temporarily():  # the mesh tensor, outside tracing's fake mode
-            first = int(self.mesh.mesh.flatten()[0])
-        if first not in current_ranks():
-            return  # one writer: rank 0 of the mesh
-        t0 = time.perf_counter()
-        os.makedirs(directory, exist_ok=True)
-        gz = ".gz" if os.environ.get(DUMP_GZIP_ENV, "") not in ("", "0") else ""
-        extra = {"status": status or (solution.status if solution is not None else "not solved")}
-        serialize.dump(built.problem, os.path.join(directory, "problem.json" + gz), shared=True, extra=extra)
-        for name, obj in (("solution.json", solution), ("plan.json", plan)):
-            path = os.path.join(directory, name + gz)
-            if obj is None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(path)
-            elif name == "solution.json":
-                serialize.dump(obj, path)
-            else:
-                obj.dump_json(path, indent=None)
-        self.timings["dump"] = time.perf_counter() - t0
-        logger.info("wrote solver dumps to %s in %.2fs", directory, self.timings["dump"])
-
-    def _runner_ups(self, built: BuiltProblem, choice: dict[str, int], nodes: dict[str, NodePlan], k: int = 3) -> None:
-        """Per node, the ``k`` cheapest other options and how much more the
-        step would cost with each, the rest of the plan held fixed (its
-        compute plus the redistributions on its edges; for ``plan.explain``)."""
-        edges_of: dict[str, list] = {}
-        for e in built.problem.edges:
-            edges_of.setdefault(e.consumer, []).append(e)
-            edges_of.setdefault(e.producer, []).append(e)
-        for node in built.nodes:
-            name = node.name
-            compute = built.compute[name]
-            total = list(compute)
-            for e in edges_of.get(name, ()):
-                if e.consumer == name:
-                    row = e.costs[choice[e.producer]]
-                    total = [t + row[o] for o, t in enumerate(total)]
-                else:
-                    total = [t + e.costs[o][choice[e.consumer]] for o, t in enumerate(total)]
-            mine = total[choice[name]]
-            others = sorted((t - mine, o) for o, t in enumerate(total) if o != choice[name] and t != float("inf"))[:k]
-            opts = built.strategies[node].options
-            nodes[name].runner_ups = [
-                (
-                    f"{','.join(format_specs(s) for s in opts[o].input_specs)} -> {format_specs(opts[o].output_specs)}",
-                    delta,
-                )
-                for delta, o in others
-            ]
+        """The solver dumps (see :func:`~.problem.to_plan.write_dumps`)."""
+        seconds = to_plan.write_dumps(directory, self.mesh, built, solution, plan, status, gzip=_dump_gzip())
+        if seconds is not None:
+            self.timings["dump"] = seconds
+            logger.info("wrote solver dumps to %s in %.2fs", directory, seconds)
 
     def _make_plan(self, built: BuiltProblem, solution: solver.Solution) -> Plan:
-        choice = solution.choice
-        incoming: dict[str, list] = {}
-        comm: dict[str, float] = {}
-        tiebreak: dict[str, float] = {}
-        for e in built.problem.edges:
-            # (arg_index < 0: structural pairs; they cost 0 except a tp-outer
-            # parameter's gradient redistribution, counted on the gradient)
-            c = e.costs[choice[e.producer]][choice[e.consumer]]
-            if c > 0:
-                comm[e.consumer] = comm.get(e.consumer, 0.0) + c
-                if c <= cost_model.TRANSITION_TIEBREAK:
-                    tiebreak[e.consumer] = tiebreak.get(e.consumer, 0.0) + c
-                incoming.setdefault(e.consumer, []).append((e.producer, c))
-        nodes: dict[str, NodePlan] = {}
-        by_name = {n.name: n for n in built.nodes}
-        param_fqn = {n: fqn for fqn, n in self.traced.param_nodes.items()}
-        for node in built.nodes:
-            strat = built.strategies[node]
-            opt = strat.options[choice[node.name]]
-            val = node.meta.get("val")
-            nodes[node.name] = NodePlan(
-                name=node.name,
-                op=str(node.target),
-                module_path=module_path(node) or param_fqn.get(node),
-                phase="backward" if node.meta.get("partitioner_tag") == "is_backward" else "forward",
-                shape=list(val.shape) if isinstance(val, torch.Tensor) else None,
-                dtype=str(val.dtype).replace("torch.", "") if isinstance(val, torch.Tensor) else None,
-                input_placements=[format_specs(s) for s in opt.input_specs],
-                output_placements=format_specs(opt.output_specs),
-                num_options=len(strat.options),
-                compute_cost=built.compute[node.name][choice[node.name]],
-                comm_cost=comm.get(node.name, 0.0),
-                transition_cost=tiebreak.get(node.name, 0.0),
-                option=choice[node.name],
-                is_parameter=node in param_fqn,
-                recompute=getattr(node.meta.get("recompute"), "name", None),
-            )
-        for consumer, items in incoming.items():
-            nodes[consumer].incoming = [(p, nodes[p].output_placements, c) for p, c in items]
-        self._runner_ups(built, choice, nodes)
-        per_rank = total = 0.0
-        for term_name, weights in built.problem.resources[0].terms.items():
-            per_rank += weights[choice[term_name]]
-            val = by_name[term_name].meta["val"]
-            total += val.numel() * val.element_size()
-        return Plan(
-            mesh_shape=list(self.mesh.shape),
-            mesh_dim_names=list(self.mesh.mesh_dim_names) if self.mesh.mesh_dim_names else None,
-            nodes=nodes,
-            solution=solution,
+        return to_plan.make_plan(
+            built,
+            solution,
+            self.traced,
+            self.mesh,
             constraints=dict(self._constraint_log),
             timings=dict(self.timings),
-            parameter_bytes_per_rank=per_rank,
-            parameter_bytes_total=total,
             provenance=provenance(self),
         )
 
@@ -733,9 +641,9 @@ class AutoParallel:
         self,
         plan: Plan,
         *,
-        partitioner: str = "min_cut",
+        partitioner: Partitioner = "min_cut",
         disable_passes: Sequence[str] = (),
-        pass_options: Any = None,
+        pass_options: PassOptions | None = None,
         fold_layers: bool = True,
         cudagraphs: bool = False,
     ) -> nn.Module:
@@ -750,7 +658,8 @@ class AutoParallel:
         the forward and backward graphs as captured CUDA graphs after one
         warm-up step (:mod:`autoparallel.apply.cudagraphs`)."""
         self._require_open()
-        from .apply import apply_placement
+        from .apply import ApplyState, apply_placement
+        from .report.applied import record_applied
         from .passes import chunk_options
 
         if not isinstance(plan, Plan):
@@ -769,9 +678,20 @@ class AutoParallel:
         # before the first collective: every rank applies the same plan (a
         # plan file loaded on each rank is checked here)
         agreement.agree(plan, ranks, what="applied plan")
+        state = ApplyState(
+            model=self.model,
+            inputs=self.inputs,
+            mesh=self.mesh,
+            device=self.device,
+            traced=self.traced,
+            # a loaded plan (Plan.load_json) needs no problem: the traced options suffice
+            strategies=self.built.strategies if self.built is not None else self.strategies,
+            repeats=self.repeats,
+            grad_reduction=self.grad_reduction,
+        )
         with self._stages.stage("apply", "apply"):
             model = apply_placement(
-                self,
+                state,
                 plan,
                 partitioner=partitioner,
                 disable_passes=disable_passes,
@@ -779,25 +699,6 @@ class AutoParallel:
                 fold_layers=fold_layers,
                 cudagraphs=cudagraphs,
             )
-        from .apply.collectives import traffic_table
-
-        from .report.timeline import simulate
-
-        graphs = {"forward": model.forward_graph, "backward": model.backward_graph}
-        plan.collectives = traffic_table(graphs, self.mesh, self.device)
-        # what the HTML report draws: the scheduler's timeline and memory curve
-        with unset_fake_temporarily():
-            plan.timeline = {phase: simulate(gm, self.mesh, self.device) for phase, gm in graphs.items()}
-        from .problem.memory import breakdown
-
-        mem = breakdown(plan)
-        if mem.budget is not None and mem.total > mem.budget * (1 + 1e-9):
-            logger.warning(
-                "memory: the applied step's peak, %.2f GB per rank, exceeds the memory budget of %.2f GB (the "
-                "planner's estimate was %.2f GB: transients it leaves out); lower add_memory_budget by the "
-                "difference and plan again",
-                mem.total / 1e9,
-                mem.budget / 1e9,
-                mem.planned / 1e9,
-            )
+        # what the plan's report shows of the applied step; warns past the memory budget
+        record_applied(plan, model, self.mesh, self.device)
         return model

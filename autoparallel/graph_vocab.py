@@ -25,6 +25,7 @@ __all__ = [
     "COLLECTIVE_STARTS",
     "FOLD_KEY",
     "MODULE_PATH_KEY",
+    "module_path",
     "NOT_A_CALL",
     "NodeKind",
     "OTHER_CALL",
@@ -71,3 +72,10 @@ class NodeKind(IntEnum):
 # The members as module constants, for hot loops: an attribute lookup on an
 # Enum class costs about a microsecond, a module global tens of nanoseconds.
 NOT_A_CALL, COLLECTIVE_START, WAIT_NODE, OTHER_CALL = NodeKind
+
+
+def module_path(node: torch.fx.Node) -> str | None:
+    """FQN of the innermost module whose forward produced ``node`` (or whose
+    forward's backward did), as recorded while tracing."""
+    custom = node.meta.get("custom")
+    return custom.get(MODULE_PATH_KEY) if custom else None

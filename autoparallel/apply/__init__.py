@@ -41,19 +41,22 @@ from .fold import MIDDLE, FoldRejected
 from .fold import fold_layers as fold_layers_of
 from .local_graph import ApplyError, LocalJoint, build_local_joint, full_local_joint, local_shape
 from .module import InputSlot, ParallelModuleMixin, ParallelState, make_parallel_module
-from .partition import StepGraphs, split_joint
+from .partition import Partitioner, StepGraphs, split_joint
 from .redistribute import UnsupportedRedistribution, redistribute
 from .runtime import ParallelStep
+from .state import ApplyState, GradReduction
 from .unfold import check_shift, layer_tags, stamp, unfold_step
 
 if TYPE_CHECKING:
-    from ..api import AutoParallel
     from ..plan import Plan
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "ApplyError",
+    "ApplyState",
+    "GradReduction",
+    "Partitioner",
     "Collective",
     "CudaGraphError",
     "InputSlot",
@@ -96,18 +99,18 @@ def _input_slots(inputs, local: LocalJoint, input_nodes) -> tuple:
     return in_spec, slots
 
 
-def _apply_folded(autop: "AutoParallel", ctx: "passes.PassContext", disabled, partitioner):
+def _apply_folded(state: ApplyState, ctx: passes.PassContext, disabled, partitioner):
     """(local joint, step graphs, joint-stage pass stats) through layer
     folding, or None when the model's layers do not fold."""
-    traced, strategies, choice = autop.traced, ctx.strategies, ctx.choice
-    repeats = autop.repeats if autop.repeats is not None else find_repeated_layers(traced)
+    traced, strategies, choice = state.traced, ctx.strategies, ctx.choice
+    repeats = state.repeats if state.repeats is not None else find_repeated_layers(traced)
     try:
         fold = fold_layers_of(traced, strategies, choice, repeats)
     except FoldRejected as e:
         logger.info("layers not folded: %s", e)
         return None
     try:
-        short = build_local_joint(fold.traced, fold.strategies, choice, autop.mesh, device=autop.device)
+        short = build_local_joint(fold.traced, fold.strategies, choice, state.mesh, device=state.device)
         stamp(short.gm, fold, short.param_fqns)
         tags = layer_tags(short.gm.graph)
         check_shift(short.gm.graph, tags, "local joint graph")
@@ -124,7 +127,7 @@ def _apply_folded(autop: "AutoParallel", ctx: "passes.PassContext", disabled, pa
     return local, graphs, joint_stats
 
 
-def grad_scales(local: LocalJoint, grad_reduction: str) -> list[float]:
+def grad_scales(local: LocalJoint, grad_reduction: GradReduction) -> list[float]:
     """Per differentiable output, what its incoming gradient is multiplied
     by: 1 for ``"sum"``; for ``"mean"``, 1 / the number of shards the
     output's layout cuts it into (the mesh dims it is sharded over), so the
@@ -144,17 +147,19 @@ def grad_scales(local: LocalJoint, grad_reduction: str) -> list[float]:
 
 
 def apply_placement(
-    autop: "AutoParallel",
-    plan: "Plan",
+    state: ApplyState,
+    plan: Plan,
     *,
-    partitioner: str = "min_cut",
+    partitioner: Partitioner = "min_cut",
     disable_passes: tuple[str, ...] | list[str] = (),
-    pass_options: "passes.PassOptions | None" = None,
+    pass_options: passes.PassOptions | None = None,
     fold_layers: bool = True,
     cudagraphs: bool = False,
 ) -> nn.Module:
     """Build the parallel module for ``plan`` (see the module docstring),
     running the rewrite passes of :mod:`autoparallel.passes` on the way.
+    ``state``: the traced step, its options and the settings (an
+    :class:`ApplyState`, which ``AutoParallel.apply_placement`` builds).
 
     ``fold_layers``: build and partition the graphs of four layers of a
     deep layer stack and copy the middle one (:mod:`.fold`, :mod:`.unfold`;
@@ -167,13 +172,12 @@ def apply_placement(
     without a CUDA device."""
     from ..checks.provenance import resolve_choice
 
-    # A loaded plan (Plan.load_json) needs no problem: the traced options suffice.
-    strategies = autop.built.strategies if autop.built is not None else autop.strategies
+    strategies = state.strategies
     disabled = passes.check_disabled(disable_passes)
-    traced = autop.traced
+    traced = state.traced
     choice = resolve_choice(plan, strategies)
     ctx = passes.PassContext(
-        mesh=autop.mesh,
+        mesh=state.mesh,
         plan=plan,
         options=pass_options or passes.PassOptions(),
         traced=traced,
@@ -183,11 +187,11 @@ def apply_placement(
     stats = passes.run_stage("plan", ctx, disabled)
     folded = None
     if fold_layers and not traced.mutations:  # folding keeps no mutation outputs
-        folded = _apply_folded(autop, ctx, disabled, partitioner)
+        folded = _apply_folded(state, ctx, disabled, partitioner)
     if folded is not None:
         local, graphs, joint_stats = folded
     else:
-        local = build_local_joint(traced, strategies, choice, autop.mesh, device=autop.device)
+        local = build_local_joint(traced, strategies, choice, state.mesh, device=state.device)
         ctx.local = local
         joint_stats = passes.run_stage("joint", ctx, disabled, local.gm)
         graphs = split_joint(local, partitioner)
@@ -195,14 +199,14 @@ def apply_placement(
     stats.update(joint_stats)
     stats.update(passes.run_stage("graphs", ctx, disabled, graphs.fw, graphs.bw))
     plan.pass_stats = stats
-    step = ParallelStep(local, graphs, grad_scales=grad_scales(local, autop.grad_reduction))
+    step = ParallelStep(local, graphs, grad_scales=grad_scales(local, state.grad_reduction))
     if cudagraphs:
         check_capturable(graphs)
         step.cuda_graphs = CudaGraphSession(static_inputs(local, graphs))
         logger.info("CUDA graphs after one warm-up step:\n%s", step.cuda_graphs.inputs.describe())
-    in_spec, slots = _input_slots(autop.inputs, local, traced.input_nodes)
+    in_spec, slots = _input_slots(state.inputs, local, traced.input_nodes)
     out_spec = getattr(traced.joint, "out_spec", None)
-    model = make_parallel_module(autop.model, step, in_spec, slots, out_spec, traced.tied_params)
+    model = make_parallel_module(state.model, step, in_spec, slots, out_spec, traced.tied_params)
     logger.info(
         "applied plan: local joint %d nodes (%.2fs), forward %d / backward %d nodes (%.2fs)",
         len(local.gm.graph.nodes),

@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_map
 
 from ..capture import activation_checkpointing
 from ..cost_model.devices import H100, DeviceSpec
-from ..options.dtensor_query import _propagator
+from ..options.dtensor_query import propagator
 from ..torch_compat import last_node, scalar_shape_adjusters, squeeze_dims_variants
 from ..options.strategies import NodeStrategy, format_specs
 from ..capture.tracing import TracedStep, module_path
@@ -137,7 +137,7 @@ def _chosen(strategies: dict[torch.fx.Node, NodeStrategy], choice: dict[str, int
 def _localize_schema(op, args, kwargs, in_specs, out_specs) -> OpSchema:
     """Args with shape arguments rewritten for the local shards, as DTensor's
     sharding propagation does for the chosen option (tensor args are specs)."""
-    prop = _propagator()
+    prop = propagator()
     schema = OpSchema(op, args, kwargs)
     if (
         op in prop.op_to_shape_and_stride_idx

@@ -358,7 +358,3 @@ def in_op_collectives(node) -> list[tuple[str, int, str]]:
     n_experts, group = node.args[-2], node.args[-1]
     rows = idx.numel() * x.shape[-1] * x.element_size() * (2 if backward else 1)
     return [("all_to_all", 8 * n_experts, group), ("all_to_all", rows, group), ("all_to_all", rows, group)]
-
-
-# the phase ops the ``split_moe_a2a`` pass rewrites the ops above into
-from . import moe_a2a_phases  # noqa: E402,F401

@@ -46,7 +46,8 @@ class StepGraphs:
     seconds: float = 0.0
 
 
-def _output_nodes(gm: torch.fx.GraphModule) -> list:
+def output_nodes(gm: torch.fx.GraphModule) -> list:
+    """The values ``gm``'s output node returns, in order."""
     (out,) = gm.graph.find_nodes(op="output")
     return list(out.args[0])
 
@@ -71,7 +72,7 @@ def split_joint(local: LocalJoint, partitioner: Partitioner = "min_cut") -> Step
     # whose every recompile (one per pass) generates Python code
     fw, bw = _LazyGraphModule.from_graphmodule(fw), _LazyGraphModule.from_graphmodule(bw)
     _drop_needless_rng_states(fw, bw)
-    fw_outs = _output_nodes(fw)
+    fw_outs = output_nodes(fw)
     saved = fw_outs[n_out:]
     for node in saved:
         if not isinstance(node, torch.fx.Node) or not isinstance(node.meta.get("val"), torch.Tensor):

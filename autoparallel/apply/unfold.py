@@ -42,7 +42,7 @@ from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_modu
 
 from .node_templates import insert_like
 from .fold import FIRST, LAST, MIDDLE, NEXT, FoldRejected, LayerFold, arg_pairs
-from .partition import StepGraphs, _output_nodes
+from .partition import StepGraphs, output_nodes
 from ..graph_vocab import FOLD_KEY, SOURCE_KEY
 
 if TYPE_CHECKING:
@@ -449,7 +449,7 @@ def unfold_step(graphs: StepGraphs, local: "LocalJoint", fold: LayerFold, param_
         plan.append((ph, real if middle else None, f"primals_{i + 1}"))
     for t, ph in enumerate(fw_ph[n_short:]):
         plan.append((ph, None, f"primals_{len(param_fqns) + t + 1}"))
-    fw_outs = _output_nodes(graphs.fw)
+    fw_outs = output_nodes(graphs.fw)
     saved = fw_outs[n_out:]
     saved_full: list[tuple[int, int | None]] = []
 
@@ -494,7 +494,7 @@ def unfold_step(graphs: StepGraphs, local: "LocalJoint", fold: LayerFold, param_
             bw_inputs.append((kind, j))
     bw_tags = layer_tags(graphs.bw.graph, ph_tags)
     check_shift(graphs.bw.graph, bw_tags, "backward graph")
-    bw_outs = _output_nodes(graphs.bw)
+    bw_outs = output_nodes(graphs.bw)
     if len(bw_outs) != n_short:
         raise FoldRejected(f"backward graph returns {len(bw_outs)} values for {n_short} parameters")
 

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import types
@@ -248,3 +249,23 @@ def route_hf_experts(model: nn.Module) -> dict[str, str]:
     for kind, names in by_kind.items():
         logger.info("Hugging Face experts traced as %s: %s", kind, ", ".join(names))
     return routed
+
+
+# ops PyTorch marks effectful that are only run-time checks
+_CHECK_OPS = ("aten::_linalg_check_errors",)
+
+
+@contextlib.contextmanager
+def linalg_checks_without_effect_tokens():
+    """While tracing, treat ``aten._linalg_check_errors`` as an ordinary op."""
+    from torch._library.simple_registry import singleton
+
+    holders = [singleton.find(name).effect for name in _CHECK_OPS]
+    saved = [h.effect for h in holders]
+    for h in holders:
+        h.register(None)
+    try:
+        yield
+    finally:
+        for h, effect in zip(holders, saved):
+            h.register(effect)

@@ -78,9 +78,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from . import activation_checkpointing
 from ..errors import DataDependentTraceError
-from ..graph_vocab import MODULE_PATH_KEY
-from ..options.rules.linalg import linalg_checks_without_effect_tokens
-from .trace_wrappers import ParamCastWrapper, TraceRoot, route_hf_experts
+from ..graph_vocab import MODULE_PATH_KEY, module_path  # noqa: F401 - module_path re-exported
+from .trace_wrappers import ParamCastWrapper, TraceRoot, linalg_checks_without_effect_tokens, route_hf_experts
 
 logger = logging.getLogger(__name__)
 
@@ -232,13 +231,6 @@ def _data_dependent_error(e: BaseException, running: list[str]) -> DataDependent
         "(decide it from shapes or a Python flag), express it with torch.where / torch.cond, or "
         "guard it with `if not torch.compiler.is_compiling():` if it is only a check."
     )
-
-
-def module_path(node: torch.fx.Node) -> str | None:
-    """FQN of the innermost module whose forward produced ``node`` (or whose
-    forward's backward did), as recorded while tracing."""
-    custom = node.meta.get("custom")
-    return custom.get(MODULE_PATH_KEY) if custom else None
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,6 +26,11 @@ from ..options.strategies import format_specs
 if TYPE_CHECKING:
     from ..api import AutoParallel
     from ..plan import Plan
+
+
+# joint graph -> its fingerprint: hashing a large graph takes a while and
+# both planning and every apply ask for it (held only while the graph lives)
+_FINGERPRINTS: weakref.WeakKeyDictionary[torch.fx.GraphModule, str] = weakref.WeakKeyDictionary()
 
 
 def graph_fingerprint(gm: torch.fx.GraphModule) -> str:
@@ -52,9 +58,10 @@ def _input_shapes(autop: "AutoParallel") -> list:
 
 def provenance(autop: "AutoParallel") -> dict[str, Any]:
     """The record stored in the plan (JSON-able)."""
-    fp = getattr(autop, "_graph_fingerprint", None)
+    gm = autop.traced.gm
+    fp = _FINGERPRINTS.get(gm)
     if fp is None:
-        fp = autop._graph_fingerprint = graph_fingerprint(autop.traced.gm)
+        fp = _FINGERPRINTS[gm] = graph_fingerprint(gm)
     mp = autop.mp_policy
     return {
         "model": type(autop.model).__name__,

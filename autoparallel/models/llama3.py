@@ -170,7 +170,8 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return (xf * cos + _rotate_half(xf) * sin).type_as(x)
 
 
-def _trunc_normal(w: torch.Tensor, std: float) -> None:
+def trunc_normal(w: torch.Tensor, std: float) -> None:
+    """torchtitan's weight init: a normal of ``std`` truncated at +-2, in place."""
     # torchtitan truncates at absolute +-2 (not +-2 std).
     nn.init.trunc_normal_(w, mean=0.0, std=std, a=-2.0, b=2.0)
 
@@ -212,8 +213,8 @@ class Attention(nn.Module):
 
     def init_weights(self, init_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
-            _trunc_normal(linear.weight, 0.02)
-        _trunc_normal(self.wo.weight, init_std)
+            trunc_normal(linear.weight, 0.02)
+        trunc_normal(self.wo.weight, init_std)
 
 
 class FeedForward(nn.Module):
@@ -233,9 +234,9 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
     def init_weights(self, init_std: float) -> None:
-        _trunc_normal(self.w1.weight, 0.02)
+        trunc_normal(self.w1.weight, 0.02)
         for linear in (self.w2, self.w3):
-            _trunc_normal(linear.weight, init_std)
+            trunc_normal(linear.weight, init_std)
 
 
 class TransformerBlock(nn.Module):

@@ -41,7 +41,7 @@ from autoparallel.models.llama3 import (
     FeedForward,
     ModelArgs,
     RMSNorm,
-    _trunc_normal,
+    trunc_normal,
     init_rope_buffers,
     register_rope_buffers,
 )
@@ -156,7 +156,7 @@ class MoE(nn.Module):
         # Initialised here, as nn.Linear initialises its weight: a model built
         # without init_weights() must not compute with uninitialised memory.
         for w in (self.w1, self.w3, self.w2):
-            _trunc_normal(w, 0.02)
+            trunc_normal(w, 0.02)
         self.shared = FeedForward(d, h * args.n_shared_experts) if args.n_shared_experts else None
         self.register_buffer("expert_bias", torch.zeros(e, dtype=torch.float32))
         # Which experts this module holds; sharded with the weights under EP.
@@ -232,10 +232,10 @@ class MoE(nn.Module):
             self.tokens_per_expert_count.zero_()
 
     def init_weights(self, init_std: float) -> None:
-        _trunc_normal(self.gate.weight, init_std)
-        _trunc_normal(self.w1, 0.02)
+        trunc_normal(self.gate.weight, init_std)
+        trunc_normal(self.w1, 0.02)
         for w in (self.w2, self.w3):
-            _trunc_normal(w, init_std)
+            trunc_normal(w, init_std)
         if self.shared is not None:
             self.shared.init_weights(init_std)
         self.expert_bias.zero_()

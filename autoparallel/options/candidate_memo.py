@@ -10,7 +10,7 @@ keyed by candidate set, computes each of them anew. Here each (view,
 candidate) is run through DTensor and converted to an :class:`Option` once;
 a node's options are its candidates' options, deduplicated in candidate
 order, which is what the all-at-once call gives (and, when some candidates
-raise, what :func:`~autoparallel.options.strategies._dtensor_options`' one-by-one
+raise, what :func:`~autoparallel.options.strategies.dtensor_options`' one-by-one
 retry gives).
 """
 
@@ -21,9 +21,9 @@ from torch.distributed.tensor._dtensor_spec import TensorMeta
 from torch.distributed.tensor._op_schema import OpSpec, OpStrategy
 
 from ..torch_compat import TORCH_VERSION, CODE_ERRORS, rule_error, say_once, strategy_function
-from .dtensor_query import _build_schema, _out_meta, _propagator, dtensor_rule_name
+from .dtensor_query import build_schema, node_out_meta, propagator, dtensor_rule_name
 from .placements import tensor_meta_of
-from .strategies import RULES, OpSpecConverter, Option, SpecPool, _arg_key, _val_key, dtensor_strategy_for
+from .strategies import RULES, OpSpecConverter, Option, SpecPool, arg_key, val_key, dtensor_strategy_for
 
 # DTensor strategy functions (module, qualified name) that map each input
 # candidate to exactly one OpSpec, in order, whatever the other candidates
@@ -59,7 +59,7 @@ class PerCandidateOptions:
     """(view, candidate) -> its option, for the life of one enumeration."""
 
     def __init__(self, pool: SpecPool):
-        _say_missing_map_strategies(_propagator())
+        _say_missing_map_strategies(propagator())
         self.pool = pool
         # (op key, id(candidate spec)) -> (dedup key and option, or None where
         # filtered or DTensor raised; the exception; the candidate, kept
@@ -79,7 +79,7 @@ class PerCandidateOptions:
         two DTensorSpecs and the OpSpec it builds per candidate."""
         hit = self._handles.get(op, self)
         if hit is self:
-            prop = _propagator()
+            prop = propagator()
             fn = strategy_function(prop.op_strategy_funcs.get(op))
             hit = None
             if (
@@ -103,16 +103,16 @@ class PerCandidateOptions:
         appended to ``failures``."""
         op_key = (
             node.target,
-            _arg_key(node.args),
-            _arg_key(node.kwargs),
-            _val_key(node.meta.get("val")),
-            _val_key(inputs[0].meta["val"]),
+            arg_key(node.args),
+            arg_key(node.kwargs),
+            val_key(node.meta.get("val")),
+            val_key(inputs[0].meta["val"]),
         )
         memo = self._memo
         missing = [c for c in candidates[0] if (op_key, id(c)) not in memo]
         if missing:
             kind = self._kind(node.target)
-            if kind != "map" and isinstance(_out_meta(node), TensorMeta):
+            if kind != "map" and isinstance(node_out_meta(node), TensorMeta):
                 self._convert_views(node, inputs, op_key, missing, *kind[1:])
             else:
                 self._convert(node, inputs, op_key, missing)
@@ -165,9 +165,9 @@ class PerCandidateOptions:
         from torch.distributed.tensor._ops._view_ops import propagate_shape_and_sharding
 
         pool, memo = self.pool, self._memo
-        in_meta, out_meta = tensor_meta_of(inputs[0].meta["val"]), _out_meta(node)
+        in_meta, out_meta = tensor_meta_of(inputs[0].meta["val"]), node_out_meta(node)
         try:
-            schema = _build_schema(node, {inputs[0]: OpStrategy([OpSpec(missing[0])])})
+            schema = build_schema(node, {inputs[0]: OpStrategy([OpSpec(missing[0])])})
             rules = dim_map(*schema.args_schema, **schema.kwargs_schema)
         except CODE_ERRORS as e:
             raise rule_error(node.target, node.name, dtensor_rule_name(node.target), e) from e

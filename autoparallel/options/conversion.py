@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSpec, TupleStrategy
 
-from .dtensor_query import _out_meta
+from .dtensor_query import node_out_meta
 from .fast_expand import ExpandedStrategy, even_key, new_spec, placements_of_numbers
 from .placements import Option, Specs, format_specs, is_evenly_sharded, placements_of, tensor_meta_of
 
@@ -81,7 +81,7 @@ class SpecPool:
         return out
 
 
-def _for_each_output(out, meta):
+def for_each_output(out, meta):
     """DTensor gives one spec for every output of some multi-output ops
     (``linalg_qr``, ``_linalg_svd``: all replicated): one per output then."""
     # (TensorMeta is a NamedTuple: test for it first)
@@ -103,17 +103,18 @@ def _same_structure(out, meta) -> bool:
     return True
 
 
-def _out_placements_ok(out, meta, mesh: DeviceMesh) -> bool:
+def out_placements_ok(out, meta, mesh: DeviceMesh) -> bool:
+    """Whether every output spec of ``out`` shards its tensor (``meta``) evenly over ``mesh``."""
     if isinstance(out, DTensorSpec):
         m = meta if isinstance(meta, TensorMeta) else out.tensor_meta
         return not isinstance(m, TensorMeta) or is_evenly_sharded(m.shape, out.placements, mesh)
     if isinstance(out, (tuple, list)):
         metas = meta if isinstance(meta, (tuple, list)) else [None] * len(out)
-        return all(_out_placements_ok(o, m, mesh) for o, m in zip(out, metas))
+        return all(out_placements_ok(o, m, mesh) for o, m in zip(out, metas))
     return True
 
 
-def _pooled_out(out, meta, pool: SpecPool) -> Specs:
+def pooled_output(out, meta, pool: SpecPool) -> Specs:
     """Output spec(s) from the pool, with the node's own tensor metas: DTensor
     may leave them unset, and some of its view rules hand back the input's
     spec (with the input's shape) for a replicated output."""
@@ -122,17 +123,18 @@ def _pooled_out(out, meta, pool: SpecPool) -> Specs:
         return pool.get(out.placements, m if isinstance(m, TensorMeta) else None)
     if isinstance(out, (tuple, list)):
         metas = meta if isinstance(meta, (tuple, list)) else [None] * len(out)
-        return tuple(_pooled_out(o, m, pool) for o, m in zip(out, metas))
+        return tuple(pooled_output(o, m, pool) for o, m in zip(out, metas))
     return out
 
 
-def _options_from_op_strategy(
+def options_from_op_strategy(
     node: torch.fx.Node,
     strategy,
     inputs: list[torch.fx.Node],
     pool: SpecPool,
 ) -> list[Option]:
-    out_meta = _out_meta(node)
+    """``node``'s options from DTensor's ``strategy``: every OpSpec's placements with the input specs it needs, uneven layouts dropped."""
+    out_meta = node_out_meta(node)
     in_metas = [tensor_meta_of(n.meta["val"]) for n in inputs]
     if isinstance(strategy, TupleStrategy):
         # Ops over lists of tensors (e.g. foreach): one child per element; we
@@ -168,7 +170,7 @@ class OpSpecConverter:
 
     def __init__(self, node: torch.fx.Node, inputs: list[torch.fx.Node], pool: SpecPool, in_metas=None, out_meta=None):
         self.node, self.inputs, self.pool = node, inputs, pool
-        self.out_meta = _out_meta(node) if out_meta is None else out_meta
+        self.out_meta = node_out_meta(node) if out_meta is None else out_meta
         self.in_metas = [tensor_meta_of(n.meta["val"]) for n in inputs] if in_metas is None else in_metas
         self._in_memo: dict[tuple[int, int], tuple] = {}
         self._out_memo: dict[int, tuple] = {}
@@ -187,14 +189,14 @@ class OpSpecConverter:
         out_hit = self._out_memo.get(id(raw_out))
         if out_hit is None:
             out_meta = self.out_meta
-            out = _for_each_output(raw_out, out_meta)
+            out = for_each_output(raw_out, out_meta)
             if not _same_structure(out, out_meta):
                 raise ValueError(
                     f"DTensor's strategy for {self.node.target} gives output specs {format_specs(out)} "
                     f"for a node with outputs {out_meta}"
                 )
             pooled = (
-                _pooled_out(out, out_meta, self.pool) if _out_placements_ok(out, out_meta, self.pool.mesh) else None
+                pooled_output(out, out_meta, self.pool) if out_placements_ok(out, out_meta, self.pool.mesh) else None
             )
             # multi-output: a new tuple per strategy, keyed by its placements
             out_key = id(pooled) if isinstance(pooled, DTensorSpec) else placements_of(out)
@@ -216,7 +218,7 @@ class OpSpecConverter:
 def _options_from_table(
     node, strategy: ExpandedStrategy, inputs, in_metas, out_meta, pool: SpecPool
 ) -> list[Option] | None:
-    """What the loop of :func:`_options_from_op_strategy` makes of an
+    """What the loop of :func:`options_from_op_strategy` makes of an
     :class:`ExpandedStrategy`, worked out once per distinct entry (and output
     combination) instead of once per OpSpec: each kept combination becomes a
     row of codes (its output's, then each input's pooled spec; -1 where
@@ -247,16 +249,16 @@ def _options_from_table(
         outs = []
         for row in out_rows.tolist():
             specs = [strategy.spec_at(p, e) for p, e in enumerate(row)]
-            out = _for_each_output(specs[0] if n_out == 1 else tuple(specs), out_meta)
+            out = for_each_output(specs[0] if n_out == 1 else tuple(specs), out_meta)
             if not _same_structure(out, out_meta):
                 raise ValueError(
                     f"DTensor's strategy for {node.target} gives output specs {format_specs(out)} "
                     f"for a node with outputs {out_meta}"
                 )
-            if not _out_placements_ok(out, out_meta, pool.mesh):
+            if not out_placements_ok(out, out_meta, pool.mesh):
                 outs.append(None)
                 continue
-            pooled = _pooled_out(out, out_meta, pool)
+            pooled = pooled_output(out, out_meta, pool)
             outs.append((id(pooled) if isinstance(pooled, DTensorSpec) else placements_of(out), pooled))
         out_code, out_pooled = _numbered_distinct(outs)
         codes = [np.array(out_code, dtype=np.int64)[out_inverse.reshape(-1)]]

@@ -35,13 +35,14 @@ from .placements import tensor_meta_of
 logger = logging.getLogger(__name__)
 
 
-def _propagator():
+def propagator():
+    """DTensor's sharding propagator (its op strategy registry)."""
     return DTensor._op_dispatcher.sharding_propagator
 
 
 def dtensor_rule_name(op) -> str:
     """The qualified name of DTensor's rule for ``op`` (for errors)."""
-    prop = _propagator()
+    prop = propagator()
     rule = prop.op_single_dim_strategy_funcs.get(op) or prop.op_strategy_funcs.get(op)
     if rule is not None:
         return qualified_name(rule)
@@ -79,7 +80,7 @@ def _modules_binding(fn) -> list:
 
 
 @contextlib.contextmanager
-def _without_dtensor_redistribute_costs():
+def without_dtensor_redistribute_costs():
     """Make DTensor's strategy functions skip costing their redistributions.
 
     Every strategy function fills ``OpSpec.redistribute_cost`` with
@@ -88,7 +89,7 @@ def _without_dtensor_redistribute_costs():
     for view ops with ``_StridedShard`` candidates runs its graph search.
     Given every candidate of a 2-D mesh at once, that is >95% of the
     enumeration time, and the numbers are thrown away (the cost model prices
-    transitions itself; :func:`_options_from_op_strategy` reads placements
+    transitions itself; :func:`~.conversion.options_from_op_strategy` reads placements
     only). No strategy function uses the costs to choose or filter options,
     so swapping in a zero cost leaves the options unchanged.
     """
@@ -103,7 +104,8 @@ def _without_dtensor_redistribute_costs():
         yield
 
 
-def _out_meta(node: torch.fx.Node):
+def node_out_meta(node: torch.fx.Node):
+    """``node``'s output tensor meta (a tuple of them for a multi-output op; None for a non-tensor)."""
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor):
         return tensor_meta_of(val)
@@ -112,12 +114,13 @@ def _out_meta(node: torch.fx.Node):
     return None
 
 
-def _build_schema(
+def build_schema(
     node: torch.fx.Node,
     candidates: dict[torch.fx.Node, OpStrategy],
 ) -> OpSchema:
+    """The ``OpSchema`` DTensor's strategy function takes for ``node``, with ``candidates``' strategies for its tensor inputs."""
     op = node.target
-    prop = _propagator()
+    prop = propagator()
 
     def convert(a):
         if isinstance(a, torch.fx.Node):
@@ -150,11 +153,11 @@ def single_dim_rule(op):
     a whole-mesh rule or none."""
     from .pointwise import pointwise_single_dim_rule
 
-    prop = _propagator()
+    prop = propagator()
     return prop.op_single_dim_strategy_funcs.get(op) or pointwise_single_dim_rule(prop, op)
 
 
-def _dtensor_strategy(node: torch.fx.Node, schema: OpSchema, mesh: DeviceMesh):
+def dtensor_strategy(node: torch.fx.Node, schema: OpSchema, mesh: DeviceMesh):
     """OpStrategy/TupleStrategy from DTensor for ``schema``, or None if no rule."""
     from torch.distributed.tensor._ops.single_dim_strategy import (
         _expand_single_dim_strategy_to_mesh,
@@ -168,9 +171,9 @@ def _dtensor_strategy(node: torch.fx.Node, schema: OpSchema, mesh: DeviceMesh):
         # which shard types exist. Give it one representative spec per input,
         # with a plain Shard so that sharding placeholders expand to Shard.
         schema = _representative_schema(schema, mesh)
-        fn = _expand_single_dim_strategy_to_mesh(mesh, schema, single, _out_meta(node))
+        fn = _expand_single_dim_strategy_to_mesh(mesh, schema, single, node_out_meta(node))
         return fn(op, schema.args_meta, schema.kwargs_meta)
-    func = _propagator().op_strategy_funcs.get(op)
+    func = propagator().op_strategy_funcs.get(op)
     if func is not None:
         if _reduction_per_candidate(func):
             return per_candidate_reduction(func, schema)
@@ -230,7 +233,7 @@ def _representative_schema(schema: OpSchema, mesh: DeviceMesh) -> OpSchema:
 def _decomp_strategy(node: torch.fx.Node, schema: OpSchema, mesh: DeviceMesh):
     from torch.distributed.tensor._decompositions import DecompShardingStrategy
 
-    prop = _propagator()
+    prop = propagator()
     op = node.target
     if not DecompShardingStrategy.has_decomp(op):
         return None

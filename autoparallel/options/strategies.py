@@ -41,13 +41,14 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSpec, OpStrategy
 from torch.distributed.tensor.placement_types import Replicate
 
+from ..graph_vocab import module_path
 from ..torch_compat import CODE_ERRORS, qualified_name, rule_error
 from .dtensor_query import (
-    _build_schema,
-    _dtensor_strategy,
-    _out_meta,
-    _propagator,
-    _without_dtensor_redistribute_costs,
+    build_schema,
+    dtensor_strategy,
+    node_out_meta,
+    propagator,
+    without_dtensor_redistribute_costs,
     dtensor_rule_name,
     single_dim_rule,
 )
@@ -55,10 +56,10 @@ from .fast_expand import fast_expansion
 from .conversion import (  # noqa: F401 - SpecPool: imported from here by rules
     OpSpecConverter,
     SpecPool,
-    _for_each_output,
-    _options_from_op_strategy,
-    _out_placements_ok,
-    _pooled_out,
+    for_each_output,
+    options_from_op_strategy,
+    out_placements_ok,
+    pooled_output,
 )
 
 # the placement helpers moved to .placements; imported from here by rules and users
@@ -148,7 +149,7 @@ def placeholder_options(val: torch.Tensor, mesh: DeviceMesh, *, parameter: bool 
 
 def replicate_options(node: torch.fx.Node, inputs: list[torch.fx.Node], mesh: DeviceMesh) -> list[Option]:
     rep = tuple(Replicate() for _ in range(mesh.ndim))
-    out_meta = _out_meta(node)
+    out_meta = node_out_meta(node)
 
     def out(meta):
         if isinstance(meta, TensorMeta):
@@ -230,7 +231,7 @@ class StrategyEnumerator:
     def _placeholder_options(self, val: torch.Tensor, parameter: bool) -> list[Option]:
         # One list per shape: the same parameter in every layer then shares
         # one option list, which is what downstream caches key on.
-        key = ("placeholder", _val_key(val), parameter)
+        key = ("placeholder", val_key(val), parameter)
         hit = self._cache.get(key)
         if hit is None:
             hit = self._cache[key] = (placeholder_options(val, self.mesh, parameter=parameter), "placeholder")
@@ -310,14 +311,14 @@ class StrategyEnumerator:
             # DTensor sees one representative spec per input (its meta): the
             # options depend on the inputs' metas, not their candidate sets
             # (which differ between layers fed by different producers).
-            inputs_key = ("metas", tuple(_val_key(n.meta["val"]) for n in inputs), tuple(map(inputs.index, inputs)))
+            inputs_key = ("metas", tuple(val_key(n.meta["val"]) for n in inputs), tuple(map(inputs.index, inputs)))
         else:
             inputs_key = tuple(produced[n][1] for n in inputs)
         key = (
             node.target,
-            _arg_key(node.args),
-            _arg_key(node.kwargs),
-            _val_key(node.meta.get("val")),
+            arg_key(node.args),
+            arg_key(node.kwargs),
+            val_key(node.meta.get("val")),
             inputs_key,
         )
         hit = self._cache.get(key)
@@ -352,7 +353,7 @@ class StrategyEnumerator:
         if self._per_candidate is not None and self._per_candidate.handles(node, inputs):
             options = self._per_candidate.options(node, inputs, candidates, failures)
         else:
-            options = _dtensor_options(node, inputs, candidates, self._pool, failures)
+            options = dtensor_options(node, inputs, candidates, self._pool, failures)
         if not options and len(inputs) == 1 and isinstance(inputs[0].meta.get("val"), torch.Tensor):
             options = self._every_input_layout(node, inputs, failures)
         if options:
@@ -378,7 +379,7 @@ class StrategyEnumerator:
         every = [[self._pool.get(p, meta) for p in all_placements(val.shape, self.mesh)]]
         if self._per_candidate is not None and self._per_candidate.handles(node, inputs):
             return self._per_candidate.options(node, inputs, every, failures)
-        return _dtensor_options(node, inputs, every, self._pool, failures)
+        return dtensor_options(node, inputs, every, self._pool, failures)
 
 
 def dtensor_strategy_for(node, inputs, candidates, mesh: DeviceMesh):
@@ -388,9 +389,9 @@ def dtensor_strategy_for(node, inputs, candidates, mesh: DeviceMesh):
     for n, c in zip(inputs, candidates):
         # A node used twice (mul(x, x)) has one strategy: the first wins.
         cand_strategies.setdefault(n, OpStrategy([OpSpec(s) for s in c]))
-    schema = _build_schema(node, cand_strategies)
-    with _without_dtensor_redistribute_costs():
-        return _dtensor_strategy(node, schema, mesh)
+    schema = build_schema(node, cand_strategies)
+    with without_dtensor_redistribute_costs():
+        return dtensor_strategy(node, schema, mesh)
 
 
 def _propagate(node, inputs, candidates, pool: SpecPool) -> list[Option]:
@@ -399,10 +400,10 @@ def _propagate(node, inputs, candidates, pool: SpecPool) -> list[Option]:
     strategy = dtensor_strategy_for(node, inputs, candidates, pool.mesh)
     if strategy is None:
         return []
-    return _options_from_op_strategy(node, strategy, inputs, pool)
+    return options_from_op_strategy(node, strategy, inputs, pool)
 
 
-def _dtensor_options(node, inputs, candidates, pool: SpecPool, failures: list | None = None) -> list[Option]:
+def dtensor_options(node, inputs, candidates, pool: SpecPool, failures: list | None = None) -> list[Option]:
     """DTensor's options for ``node`` given every candidate of every input.
 
     Strategy functions that follow their input's layout (all view ops) go
@@ -455,21 +456,19 @@ def _dtensor_options(node, inputs, candidates, pool: SpecPool, failures: list | 
 
 
 def _has_dtensor_rule(op) -> bool:
-    prop = _propagator()
+    prop = propagator()
     return op in prop.op_strategy_funcs or op in prop.op_single_dim_strategy_funcs
 
 
 def _candidate_free(op) -> bool:
     """Whether ``op``'s options do not depend on its inputs' candidate
     specs: DTensor's single-mesh-dim strategies expand over the mesh
-    whatever the inputs hold (:func:`_dtensor_strategy` hands them one
+    whatever the inputs hold (:func:`dtensor_strategy` hands them one
     representative spec per input); a registered rule sees the candidates."""
     return op not in RULES and single_dim_rule(op) is not None
 
 
 def _module_path(node: torch.fx.Node) -> str:
-    from ..capture.tracing import module_path
-
     return module_path(node) or "<top level>"
 
 
@@ -488,22 +487,23 @@ def _dedup(items) -> tuple:
     return tuple(out)
 
 
-def _val_key(val):
+def val_key(val):
+    """Hashable shape, stride and dtype of a fake value (nested for tuples): what a strategy depends on."""
     if isinstance(val, torch.Tensor):
         return (tuple(val.shape), tuple(val.stride()), val.dtype)
     if isinstance(val, (tuple, list)):
-        return tuple(_val_key(v) for v in val)
+        return tuple(val_key(v) for v in val)
     return None
 
 
-def _arg_key(a):
+def arg_key(a):
     """Hashable structure of non-tensor arguments; tensor args become markers."""
     if isinstance(a, torch.fx.Node):
         return "T"
     if isinstance(a, (list, tuple)):
-        return tuple(_arg_key(x) for x in a)
+        return tuple(arg_key(x) for x in a)
     if isinstance(a, dict):
-        return tuple(sorted((k, _arg_key(v)) for k, v in a.items()))
+        return tuple(sorted((k, arg_key(v)) for k, v in a.items()))
     if isinstance(a, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
         return str(a)
     return a

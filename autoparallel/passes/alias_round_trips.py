@@ -30,7 +30,7 @@ import torch
 import torch.fx
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-from . import PassContext, register_pass
+from .base import PassContext, register_pass
 
 __all__ = ["AliasRoundTripStats", "remove_alias_round_trips"]
 

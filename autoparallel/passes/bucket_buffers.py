@@ -13,11 +13,11 @@ import torch.fx as fx
 
 _aten = torch.ops.aten
 
-_CHUNK_CAT = _aten._chunk_cat.default
+CHUNK_CAT = _aten._chunk_cat.default
 _VIEWS = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default}
 
 
-def _buffer_source(x: fx.Node, coll: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+def buffer_source(x: fx.Node, coll: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
     """What to write into the flat buffer for input ``x`` of ``coll``, and the
     copies that makes dead. ``x = clone(y)`` or ``view(clone(y))`` used only
     on the way to ``coll`` (a contiguous copy that exists for the collective:
@@ -40,7 +40,8 @@ def _buffer_source(x: fx.Node, coll: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
     return y, [*chain, n]
 
 
-def _erase_dead(g: fx.Graph, nodes: list[fx.Node]) -> int:
+def erase_dead(g: fx.Graph, nodes: list[fx.Node]) -> int:
+    """Erase those of ``nodes`` (users first) that nothing reads any more; how many were copies (``clone``)."""
     n_copies = 0
     for n in nodes:  # users first
         if not n.users:
@@ -49,7 +50,7 @@ def _erase_dead(g: fx.Graph, nodes: list[fx.Node]) -> int:
     return n_copies
 
 
-def _renumber(index: dict[fx.Node, float], a: fx.Node, b: fx.Node) -> None:
+def renumber(index: dict[fx.Node, float], a: fx.Node, b: fx.Node) -> None:
     """Spread positions between ``a`` and ``b`` (both indexed) over the nodes now between them."""
     between = []
     n = a.next
@@ -61,13 +62,14 @@ def _renumber(index: dict[fx.Node, float], a: fx.Node, b: fx.Node) -> None:
         index[n] = lo + (hi - lo) * (k + 1) / (len(between) + 1)
 
 
-def _copy_meta(new: fx.Node, old: fx.Node, val, keep_custom: bool = False) -> None:
+def copy_meta(new: fx.Node, old: fx.Node, val, keep_custom: bool = False) -> None:
+    """Give ``new`` the metadata of ``old`` (module path, AC tags, ...) with fake value ``val``; the ``custom`` tags only with ``keep_custom``."""
     skip = {"val", "tensor_meta"} if keep_custom else {"val", "tensor_meta", "custom"}
     new.meta.update({k: v for k, v in old.meta.items() if k not in skip})
     new.meta["val"] = val
 
 
-def _values(members: list, srcs: list[fx.Node], size: int, cache: dict) -> dict:
+def bucket_values(members: list, srcs: list[fx.Node], size: int, cache: dict) -> dict:
     """Fake values of a bucket's new nodes. Buckets of repeated layers have
     the same shapes: their values are made once (fake tensor ops are slow)
     and shared, like the values of copied layers."""
@@ -86,7 +88,7 @@ def _values(members: list, srcs: list[fx.Node], size: int, cache: dict) -> dict:
     sizes = [m.numel for m in members]
     total = sum(sizes)
     with fake if fake is not None else contextlib.nullcontext():
-        buf2d = _CHUNK_CAT(xvals, 0, 1)
+        buf2d = CHUNK_CAT(xvals, 0, 1)
         cat = buf2d.view(-1)
         flat = [x.view(k) if x.is_contiguous() else None for x, k in zip(xvals, sizes)]
         ag = cat.new_empty((size * total,))

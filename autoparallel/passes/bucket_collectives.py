@@ -86,8 +86,8 @@ import torch
 import torch.fx as fx
 
 from ..graph_vocab import ALL_GATHER as _AG, ALL_REDUCE as _AR, REDUCE_SCATTER as _RS, WAIT as _WAIT
-from . import PassContext, register_pass
-from .bucket_buffers import _CHUNK_CAT, _buffer_source, _copy_meta, _erase_dead, _renumber, _values
+from .base import PassContext, register_pass
+from .bucket_buffers import CHUNK_CAT, buffer_source, copy_meta, erase_dead, renumber, bucket_values
 
 __all__ = ["BucketStats", "bucket_collectives"]
 
@@ -454,9 +454,9 @@ def _merge_reduction(
     xvals = [m.x.meta["val"] for m in members]
     fake = getattr(xvals[0], "fake_mode", None)
     cols = [m.numel // size for m in members]
-    srcs, dead = zip(*[_buffer_source(m.x, m.ag) for m in members])
+    srcs, dead = zip(*[buffer_source(m.x, m.ag) for m in members])
     with fake if fake is not None else contextlib.nullcontext():
-        cat_v = _CHUNK_CAT([s.meta["val"] for s in srcs], 0, size)
+        cat_v = CHUNK_CAT([s.meta["val"] for s in srcs], 0, size)
         buf_v = cat_v.view(-1)
         res_v = buf_v.new_empty((sum(cols),))
         parts_v = list(torch.split(res_v, cols))
@@ -465,15 +465,15 @@ def _merge_reduction(
     with g.inserting_before(last):
         # (size, total / size): row r is rank r's shards back to back, each
         # gradient written straight from where it was computed
-        cat = g.call_function(_CHUNK_CAT, (list(srcs), 0, size))
-        _copy_meta(cat, last, cat_v)
+        cat = g.call_function(CHUNK_CAT, (list(srcs), 0, size))
+        copy_meta(cat, last, cat_v)
         buf = g.call_function(_aten.view.default, (cat, [-1]))
-        _copy_meta(buf, last, buf_v)
+        copy_meta(buf, last, buf_v)
         if rs:
             coll = g.call_function(_RS, (buf, last.args[1], size, last.args[3]))
         else:
             coll = g.call_function(_AR, (buf, last.args[1], last.args[2]))
-        _copy_meta(coll, last, res_v)
+        copy_meta(coll, last, res_v)
     tails = [_tail(m.wait) for m in members]
     users = [u for m, t in zip(members, tails) for n in (m.wait, *t) for u in n.users if u not in t]
     first_use = min(users, key=index.__getitem__)
@@ -481,27 +481,27 @@ def _merge_reduction(
     before_use = first_use.prev
     with g.inserting_before(first_use):
         wait = g.call_function(_WAIT, (coll,))
-        _copy_meta(wait, members[0].wait, res_v)
+        copy_meta(wait, members[0].wait, res_v)
         parts = g.call_function(_aten.split_with_sizes.default, (wait, cols))
-        _copy_meta(parts, members[0].wait, parts_v)
+        copy_meta(parts, members[0].wait, parts_v)
         outs = []
         for i, m in enumerate(members):
             item = g.call_function(operator.getitem, (parts, i))
-            _copy_meta(item, m.wait, parts_v[i])
+            copy_meta(item, m.wait, parts_v[i])
             out = g.call_function(_aten.view.default, (item, list(outs_v[i].shape)))
-            _copy_meta(out, m.wait, view_v[i], keep_custom=True)
+            copy_meta(out, m.wait, view_v[i], keep_custom=True)
             outs.append(out)
     # the tails (layout ops to the output) move after the new results
     for n in sorted({n for t in tails for n in t}, key=index.__getitem__):
         first_use.prepend(n)
     # positions of the new and moved nodes, for the buckets still to merge
-    _renumber(index, before_last, last)
-    _renumber(index, before_use, first_use)
+    renumber(index, before_last, last)
+    renumber(index, before_use, first_use)
     for m, out in zip(members, outs):
         m.wait.replace_all_uses_with(out)
         g.erase_node(m.wait)
         g.erase_node(m.ag)
-    stats.copies_removed += sum(_erase_dead(g, d) for d in dead)
+    stats.copies_removed += sum(erase_dead(g, d) for d in dead)
     return coll
 
 
@@ -523,14 +523,14 @@ def _merge(
     size, group = first_ag.args[1], first_ag.args[2]
     sizes = [m.numel for m in members]
     total = sum(sizes)
-    srcs, dead = zip(*[_buffer_source(m.x, m.ag) for m in members])
-    vals = _values(members, list(srcs), size, vals_cache)
+    srcs, dead = zip(*[buffer_source(m.x, m.ag) for m in members])
+    vals = bucket_values(members, list(srcs), size, vals_cache)
     with g.inserting_before(first_ag):
         if any(v is None for v in vals["flat"]):
             # strided sources (parts of a first stage's buffer): written
             # straight into one flat buffer, no contiguous copy first
-            buf2d = g.call_function(_CHUNK_CAT, (list(srcs), 0, 1))
-            _copy_meta(buf2d, first_ag, vals["buf2d"])
+            buf2d = g.call_function(CHUNK_CAT, (list(srcs), 0, 1))
+            copy_meta(buf2d, first_ag, vals["buf2d"])
             cat = g.call_function(_aten.view.default, (buf2d, [-1]))
         else:
             # parameters (or casts of them): cat of flat views, the chain
@@ -538,33 +538,33 @@ def _merge(
             flats = []
             for m, src in zip(members, srcs):
                 f = g.call_function(_aten.view.default, (src, [m.numel]))
-                _copy_meta(f, m.ag, vals["flat"][len(flats)])
+                copy_meta(f, m.ag, vals["flat"][len(flats)])
                 flats.append(f)
             cat = g.call_function(_aten.cat.default, (flats,))
-        _copy_meta(cat, first_ag, vals["cat"])
+        copy_meta(cat, first_ag, vals["cat"])
         ag = g.call_function(_AG, (cat, size, group))
-        _copy_meta(ag, first_ag, vals["ag"])
+        copy_meta(ag, first_ag, vals["ag"])
     with g.inserting_before(first_wait):
         wait = g.call_function(_WAIT, (ag,))
-        _copy_meta(wait, first_wait, vals["ag"])
+        copy_meta(wait, first_wait, vals["ag"])
         mat = g.call_function(_aten.view.default, (wait, [size, total]))
-        _copy_meta(mat, first_wait, vals["mat"])
+        copy_meta(mat, first_wait, vals["mat"])
         parts = g.call_function(_aten.split_with_sizes.default, (mat, sizes, 1))
-        _copy_meta(parts, first_wait, vals["parts"])
+        copy_meta(parts, first_wait, vals["parts"])
         outs = []
         for i, m in enumerate(members):
             item = g.call_function(operator.getitem, (parts, i))
-            _copy_meta(item, m.wait, vals["parts"][i])
+            copy_meta(item, m.wait, vals["parts"][i])
             cp = g.call_function(_aten.clone.default, (item,), {"memory_format": torch.contiguous_format})
-            _copy_meta(cp, m.wait, vals["copy"][i])
+            copy_meta(cp, m.wait, vals["copy"][i])
             out = g.call_function(_aten.view.default, (cp, list(m.wait.meta["val"].shape)))
-            _copy_meta(out, m.wait, vals["out"][i], keep_custom=True)
+            copy_meta(out, m.wait, vals["out"][i], keep_custom=True)
             outs.append(out)
     for m, out in zip(members, outs):
         m.wait.replace_all_uses_with(out)
         g.erase_node(m.wait)
         g.erase_node(m.ag)
-    stats.copies_removed += sum(_erase_dead(g, d) for d in dead)
+    stats.copies_removed += sum(erase_dead(g, d) for d in dead)
     stats.copies_out += len(members)
     return ag
 

@@ -24,14 +24,30 @@ import torch.fx as fx
 
 from ..apply.redistribute import REDISTRIBUTE_KEY
 
-__all__ = ["PER_CHUNK", "REDUCED", "ChunkRefused", "propagate_split_dims"]
+__all__ = [
+    "ATTENTION_NAMES",
+    "FILLS",
+    "MESH_SIZES",
+    "PER_CHUNK",
+    "REDUCED",
+    "ChunkRefused",
+    "UnknownSplitDim",
+    "acts_along",
+    "fake_mode_of",
+    "fake_val",
+    "group_split",
+    "merge_depth",
+    "probe_op",
+    "propagate_split_dims",
+    "stamp_like",
+]
 
 logger = logging.getLogger(__name__)
 
 _aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
 
-_ATTENTION_NAMES = ("scaled_dot_product", "flash_attention", "efficient_attention", "flex_attention", "cudnn_attention")
+ATTENTION_NAMES = ("scaled_dot_product", "flash_attention", "efficient_attention", "flex_attention", "cudnn_attention")
 # Views whose dim arguments name every dim (they act along none of them).
 _DIM_FREE = {
     _aten.permute.default,
@@ -42,7 +58,7 @@ _DIM_FREE = {
     _aten.sum.dim_IntList,
 }
 # The mesh dim sizes of the graph being chunked (see _view_dim).
-_MESH_SIZES: contextvars.ContextVar[frozenset] = contextvars.ContextVar("chunk_mesh_sizes", default=frozenset())
+MESH_SIZES: contextvars.ContextVar[frozenset] = contextvars.ContextVar("chunk_mesh_sizes", default=frozenset())
 _NEW_FACTORIES = {_aten.new_zeros.default, _aten.new_empty.default, _aten.new_ones.default, _aten.new_full.default}
 _SIZE_ARG_NAMES = {"size", "sizes", "input_sizes", "shape", "stride"}
 
@@ -51,7 +67,7 @@ class ChunkRefused(Exception):
     """A region cannot be chunked without changing the math; says why."""
 
 
-class _Unknown(Exception):
+class UnknownSplitDim(Exception):
     """The split dim of a value cannot be told."""
 
 
@@ -59,11 +75,13 @@ class _Unknown(Exception):
 # split-dim propagation by probing
 
 
-def _val(n: Any):
+def fake_val(n: Any):
+    """The fake value in ``n.meta`` (None for a non-node or a node without one)."""
     return n.meta.get("val") if isinstance(n, fx.Node) else None
 
 
-def _fake_mode(vals):
+def fake_mode_of(vals):
+    """The fake mode of the first fake tensor among ``vals`` (None when there is none)."""
     for v in vals:
         if isinstance(v, torch.Tensor):
             m = getattr(v, "fake_mode", None)
@@ -80,7 +98,7 @@ def _view_dim(in_shape, d: int, out_shape, mesh_sizes: frozenset = frozenset()) 
     """The output dim of a reshape of ``in_shape`` to ``out_shape`` that
     carries input dim ``d``, halving with it: the dims before it hold the
     same elements (prefix products equal) and it is ``d`` merged with inner
-    dims or split off ``d``'s outer part. Raises :class:`_Unknown`.
+    dims or split off ``d``'s outer part. Raises :class:`UnknownSplitDim`.
 
     ``mesh_sizes``: the reshape is a redistribution's ``[group, per-rank]``
     split of ``d`` (apply's layout change): the group factor is the mesh's
@@ -99,7 +117,7 @@ def _view_dim(in_shape, d: int, out_shape, mesh_sizes: frozenset = frozenset()) 
                 if group in mesh_sizes and per % 2 == 0 and per not in mesh_sizes:
                     return j + 1
                 if group in mesh_sizes:
-                    raise _Unknown(
+                    raise UnknownSplitDim(
                         f"redistribution reshape {tuple(in_shape)} -> {tuple(out_shape)}: "
                         "cannot tell the mesh group factor from the per-rank one"
                     )
@@ -118,7 +136,7 @@ def _view_dim(in_shape, d: int, out_shape, mesh_sizes: frozenset = frozenset()) 
         prefix *= s
         if prefix > outer:
             break
-    raise _Unknown(f"reshape {tuple(in_shape)} -> {tuple(out_shape)} mixes split dim {d} with outer dims")
+    raise UnknownSplitDim(f"reshape {tuple(in_shape)} -> {tuple(out_shape)} mixes split dim {d} with outer dims")
 
 
 _VIEWS = {_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default}
@@ -141,7 +159,7 @@ def merge_depth(node: fx.Node, in_dim: int, out_dim, mesh_sizes: frozenset) -> i
     if t is _c10d.reduce_scatter_tensor.default and in_dim == 0:
         return -1
     if t in _VIEWS and REDISTRIBUTE_KEY in node.meta and mesh_sizes:
-        in_shape, out_shape = list(_val(node.args[0]).shape), list(_val(node).shape)
+        in_shape, out_shape = list(fake_val(node.args[0]).shape), list(fake_val(node).shape)
         if (
             len(out_shape) == len(in_shape) - 1
             and out_dim == in_dim - 1
@@ -167,7 +185,7 @@ def group_split(node: fx.Node, d: int, depth: int, mesh_sizes: frozenset) -> boo
     Each chunk splits its own gathered rows the same way."""
     if node.target is not _aten.split.Tensor or REDISTRIBUTE_KEY not in node.meta or depth <= 0:
         return False
-    v = _val(node.args[0])
+    v = fake_val(node.args[0])
     dim = _normalize(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), v.dim())
     size = node.args[1]
     return dim == d and v.shape[d] % size == 0 and v.shape[d] // size in mesh_sizes and size % 2 == 0
@@ -201,29 +219,29 @@ def _size_args(node: fx.Node, dims: dict[fx.Node, int]) -> tuple[tuple, dict, in
     d = dims.get(src) if isinstance(src, fx.Node) else None
     if t in (_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default):
         if d is None:
-            raise _Unknown(f"{node.name}: sizes of a view of a value without the split dim")
-        in_shape = _val(src).shape
+            raise UnknownSplitDim(f"{node.name}: sizes of a view of a value without the split dim")
+        in_shape = fake_val(src).shape
         out_shape = list(node.args[1])
         if any(not isinstance(s, int) or s < 0 for s in out_shape):
             # an inferred size (-1): the traced output's shape names it
-            out_shape = list(_val(node).shape)
+            out_shape = list(fake_val(node).shape)
         chain = REDISTRIBUTE_KEY in node.meta
-        j = _view_dim(list(in_shape), d, out_shape, _MESH_SIZES.get() if chain else frozenset())
+        j = _view_dim(list(in_shape), d, out_shape, MESH_SIZES.get() if chain else frozenset())
         return (src, _halve(out_shape, j)), dict(node.kwargs), j
     if t is _aten.split.Tensor and REDISTRIBUTE_KEY in node.meta and d is not None:
-        dim = _normalize(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), _val(src).dim())
+        dim = _normalize(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), fake_val(src).dim())
         if dim == d:  # a gathered value split back into its ranks' parts (see group_split)
             return (src, node.args[1] // 2, *node.args[2:]), dict(node.kwargs), None
     if t is _aten.expand.default:
         if d is None:
-            raise _Unknown(f"{node.name}: expand of a value without the split dim")
+            raise UnknownSplitDim(f"{node.name}: expand of a value without the split dim")
         sizes = list(node.args[1])
-        j = d + len(sizes) - _val(src).dim()
+        j = d + len(sizes) - fake_val(src).dim()
         return (src, _halve(sizes, j), *node.args[2:]), dict(node.kwargs), j
     if t is _aten.slice_backward.default or t is _aten.select_backward.default:
         sizes = list(node.args[1])
         if d is None:
-            raise _Unknown(f"{node.name}: {t} of a value without the split dim")
+            raise UnknownSplitDim(f"{node.name}: {t} of a value without the split dim")
         along = _normalize(node.args[2], len(sizes))
         j = d if t is _aten.slice_backward.default or d < along else d + 1
         if j == along:
@@ -234,14 +252,14 @@ def _size_args(node: fx.Node, dims: dict[fx.Node, int]) -> tuple[tuple, dict, in
         # split dim where its size matches src's there; the consumers'
         # probes check that the shapes then fit
         sizes = list(node.args[1])
-        if d is None or len(sizes) != _val(src).dim() or sizes[d] != _val(src).shape[d]:
-            raise _Unknown(f"{node.name}: {t} of sizes {sizes} does not line up with the split dim")
+        if d is None or len(sizes) != fake_val(src).dim() or sizes[d] != fake_val(src).shape[d]:
+            raise UnknownSplitDim(f"{node.name}: {t} of sizes {sizes} does not line up with the split dim")
         return (src, _halve(sizes, d), *node.args[2:]), dict(node.kwargs), d
     schema = getattr(t, "_schema", None)
     if schema is not None:
         for a in schema.arguments:
             if a.name in _SIZE_ARG_NAMES and "List" in str(a.type):
-                raise _Unknown(f"{node.name}: {t} has size arguments this pass cannot rewrite")
+                raise UnknownSplitDim(f"{node.name}: {t} has size arguments this pass cannot rewrite")
     return None
 
 
@@ -249,14 +267,14 @@ def _whole_slice(node: fx.Node) -> bool:
     """``slice(x, dim, 0, end >= size, 1)``: keeps all of ``x``."""
     args = list(node.args) + [None] * (5 - len(node.args))
     x, dim, start, end, step = args[:5]
-    v = _val(x)
+    v = fake_val(x)
     if not isinstance(v, torch.Tensor):
         return False
     size = v.shape[_normalize(dim or 0, v.dim())]
     return (start in (None, 0)) and (end is None or end >= size) and (step in (None, 1))
 
 
-def _acts_along(node: fx.Node, d: int, rank: int) -> bool:
+def acts_along(node: fx.Node, d: int, rank: int) -> bool:
     """Whether ``node`` has a ``dim`` argument naming split dim ``d``."""
     if node.target in _DIM_FREE or node.target is operator.getitem:
         return False
@@ -347,7 +365,7 @@ def _rule_states(node: fx.Node, rule, dims: dict, out, full):
         _, k = spec
         d = dims.get(node.args[k])
         if not isinstance(d, int) or full_v.shape[d] != 2 * half_v.shape[d]:
-            raise _Unknown(f"{node.name}: argument {k} carries no split dim its result could follow")
+            raise UnknownSplitDim(f"{node.name}: argument {k} carries no split dim its result could follow")
         return d
 
     if isinstance(full, (tuple, list)):  # a multi-output op: one spec per output
@@ -355,7 +373,7 @@ def _rule_states(node: fx.Node, rule, dims: dict, out, full):
     return one(rule, full, out)
 
 
-_FILLS = {
+FILLS = {
     _aten.new_zeros.default,
     _aten.new_ones.default,
     _aten.new_full.default,
@@ -390,7 +408,7 @@ def is_fill(node: fx.Node, memo: dict | None = None) -> bool:
     hit = memo.get(node)
     if hit is None:
         t = node.target
-        if t in _FILLS:
+        if t in FILLS:
             hit = True
         elif t in _FILL_MOVES or (isinstance(t, torch._ops.OpOverload) and t.is_view):
             first = node.args[0] if node.args else None
@@ -437,22 +455,22 @@ def _full_size_partners(node: fx.Node, dims: dict[fx.Node, Any]) -> dict[fx.Node
     masks = _broadcast_against(node)
     out = {}
     for a in node.all_input_nodes:
-        v = _val(a)
+        v = fake_val(a)
         if isinstance(dims.get(a), int) or not isinstance(v, torch.Tensor):
             continue
         if a in masks:
             q = masks[a]
             d = dims.get(q)
             if isinstance(d, int):
-                i = d - _val(q).dim() + v.dim()
-                if 0 <= i < v.dim() and v.shape[i] == _val(q).shape[d] and v.shape[i] != 1:
+                i = d - fake_val(q).dim() + v.dim()
+                if 0 <= i < v.dim() and v.shape[i] == fake_val(q).shape[d] and v.shape[i] != 1:
                     out[a] = i
             continue
         fill = not pointwise and is_fill(a)
         if not (pointwise or fill):
             continue
         for c, d in split:
-            cv = _val(c)
+            cv = fake_val(c)
             if fill and v.dim() != cv.dim():
                 continue
             i = d - cv.dim() + v.dim()
@@ -461,7 +479,7 @@ def _full_size_partners(node: fx.Node, dims: dict[fx.Node, Any]) -> dict[fx.Node
     return out
 
 
-def _probe(
+def probe_op(
     node: fx.Node, dims: dict[fx.Node, Any], half_vals: dict[fx.Node, Any], implicit: bool = False, partners=None
 ):
     """(chunk value(s), state(s), (args, kwargs)) of ``node`` run on the
@@ -475,11 +493,13 @@ def _probe(
         return out, dims[node.args[0]][node.args[1]], (node.args, node.kwargs)
     rule = _rule_of(node, dims)
     if rule is not None:
-        vals = fx.node.map_aggregate(node.args, lambda a: half_vals.get(a, _val(a)) if isinstance(a, fx.Node) else a)
-        mode = _fake_mode([_val(a) for a in node.all_input_nodes])
+        vals = fx.node.map_aggregate(
+            node.args, lambda a: half_vals.get(a, fake_val(a)) if isinstance(a, fx.Node) else a
+        )
+        mode = fake_mode_of([fake_val(a) for a in node.all_input_nodes])
         with mode, _quiet_fake_tensor():
             out = node.target(*vals, **node.kwargs)
-        return out, _rule_states(node, rule, dims, out, _val(node)), (node.args, node.kwargs)
+        return out, _rule_states(node, rule, dims, out, fake_val(node)), (node.args, node.kwargs)
     sized = _size_args(node, dims)
     if sized is not None:
         args, kwargs, j = sized
@@ -494,11 +514,11 @@ def _probe(
             partners.update(found)
     half_vals = dict(half_vals) if found else half_vals
     for a, i in found.items():
-        half_vals[a] = _val(a).narrow(i, 0, _val(a).shape[i] // 2)
+        half_vals[a] = fake_val(a).narrow(i, 0, fake_val(a).shape[i] // 2)
 
     def val(a):
         if isinstance(a, fx.Node):
-            return half_vals[a] if a in half_vals else _val(a)
+            return half_vals[a] if a in half_vals else fake_val(a)
         return a
 
     a_vals = fx.node.map_aggregate(args, val)
@@ -506,30 +526,34 @@ def _probe(
     if node.target is operator.getitem:
         out = a_vals[0][a_vals[1]]
     else:
-        mode = _fake_mode([_val(a) for a in node.all_input_nodes])
+        mode = fake_mode_of([fake_val(a) for a in node.all_input_nodes])
         if mode is None:
-            raise _Unknown(f"{node.name}: no fake tensors to probe with")
+            raise UnknownSplitDim(f"{node.name}: no fake tensors to probe with")
         try:
             with mode, _quiet_fake_tensor():
                 out = node.target(*a_vals, **k_vals)
         except Exception as e:  # shapes that do not fit: the split does not go through
-            raise _Unknown(f"{node.name} ({node.target}) fails on the halves: {type(e).__name__}: {str(e)[:160]}")
-    full = _val(node)
+            raise UnknownSplitDim(
+                f"{node.name} ({node.target}) fails on the halves: {type(e).__name__}: {str(e)[:160]}"
+            )
+    full = fake_val(node)
 
     def state(full_v, half_v):
         if not isinstance(full_v, torch.Tensor):
             if isinstance(half_v, torch.Tensor) or full_v != half_v:
-                raise _Unknown(f"{node.name}: a non-tensor output changes with the split")
+                raise UnknownSplitDim(f"{node.name}: a non-tensor output changes with the split")
             return None
         if full_v.dim() != half_v.dim():
-            raise _Unknown(f"{node.name}: rank changes with the split")
+            raise UnknownSplitDim(f"{node.name}: rank changes with the split")
         changed = [i for i, (a, b) in enumerate(zip(full_v.shape, half_v.shape)) if a != b]
         if not changed:
             return REDUCED
         if len(changed) > 1 or full_v.shape[changed[0]] != 2 * half_v.shape[changed[0]]:
-            raise _Unknown(f"{node.name}: split is ambiguous (shape {tuple(full_v.shape)} -> {tuple(half_v.shape)})")
+            raise UnknownSplitDim(
+                f"{node.name}: split is ambiguous (shape {tuple(full_v.shape)} -> {tuple(half_v.shape)})"
+            )
         if j is not None and changed[0] != j:
-            raise _Unknown(f"{node.name}: sizes rewritten on dim {j} but dim {changed[0]} changed")
+            raise UnknownSplitDim(f"{node.name}: sizes rewritten on dim {j} but dim {changed[0]} changed")
         return changed[0]
 
     if isinstance(full, (tuple, list)):
@@ -568,7 +592,7 @@ def _redistribution_chains(gm: fx.GraphModule) -> dict[fx.Node, tuple[list[fx.No
     return out
 
 
-def _stamp(new: fx.Node, like: fx.Node, tag) -> None:
+def stamp_like(new: fx.Node, like: fx.Node, tag) -> None:
     """Fold stamp (:mod:`autoparallel.apply.unfold`) for a node a pass made
     (chunk_regions, split_moe_a2a), keyed on ``like``'s so that twins in
     other layers share it."""
@@ -592,21 +616,21 @@ def propagate_split_dims(gm: fx.GraphModule, seeds: dict[fx.Node, int]) -> dict[
     dims: dict[fx.Node, Any] = dict(seeds)
     half: dict[fx.Node, Any] = {}
     for p, d in seeds.items():
-        v = _val(p)
+        v = fake_val(p)
         half[p] = v.narrow(d, 0, v.shape[d] // 2)
     chains = _redistribution_chains(gm)
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
         ins = n.all_input_nodes
-        if not any(a in dims for a in ins) or n.target in _FILLS:
+        if not any(a in dims for a in ins) or n.target in FILLS:
             continue  # a fill reads its input for the dtype only
         chain = chains.get(n)
         if chain is not None:
             # a layout change: the local value keeps its dims' meaning (a
             # DTensor shard), whatever slicing or gathering it takes
             src = [a for a in chain[0] if isinstance(dims.get(a), int)]
-            v, out_v = _val(src[0]) if len(src) == 1 else None, _val(n)
+            v, out_v = fake_val(src[0]) if len(src) == 1 else None, fake_val(n)
             if n in chain[1] and v is not None and isinstance(out_v, torch.Tensor) and out_v.dim() == v.dim():
                 d = dims[src[0]]
                 if out_v.shape[d] % 2 == 0:
@@ -626,8 +650,8 @@ def propagate_split_dims(gm: fx.GraphModule, seeds: dict[fx.Node, int]) -> dict[
         # unknown inputs are read whole, as shared values: this only names
         # the dims; a region's own walk checks that its split is exact
         try:
-            out, st, _ = _probe(n, dims, half, implicit=True)
-        except (_Unknown, ChunkRefused) as e:
+            out, st, _ = probe_op(n, dims, half, implicit=True)
+        except (UnknownSplitDim, ChunkRefused) as e:
             logger.debug("split dim lost: %s", e)
             dims[n] = None
             continue

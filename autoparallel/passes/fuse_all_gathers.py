@@ -48,7 +48,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..torch_compat import new_group_in_order, new_group_keeps_order
-from . import PassContext, register_pass
+from .base import ColumnMajorAllGather, PassContext, register_pass
 from ..graph_vocab import ALL_GATHER as _AG, WAIT as _WAIT
 
 __all__ = ["FuseAllGathersStats", "fuse_all_gathers", "mesh_group"]
@@ -358,7 +358,7 @@ def _reorder_plan(steps: list[_Step], xval) -> tuple[list[int], list[int]]:
 
 @register_pass("fuse_all_gathers", "graphs")
 def fuse_all_gathers(
-    gm: torch.fx.GraphModule, ctx: PassContext, *, column_major: str | None = None
+    gm: torch.fx.GraphModule, ctx: PassContext, *, column_major: ColumnMajorAllGather | None = None
 ) -> FuseAllGathersStats:
     """Replace chains of per-mesh-dim all-gathers in ``gm`` by one all-gather
     over the whole mesh (see the module docstring). ``column_major``:

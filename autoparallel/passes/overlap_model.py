@@ -39,7 +39,7 @@ from ..apply.moe_a2a_phases import EXCHANGE as MOE_EXCHANGE
 from ..apply.moe_dispatch import in_op_collectives
 from ..graph_vocab import ALL_GATHER as AG, ALL_REDUCE as AR, ALL_TO_ALL as A2A, REDUCE_SCATTER as RS, WAIT
 from ..graph_vocab import COLLECTIVE_START, NOT_A_CALL, OTHER_CALL, WAIT_NODE, NodeKind
-from . import PassContext
+from .base import PassContext
 
 __all__ = ["Clock", "Info", "LiveBytes", "estimate", "is_compute", "longest_compute_run", "check_topological"]
 
@@ -368,7 +368,7 @@ def _comm_side_waits(nodes, kind, ins) -> tuple[set[fx.Node], dict[fx.Node, list
     follow. A side stream (FSDP2's copy-in) chains these without stalling
     compute: the later collective starts when the earlier one ends. (The
     graph output may read them too: a copy saved for backward.)"""
-    from .recompute_all_gathers import _is_chain_op
+    from .recompute_all_gathers import is_chain_op
 
     comm_side: set[fx.Node] = set()
     after: dict[fx.Node, list[fx.Node]] = {}
@@ -385,7 +385,7 @@ def _comm_side_waits(nodes, kind, ins) -> tuple[set[fx.Node], dict[fx.Node, list
                     starts.append(u)
                 elif u.op == "output":  # also saved for backward
                     continue
-                elif kind.get(u) == OTHER_CALL and (_is_chain_op(u) or u.target is _UNSAFE_VIEW):
+                elif kind.get(u) == OTHER_CALL and (is_chain_op(u) or u.target is _UNSAFE_VIEW):
                     stack.append(u)
                 else:
                     ok = False

@@ -10,7 +10,7 @@ import re
 
 import torch.fx as fx
 
-from . import PassContext
+from .base import PassContext
 from .overlap_model import AG, STARTS, WAIT, Info
 
 
@@ -19,7 +19,7 @@ def _layer_of(fqn: str) -> str:
     return m.group(1) if m else fqn
 
 
-def _layer_ranks(layer_order: list[str]) -> dict[str, int]:
+def layer_ranks(layer_order: list[str]) -> dict[str, int]:
     """Layer -> its rank for the prefetch distance, layers in order of need.
     Repeated blocks (``layers.3``) count one each; the parameters between
     them (embeddings before the first, the final norm and output projection
@@ -38,7 +38,7 @@ def _layer_ranks(layer_order: list[str]) -> dict[str, int]:
     return ranks
 
 
-def _param_chains(gm: fx.GraphModule, ctx: PassContext | None) -> dict[fx.Node, tuple[str, list[fx.Node]]]:
+def gathers_by_layer(gm: fx.GraphModule, ctx: PassContext | None) -> dict[fx.Node, tuple[str, list[fx.Node]]]:
     """all-gather node -> (layer key, ...) for parameter gathers of ``gm``."""
     from .recompute_all_gathers import param_gather_chains
 
@@ -75,7 +75,7 @@ def _bucket_chain(ag: fx.Node, rank: dict[fx.Node, int]) -> tuple[fx.Node, list[
     """(first parameter, chain) when ``ag`` gathers data of parameters only
     (its input made from parameter placeholders by casts and layout ops);
     the chain is those ops, ``ag`` and the layout ops after its wait."""
-    from .recompute_all_gathers import _is_chain_op
+    from .recompute_all_gathers import is_chain_op
 
     chain: set[fx.Node] = set()
     roots: set[fx.Node] = set()
@@ -89,7 +89,7 @@ def _bucket_chain(ag: fx.Node, rank: dict[fx.Node, int]) -> tuple[fx.Node, list[
                 return None
             roots.add(n)
             continue
-        if not _is_chain_op(n) or n.target in STARTS or n.target is WAIT:
+        if not is_chain_op(n) or n.target in STARTS or n.target is WAIT:
             return None
         chain.add(n)
         stack.extend(n.all_input_nodes)
@@ -101,7 +101,7 @@ def _bucket_chain(ag: fx.Node, rank: dict[fx.Node, int]) -> tuple[fx.Node, list[
         for u in stack.pop().users:
             if (
                 u not in chain
-                and _is_chain_op(u)
+                and is_chain_op(u)
                 and u.target not in STARTS
                 and all(a in chain for a in u.all_input_nodes)
             ):
@@ -110,7 +110,7 @@ def _bucket_chain(ag: fx.Node, rank: dict[fx.Node, int]) -> tuple[fx.Node, list[
     return min(roots, key=rank.__getitem__), list(chain)
 
 
-def _deferred_chain_ops(ag_layer: dict, info: Info) -> set[fx.Node]:
+def deferred_chain_ops(ag_layer: dict, info: Info) -> set[fx.Node]:
     """Each gather, its ancestors in its chain, and the chain ops that view
     its result."""
     out: set[fx.Node] = set()
@@ -128,7 +128,7 @@ def _deferred_chain_ops(ag_layer: dict, info: Info) -> set[fx.Node]:
     return out
 
 
-def _chain_users(ag: fx.Node, chain: set[fx.Node]) -> list[fx.Node]:
+def chain_users(ag: fx.Node, chain: set[fx.Node]) -> list[fx.Node]:
     """Consumers outside ``chain`` of ``ag`` and the chain ops after it."""
     out, stack, seen = [], [ag], {ag}
     while stack:

@@ -44,9 +44,15 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ..capture.activation_checkpointing import forward_nodes
 from ..graph_vocab import ALL_GATHER as _AG, ALL_TO_ALL, WAIT
-from . import PassContext, register_pass
+from .base import PassContext, register_pass
 
-__all__ = ["RecomputeAllGathersStats", "recompute_all_gathers", "saved_for_backward", "param_gather_chains"]
+__all__ = [
+    "RecomputeAllGathersStats",
+    "recompute_all_gathers",
+    "saved_for_backward",
+    "param_gather_chains",
+    "is_chain_op",
+]
 
 # Far above any AC region id (see the module docstring).
 CHAIN_AC_GRAPH_ID = 1_000_000
@@ -69,7 +75,8 @@ _DATA_MOVES = {
 }
 
 
-def _is_chain_op(node: fx.Node) -> bool:
+def is_chain_op(node: fx.Node) -> bool:
+    """Whether ``node`` may belong to a parameter's gather chain: a collective, a wait, a view or an op that only moves or casts data."""
     if node.op != "call_function":
         return False
     t = node.target
@@ -128,7 +135,7 @@ def param_gather_chains(
         while frontier:
             n = frontier.pop()
             for u in n.users:
-                if u in closure or u not in fwd or not _is_chain_op(u):
+                if u in closure or u not in fwd or not is_chain_op(u):
                     continue
                 if all(a is p or a in free or a in closure for a in u.all_input_nodes):
                     closure.add(u)

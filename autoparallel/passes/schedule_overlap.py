@@ -81,8 +81,8 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from . import PassContext, register_pass
-from .param_chains import _chain_users, _deferred_chain_ops, _layer_ranks, _param_chains
+from .base import PassContext, register_pass
+from .param_chains import chain_users, deferred_chain_ops, layer_ranks, gathers_by_layer
 from .overlap_model import (
     AG,
     RS,
@@ -102,6 +102,8 @@ from .overlap_model import (
 
 __all__ = [
     "ScheduleStats",
+    "OverlapScheduler",
+    "schedule_order",
     "schedule_overlap",
     "estimate",
     "longest_compute_run",
@@ -137,139 +139,180 @@ class ScheduleStats:
 # the scheduler
 
 
-def _schedule(
-    gm: fx.GraphModule,
-    ctx: PassContext | None,
-    stats: ScheduleStats,
-    costs: "Costs | None" = None,
-    memory_limit: int | None = None,
-    info: Info | None = None,
-) -> list[fx.Node]:
-    opts = ctx.options if ctx is not None else None
-    prefetch = max(0, opts.prefetch_layers if opts else 1)
-    cap = max(1, opts.max_consecutive_compute if opts else 8)
-    costs = costs or Costs(ctx)
-    nodes = list(gm.graph.nodes)
-    if info is None or info.nodes != nodes:
-        info = Info(nodes, costs)
-    index = info.index
-    ins, kind, compute, reductions = info.ins, info.kind, info.compute, info.reductions
-    output = nodes[-1]
+class OverlapScheduler:
+    """One list-scheduling run over ``gm`` (see the module docstring).
 
-    ag_layer = _param_chains(gm, ctx)
-    stats.all_gathers = sum(1 for n in nodes if n.target is AG)
-    stats.reduce_scatters = sum(1 for n in nodes if n.target is RS)
-    # each gather's first need (the first consumer outside its chain of what
-    # it feeds: a chain may gather twice, once for forward, once more for a
-    # copy saved for backward), layers in order of first need
-    need_of: dict[fx.Node, int] = {}
-    first_need: dict[str, int] = {}
-    chain_sets: dict[int, set[fx.Node]] = {}
-    for ag, (layer, chain) in ag_layer.items():
-        chain_set = chain_sets.get(id(chain))
-        if chain_set is None:
-            chain_set = chain_sets[id(chain)] = set(chain)
-        need = min((index[u] for u in _chain_users(ag, chain_set)), default=index[ag])
-        need_of[ag] = need
-        first_need[layer] = min(first_need.get(layer, need), need)
-    layer_order = sorted(first_need, key=first_need.__getitem__)
-    layer_rank = _layer_ranks(layer_order)
-    stats.layers = len(layer_order)
-    # prefetch candidates: one gather at a time, in order of need
-    # (not those the graph only returns, a gathered weight saved for
-    # backward: prefetched, it would only hold memory; they run at the end)
-    pf_order = sorted((a for a in ag_layer if nodes[need_of[a]] is not output), key=lambda a: (need_of[a], index[a]))
-    need_points = [first_need[name] for name in layer_order]
+    The constructor reads the graph once (gather chains and their layers,
+    the eager collective starts and what prepares them, the original
+    order's live bytes); :meth:`run` emits every node once and returns the
+    new order. The state that changes as nodes are emitted lives in the
+    fields below the "emission state" comment: the emitted nodes, the ready
+    collective starts, the reductions whose wait is pending, the compute
+    counters, the streams' clock and the live bytes."""
 
-    # distance (in compute ops) from each node to the nearest gradient reduction
-    dist_to_rs: dict[fx.Node, int] = {}
-    for n in reversed(nodes):
-        if n in reductions:
-            dist_to_rs[n] = 0
-            continue
-        best = min((dist_to_rs[u] for u in n.users if u in dist_to_rs), default=None)
-        if best is not None:
-            dist_to_rs[n] = best + (1 if n in compute else 0)
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        ctx: PassContext | None,
+        stats: ScheduleStats,
+        costs: Costs | None = None,
+        memory_limit: int | None = None,
+        info: Info | None = None,
+    ):
+        opts = ctx.options if ctx is not None else None
+        self.stats = stats
+        self.memory_limit = memory_limit
+        self.prefetch = max(0, opts.prefetch_layers if opts else 1)
+        self.cap = max(1, opts.max_consecutive_compute if opts else 8)
+        costs = costs or Costs(ctx)
+        nodes = self.nodes = list(gm.graph.nodes)
+        if info is None or info.nodes != nodes:
+            info = Info(nodes, costs)
+        self.info = info
+        self.index, self.ins, self.kind = info.index, info.ins, info.kind
+        self.compute, self.reductions = info.compute, info.reductions
+        self.output = nodes[-1]
+        self._read_gather_chains(gm, ctx)
+        self.dist_to_rs = self._distances_to_reductions()
+        self._read_eager_starts()
 
-    done: set[fx.Node] = set()
-    order: list[fx.Node] = []
-    # collective starts (not param gathers) are issued once ready; a
-    # reduction together with the ops that only prepare its input (a
-    # bucket's flatten and cast of gradients), which the original order runs
-    # at the end (reducing early frees the unreduced input; gathering early
-    # would hold the larger output): count the missing inputs of start and
-    # preparation
-    # (a gather whose result only leaves the graph, an activation saved for
-    # backward, stays where the original order has it: early, it would only
-    # hold memory)
-    wait_of: dict[fx.Node, fx.Node] = {}
-    for n in nodes:
-        if kind[n] == 2 and isinstance(n.args[0], fx.Node):
-            wait_of[n.args[0]] = n
-    eager_starts = [
-        n
-        for n in nodes
-        if kind[n] == 1 and n not in ag_layer and (n in reductions or not _only_output_reads(wait_of.get(n), output))
-    ]
-    remaining_inputs: dict[fx.Node, int] = {}
-    start_users: dict[fx.Node, list[fx.Node]] = {}
-    prep_bytes: dict[fx.Node, int] = {}  # what a reduction's preparation allocates
-    for c in eager_starts:
-        prep = _preparation(c, info) if c in reductions else set()
-        if prep:
-            prep_bytes[c] = sum(info.size.get(m, 0) for m in prep)
-        outside = {a for m in prep | {c} for a in ins[m] if a not in prep}
-        remaining_inputs[c] = len(outside)
-        for a in outside:
-            start_users.setdefault(a, []).append(c)
-    eager: list[tuple[int, fx.Node]] = []  # ready ones
-    held: list[tuple[int, fx.Node]] = []  # ready reductions, issued after the step's prefetches
-    pending_rs: deque[tuple[fx.Node, int]] = deque()  # (wait node, compute count when issued)
-    compute_count = 0
-    since_rs = 0
-    next_pf = 0
-    # the streams' clock of :func:`estimate`, and live bytes, as nodes are emitted
-    clock = Clock(info)
-    live = LiveBytes(info)
-    # live bytes after each node of the original order
-    orig_live = live_curve(info, nodes) if memory_limit is not None else []
-    range_max = _RangeMax(orig_live)
-    orig_last: dict[fx.Node, int] = {}  # root -> its last keeper's place in the original order
-    if memory_limit is not None:
-        for p, n in enumerate(nodes):
-            for r in info.kept_by[n]:
-                orig_last[r] = p
+        # emission state
+        self.done: set[fx.Node] = set()
+        self.order: list[fx.Node] = []
+        self.eager: list[tuple[int, fx.Node]] = []  # ready collective starts
+        self.held: list[tuple[int, fx.Node]] = []  # ready reductions, issued after the step's prefetches
+        self.pending_rs: deque[tuple[fx.Node, int]] = deque()  # (wait node, compute count when issued)
+        self.compute_count = 0
+        self.since_rs = 0  # compute ops since the last reduction
+        self.next_pf = 0  # index into pf_order
+        # the streams' clock of :func:`estimate`, and live bytes, as nodes are emitted
+        self.clock = Clock(info)
+        self.live = LiveBytes(info)
 
-    def emit(n: fx.Node) -> None:
-        nonlocal compute_count, since_rs
-        order.append(n)
-        done.add(n)
-        live.emit(n)
-        clock.run(n)
-        if n in compute:
-            compute_count += 1
-            since_rs += 1
-        if n in reductions:
-            since_rs = 0
-            w = wait_of.get(n)
+        # live bytes after each node of the original order
+        self.orig_live = live_curve(info, nodes) if memory_limit is not None else []
+        self.range_max = _RangeMax(self.orig_live)
+        self.orig_last: dict[fx.Node, int] = {}  # root -> its last keeper's place in the original order
+        if memory_limit is not None:
+            for p, n in enumerate(nodes):
+                for r in info.kept_by[n]:
+                    self.orig_last[r] = p
+        # waits, and of parameter gather chains the ops up to each gather and
+        # the views of its result: a bucket's split into parameters would
+        # otherwise pull the wait forward to its place in the original order (a
+        # copy out of the bucket stays there: deferred, it would hold the whole
+        # bucket until the last parameter's use)
+        self.deferred = {n for n in nodes if self.kind[n] == 2} | deferred_chain_ops(self.ag_layer, info)
+
+    # -- reading the graph --------------------------------------------------
+
+    def _read_gather_chains(self, gm: fx.GraphModule, ctx: PassContext | None) -> None:
+        nodes, index, stats = self.nodes, self.index, self.stats
+        self.ag_layer = ag_layer = gathers_by_layer(gm, ctx)
+        stats.all_gathers = sum(1 for n in nodes if n.target is AG)
+        stats.reduce_scatters = sum(1 for n in nodes if n.target is RS)
+        # each gather's first need (the first consumer outside its chain of what
+        # it feeds: a chain may gather twice, once for forward, once more for a
+        # copy saved for backward), layers in order of first need
+        self.need_of = need_of = {}
+        first_need: dict[str, int] = {}
+        chain_sets: dict[int, set[fx.Node]] = {}
+        for ag, (layer, chain) in ag_layer.items():
+            chain_set = chain_sets.get(id(chain))
+            if chain_set is None:
+                chain_set = chain_sets[id(chain)] = set(chain)
+            need = min((index[u] for u in chain_users(ag, chain_set)), default=index[ag])
+            need_of[ag] = need
+            first_need[layer] = min(first_need.get(layer, need), need)
+        layer_order = sorted(first_need, key=first_need.__getitem__)
+        self.layer_rank = layer_ranks(layer_order)
+        stats.layers = len(layer_order)
+        # prefetch candidates: one gather at a time, in order of need
+        # (not those the graph only returns, a gathered weight saved for
+        # backward: prefetched, it would only hold memory; they run at the end)
+        self.pf_order = sorted(
+            (a for a in ag_layer if nodes[need_of[a]] is not self.output), key=lambda a: (need_of[a], index[a])
+        )
+        self.need_points = [first_need[name] for name in layer_order]
+
+    def _distances_to_reductions(self) -> dict[fx.Node, int]:
+        # distance (in compute ops) from each node to the nearest gradient reduction
+        dist_to_rs: dict[fx.Node, int] = {}
+        for n in reversed(self.nodes):
+            if n in self.reductions:
+                dist_to_rs[n] = 0
+                continue
+            best = min((dist_to_rs[u] for u in n.users if u in dist_to_rs), default=None)
+            if best is not None:
+                dist_to_rs[n] = best + (1 if n in self.compute else 0)
+        return dist_to_rs
+
+    def _read_eager_starts(self) -> None:
+        # collective starts (not param gathers) are issued once ready; a
+        # reduction together with the ops that only prepare its input (a
+        # bucket's flatten and cast of gradients), which the original order runs
+        # at the end (reducing early frees the unreduced input; gathering early
+        # would hold the larger output): count the missing inputs of start and
+        # preparation
+        # (a gather whose result only leaves the graph, an activation saved for
+        # backward, stays where the original order has it: early, it would only
+        # hold memory)
+        nodes, kind, ins, info = self.nodes, self.kind, self.ins, self.info
+        self.wait_of = wait_of = {}
+        for n in nodes:
+            if kind[n] == 2 and isinstance(n.args[0], fx.Node):
+                wait_of[n.args[0]] = n
+        eager_starts = [
+            n
+            for n in nodes
+            if kind[n] == 1
+            and n not in self.ag_layer
+            and (n in self.reductions or not _only_output_reads(wait_of.get(n), self.output))
+        ]
+        self.remaining_inputs: dict[fx.Node, int] = {}
+        self.start_users: dict[fx.Node, list[fx.Node]] = {}
+        self.prep_bytes: dict[fx.Node, int] = {}  # what a reduction's preparation allocates
+        for c in eager_starts:
+            prep = _preparation(c, info) if c in self.reductions else set()
+            if prep:
+                self.prep_bytes[c] = sum(info.size.get(m, 0) for m in prep)
+            outside = {a for m in prep | {c} for a in ins[m] if a not in prep}
+            self.remaining_inputs[c] = len(outside)
+            for a in outside:
+                self.start_users.setdefault(a, []).append(c)
+
+    # -- emitting -----------------------------------------------------------
+
+    def emit(self, n: fx.Node) -> None:
+        self.order.append(n)
+        self.done.add(n)
+        self.live.emit(n)
+        self.clock.run(n)
+        if n in self.compute:
+            self.compute_count += 1
+            self.since_rs += 1
+        if n in self.reductions:
+            self.since_rs = 0
+            w = self.wait_of.get(n)
             if w is not None:
-                pending_rs.append((w, compute_count))
-        for u in start_users.get(n, ()):
-            left = remaining_inputs[u] - 1
-            remaining_inputs[u] = left
+                self.pending_rs.append((w, self.compute_count))
+        for u in self.start_users.get(n, ()):
+            left = self.remaining_inputs[u] - 1
+            self.remaining_inputs[u] = left
             if left == 0:
-                heapq.heappush(eager, (index[u], u))
+                heapq.heappush(self.eager, (self.index[u], u))
 
-    def ensure(n: fx.Node) -> None:
-        # emit n after its missing inputs, deepest first (iterative DFS)
+    def ensure(self, n: fx.Node) -> None:
+        """Emit ``n`` after its missing inputs, deepest first (iterative DFS)."""
+        done, ins = self.done, self.ins
         if n in done:
             return
         for a in ins[n]:
             if a not in done:
                 break
         else:  # the common case: every input is out already
-            emit(n)
-            flush()
+            self.emit(n)
+            self.flush()
             return
         stack = [(n, False)]
         while stack:
@@ -277,163 +320,180 @@ def _schedule(
             if m in done:
                 continue
             if expanded:
-                emit(m)
-                flush()
+                self.emit(m)
+                self.flush()
                 continue
             stack.append((m, True))
             for a in reversed(ins[m]):
                 if a not in done:
                     stack.append((a, False))
 
-    def flush() -> None:
-        # collective starts that became ready (before any further prefetch, so
-        # reductions do not queue behind gathers); reduction waits once their
-        # collective is done (free the unreduced input at no stall) or past the cap
+    def flush(self) -> None:
+        """Collective starts that became ready (before any further prefetch,
+        so reductions do not queue behind gathers); reduction waits once their
+        collective is done (free the unreduced input at no stall) or past the cap."""
+        eager, pending_rs, clock = self.eager, self.pending_rs, self.clock
         while eager:
             item = heapq.heappop(eager)
-            if item[1] in done:
+            if item[1] in self.done:
                 continue
-            if item[1] in reductions:
+            if item[1] in self.reductions:
                 # released by the main loop after its prefetches (a gather
                 # queued behind a long reduction on the link is exposed), and
                 # once its preparation (an fp32 copy of gradients) fits
-                heapq.heappush(held, item)
+                heapq.heappush(self.held, item)
                 continue
-            ensure(item[1])
+            self.ensure(item[1])
         while pending_rs and (
             clock.done.get(pending_rs[0][0].args[0], 0.0) <= clock.now
-            or (compute_count - pending_rs[0][1] >= cap and short_of_memory())
+            or (self.compute_count - pending_rs[0][1] >= self.cap and self.short_of_memory())
         ):
             w, _ = pending_rs.popleft()
-            if w not in done:
-                ensure(w)
+            if w not in self.done:
+                self.ensure(w)
 
-    def short_of_memory() -> bool:
+    def short_of_memory(self) -> bool:
         # waiting for a reduction stalls compute; on a GPU its input is
         # freed when it ends anyway: force the wait only near the limit
-        return memory_limit is None or live.live > memory_limit * (1 - PEAK_TOLERANCE)
+        return self.memory_limit is None or self.live.live > self.memory_limit * (1 - PEAK_TOLERANCE)
 
-    def fits(c: fx.Node) -> bool:
-        return memory_limit is None or live.live + prep_bytes.get(c, 0) <= memory_limit
+    def fits(self, c: fx.Node) -> bool:
+        return self.memory_limit is None or self.live.live + self.prep_bytes.get(c, 0) <= self.memory_limit
 
-    def release_held() -> None:
-        # ready reductions, once their preparation fits
-        while held and (held[0][1] in done or fits(held[0][1])):
+    def release_held(self) -> None:
+        """Ready reductions, once their preparation fits."""
+        held = self.held
+        while held and (held[0][1] in self.done or self.fits(held[0][1])):
             _, c = heapq.heappop(held)
-            if c not in done:
-                ensure(c)
+            if c not in self.done:
+                self.ensure(c)
 
-    def prefetch_step(i: int) -> None:
-        # Issue the next parameter gathers (in order of need) while: their
-        # layer is at most `prefetch` layers past the current one, the comm
-        # stream is idle (a queued gather would delay the reductions that
-        # become ready meanwhile), and the gathered bytes fit under the limit.
-        nonlocal next_pf
-        current = max(current_rank(i), 0)
-        upto = current + prefetch
-        while next_pf < len(pf_order):
-            ag = pf_order[next_pf]
-            if ag in done:
-                next_pf += 1
+    # -- the rules of the main loop -------------------------------------------
+
+    def prefetch_step(self, i: int) -> None:
+        """Issue the next parameter gathers (in order of need) while: their
+        layer is at most ``prefetch`` layers past the current one, the comm
+        stream is idle (a queued gather would delay the reductions that
+        become ready meanwhile), and the gathered bytes fit under the limit."""
+        current = max(self.current_rank(i), 0)
+        upto = current + self.prefetch
+        pf_order, memory_limit, range_max = self.pf_order, self.memory_limit, self.range_max
+        while self.next_pf < len(pf_order):
+            ag = pf_order[self.next_pf]
+            if ag in self.done:
+                self.next_pf += 1
                 continue
-            rank = layer_rank[ag_layer[ag][0]]
-            if rank > upto or (rank > current and not clock.link_idle(info.stream[ag])):
+            rank = self.layer_rank[self.ag_layer[ag][0]]
+            if rank > upto or (rank > current and not self.clock.link_idle(self.info.stream[ag])):
                 return
             if memory_limit is not None:
                 # what the original order adds before the gather is used
                 # (it stays alive until then) predicts the rise from here;
                 # from the gather's own place on, the original order holds
                 # the gathered bytes already, if it keeps them to the need
-                base, gathered, at = orig_live[i - 1 if i else 0], nbytes(ag.meta.get("val")), index[ag]
+                need = self.need_of[ag]
+                base, gathered, at = self.orig_live[i - 1 if i else 0], nbytes(ag.meta.get("val")), self.index[ag]
                 if (
-                    at < i or orig_last.get(ag, at) < need_of[ag]
+                    at < i or self.orig_last.get(ag, at) < need
                 ):  # (or the original frees it before the need: a copy-out)
-                    rise = max(range_max(i, need_of[ag] + 1) - base, 0) + gathered
+                    rise = max(range_max(i, need + 1) - base, 0) + gathered
                 else:
-                    rise = max(range_max(i, at) - base + gathered, range_max(at, need_of[ag] + 1) - base, gathered)
-                if live.live + rise > memory_limit:
+                    rise = max(range_max(i, at) - base + gathered, range_max(at, need + 1) - base, gathered)
+                if self.live.live + rise > memory_limit:
                     return
-            before = compute_count
-            ensure(ag)
-            next_pf += 1
-            if before == compute_count:
-                stats.prefetched_all_gathers += 1
+            before = self.compute_count
+            self.ensure(ag)
+            self.next_pf += 1
+            if before == self.compute_count:
+                self.stats.prefetched_all_gathers += 1
 
-    def current_rank(i: int) -> int:
+    def current_rank(self, i: int) -> int:
         # need_points ascend: the last layer whose first need is at or before i
-        return bisect.bisect_right(need_points, i) - 1
+        return bisect.bisect_right(self.need_points, i) - 1
 
-    # placeholders first, in their order
-    for n in nodes:
-        if n.op == "placeholder":
-            emit(n)
-    flush()
-    i = 0
-    # waits, and of parameter gather chains the ops up to each gather and
-    # the views of its result: a bucket's split into parameters would
-    # otherwise pull the wait forward to its place in the original order (a
-    # copy out of the bucket stays there: deferred, it would hold the whole
-    # bucket until the last parameter's use)
-    deferred = {n for n in nodes if kind[n] == 2} | _deferred_chain_ops(ag_layer, info)
-
-    def stall_until(n: fx.Node) -> float:
-        # when the collectives behind n's pending waits end (0: no stall)
+    def stall_until(self, n: fx.Node) -> float:
+        """When the collectives behind ``n``'s pending waits end (0: no stall)."""
         end = 0.0
-        for a in ins[n]:
-            if kind[a] == 2 and a not in done and a not in info.comm_side:
-                end = max(end, clock.done.get(a.args[0], 0.0))
+        for a in self.ins[n]:
+            if self.kind[a] == 2 and a not in self.done and a not in self.info.comm_side:
+                end = max(end, self.clock.done.get(a.args[0], 0.0))
         return end
 
-    def fill(i: int, until: float) -> None:
-        # Run ready work from a little further on while the collectives n
-        # waits for are in flight (the shared experts while the MoE tokens
-        # are exchanged, the other chunk's compute): in original order,
-        # only nodes whose inputs are all out, within the memory limit.
-        for m in nodes[i + 1 : i + FILL_WINDOW]:
-            if clock.now >= until:
+    def fill(self, i: int, until: float) -> None:
+        """Run ready work from a little further on while the collectives n
+        waits for are in flight (the shared experts while the MoE tokens
+        are exchanged, the other chunk's compute): in original order,
+        only nodes whose inputs are all out, within the memory limit."""
+        done, memory_limit = self.done, self.memory_limit
+        for m in self.nodes[i + 1 : i + FILL_WINDOW]:
+            if self.clock.now >= until:
                 return
-            if m in done or m is output or m in deferred or kind[m] != 3:
+            if m in done or m is self.output or m in self.deferred or self.kind[m] != 3:
                 continue
-            if any(a not in done for a in ins[m]):
+            if any(a not in done for a in self.ins[m]):
                 continue
-            if memory_limit is not None and live.live + info.size.get(m, 0) > memory_limit:
+            if memory_limit is not None and self.live.live + self.info.size.get(m, 0) > memory_limit:
                 continue
-            ensure(m)
-            stats.nodes_filled += 1
+            self.ensure(m)
+            self.stats.nodes_filled += 1
 
-    while i < len(nodes):
-        n = nodes[i]
-        if n in done or n is output or n in deferred:
-            i += 1
-            continue
-        prefetch_step(i)
-        release_held()
-        until = stall_until(n)
-        if until > clock.now:
-            fill(i, until)
-            if n in done:
+    def run(self) -> list[fx.Node]:
+        """Emit every node once; the new order."""
+        nodes, done, output, deferred = self.nodes, self.done, self.output, self.deferred
+        # placeholders first, in their order
+        for n in nodes:
+            if n.op == "placeholder":
+                self.emit(n)
+        self.flush()
+        i = 0
+        while i < len(nodes):
+            n = nodes[i]
+            if n in done or n is output or n in deferred:
                 i += 1
                 continue
-        if since_rs >= cap and n in compute and n in dist_to_rs:
-            # past the cap: run toward the nearest pending reduction first
-            target = _closest_reduction(n, nodes, i, done, dist_to_rs, info)
-            if target is not None and target is not n:
-                ensure(target)
-                continue
-        ensure(n)
-        i += 1
-    for n in nodes:
-        if n not in done and n is not output:
-            ensure(n)
-    emit(output)
-    return order
+            self.prefetch_step(i)
+            self.release_held()
+            until = self.stall_until(n)
+            if until > self.clock.now:
+                self.fill(i, until)
+                if n in done:
+                    i += 1
+                    continue
+            if self.since_rs >= self.cap and n in self.compute and n in self.dist_to_rs:
+                # past the cap: run toward the nearest pending reduction first
+                target = _closest_reduction(n, nodes, i, done, self.dist_to_rs, self.info)
+                if target is not None and target is not n:
+                    self.ensure(target)
+                    continue
+            self.ensure(n)
+            i += 1
+        for n in nodes:
+            if n not in done and n is not output:
+                self.ensure(n)
+        self.emit(output)
+        return self.order
+
+
+def schedule_order(
+    gm: fx.GraphModule,
+    ctx: PassContext | None,
+    stats: ScheduleStats,
+    costs: Costs | None = None,
+    memory_limit: int | None = None,
+    info: Info | None = None,
+) -> list[fx.Node]:
+    """The overlap schedule of ``gm``'s nodes (``gm`` itself is not changed);
+    ``stats`` receives the counts. ``memory_limit`` (bytes): the live bytes
+    that prefetching, filling and early reductions must stay under (None: no
+    limit)."""
+    return OverlapScheduler(gm, ctx, stats, costs, memory_limit, info).run()
 
 
 def _only_output_reads(wait: fx.Node | None, output: fx.Node) -> bool:
     """Whether the result of ``wait`` (through views and layout ops: the
     split and concatenation of a gather along another dim) is read only by
     the graph output."""
-    from .recompute_all_gathers import _is_chain_op
+    from .recompute_all_gathers import is_chain_op
 
     if wait is None:
         return False
@@ -442,7 +502,7 @@ def _only_output_reads(wait: fx.Node | None, output: fx.Node) -> bool:
         for u in stack.pop().users:
             if u is output or u in seen:
                 continue
-            if _is_chain_op(u) and u.target not in STARTS and u.target is not WAIT:
+            if is_chain_op(u) and u.target not in STARTS and u.target is not WAIT:
                 seen.add(u)
                 stack.append(u)
             else:
@@ -541,7 +601,7 @@ def _schedule_within(gm, ctx, stats: ScheduleStats, costs, limit: int, target: i
     fits, the original order stays (no reordering rather than a spike)."""
     for _ in range(1 + MAX_RESCHEDULES):
         attempt = dataclasses.replace(stats)
-        order = _schedule(gm, ctx, attempt, costs, limit, info)
+        order = schedule_order(gm, ctx, attempt, costs, limit, info)
         peak = info.estimate(order)[1]
         if peak <= target:
             for f in dataclasses.fields(stats):

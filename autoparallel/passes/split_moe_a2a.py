@@ -25,14 +25,17 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
-from ..apply.moe_dispatch import _ops
+from ..apply import moe_a2a_phases  # noqa: F401 - registers the phase ops (and moe_experts_a2a, through moe_dispatch)
 from ..graph_vocab import C10D as _c10d, SOURCE_KEY
-from . import PassContext, register_pass
-from .chunk_dims import _fake_mode, _stamp, _val
+from .base import PassContext, register_pass
+from .chunk_dims import fake_mode_of, stamp_like, fake_val
 
 __all__ = ["SplitMoEStats", "split_moe_a2a"]
+
+_ops = torch.ops.autoparallel
 
 # node.meta keys copied from the fused op to its phases (module path, AC
 # and partitioner tags, where it came from). The partitioner tag keeps the
@@ -52,7 +55,7 @@ class _Emitter:
 
     def __init__(self, gm: fx.GraphModule, anchor: fx.Node):
         self.g, self.anchor = gm.graph, anchor
-        self.mode = _fake_mode([_val(a) for a in anchor.all_input_nodes])
+        self.mode = fake_mode_of([fake_val(a) for a in anchor.all_input_nodes])
         self.added = 0
 
     def __call__(self, target, *args) -> fx.Node:
@@ -61,13 +64,13 @@ class _Emitter:
         for k in _KEEP_META:
             if k in self.anchor.meta:
                 n.meta[k] = self.anchor.meta[k]
-        vals = fx.node.map_arg(args, _val)
+        vals = fx.node.map_arg(args, fake_val)
         if target is operator.getitem:
             n.meta["val"] = vals[0][vals[1]]
         else:
             with self.mode:
                 n.meta["val"] = target(*vals)
-        _stamp(n, self.anchor, ("split_moe_a2a", self.added))
+        stamp_like(n, self.anchor, ("split_moe_a2a", self.added))
         self.added += 1
         return n
 
@@ -91,8 +94,8 @@ class _Emitter:
 def _split_forward(gm: fx.GraphModule, n: fx.Node) -> int:
     x, idx, tw, w1, w3, w2, _ids, n_experts, group = n.args
     emit = _Emitter(gm, n)
-    k = _val(idx).shape[-1]
-    order, counts, recv_counts = emit.route(idx, n_experts, _val(w1).shape[0], group)
+    k = fake_val(idx).shape[-1]
+    order, counts, recv_counts = emit.route(idx, n_experts, fake_val(w1).shape[0], group)
     rows = emit(_ops.moe_a2a_gather_rows.default, x, order, k)
     recv = emit.exchange(rows, counts, recv_counts, group)
     y = emit(_ops.moe_a2a_expert_rows.default, recv, recv_counts, w1, w3, w2)
@@ -106,7 +109,7 @@ def _split_forward(gm: fx.GraphModule, n: fx.Node) -> int:
 def _split_backward(gm: fx.GraphModule, n: fx.Node) -> int:
     g, x, idx, tw, w1, w3, w2, _ids, n_experts, group = n.args
     emit = _Emitter(gm, n)
-    order, counts, recv_counts = emit.route(idx, n_experts, _val(w1).shape[0], group)
+    order, counts, recv_counts = emit.route(idx, n_experts, fake_val(w1).shape[0], group)
     rows = emit(_ops.moe_a2a_gather_grad_rows.default, x, g, tw, order)
     recv = emit.exchange(rows, counts, recv_counts, group)
     done = emit(_ops.moe_a2a_expert_rows_backward.default, recv, recv_counts, w1, w3, w2)

@@ -20,58 +20,21 @@ activations from the scheduler's peak.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 
-# One placement token per mesh dim: S(d), _S(d, k) (strided shard), P, P(op), R.
-_TOKEN = re.compile(r"_S\(\d+, ?\d+\)|S\(\d+\)|P(?:\(\w+\))?|R")
-
-DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8, "int64": 8, "int32": 4}
-
-
-# Device memory by cost-model preset name (datasheet, decimal GB).
-HBM_BYTES = {"H100": 80e9, "A100": 80e9, "H200": 141e9, "B200": 192e9}
-
-
-def placement_tokens(spec: str) -> list[str]:
-    """``_S(0, 8)S(0)`` -> ``['_S(0, 8)', 'S(0)']``."""
-    return _TOKEN.findall(spec)
-
-
-def shard_factor(spec: str, mesh_shape: list[int]) -> int:
-    """How many ways a tensor with placements ``spec`` is split per rank."""
-    tokens = placement_tokens(spec)
-    return math.prod(size for tok, size in zip(tokens, mesh_shape) if "S(" in tok)
-
-
-@dataclass(frozen=True)
-class OptimizerSpec:
-    """Optimizer state per parameter element (bytes). AdamW keeps two fp32
-    moments (8 bytes); SGD with momentum one (4); plain SGD none."""
-
-    name: str = "AdamW"
-    state_bytes_per_element: int = 8
-    # an fp32 master copy when parameters are kept in low precision
-    master_bytes_per_element: int = 0
-
-
-ADAMW = OptimizerSpec()
-
-
-def param_state_bytes(
-    numel: int, factor: int, param_bytes: int, grad_bytes: int, optimizer: OptimizerSpec = ADAMW
-) -> tuple[float, float, float]:
-    """(parameter, gradient, optimizer) bytes per rank of one parameter of
-    ``numel`` elements split ``factor`` ways: the per-option coefficients."""
-    local = numel / factor
-    opt = local * (optimizer.state_bytes_per_element + optimizer.master_bytes_per_element)
-    return local * param_bytes, local * grad_bytes, opt
-
-
-# Every memory figure the project prints is in GB, 10^9 bytes (as HBM sizes
-# are quoted: an H100 has 80 GB).
-GB = 1e9
-UNIT_NOTE = "GB = 10^9 bytes"
+from .memory_budget import StepMemoryModel
+from .param_memory import (  # noqa: F401 - re-exported: the memory vocabulary
+    ADAMW,
+    DTYPE_BYTES,
+    GB,
+    HBM_BYTES,
+    UNIT_NOTE,
+    OptimizerSpec,
+    param_state_bytes,
+    placement_tokens,
+    shard_factor,
+    size_text,
+)
 
 
 @dataclass
@@ -133,27 +96,29 @@ class MemoryBreakdown:
     def lines(self) -> list[str]:
         applied = self.scheduler_activations is not None
         out = [
-            f"parameters   {_size(self.parameters):>10s}",
-            f"gradients    {_size(self.gradients):>10s}",
-            f"optimizer    {_size(self.optimizer):>10s} ({self.optimizer_name})",
+            f"parameters   {size_text(self.parameters):>10s}",
+            f"gradients    {size_text(self.gradients):>10s}",
+            f"optimizer    {size_text(self.optimizer):>10s} ({self.optimizer_name})",
         ]
-        planned_parts = f"saved activations {_size(self.activations)}" + (
-            f" + outputs and their gradients {_size(self.outputs)}" if self.outputs else ""
+        planned_parts = f"saved activations {size_text(self.activations)}" + (
+            f" + outputs and their gradients {size_text(self.outputs)}" if self.outputs else ""
         )
         if applied:
             out.append(
-                f"activations  {_size(self.scheduler_activations):>10s} (activations and transients at the overlap "
+                f"activations  {size_text(self.scheduler_activations):>10s} (activations and transients at the overlap "
                 f"scheduler's live-bytes peak; the planner estimated {planned_parts})"
             )
         else:
             out.append(
-                f"activations  {_size(self.activations):>10s}"
+                f"activations  {size_text(self.activations):>10s}"
                 + (f" ({self.activations_source})" if self.activations_source else "")
             )
             if self.outputs:
-                out.append(f"outputs      {_size(self.outputs):>10s} (the step's outputs and their incoming gradients)")
+                out.append(
+                    f"outputs      {size_text(self.outputs):>10s} (the step's outputs and their incoming gradients)"
+                )
         out.append(
-            f"peak         {_size(self.total):>10s} per rank of {self.hbm / GB:.0f} GB HBM "
+            f"peak         {size_text(self.total):>10s} per rank of {self.hbm / GB:.0f} GB HBM "
             f"({100 * self.total / self.hbm:.0f}%)"
             + (
                 ""
@@ -163,15 +128,15 @@ class MemoryBreakdown:
         )
         if self.budget is not None:
             line = (
-                f"budget       {_size(self.budget):>10s} ({self.budget_source}): bounds the planner's estimate, "
-                f"{_size(self.planned)} ({100 * self.planned / self.budget:.0f}%)"
+                f"budget       {size_text(self.budget):>10s} ({self.budget_source}): bounds the planner's estimate, "
+                f"{size_text(self.planned)} ({100 * self.planned / self.budget:.0f}%)"
             )
             if applied:
                 line += f"; the peak is {100 * self.total / self.budget:.0f}% of it"
             out.append(line)
             if applied and self.total > self.budget * (1 + 1e-9):
                 out.append(
-                    f"WARNING: the peak, {_size(self.total)}, exceeds the budget: transients the planner's estimate "
+                    f"WARNING: the peak, {size_text(self.total)}, exceeds the budget: transients the planner's estimate "
                     "leaves out (gathered weights, activation gradients, communication buffers); lower the budget "
                     "(add_memory_budget) by the difference and plan again"
                 )
@@ -179,18 +144,10 @@ class MemoryBreakdown:
             out.append(f"budget       none ({self.budget_source})")
         if self.total > self.hbm:
             out.append(
-                f"WARNING: does not fit: {_size(self.total)} needed per rank, the device has "
+                f"WARNING: does not fit: {size_text(self.total)} needed per rank, the device has "
                 f"{self.hbm / GB:.0f} GB (shard more, recompute more, or use a smaller batch)"
             )
         return out + self.notes
-
-
-def _size(b: float) -> str:
-    """Bytes in GB, MB or kB (powers of 10, as :data:`GB`)."""
-    for unit, f in (("GB", GB), ("MB", 1e6), ("kB", 1e3)):
-        if b >= f:
-            return f"{b / f:.2f} {unit}"
-    return f"{int(b)} B"
 
 
 def breakdown(plan, *, optimizer: OptimizerSpec | None = None, hbm_bytes: float | None = None) -> MemoryBreakdown:
@@ -243,8 +200,6 @@ def _scheduler_activations(plan, params: float, grads: float) -> float | None:
 
 
 def _budget_breakdown(plan, entry: dict, optimizer: OptimizerSpec | None, hbm: float, notes: list[str]):
-    from .memory_budget import StepMemoryModel
-
     model = StepMemoryModel.from_json(entry["model"])
     est = model.estimate(plan.nodes, plan.mesh_shape)
     if any(b < 0 for term in model.terms.values() for b in term.values()):
@@ -255,7 +210,7 @@ def _budget_breakdown(plan, entry: dict, optimizer: OptimizerSpec | None, hbm: f
     slack = sum(model.estimate(plan.nodes, plan.mesh_shape, row=True).values()) - sum(est.values())
     if slack > 1e-9 * sum(est.values()):
         notes = notes + [
-            f"the budget's ILP row counts {_size(slack)} more: a value recomputed for the backward but read "
+            f"the budget's ILP row counts {size_text(slack)} more: a value recomputed for the backward but read "
             "in another layout, weighed one option at a time, is bounded from above"
         ]
     name = model.optimizer

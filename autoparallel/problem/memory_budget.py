@@ -60,7 +60,7 @@ import torch.fx
 
 import solver
 
-from .memory import ADAMW, HBM_BYTES, OptimizerSpec, shard_factor
+from .param_memory import ADAMW, HBM_BYTES, OptimizerSpec, shard_factor, size_text
 from ..options.placements import SpecLabels
 from ..capture.saved_activations import (  # noqa: F401  (saved_activation_nodes: public here too)
     nbytes,
@@ -399,18 +399,14 @@ def _fmt(p) -> str:
 
 
 def describe(parts: dict[str, float]) -> str:
-    from .memory import _size
-
-    return ", ".join(f"{cat} {_size(parts[cat])}" for cat in CATEGORIES if parts.get(cat))
+    return ", ".join(f"{cat} {size_text(parts[cat])}" for cat in CATEGORIES if parts.get(cat))
 
 
 def describe_entry(entry: dict) -> str:
     """A constraint-log entry of the budget in words, for conflict messages."""
-    from .memory import _size
-
-    text = f"{_size(entry['budget_bytes'])} per rank, {entry.get('source', '')}"
+    text = f"{size_text(entry['budget_bytes'])} per rank, {entry.get('source', '')}"
     if entry.get("smallest_bytes") is not None:
-        text += f"; every term at its smallest layout: {_size(entry['smallest_bytes'])}"
+        text += f"; every term at its smallest layout: {size_text(entry['smallest_bytes'])}"
     return text
 
 
@@ -427,18 +423,17 @@ def check_budget(
     budget; returns that lower bound by category. (A budget above it may
     still be infeasible through the graph's edges: the solver then names
     the budget.)"""
-    from .infeasibility import InfeasibleConstraintError
-    from .memory import _size
+    from ..errors import InfeasibleConstraintError
 
     low = smallest(model, strategies, mesh_shape, pins)
     total = sum(low.values())
     if total > budget * (1 + 1e-9):
         pinned = [c for name, (c, _) in pins.items() if name in model.terms]
         raise InfeasibleConstraintError(
-            f"{BUDGET_NAME}: the smallest per-rank memory any plan can reach is at least {_size(total)} "
+            f"{BUDGET_NAME}: the smallest per-rank memory any plan can reach is at least {size_text(total)} "
             f"({describe(low)}; every tensor as sharded as its options"
             + (" and the pins " + ", ".join(repr(c) for c in pinned) if pinned else "")
-            + f" allow), above the budget of {_size(budget)} ({source}). To fit: use more ranks or a "
+            + f" allow), above the budget of {size_text(budget)} ({source}). To fit: use more ranks or a "
             "smaller batch, activation checkpointing (autoparallel.capture.activation_checkpointing.apply_ac), "
             "an optimizer with less state (add_memory_budget(optimizer=...)), raise the budget "
             "(add_memory_budget(bytes=...)), or plan without it (AutoParallel(..., memory_budget=False))",

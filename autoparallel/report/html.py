@@ -294,6 +294,6 @@ def render(plan, model: str | None = None) -> str:
 
 
 def write_html(plan, path: str, model: str | None = None) -> None:
-    from ..plan import write_atomic
+    from .files import write_atomic
 
     write_atomic(path, render(plan, model))

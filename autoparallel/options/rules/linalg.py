@@ -5,7 +5,7 @@
 registers as a side-effectful op: AOT autograd then threads "effect tokens"
 through the joint graph (an extra input and output, ``with_effects`` calls),
 which the planner does not model. The check only raises on a singular or
-non-positive-definite input; :func:`linalg_checks_without_effect_tokens`
+non-positive-definite input; :func:`~autoparallel.capture.trace_wrappers.linalg_checks_without_effect_tokens`
 traces it as the plain op it is, so the step plans (the check, which has no
 output, is not kept: a singular input gives inf/nan instead of raising, as
 under ``torch.compile`` with ``check_errors=False``).
@@ -16,29 +16,8 @@ The ops themselves have no sharding rule beyond replicate-only fallback
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
-
-# ops PyTorch marks effectful that are only run-time checks
-_CHECK_OPS = ("aten::_linalg_check_errors",)
-
-
-@contextlib.contextmanager
-def linalg_checks_without_effect_tokens():
-    """While tracing, treat ``aten._linalg_check_errors`` as an ordinary op."""
-    from torch._library.simple_registry import singleton
-
-    holders = [singleton.find(name).effect for name in _CHECK_OPS]
-    saved = [h.effect for h in holders]
-    for h in holders:
-        h.register(None)
-    try:
-        yield
-    finally:
-        for h, effect in zip(holders, saved):
-            h.register(effect)
-
 
 # --------------------------------------------------------------------------
 # Batched solves: DTensor's options, minus those that cannot run locally.
@@ -105,12 +84,12 @@ def _runs_locally(node, option) -> bool:
 
 
 def _register_batched_solves() -> None:
-    from ..strategies import SpecPool, _dtensor_options, register_rule, replicate_options, tensor_inputs
+    from ..strategies import SpecPool, dtensor_options, register_rule, replicate_options, tensor_inputs
 
     @register_rule(*_BATCHED_SOLVES)
     def batched_solve_rule(node, input_candidates, mesh):
         inputs = tensor_inputs(node)
-        options = _dtensor_options(node, inputs, input_candidates, SpecPool(mesh))
+        options = dtensor_options(node, inputs, input_candidates, SpecPool(mesh))
         kept = [o for o in options if _runs_locally(node, o)]
         return kept or replicate_options(node, inputs, mesh)
 

@@ -141,13 +141,13 @@ def _reference_options(node, strategy, inputs, pool):
     """DTensor's strategy as options, the plain way: every OpSpec's
     placements, deduplicated in order, uneven layouts dropped."""
     from autoparallel.options import strategies as st
-    from autoparallel.options.dtensor_query import _out_meta
+    from autoparallel.options.dtensor_query import node_out_meta
 
-    out_meta = _out_meta(node)
+    out_meta = node_out_meta(node)
     in_metas = [st.tensor_meta_of(n.meta["val"]) for n in inputs]
     options, seen = [], set()
     for op_spec in strategy.strategies:
-        out = st._for_each_output(op_spec.output_specs, out_meta)
+        out = st.for_each_output(op_spec.output_specs, out_meta)
         if op_spec.input_specs is None:
             in_placements = tuple(op_spec.output_spec.placements for _ in in_metas)
         elif len(op_spec.input_specs) != len(inputs):
@@ -158,11 +158,11 @@ def _reference_options(node, strategy, inputs, pool):
         if key in seen:
             continue
         seen.add(key)
-        if st._out_placements_ok(out, out_meta, pool.mesh) and all(
+        if st.out_placements_ok(out, out_meta, pool.mesh) and all(
             st.is_evenly_sharded(m.shape, p, pool.mesh) for p, m in zip(in_placements, in_metas)
         ):
             ins = tuple(pool.get(p, m) for p, m in zip(in_placements, in_metas))
-            options.append(st.Option(st._pooled_out(out, out_meta, pool), ins))
+            options.append(st.Option(st.pooled_output(out, out_meta, pool), ins))
     return options
 
 
@@ -205,7 +205,7 @@ def test_options_converted_once_per_spec_object(fake_world, monkeypatch, mesh_sh
         model = Transformer(LLAMA3_CONFIGS["debug"])
     example = torch.empty(4, 8, dtype=torch.long, device="meta")
     ours, plain = _enumerate_both_ways(
-        monkeypatch, model, example, init_device_mesh("cpu", mesh_shape), _options_from_op_strategy=_reference_options
+        monkeypatch, model, example, init_device_mesh("cpu", mesh_shape), options_from_op_strategy=_reference_options
     )
     assert ours == plain
     assert sum(len(v) for v in ours.values()) > 5000
@@ -227,7 +227,7 @@ def test_options_without_dtensors_costs(fake_world, monkeypatch):
         model,
         torch.empty(8, 6, 16, device="meta"),
         init_device_mesh("cpu", (2, 4)),
-        _without_dtensor_redistribute_costs=contextlib.nullcontext,
+        without_dtensor_redistribute_costs=contextlib.nullcontext,
     )
     assert ours == costed
     assert sum(len(v) for v in ours.values()) > 500

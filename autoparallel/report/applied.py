@@ -1,0 +1,47 @@
+"""What the plan records of the applied step: its collectives' traffic, the
+overlap scheduler's timeline and memory curve (the HTML report draws them),
+and a warning where the applied step's peak memory exceeds the budget."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ..cost_model import DeviceSpec
+    from ..plan import Plan
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["record_applied"]
+
+
+def record_applied(plan: Plan, model: nn.Module, mesh: DeviceMesh, device: DeviceSpec) -> None:
+    """Set ``plan.collectives`` and ``plan.timeline`` from the applied
+    ``model``'s forward and backward graphs; log a warning when the applied
+    step's peak memory (:func:`~autoparallel.problem.memory.breakdown`)
+    exceeds the memory budget."""
+    from ..apply.collectives import traffic_table
+    from ..problem.memory import breakdown
+    from .timeline import simulate
+
+    graphs = {"forward": model.forward_graph, "backward": model.backward_graph}
+    plan.collectives = traffic_table(graphs, mesh, device)
+    # what the HTML report draws: the scheduler's timeline and memory curve
+    with unset_fake_temporarily():
+        plan.timeline = {phase: simulate(gm, mesh, device) for phase, gm in graphs.items()}
+    mem = breakdown(plan)
+    if mem.budget is not None and mem.total > mem.budget * (1 + 1e-9):
+        logger.warning(
+            "memory: the applied step's peak, %.2f GB per rank, exceeds the memory budget of %.2f GB (the "
+            "planner's estimate was %.2f GB: transients it leaves out); lower add_memory_budget by the "
+            "difference and plan again",
+            mem.total / 1e9,
+            mem.budget / 1e9,
+            mem.planned / 1e9,
+        )
