@@ -153,8 +153,8 @@ class MemoryBreakdown:
             if self.outputs:
                 out.append(f"outputs      {_size(self.outputs):>10s} (the step's outputs and their incoming gradients)")
         out.append(
-            f"peak         {_size(self.total):>10s} per rank of {self.hbm / GB:.0f} GB HBM "
-            f"({100 * self.total / self.hbm:.0f}%)"
+            f"peak         {_size(self.total):>10s} per rank of {_size(self.hbm)} HBM "
+            f"({_percent(self.total / self.hbm)})"
             + (
                 ""
                 if applied
@@ -164,10 +164,10 @@ class MemoryBreakdown:
         if self.budget is not None:
             line = (
                 f"budget       {_size(self.budget):>10s} ({self.budget_source}): bounds the planner's estimate, "
-                f"{_size(self.planned)} ({100 * self.planned / self.budget:.0f}%)"
+                f"{_size(self.planned)} ({_percent(self.planned / self.budget)})"
             )
             if applied:
-                line += f"; the peak is {100 * self.total / self.budget:.0f}% of it"
+                line += f"; the peak is {_percent(self.total / self.budget)} of it"
             out.append(line)
             if applied and self.total > self.budget * (1 + 1e-9):
                 out.append(
@@ -180,17 +180,24 @@ class MemoryBreakdown:
         if self.total > self.hbm:
             out.append(
                 f"WARNING: does not fit: {_size(self.total)} needed per rank, the device has "
-                f"{self.hbm / GB:.0f} GB (shard more, recompute more, or use a smaller batch)"
+                f"{_size(self.hbm)} (shard more, recompute more, or use a smaller batch)"
             )
         return out + self.notes
 
 
 def _size(b: float) -> str:
-    """Bytes in GB, MB or kB (powers of 10, as :data:`GB`)."""
-    for unit, f in (("GB", GB), ("MB", 1e6), ("kB", 1e3)):
-        if b >= f:
-            return f"{b / f:.2f} {unit}"
-    return f"{int(b)} B"
+    """Bytes in GB, MB or kB (powers of 10, as :data:`GB`): the report's
+    unit system (:mod:`autoparallel.report.units`)."""
+    # imported here: autoparallel.report imports this module
+    from ..report import units
+
+    return units.size(b)
+
+
+def _percent(fraction: float) -> str:
+    from ..report import units
+
+    return units.percent(fraction)
 
 
 def breakdown(plan, *, optimizer: OptimizerSpec | None = None, hbm_bytes: float | None = None) -> MemoryBreakdown:
@@ -208,7 +215,7 @@ def breakdown(plan, *, optimizer: OptimizerSpec | None = None, hbm_bytes: float 
         hbm_bytes = device.get("hbm_bytes") or HBM_BYTES.get(name)
         if hbm_bytes is None:
             hbm_bytes = HBM_BYTES["H100"]
-            hbm_notes.append(f"device {name!r} has no known HBM size: 80 GB assumed (pass hbm_bytes=)")
+            hbm_notes.append(f"device {name!r} has no known HBM size: {_size(hbm_bytes)} assumed (pass hbm_bytes=)")
     entry = (plan.constraints or {}).get("memory budget")
     if isinstance(entry, dict) and "model" in entry:
         return _budget_breakdown(plan, entry, optimizer, hbm_bytes, hbm_notes)

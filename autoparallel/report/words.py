@@ -14,6 +14,7 @@ import math
 from collections import Counter, defaultdict
 
 from ..problem.memory import placement_tokens
+from . import units
 
 LEGEND = [
     "notation: one placement per mesh dim, in mesh order",
@@ -234,8 +235,8 @@ def describe(plan) -> list[str]:
     if weight_desc:
         parts = []
         for desc, count in weight_desc.most_common():
-            share = 100 * weight_bytes[desc] / total_bytes if total_bytes else 0
-            parts.append(f"{count} tensors ({share:.1f}% of parameters) {desc}")
+            share = weight_bytes[desc] / total_bytes if total_bytes else 0
+            parts.append(f"{count} tensors ({units.percent(share)} of parameters) {desc}")
         lines.append("weights: " + "; ".join(parts))
     for fam, per_dim in roles.items():
         words = []
