@@ -308,7 +308,9 @@ def _is_linear(n: fx.Node) -> bool:
     return isinstance(t, torch._ops.OpOverload) and t.is_view
 
 
-def _plan_region(region: str, mode: str, members: list[fx.Node], global_dims: dict, early_sums: bool = True) -> _Plan:
+def _plan_region(
+    region: str, mode: str, members: list[fx.Node], global_dims: dict, early_sums: bool = True, why: dict | None = None
+) -> _Plan:
     """Decide what to split, duplicate and rebuild; raise :class:`ChunkRefused`."""
     member_set = set(members)
     if mode == "seq":
@@ -346,7 +348,10 @@ def _plan_region(region: str, mode: str, members: list[fx.Node], global_dims: di
                     state[a] = g
                 deps.append(a)
             elif g is None:
-                raise ChunkRefused(f"cannot tell the split dim of live-in {a.name} (feeding {n.name})")
+                lost = (why or {}).get(a)
+                raise ChunkRefused(
+                    f"cannot tell the split dim of live-in {a.name} (feeding {n.name})" + (f": {lost}" if lost else "")
+                )
             else:
                 shared.add(a)
         if not deps or n.target in _FILLS:
@@ -627,12 +632,13 @@ def _chunk_graph(gm, modules, seeds, ctx, copies, stats, early_sums) -> ChunkReg
         return stats
     before = _scheduled_exposure(gm, ctx, modules)
     names = {n.name for n in gm.graph.nodes}
-    dims_by_mode = {mode: propagate_split_dims(gm, seeds.get(mode, {})) for mode in {m for m, _ in regions.values()}}
+    whys: dict[str, dict[fx.Node, str]] = {m: {} for m, _ in regions.values()}
+    dims_by_mode = {mode: propagate_split_dims(gm, seeds.get(mode, {}), whys[mode]) for mode in whys}
     for region, (mode, members) in regions.items():
         rep = RegionReport(region, mode, chunked=False)
         n_copies = copies(members[0])
         try:
-            plan = _plan_region(region, mode, members, dims_by_mode[mode], early_sums)
+            plan = _plan_region(region, mode, members, dims_by_mode[mode], early_sums, whys[mode])
         except ChunkRefused as e:
             rep.reason = str(e)
             stats.regions_refused += n_copies
