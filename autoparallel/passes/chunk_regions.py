@@ -671,11 +671,13 @@ def _chunk_graph(gm, modules, seeds, ctx, copies, stats, early_sums) -> ChunkReg
                 n_copies = copies(next(n for n in gm.graph.nodes if n.meta.get(CHUNK_KEY, (None,))[0] == rep.region))
                 stats.exposed_comm_before_s += rep.exposed_comm_before_s * n_copies
                 stats.exposed_comm_after_s += rep.exposed_comm_after_s * n_copies
+    from ..report.units import seconds  # here: the report package imports the passes' stats
+
     for rep in stats.reports:
         if rep.chunked:
             stats.chunked[rep.region] = (
-                f"+{rep.nodes_added} nodes, exposed {rep.exposed_comm_before_s * 1e6:.0f} -> "
-                f"{rep.exposed_comm_after_s * 1e6:.0f} us"
+                f"+{rep.nodes_added} nodes, exposed communication {seconds(rep.exposed_comm_before_s)} -> "
+                f"{seconds(rep.exposed_comm_after_s)}"
             )
     if stats.refused:
         # the user asked for chunking: say plainly when it changed nothing

@@ -14,6 +14,7 @@ single-device step (loss and every gradient).
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 from pathlib import Path
 
@@ -119,6 +120,9 @@ def test_two_matmuls_batch_chunked(fake_world):
     # 2 splits (3 nodes each), 7 chunk-B copies (mm, relu, all_reduce, wait,
     # mm, t, mm), one cat, one add
     assert stats.nodes_added == len(nodes) - n_before == 2 * 3 + 7 + 2
+    # the figures with their unit
+    (said,) = stats.chunked.values()
+    assert re.fullmatch(rf"\+{stats.nodes_added} nodes, exposed communication [\d.]+ (ms|us) -> [\d.]+ (ms|us)", said)
 
 
 def test_late_gradient_sums_reduce_each_chunk(fake_world):
