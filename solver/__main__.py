@@ -4,7 +4,8 @@ The dump is a problem, or a bundle (problem plus the solution found when it
 was written), as written by :func:`solver.serialize.dump`. Prints a summary:
 status, objective (unary + edge), gap, timings per phase, ILP size, what
 presolve shrank, and for a bundle whether the new objective matches the
-dumped one.
+dumped one. Costs are seconds (the planner's step-time estimates): they are
+printed with their unit, in the planner's unit system (``382.6 ms``).
 
 Exit status: 0 solved, 1 infeasible or no solution found, 2 bad arguments or
 malformed dump.
@@ -114,13 +115,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def summary(sol: Solution) -> str:
     """A few lines describing ``sol`` (status, costs, timings, size, presolve)."""
-    gap = "n/a" if sol.gap is None else f"{sol.gap:.3g}"
     lines = [
-        f"status     {sol.status} ({sol.backend}), gap {gap}"
-        + ("" if sol.bound is None or sol.optimal else f", bound {sol.bound:.9g}"),
-        f"objective  {sol.objective:.9g} = unary {sol.unary_cost:.9g} + edge {sol.edge_cost:.9g}",
+        f"status     {sol.status} ({sol.backend}), gap {_percent(sol.gap)}"
+        + ("" if sol.bound is None or sol.optimal else f", bound {_seconds(sol.bound)}"),
+        f"objective  {_seconds(sol.objective)} = unary {_seconds(sol.unary_cost)} + edge {_seconds(sol.edge_cost)}"
+        f" (exactly {sol.objective:.9g} s)",
         f"ILP        {sol.num_variables} variables, {sol.num_constraints} constraints",
-        "timings    " + ", ".join(f"{k} {v:.3f}s" for k, v in sol.timings.items()),
+        "timings    " + ", ".join(f"{k} {_seconds(v)}" for k, v in sol.timings.items()),
     ]
     s = sol.presolve
     if s is None:
@@ -144,14 +145,38 @@ def compare(previous: Solution, new: Solution, rel_tol: float = 1e-6) -> str:
     if same:
         verdict = "matches"
     elif b < a:
-        verdict = f"is better by {a - b:.6g}"
+        verdict = f"is better by {_seconds(a - b)}"
     else:
-        verdict = f"is WORSE by {b - a:.6g}"
+        verdict = f"is WORSE by {_seconds(b - a)}"
     changed = sum(1 for k, v in new.choice.items() if previous.choice.get(k) != v)
     return (
-        f"dumped     objective {a:.9g} ({previous.status}, {previous.backend or '?'}): "
+        f"dumped     objective {_seconds(a)} ({previous.status}, {previous.backend or '?'}): "
         f"new objective {verdict}; {changed} decisions chose differently"
     )
+
+
+# The planner's unit system (autoparallel/report/units.py), restated here:
+# solver/ imports no torch, and importing autoparallel does. A test checks
+# that both give the same text.
+def _seconds(s: float | None) -> str:
+    """A duration in s, ms or us, three or four significant figures."""
+    if s is None:
+        return "n/a"
+    if math.isinf(s):
+        return "inf"
+    a = abs(s)
+    if a >= 1:
+        return f"{s:.2f} s"
+    if a >= 1e-3:
+        return f"{s * 1e3:.1f} ms"
+    if a == 0:
+        return "0 us"
+    return f"{s * 1e6:.1f} us" if a >= 1e-7 else f"{s * 1e6:.2g} us"
+
+
+def _percent(fraction: float | None) -> str:
+    """``0.0123`` -> ``1.23%``; None -> ``n/a``."""
+    return "n/a" if fraction is None else f"{100 * fraction:.3g}%"
 
 
 def _positive_seconds(text: str) -> float:

@@ -187,7 +187,12 @@ def _is_linear(n: fx.Node) -> bool:
 
 
 def plan_region(
-    region: str, mode: ChunkMode, members: list[fx.Node], global_dims: dict, early_sums: bool = True
+    region: str,
+    mode: ChunkMode,
+    members: list[fx.Node],
+    global_dims: dict,
+    early_sums: bool = True,
+    why: dict | None = None,
 ) -> RegionPlan:
     """Decide what to split, duplicate and rebuild; raise :class:`ChunkRefused`."""
     member_set = set(members)
@@ -226,7 +231,10 @@ def plan_region(
                     state[a] = g
                 deps.append(a)
             elif g is None:
-                raise ChunkRefused(f"cannot tell the split dim of live-in {a.name} (feeding {n.name})")
+                lost = (why or {}).get(a)
+                raise ChunkRefused(
+                    f"cannot tell the split dim of live-in {a.name} (feeding {n.name})" + (f": {lost}" if lost else "")
+                )
             else:
                 shared.add(a)
         if not deps or n.target in FILLS:

@@ -609,10 +609,14 @@ def _input_dims(node: fx.Node, dims: dict) -> list[int]:
     return [dims[a] for a in node.all_input_nodes if isinstance(dims.get(a), int)]
 
 
-def propagate_split_dims(gm: fx.GraphModule, seeds: dict[fx.Node, int]) -> dict[fx.Node, Any]:
+def propagate_split_dims(
+    gm: fx.GraphModule, seeds: dict[fx.Node, int], why: dict[fx.Node, str] | None = None
+) -> dict[fx.Node, Any]:
     """Split dim of every graph value reachable from ``seeds`` (placeholder
     -> dim): an int, REDUCED, or None where it cannot be told (the reason in
-    the log at debug level). Values not reachable are absent."""
+    ``why``, value -> where the split dim was lost, and in the log at debug
+    level). Values not reachable are absent."""
+    why = {} if why is None else why
     dims: dict[fx.Node, Any] = dict(seeds)
     half: dict[fx.Node, Any] = {}
     for p, d in seeds.items():
@@ -637,6 +641,10 @@ def propagate_split_dims(gm: fx.GraphModule, seeds: dict[fx.Node, int]) -> dict[
                     dims[n] = d
                     half[n] = out_v.narrow(d, 0, out_v.shape[d] // 2)
                     continue
+                why[n] = (
+                    f"a layout change ({n.name}) leaves size {out_v.shape[d]} per rank on the split dim {d}, "
+                    "which does not halve (split more rows per rank)"
+                )
             dims[n] = None
             continue
         if n.target is operator.getitem and isinstance(dims.get(n.args[0]), tuple):
@@ -645,7 +653,10 @@ def propagate_split_dims(gm: fx.GraphModule, seeds: dict[fx.Node, int]) -> dict[
             continue
         if not _input_dims(n, dims) and not any(dims.get(a) == PER_CHUNK for a in ins):
             # only reduced (shared from here) or unknown inputs
-            dims[n] = None if any(a in dims and dims[a] is None for a in ins) else REDUCED
+            lost = [a for a in ins if a in dims and dims[a] is None]
+            dims[n] = None if lost else REDUCED
+            if lost and lost[0] in why:
+                why[n] = why[lost[0]]
             continue
         # unknown inputs are read whole, as shared values: this only names
         # the dims; a region's own walk checks that its split is exact
@@ -654,6 +665,7 @@ def propagate_split_dims(gm: fx.GraphModule, seeds: dict[fx.Node, int]) -> dict[
         except (UnknownSplitDim, ChunkRefused) as e:
             logger.debug("split dim lost: %s", e)
             dims[n] = None
+            why[n] = str(e)
             continue
         half[n] = out
         dims[n] = tuple(st) if isinstance(st, list) else st

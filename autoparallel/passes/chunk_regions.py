@@ -383,12 +383,13 @@ def _chunk_graph(gm, modules, seeds, ctx, copies, stats, early_sums) -> ChunkReg
         return stats
     before = _scheduled_exposure(gm, ctx, modules)
     names = {n.name for n in gm.graph.nodes}
-    dims_by_mode = {mode: propagate_split_dims(gm, seeds.get(mode, {})) for mode in {m for m, _ in regions.values()}}
+    whys: dict[str, dict[fx.Node, str]] = {m: {} for m, _ in regions.values()}
+    dims_by_mode = {mode: propagate_split_dims(gm, seeds.get(mode, {}), whys[mode]) for mode in whys}
     for region, (mode, members) in regions.items():
         rep = RegionReport(region, mode, chunked=False)
         n_copies = copies(members[0])
         try:
-            plan = plan_region(region, mode, members, dims_by_mode[mode], early_sums)
+            plan = plan_region(region, mode, members, dims_by_mode[mode], early_sums, whys[mode])
         except ChunkRefused as e:
             rep.reason = str(e)
             stats.regions_refused += n_copies
@@ -421,11 +422,13 @@ def _chunk_graph(gm, modules, seeds, ctx, copies, stats, early_sums) -> ChunkReg
                 n_copies = copies(next(n for n in gm.graph.nodes if n.meta.get(CHUNK_KEY, (None,))[0] == rep.region))
                 stats.exposed_comm_before_s += rep.exposed_comm_before_s * n_copies
                 stats.exposed_comm_after_s += rep.exposed_comm_after_s * n_copies
+    from ..report.units import seconds  # here: the report package imports the passes' stats
+
     for rep in stats.reports:
         if rep.chunked:
             stats.chunked[rep.region] = (
-                f"+{rep.nodes_added} nodes, exposed {rep.exposed_comm_before_s * 1e6:.0f} -> "
-                f"{rep.exposed_comm_after_s * 1e6:.0f} us"
+                f"+{rep.nodes_added} nodes, exposed communication {seconds(rep.exposed_comm_before_s)} -> "
+                f"{seconds(rep.exposed_comm_after_s)}"
             )
     if stats.refused:
         # the user asked for chunking: say plainly when it changed nothing

@@ -118,8 +118,8 @@ class MemoryBreakdown:
                     f"outputs      {size_text(self.outputs):>10s} (the step's outputs and their incoming gradients)"
                 )
         out.append(
-            f"peak         {size_text(self.total):>10s} per rank of {self.hbm / GB:.0f} GB HBM "
-            f"({100 * self.total / self.hbm:.0f}%)"
+            f"peak         {size_text(self.total):>10s} per rank of {size_text(self.hbm)} HBM "
+            f"({_percent(self.total / self.hbm)})"
             + (
                 ""
                 if applied
@@ -129,10 +129,10 @@ class MemoryBreakdown:
         if self.budget is not None:
             line = (
                 f"budget       {size_text(self.budget):>10s} ({self.budget_source}): bounds the planner's estimate, "
-                f"{size_text(self.planned)} ({100 * self.planned / self.budget:.0f}%)"
+                f"{size_text(self.planned)} ({_percent(self.planned / self.budget)})"
             )
             if applied:
-                line += f"; the peak is {100 * self.total / self.budget:.0f}% of it"
+                line += f"; the peak is {_percent(self.total / self.budget)} of it"
             out.append(line)
             if applied and self.total > self.budget * (1 + 1e-9):
                 out.append(
@@ -145,9 +145,15 @@ class MemoryBreakdown:
         if self.total > self.hbm:
             out.append(
                 f"WARNING: does not fit: {size_text(self.total)} needed per rank, the device has "
-                f"{self.hbm / GB:.0f} GB (shard more, recompute more, or use a smaller batch)"
+                f"{size_text(self.hbm)} (shard more, recompute more, or use a smaller batch)"
             )
         return out + self.notes
+
+
+def _percent(fraction: float) -> str:
+    from ..report import units
+
+    return units.percent(fraction)
 
 
 def breakdown(plan, *, optimizer: OptimizerSpec | None = None, hbm_bytes: float | None = None) -> MemoryBreakdown:
@@ -165,7 +171,7 @@ def breakdown(plan, *, optimizer: OptimizerSpec | None = None, hbm_bytes: float 
         hbm_bytes = device.get("hbm_bytes") or HBM_BYTES.get(name)
         if hbm_bytes is None:
             hbm_bytes = HBM_BYTES["H100"]
-            hbm_notes.append(f"device {name!r} has no known HBM size: 80 GB assumed (pass hbm_bytes=)")
+            hbm_notes.append(f"device {name!r} has no known HBM size: {size_text(hbm_bytes)} assumed (pass hbm_bytes=)")
     entry = (plan.constraints or {}).get("memory budget")
     if isinstance(entry, dict) and "model" in entry:
         return _budget_breakdown(plan, entry, optimizer, hbm_bytes, hbm_notes)

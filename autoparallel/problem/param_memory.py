@@ -63,8 +63,8 @@ UNIT_NOTE = "GB = 10^9 bytes"
 
 
 def size_text(b: float) -> str:
-    """Bytes in GB, MB or kB (powers of 10, as :data:`GB`)."""
-    for unit, f in (("GB", GB), ("MB", 1e6), ("kB", 1e3)):
-        if b >= f:
-            return f"{b / f:.2f} {unit}"
-    return f"{int(b)} B"
+    """Bytes in GB, MB or kB (powers of 10, as :data:`GB`): the report's
+    unit system (:func:`autoparallel.report.units.size`)."""
+    from ..report import units  # here: the report package imports this one
+
+    return units.size(b)

@@ -1,11 +1,12 @@
 """The hand layouts beside the plan (:mod:`autoparallel.baselines`): one
 table, the estimated step of each, memory per rank and the plan's margin
-("-X ms, -Y% vs FSDP x TP + SP"), for the summary, the example and the HTML
+("-1.2 ms, -3.4% vs FSDP x TP + SP"), for the summary, the example and the HTML
 report."""
 
 from __future__ import annotations
 
 from ..problem.memory import breakdown
+from . import units
 from .numbers import step_estimate
 
 __all__ = ["margin_line", "table_lines"]
@@ -23,16 +24,11 @@ def _plan_step(plan) -> tuple[float, str]:
 
 
 def _fmt_ms(s: float | None) -> str:
-    if s is None:
-        return "n/a"
-    ms = s * 1e3
-    return f"{ms:.1f} ms" if ms >= 10 else f"{ms:.3f} ms"
+    return units.seconds(s)
 
 
 def _fmt_bytes(b: float | None) -> str:
-    if b is None:
-        return ""
-    return f"{b / 1e9:.2f} GB" if b >= 1e8 else f"{b / 1e6:.2f} MB"
+    return "" if b is None else units.size(b)
 
 
 def margin_line(plan, row: dict) -> str:
@@ -42,7 +38,8 @@ def margin_line(plan, row: dict) -> str:
     if theirs is None or not theirs:
         return f"vs {row['name']}: {row.get('note') or 'no figure'}"
     d = mine - theirs
-    return f"{d * 1e3:+.3g} ms, {d / theirs * 100:+.1f}% vs {row['name']}"
+    sign = "+" if d >= 0 else ""
+    return f"{sign}{units.seconds(d)}, {sign}{units.percent(d / theirs)} vs {row['name']}"
 
 
 def table_lines(plan) -> list[str]:

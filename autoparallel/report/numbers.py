@@ -97,17 +97,16 @@ def format_table(header: tuple[str, ...], rows: list[tuple[str, ...]], right: tu
 
 
 def _fmt(v, key: str = "") -> str:
-    if isinstance(v, (int, float)) and not isinstance(v, bool) and key.endswith("_bytes"):
+    """A pass stat's value with its unit, told by its name: bytes
+    (``*_bytes``, ``nbytes``, ``peak_memory_*``), seconds (``*_s``,
+    ``*seconds``); other numbers are counts or ratios."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return str(v)
+    if "bytes" in key or "memory" in key:
         return units.size(v)
-    if isinstance(v, float):
-        if key.endswith("_s") or key.endswith("seconds"):
-            return units.seconds(v)
-        if key.endswith("_bytes"):
-            return units.size(v)
-        return f"{v:.3g}"
-    if isinstance(v, int) and abs(v) >= 10**6:
-        return _size(v)
-    return str(v)
+    if key.endswith(("_s", "seconds")):
+        return units.seconds(v)
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
 
 
 def pass_stat_lines(plan) -> list[str]:

@@ -15,6 +15,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from ..problem.memory import placement_tokens
+from . import units
 
 LEGEND = [
     "notation: one placement per mesh dim, in mesh order",
@@ -192,8 +193,8 @@ class _Weights:
     def line(self) -> str:
         parts = []
         for desc, count in self.desc.most_common():
-            share = 100 * self.size[desc] / self.total if self.total else 0
-            parts.append(f"{count} tensors ({share:.1f}% of parameters) {desc}")
+            share = self.size[desc] / self.total if self.total else 0
+            parts.append(f"{count} tensors ({units.percent(share)} of parameters) {desc}")
         return "weights: " + "; ".join(parts)
 
 

@@ -169,3 +169,44 @@ def test_solve_rejects_bad_limits(kwargs, exc):
     name = next(iter(kwargs))
     with pytest.raises(exc, match=name):
         solve(_problem(), **kwargs)
+
+
+def _ms_problem() -> Problem:
+    """Costs of a few milliseconds (the planner's costs are seconds)."""
+    return Problem(
+        decisions=[Decision("a", ["R", "S0"], [0.004, 0.002]), Decision("b", ["R", "S0"], [0.004, 0.0015])],
+        edges=[Edge("a", "b", 0, [[0.0, 0.0], [0.01, 0.0005]])],
+        name="ms",
+    )
+
+
+def test_summary_prints_costs_with_their_unit(tmp_path, capsys):
+    path = tmp_path / "problem.json"
+    dump(_ms_problem(), path)
+    code = main([str(path), "--output", str(tmp_path / "bundle.json")])
+    out = capsys.readouterr().out
+    assert code == EXIT_OK
+    (objective,) = [line for line in out.splitlines() if line.startswith("objective")]
+    # the optimum: a=S0, b=S0 (2 + 1.5 ms) with their edge (0.5 ms)
+    assert objective == "objective  4.0 ms = unary 3.5 ms + edge 500.0 us (exactly 0.004 s)"
+    (status,) = [line for line in out.splitlines() if line.startswith("status")]
+    assert "gap 0%" in status
+    (timings,) = [line for line in out.splitlines() if line.startswith("timings")]
+    assert all(t.rsplit(" ", 1)[1] in ("s", "ms", "us") for t in timings[len("timings    ") :].split(", ")), timings
+
+    # a bundle: the dumped objective and the difference in the same unit
+    code = main([str(tmp_path / "bundle.json")])
+    out = capsys.readouterr().out
+    assert code == EXIT_OK
+    assert "dumped     objective 4.0 ms (optimal, " in out and "new objective matches" in out
+
+
+def test_compare_gives_the_difference_with_its_unit():
+    from dataclasses import replace
+
+    from solver.__main__ import compare
+
+    new = solve(_ms_problem())
+    worse = replace(new, objective=new.objective + 0.0012, choice={"a": 0, "b": 0})
+    assert "new objective is better by 1.2 ms; 2 decisions chose differently" in compare(worse, new)
+    assert "new objective is WORSE by 1.2 ms" in compare(new, worse)

@@ -14,6 +14,7 @@ single-device step (loss and every gradient).
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 from pathlib import Path
 
@@ -119,6 +120,9 @@ def test_two_matmuls_batch_chunked(fake_world):
     # 2 splits (3 nodes each), 7 chunk-B copies (mm, relu, all_reduce, wait,
     # mm, t, mm), one cat, one add
     assert stats.nodes_added == len(nodes) - n_before == 2 * 3 + 7 + 2
+    # the figures with their unit
+    (said,) = stats.chunked.values()
+    assert re.fullmatch(rf"\+{stats.nodes_added} nodes, exposed communication [\d.]+ (ms|us) -> [\d.]+ (ms|us)", said)
 
 
 def test_late_gradient_sums_reduce_each_chunk(fake_world):
@@ -276,6 +280,27 @@ def test_refusals(name, fn, shapes, seeds, mode, reason):
     (why,) = stats.refused.values()
     assert reason in why, (name, why)
     assert not any(CHUNK_KEY in n.meta for n in gm.graph.nodes)
+
+
+def test_a_layout_change_to_one_row_per_rank_is_named():
+    """A live-in that a layout change (a redistribution's slice to this
+    rank's rows) left with one row on the split dim cannot be halved: the
+    refusal says where the split dim was lost and why."""
+    from autoparallel.apply.redistribute import REDISTRIBUTE_KEY
+
+    def step(x):
+        y = x[0:1]  # this rank's row of a batch split over a mesh dim of 2
+        with fxt.annotate({"module_path": "layers.0.block"}):
+            return y.relu() * 2
+
+    gm = _trace(step, (2, 16))
+    (sliced,) = gm.graph.find_nodes(op="call_function", target=aten.slice.Tensor)
+    sliced.meta[REDISTRIBUTE_KEY] = ("x->relu", "to S(0)")
+    stats = chunk_graph(gm, {"layers.*.block": "batch"}, {"batch": {_placeholders(gm)[0]: 0}})
+    assert stats.regions_chunked == 0
+    (why,) = stats.refused.values()
+    assert why.startswith(f"cannot tell the split dim of live-in {sliced.name} (feeding "), why
+    assert f"a layout change ({sliced.name}) leaves size 1 per rank on the split dim 0, which does not halve" in why
 
 
 def test_nothing_chunked_is_said_in_one_line_per_reason(caplog):
@@ -603,6 +628,21 @@ def test_hugging_face_chunked_equals_unchunked(fake_world, kind, modules):
     build = _hf_lm(kind)
     tokens = (torch.randint(1, 128, (4, 8), generator=torch.Generator().manual_seed(1)),)
     stats, plain, chunked = chunked_vs_unchunked(build, tokens, modules)
+    assert stats.regions_chunked == 2 and not stats.refused, stats.refused
+    assert_same_step(chunked, plain)
+
+
+@pytest.mark.slow  # 40-120 s each: the tiny model planned, applied twice and stepped twice
+@pytest.mark.parametrize("kind", ["llama", "mixtral"])
+def test_hugging_face_decoder_layers_compute_bound(fake_world, kind):
+    """Whole Hugging Face decoder layers (Mixtral's with its MoE block)
+    under a plan that shards the batch over both mesh dims: 8 sequences,
+    2 per rank (one per rank could not be halved: refused)."""
+    fake_world(4)
+    build = _hf_lm(kind)
+    tokens = (torch.randint(1, 128, (8, 8), generator=torch.Generator().manual_seed(1)),)
+    modules = {"model.model.layers.*": "batch"}
+    stats, plain, chunked = chunked_vs_unchunked(build, tokens, modules, device=slow_compute_device())
     assert stats.regions_chunked == 2 and not stats.refused, stats.refused
     assert_same_step(chunked, plain)
 

@@ -194,7 +194,7 @@ def test_report_names_the_budget(fake_world):
     fake_world(N)
     plan, _, _ = _plan_llama(None, apply=False)
     text = plan.summary()
-    assert "budget" in text and "72.00 GB (80 GB HBM less 10%)" in text
+    assert "budget" in text and "72.00 GB (80.00 GB HBM less 10%)" in text
     assert "saved for backward" in text
     model = StepMemoryModel.from_json(plan.constraints[BUDGET_NAME]["model"])
     assert sum("activations" in t for t in model.terms.values()) > 10
@@ -273,7 +273,7 @@ def test_budget_arguments_checked():
         MemoryBudget(bytes=1e9, fraction=0.5)
     with pytest.raises(ValueError, match=r"fraction \(of HBM\) must be in \(0, 1\]"):
         MemoryBudget(fraction=1.5)
-    assert MemoryBudget(fraction=0.5).resolve({"name": "H100"}) == (40e9, "0.5 of 80 GB HBM")
+    assert MemoryBudget(fraction=0.5).resolve({"name": "H100"}) == (40e9, "0.5 of 80.00 GB HBM")
     assert MemoryBudget().resolve({"name": "H100"})[0] == pytest.approx(72e9)
     assert MemoryBudget().resolve({"name": "TPUv9"})[0] is None
 
