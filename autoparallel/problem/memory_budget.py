@@ -126,11 +126,11 @@ class MemoryBudget:
                 name,
             )
             return None, f"off: device {name!r} has no known HBM size"
-        from .memory import _size
+        from .param_memory import size_text
 
         if self.fraction is not None:
-            return self.fraction * hbm, f"{self.fraction:g} of {_size(hbm)} HBM"
-        return (1 - DEFAULT_HBM_MARGIN) * hbm, f"{_size(hbm)} HBM less {DEFAULT_HBM_MARGIN:.0%}"
+            return self.fraction * hbm, f"{self.fraction:g} of {size_text(hbm)} HBM"
+        return (1 - DEFAULT_HBM_MARGIN) * hbm, f"{size_text(hbm)} HBM less {DEFAULT_HBM_MARGIN:.0%}"
 
 
 def hbm_bytes(device: Any) -> float | None:
