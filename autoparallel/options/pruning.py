@@ -69,7 +69,7 @@ import numpy as np
 import torch.fx
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-from ..cost_model.placement_codes import REPLICATE_KEY, key as placement_key
+from ..cost_model.placement_codes import PARTIAL, REPLICATE_KEY, key as placement_key
 from .strategies import NodeStrategy, Option
 
 logger = logging.getLogger(__name__)
@@ -109,9 +109,6 @@ class _ListInfo:
     outputs: bool  # some option outputs it
     takes: list[bool]  # per input: some option takes it there
     why: str | None  # why its Partials must stay (creator, no substitute)
-
-
-_R = REPLICATE_KEY
 
 
 class _Codes:
@@ -234,12 +231,12 @@ def _held(code, d: int, family) -> bool:
     if not isinstance(code, tuple):
         return False
     c = code[d]
-    return c is not None and c is not _R and type(c) is tuple and c[0] == "P" and c[1] in family
+    return c is not None and c is not REPLICATE_KEY and type(c) is tuple and c[0] == PARTIAL and c[1] in family
 
 
 def _substitute(codes: tuple, d: int, family) -> tuple:
     """Codes with Partial(F) on mesh dim ``d`` replaced by Replicate."""
-    return tuple(c[:d] + (_R,) + c[d + 1 :] if _held(c, d, family) else c for c in codes)
+    return tuple(c[:d] + (REPLICATE_KEY,) + c[d + 1 :] if _held(c, d, family) else c for c in codes)
 
 
 def _list_info(
