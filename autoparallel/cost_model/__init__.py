@@ -10,9 +10,12 @@ Three parts:
 * **Compute** (roofline): ``max(flops / peak, bytes / hbm_bw, launch floor)``
   on the *local* (per-rank) shapes. FLOPs come from the per-op formulas of
   ``torch.utils.flop_counter`` called on shapes, so nothing is allocated.
-* **Communication**: the steps DTensor itself would take for a
-  redistribution (its own planner), each costed with a ring model per mesh
-  dim; a mesh dim is intra-node when every group along it sits in one node.
+* **Communication** (:mod:`.comm`, the reference): the steps of a
+  redistribution (DTensor's own plan, or a min-cost plan where strictly
+  cheaper), each costed with a ring model per mesh dim (:mod:`.steps`); a
+  mesh dim is intra-node when every group along it sits in one node.
+  Placements are read through one encoding (:mod:`.placement_codes`);
+  :mod:`.class_costs` computes whole grids of the same figures with numpy.
 * **Overlap**: a policy saying how much of an FSDP-style parameter
   all-gather / gradient reduce-scatter stays exposed.
 
@@ -27,9 +30,11 @@ Example::
     >>> round(t * 1e6)  # gather 8 x 64 MiB shards over NVLink at 360 GB/s
     1317
 
-All times are seconds (float); all sizes bytes.
+All times are seconds (float); all sizes bytes. Every cache is registered
+with :mod:`.caches`; :func:`clear_caches` clears them all.
 """
 
+from .caches import clear_caches
 from .comm import (
     TRANSITION_TIEBREAK,
     CommStep,
@@ -92,18 +97,3 @@ __all__ = [
     "apply_discount",
     "clear_caches",
 ]
-
-
-def clear_caches() -> None:
-    """Drop all memoised costs (e.g. after building a new mesh)."""
-    from . import comm, compute, redistribute_plan
-
-    comm._REDISTRIBUTE_CACHE.clear()
-    redistribute_plan.clear_caches()
-    comm._PLAN_CACHE.clear()
-    comm._mesh_dim_topology.cache_clear()
-    compute._mesh_shape.cache_clear()
-    compute._spec_sig.cache_clear()
-    compute._flops_and_bytes_cached.cache_clear()
-    compute._op_time_cached.cache_clear()
-    compute._local_shape.cache_clear()

@@ -4,9 +4,8 @@ A class grid holds the cost of every (distinct source placements, distinct
 target placements) pair of one tensor: on LLaMA-3 70B over 4x4x8x8 up to
 1218 x 1218 entries, 18M over a 2-layer problem. :func:`redistribution_grid`
 computes the raw times of a grid at once, equal bit for bit to
-:func:`autoparallel.cost_model.redistribute_time` (and to
-:func:`autoparallel.cost_model.edge_costs.redistribution_matrix`, its per-pair fast
-path); :func:`class_cost_grid` adds what an edge matrix counts on top
+:func:`autoparallel.cost_model.redistribute_time`, the reference
+(:mod:`autoparallel.cost_model.comm`); :func:`class_cost_grid` adds what an edge matrix counts on top
 (keep-partial masking, the overlap discount, the transition tiebreak).
 
 How, for placements of the types DTensor's greedy planner handles
@@ -14,31 +13,31 @@ How, for placements of the types DTensor's greedy planner handles
 norms; default shard order, one tensor meta, one mesh):
 
 * each distinct placement of the grid is an int; the planner's questions
-  about two of them (``a != b``, the step kinds ``comm._step_kinds(a, b)``)
+  about two of them (``a != b``, the step kinds ``steps.step_kinds(a, b)``)
   are tables filled with the scalar code's own calls, so even the Partial
   subclasses' asymmetric equality is followed;
-* DTensor's greedy plan (:func:`autoparallel.cost_model.comm._greedy_steps`)
+* DTensor's greedy plan (:func:`autoparallel.cost_model.comm.greedy_steps`)
   runs over all pairs together, with a Python loop over mesh dims only: an
   inner-to-outer pass (a Shard target whose tensor dim is sharded
   differently on outer mesh dims goes to Replicate first), then an
   outer-to-inner pass to the targets. Every (pass, mesh dim) is one step
   slot, present or not for each pair;
 * the layout after each step is a state id (the sharded tensor dim per mesh
-  dim, mixed radix), whose local bytes (``comm._local_bytes``, same ceil
+  dim, mixed radix), whose local bytes (``steps.local_bytes``, same ceil
   divisions in the same order) come from a table over all states;
 * a step's time depends on (mesh dim, kinds, bytes before, bytes after): the
   distinct values present are computed with the scalar function
-  (:func:`autoparallel.cost_model.edge_costs.step_time`, cached) and looked up;
+  (:func:`autoparallel.cost_model.steps.step_time`, cached) and looked up;
 * a pair's time is the sum of its slots' times in plan order, an absent step
   adding 0.0 (x + 0.0 == x), so sums round as the scalar loop's do;
 * then the min-cost plan (:func:`redistribute_plan.improve_grid`: shortest
   paths over layout states from all the grid's sources at once) replaces
   the greedy time where it covers the pair and is strictly cheaper, as
-  ``comm._costed_steps`` does pair by pair (same distances, bit for bit).
+  the reference does pair by pair (same distances, bit for bit).
 
 Other pairs (strided shards, tp-outer layouts, non-default shard orders,
-other Partial subclasses, mixed metas) go through the per-pair path
-(:func:`autoparallel.cost_model.edge_costs.redistribution_matrix`).
+other Partial subclasses, mixed metas) are asked of the reference pair by
+pair (:func:`autoparallel.cost_model.redistribute_time`).
 """
 
 from __future__ import annotations
@@ -52,11 +51,14 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _MaskPartial
 
-from .. import cost_model
-from . import comm, redistribute_plan
+from . import redistribute_plan
+from .caches import register
+from .comm import TRANSITION_TIEBREAK, redistribute_time
+from .compute import mesh_shape as _mesh_shape
 from .devices import DeviceSpec
-from .overlap import CommOverlapPolicy, HiddenComm
-from .edge_costs import redistribution_matrix, step_time, step_times
+from .overlap import CommOverlapPolicy, HiddenComm, apply_discount
+from .placement_codes import SHARD, kind
+from .steps import local_bytes, mesh_dim_topology, step_kinds, step_time
 
 # Pairs per vectorised chunk (sources x targets): bounds the temporaries
 # (about 30 arrays of this many entries) and keeps them in cache.
@@ -65,8 +67,8 @@ CHUNK_PAIRS = 1 << 17
 # indexed directly; larger ones go through np.unique.
 _LUT_LIMIT = 1 << 22
 
-# Placement types planned here: DTensor's greedy planner (comm._plan) looks
-# at them through comm._kind ("R", "S", "P") and their == / != only. The
+# Placement types planned here: DTensor's greedy planner (comm.dtensor_plan)
+# looks at them through placement_codes.kind ("R", "S", "P") and their == / != only. The
 # masked sum of an embedding and a norm's Partial are Partials to it; they
 # compare asymmetrically with a plain Partial (Partial() == _MaskPartial()
 # but not the other way round), so equality comes from tables filled with
@@ -101,7 +103,7 @@ class _Vocabulary:
     first) and the relations the planner reads between them, as tables:
     ``ne[a, b]`` is ``a != b``, ``eq[a, b]`` is ``a is b or a == b`` (what a
     tuple comparison asks first), ``kinds[a, b]`` indexes ``step_kinds``,
-    ``comm._step_kinds(a, b)``; ``shard[a]``: 1 + the index of its tensor dim
+    ``steps.step_kinds(a, b)``; ``shard[a]``: 1 + the index of its tensor dim
     in ``dims`` for a Shard, else 0."""
 
     def __init__(self, tuples: Sequence[tuple]):
@@ -113,14 +115,14 @@ class _Vocabulary:
         objects = [p for _, p in index]
         self.dims: dict = {}
         for p in objects:
-            if comm._kind(p) == "S":
+            if kind(p) == SHARD:
                 self.dims.setdefault(p.dim, len(self.dims))
-        self.shard = np.array([1 + self.dims[p.dim] if comm._kind(p) == "S" else 0 for p in objects], dtype=np.int32)
+        self.shard = np.array([1 + self.dims[p.dim] if kind(p) == SHARD else 0 for p in objects], dtype=np.int32)
         self.ne = np.array([[a != b for b in objects] for a in objects], dtype=bool)
         self.eq = np.array([[a is b or a == b for b in objects] for a in objects], dtype=bool)
         kinds: dict = {}
         self.kinds = np.array(
-            [[kinds.setdefault(comm._step_kinds(a, b), len(kinds)) for b in objects] for a in objects], dtype=np.int32
+            [[kinds.setdefault(step_kinds(a, b), len(kinds)) for b in objects] for a in objects], dtype=np.int32
         )
         self.step_kinds = list(kinds)
 
@@ -139,9 +141,9 @@ class _StepLookup:
     after), kinds and bytes as indices into the grid's distinct values."""
 
     def __init__(self, mesh, device: DeviceSpec, step_kinds: list[tuple[str, ...]], byte_values: list[int]):
-        self._topo = comm._mesh_dim_topology(mesh, device.gpus_per_node)
+        self._topo = mesh_dim_topology(mesh, device.gpus_per_node)
         self._device = device
-        self._cache = step_times(mesh, device)
+        self._cache = _STEP_TIMES.setdefault((mesh, device), {})
         self._kinds = step_kinds
         self._bytes = byte_values
         self._size = len(step_kinds) * len(byte_values) ** 2
@@ -182,10 +184,19 @@ class _StepLookup:
         return times
 
 
+# (mesh, device) -> {(mesh dim, kinds, bytes before, bytes after): seconds},
+# shared by every grid on that mesh and device
+_STEP_TIMES: dict[tuple, dict[tuple, float]] = register({})
+
+
+def _pairwise(src_specs: Sequence, dst_specs: Sequence, device: DeviceSpec) -> list[list[float]]:
+    return [[redistribute_time(s, d, device) for d in dst_specs] for s in src_specs]
+
+
 def _plain_grid(mesh, device: DeviceSpec, meta, vocab: _Vocabulary, S: _Layouts, D: _Layouts) -> np.ndarray:
     """Raw redistribution times between planned placements of one tensor
     (``S`` sources x ``D`` targets, default shard order)."""
-    mesh_shape = comm._mesh_shape(mesh)
+    mesh_shape = _mesh_shape(mesh)
     n = len(mesh_shape)
     shape, itemsize = tuple(meta.shape), meta.dtype.itemsize
     # layout states: the sharded tensor dim (0: none) per mesh dim, mixed radix
@@ -196,7 +207,7 @@ def _plain_grid(mesh, device: DeviceSpec, meta, vocab: _Vocabulary, S: _Layouts,
     for state in range(radix**n):
         digits = [(state // weight[m]) % radix for m in range(n)]
         divs = tuple((dims[s - 1], mesh_shape[m]) for m, s in enumerate(digits) if s)
-        state_bytes.append(comm._local_bytes(shape, divs, itemsize))
+        state_bytes.append(local_bytes(shape, divs, itemsize))
     byte_values = sorted(set(state_bytes))
     position = {b: i for i, b in enumerate(byte_values)}
     steps = _StepLookup(mesh, device, vocab.step_kinds, byte_values)
@@ -220,7 +231,7 @@ def _plain_grid(mesh, device: DeviceSpec, meta, vocab: _Vocabulary, S: _Layouts,
 
 def _plain_chunk(vocab: _Vocabulary, S: _Layouts, D: _Layouts, nested, state, weights, byte_index, steps: _StepLookup):
     """:func:`_plain_grid` for some sources (``S``, ``nested`` and ``state``
-    theirs, as columns) and all targets: comm._greedy_steps, step by step."""
+    theirs, as columns) and all targets: comm.greedy_steps, step by step."""
     n = S.index.shape[1]
     total = None
     cur, cur_shard = [None] * n, [None] * n
@@ -304,13 +315,13 @@ def _raw_grid(src_specs: Sequence, dst_specs: Sequence, device: DeviceSpec) -> t
         redistribute_plan.improve_grid(mesh, device, tuple(meta.shape), meta.dtype.itemsize, src, dst, raw)
         out[block] = raw
         free[block] = (raw == 0.0) & _differs(vocab, S, D)
-    # the other pairs one by one (edge_costs' fast path where it applies)
+    # the other pairs one by one, from the reference
     other_src = sorted(set(range(len(src_specs))) - set(planned_src))
     if other_src:
-        out[other_src, :] = redistribution_matrix([src_specs[i] for i in other_src], dst_specs, device)
+        out[other_src, :] = _pairwise([src_specs[i] for i in other_src], dst_specs, device)
     other_dst = sorted(set(range(len(dst_specs))) - set(planned_dst))
     if other_dst and planned_src:
-        out[np.ix_(planned_src, other_dst)] = redistribution_matrix(
+        out[np.ix_(planned_src, other_dst)] = _pairwise(
             [src_specs[i] for i in planned_src], [dst_specs[j] for j in other_dst], device
         )
     zero = out == 0.0
@@ -321,13 +332,13 @@ def _raw_grid(src_specs: Sequence, dst_specs: Sequence, device: DeviceSpec) -> t
 
 
 def discounted(times: np.ndarray, kind: str | HiddenComm, policy: CommOverlapPolicy) -> np.ndarray:
-    """:func:`cost_model.apply_discount` of every entry of ``times``: on the
+    """:func:`~autoparallel.cost_model.apply_discount` of every entry of ``times``: on the
     array where the policy is a flat fraction (``time * fraction``, the same
     float product), else once per distinct value (compute windows)."""
     if not (isinstance(kind, HiddenComm) and policy.enabled and policy.compute_windows):
-        return np.asarray(cost_model.apply_discount(times, kind, policy), dtype=np.float64)
+        return np.asarray(apply_discount(times, kind, policy), dtype=np.float64)
     uniq, inverse = np.unique(times, return_inverse=True)
-    values = [cost_model.apply_discount(t, kind, policy) for t in uniq.tolist()]
+    values = [apply_discount(t, kind, policy) for t in uniq.tolist()]
     return np.asarray(values, dtype=np.float64)[inverse].reshape(times.shape)
 
 
@@ -354,8 +365,8 @@ def class_cost_grid(
     moved = (raw != 0.0) & np.isfinite(raw)
     if kind is not None:
         out[moved] = discounted(raw[moved], kind, overlap)
-    out[moved] += cost_model.TRANSITION_TIEBREAK
-    out[free] = cost_model.TRANSITION_TIEBREAK
+    out[moved] += TRANSITION_TIEBREAK
+    out[free] = TRANSITION_TIEBREAK
     if keep_partial:
         src_partial = np.array([_partial_mask(s) for s in src_specs], dtype=np.int64)
         dst_whole = np.array([~_partial_mask(d) for d in dst_specs], dtype=np.int64)

@@ -1,29 +1,75 @@
-"""Communication cost: the steps of a redistribution, each costed with a
-ring model per mesh dim (intra- or inter-node). The steps are the min-cost
-plan (:mod:`.redistribute_plan`) where it applies and beats DTensor's greedy
-plan (:func:`_plan`), else the greedy plan; apply runs the same steps."""
+"""What a redistribution costs and which steps it takes: the reference.
+
+A redistribution turns a tensor laid out as ``src`` (a DTensorSpec: one
+placement per mesh dim) into ``dst`` on the same mesh. This module is the
+one place that decides its steps and sums their costs; everything else
+that prices a redistribution is a faster form of it, tested equal to it.
+
+**Encoding.** A placement is read through
+:mod:`autoparallel.cost_model.placement_codes`: its kind letter (``R``
+Replicate, ``P`` Partial, ``S`` Shard, ``X`` strided shard), a hashable key,
+or (plain placements) a small int per mesh dim for the vectorised forms.
+
+**Steps.** A step changes one mesh dim; what it runs (all-gather,
+reduce-scatter, all-reduce, all-to-all, local copy, or forbidden) comes
+from the pair's kind letters (:data:`autoparallel.cost_model.steps.STEP_KINDS`),
+its seconds from :func:`autoparallel.cost_model.steps.step_time` (ring model
+per mesh dim, local bytes tracked step by step). Which steps:
+
+1. DTensor's own plan (:func:`dtensor_plan`): its greedy planner
+   (:func:`greedy_steps`, rebuilt on placements and tested step for step
+   against torch) for plain shards in default order; strided shards
+   gathered first (:func:`strided_steps`); DTensor's graph planner for the
+   tp-outer layout and explicit shard orders.
+2. The min-cost plan (:mod:`autoparallel.cost_model.redistribute_plan`, a
+   shortest path over layout states with the same step costs), taken only
+   where it applies and is strictly cheaper than 1.
+
+:func:`redistribute_steps` lists the chosen steps (what apply runs),
+:func:`redistribute_time` sums them from 0 in order.
+
+**Fast forms.** The ILP needs millions of these figures on 3-D and 4-D
+meshes. :mod:`autoparallel.cost_model.class_costs` computes whole grids
+(every source x target layout of one tensor) with numpy: the greedy plan
+vectorised over pairs, the min-cost distances from
+:func:`redistribute_plan.improve_grid`. It shares the encoding, the step
+table, :func:`~autoparallel.cost_model.steps.local_bytes` and
+:func:`~autoparallel.cost_model.steps.step_time` (called on the distinct
+values present) with this module, and sums steps in the same order, so its
+entries are bit-identical to :func:`redistribute_time`; property tests
+check that on random layouts over 1-D to 4-D meshes
+(``tests/autoparallel/cost_model/test_forms_agree.py``).
+
+**Caches** (step plans per placements, costs per spec pair, state graphs)
+are registered with :mod:`autoparallel.cost_model.caches`;
+``cost_model.clear_caches()`` clears them all.
+"""
 
 from __future__ import annotations
 
 import logging
 import math
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor.placement_types import (
-    Partial,
-    Placement,
-    Replicate,
-    Shard,
-    _StridedShard,
-)
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard, _StridedShard
 
-from ..torch_compat import is_shard_like as _is_shard_like
-
-from .compute import _mesh_shape
+from . import redistribute_plan
+from .caches import register
+from .compute import mesh_shape as _mesh_shape_of
 from .devices import H100, DeviceSpec
+from .placement_codes import SHARD, STRIDED, kind
+from .steps import (  # noqa: F401  (collective_time, MeshDimTopology, mesh_dim_topology: public here too)
+    Divisors,
+    MeshDimTopology,
+    collective_time,
+    local_bytes,
+    mesh_dim_topology,
+    shard_divisors,
+    step_kinds,
+    step_time,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -32,102 +78,6 @@ logger = logging.getLogger(__name__)
 # redistributions. 0.1 us: far below any real collective (>= ~5 us) and below
 # the launch floor, so it only ever breaks ties.
 TRANSITION_TIEBREAK = 1e-7
-
-
-@dataclass(frozen=True)
-class MeshDimTopology:
-    """How the process groups along one mesh dim sit on nodes."""
-
-    group_size: int
-    intra_node: bool  # every group lies within one node
-    ranks_per_node: int  # fewest group members sharing a node (NICs in use)
-
-
-def mesh_dim_topology(mesh: Any, gpus_per_node: int = 8) -> tuple[MeshDimTopology, ...]:
-    """Per mesh dim: group size, whether it is intra-node, members per node.
-
-    Derived from the rank layout ``mesh.mesh`` with node = rank // gpus_per_node;
-    for a 16x8 mesh with 8 GPUs per node, dim 0 is inter-node (1 rank per
-    node) and dim 1 intra-node.
-    """
-    return _mesh_dim_topology(mesh, gpus_per_node)
-
-
-@lru_cache(maxsize=None)
-def _mesh_dim_topology(mesh: Any, gpus_per_node: int) -> tuple[MeshDimTopology, ...]:
-    # apply costs redistributions while it traces under fake and proxy
-    # modes (a saved plan applied without planning first reaches here there):
-    # the rank layout is real data, read outside them
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
-
-    with unset_fake_temporarily(), disable_proxy_modes_tracing():
-        return _topology_of(mesh.mesh, gpus_per_node)
-
-
-def _topology_of(ranks, gpus_per_node: int) -> tuple[MeshDimTopology, ...]:
-    result = []
-    for d in range(ranks.ndim):
-        n = ranks.shape[d]
-        groups = (ranks.movedim(d, -1).reshape(-1, n) // gpus_per_node).tolist()
-        intra = all(len(set(g)) == 1 for g in groups)
-        per_node = min(min(g.count(x) for x in set(g)) for g in groups)
-        result.append(MeshDimTopology(n, intra, per_node))
-    return tuple(result)
-
-
-_COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
-
-
-def collective_time(
-    kind: str,
-    bytes_per_rank: float,
-    group_size: int,
-    intra_node: bool,
-    device: DeviceSpec = H100,
-    ranks_per_node: int = 1,
-) -> float:
-    """Seconds for one NCCL-style collective (ring algorithm).
-
-    ``bytes_per_rank`` is each rank's INPUT buffer: the shard for
-    ``all_gather`` (output is ``group_size`` times larger), the full
-    unreduced buffer for ``reduce_scatter`` and ``all_reduce``, the buffer
-    being exchanged for ``all_to_all``. With ``n = group_size``, bandwidth
-    ``bw`` and per-step latency ``lat``::
-
-        all_gather      floor + (n-1) lat + (n-1) * bytes / bw
-        reduce_scatter  floor + (n-1) lat + (n-1)/n * bytes / bw
-        all_reduce      floor + 2 (n-1) lat + 2 (n-1)/n * bytes / bw
-        all_to_all      floor + lat + (n-1)/n * bytes / bw
-
-    Inter-node groups with ``ranks_per_node`` members on each node drive that
-    many NICs: ``bw = min(intra_node_bw, ranks_per_node * inter_node_bw)``.
-    """
-    if group_size <= 1 or bytes_per_rank <= 0:
-        return 0.0
-    n = group_size
-    if intra_node:
-        bw, lat = device.intra_node_bw, device.intra_node_latency
-    else:
-        bw = min(device.intra_node_bw, max(ranks_per_node, 1) * device.inter_node_bw)
-        lat = device.inter_node_latency
-    bw *= device.comm_efficiency
-    if kind == "all_gather":
-        return device.launch_floor + (n - 1) * lat + (n - 1) * bytes_per_rank / bw
-    if kind == "reduce_scatter":
-        return device.launch_floor + (n - 1) * lat + (n - 1) / n * bytes_per_rank / bw
-    if kind == "all_reduce":
-        return device.launch_floor + 2 * ((n - 1) * lat + (n - 1) / n * bytes_per_rank / bw)
-    if kind == "all_to_all":
-        return device.launch_floor + lat + (n - 1) / n * bytes_per_rank / bw
-    raise ValueError(f"unknown collective {kind!r}; expected one of {_COLLECTIVES}")
-
-
-def _local_copy_time(out_bytes: float, device: DeviceSpec) -> float:
-    # Slicing a shard out of a replica (clone) or zeroing for Partial: read +
-    # write of the result. No launch floor: it is kept tiny on purpose, so
-    # that a free-ish local reshard never looks like a collective.
-    return 2 * out_bytes / (device.hbm_bw * device.memory_efficiency)
 
 
 @dataclass(frozen=True)
@@ -142,88 +92,52 @@ class CommStep:
     time: float
 
 
-def _kind(p: Placement) -> str:
-    """Placement kind: "R" replicate, "P" partial, "S" plain shard, "X"
-    strided shard. Exact type checks first: isinstance on the C++-backed
-    placements is slow."""
-    t = type(p)
-    if t is Replicate:
-        return "R"
-    if t is Shard:
-        return "S"
-    if t is Partial:
-        return "P"
-    if t is _StridedShard:
-        return "X"
-    if p.is_partial():
-        return "P"
-    if p.is_replicate():
-        return "R"
-    if _is_shard_like(p):
-        return "S" if p.is_shard() else "X"
-    return "?"
+def _shard_dim(p: Placement) -> int | None:
+    return p.dim if kind(p) == SHARD else None
 
 
-# What DTensor's ``redistribute_local_tensor`` runs for one mesh dim, by
-# (src kind, dst kind) of two different placements. Strided shards go
-# through Replicate; Shard -> Partial and Partial(op1) -> Partial(op2) are
-# unsupported. Replicate -> anything is a local slice or scale.
-_STEP_KINDS: dict[tuple[str, str], tuple[str, ...]] = {
-    ("P", "R"): ("all_reduce",),
-    ("P", "S"): ("reduce_scatter",),
-    ("P", "X"): ("all_reduce", "local_copy"),
-    ("P", "P"): ("forbidden",),
-    ("S", "R"): ("all_gather",),
-    ("S", "S"): ("all_to_all",),
-    ("S", "X"): ("all_gather", "local_copy"),
-    ("S", "P"): ("forbidden",),
-    ("X", "R"): ("all_gather", "local_copy"),
-    ("X", "S"): ("all_gather", "local_copy"),
-    ("X", "X"): ("all_gather", "local_copy"),
-    ("X", "P"): ("forbidden",),
-    ("R", "S"): ("local_copy",),
-    ("R", "X"): ("local_copy",),
-    ("R", "P"): ("local_copy",),
-}
-
-
-def _step_kinds(a: Placement, b: Placement) -> tuple[str, ...]:
-    if a == b:
-        return ()
-    return _STEP_KINDS.get((_kind(a), _kind(b)), ("forbidden",))
-
-
-def _greedy_steps(
-    mesh_shape: tuple[int, ...], src: tuple[Placement, ...], dst: tuple[Placement, ...]
-) -> list[tuple[int, Placement, Placement]]:
+def greedy_steps(
+    mesh_shape: tuple[int, ...],
+    src: Sequence[Any],
+    dst: Sequence[Any],
+    letter: Callable[[Any], str] = kind,
+    shard_dim: Callable[[Any], int | None] = _shard_dim,
+    replicate: Any = None,
+) -> list[tuple[int, Any, Any]]:
     """DTensor's greedy redistribution planner
-    (``DTensorRedistributePlanner.generate_greedy_transform_infos``) over
-    placements alone, for default shard order and plain Shards; much faster
-    than building specs and asking torch, and tested step for step against it.
+    (``DTensorRedistributePlanner.generate_greedy_transform_infos``) for
+    default shard order: steps ``(mesh dim, from, to)``. Much faster than
+    building specs and asking torch, and tested step for step against it.
 
     First, inner to outer mesh dims, a Shard target whose tensor dim is
     sharded differently on the outer mesh dims goes to Replicate (nested
     sharding must be undone from the inside); then, outer to inner, every
     mesh dim still off target moves to it.
+
+    ``src`` and ``dst`` hold placements, or any encoding of them whose
+    ``!=`` is the placements' (``letter`` gives the kind letter,
+    ``shard_dim`` a plain Shard's tensor dim, ``replicate`` the encoded
+    ``Replicate()``).
     """
+    if replicate is None:
+        replicate = Replicate()
     if len(mesh_shape) == 1:
         return [(0, src[0], dst[0])] if src[0] != dst[0] else []
-    # Tensor dim of each plain Shard (DTensor's is_shard(); not strided).
-    cur_dims = [p.dim if _kind(p) == "S" else None for p in src]
-    dst_dims = [p.dim if _kind(p) == "S" else None for p in dst]
+    cur_dims = [shard_dim(p) for p in src]
+    dst_dims = [shard_dim(p) for p in dst]
     current, steps = list(src), []
-    if math.prod(n for n, p in zip(mesh_shape, src) if _kind(p) in ("S", "X")) > 1:  # src.num_shards
+    if math.prod(n for n, p in zip(mesh_shape, src) if letter(p) in (SHARD, STRIDED)) > 1:  # src.num_shards
         for mesh_dim in reversed(range(len(current))):
             cur, tgt = current[mesh_dim], dst[mesh_dim]
             d = dst_dims[mesh_dim]
             if d is not None and [i for i in range(mesh_dim) if cur_dims[i] == d] != [
                 i for i in range(mesh_dim) if dst_dims[i] == d
             ]:
-                tgt = Replicate()
+                tgt = replicate
             if cur != tgt:
                 steps.append((mesh_dim, cur, tgt))
                 current[mesh_dim] = tgt
-                cur_dims[mesh_dim] = tgt.dim if _kind(tgt) == "S" else None
+                cur_dims[mesh_dim] = shard_dim(tgt)
     for mesh_dim, (cur, tgt) in enumerate(zip(current, dst)):
         if cur != tgt:
             steps.append((mesh_dim, cur, tgt))
@@ -250,7 +164,7 @@ def is_tp_outer(placements: Sequence[Placement], mesh_shape: Sequence[int]) -> b
     return type(a) is _StridedShard and type(b) is Shard and a.dim == b.dim and a.split_factor == mesh_shape[1]
 
 
-def _strided_steps(
+def strided_steps(
     mesh_shape: tuple[int, ...], src: tuple[Placement, ...], dst: tuple[Placement, ...]
 ) -> list[tuple[int, Placement, Placement]]:
     """Plan with _StridedShard: DTensor has no direct strided collective, so
@@ -261,10 +175,10 @@ def _strided_steps(
     steps, current = [], list(src)
     for d in reversed(range(len(src))):
         p = src[d]
-        if p != dst[d] and _kind(p) == "X":
+        if p != dst[d] and kind(p) == STRIDED:
             steps.append((d, p, Replicate()))
             current[d] = Replicate()
-    return steps + _greedy_steps(mesh_shape, tuple(current), dst)
+    return steps + greedy_steps(mesh_shape, tuple(current), dst)
 
 
 def _via_replicate_steps(
@@ -292,41 +206,25 @@ def _transform_steps(src: DTensorSpec, dst: DTensorSpec) -> list[tuple[int, Plac
 
 
 # A plan: the shard divisors of the source, then per step (mesh_dim, src
-# placement, dst placement, kinds, shard divisors after the step). Divisors
-# are (tensor dim, mesh dim size) pairs: all a local shape needs.
-_Divs = tuple[tuple[int, int], ...]
-_Plan = tuple[_Divs, tuple[tuple[int, Placement, Placement, tuple[str, ...], _Divs], ...]]
-_PLAN_CACHE: dict[tuple, Any] = {}
+# placement, dst placement, kinds, shard divisors after the step).
+Plan = tuple[Divisors, tuple[tuple[int, Placement, Placement, tuple[str, ...], Divisors], ...]]
+_PLAN_CACHE: dict[tuple, Any] = register({})
 _SHAPE_DEPENDENT = object()
 
 
-def _divisors(mesh_shape: tuple[int, ...], placements: Sequence[Placement]) -> _Divs:
-    return tuple((p.dim, n) for n, p in zip(mesh_shape, placements) if _kind(p) in ("S", "X"))
-
-
-def _local_bytes(shape: tuple[int, ...], divs: _Divs, itemsize: int) -> int:
-    if not divs:
-        return math.prod(shape) * itemsize
-    local = list(shape)
-    for d, n in divs:
-        d %= len(local)
-        local[d] = -(-local[d] // n)  # ceil: rank 0 holds the largest shard
-    return math.prod(local) * itemsize
-
-
-def _plan(src: DTensorSpec, dst: DTensorSpec) -> _Plan:
-    """The redistribution steps, cached per placements.
+def dtensor_plan(src: DTensorSpec, dst: DTensorSpec) -> Plan:
+    """DTensor's steps from ``src`` to ``dst``, cached per placements.
 
     * Default shard order, plain Shards: DTensor's greedy planner, which
-      looks at placements only (reimplemented in :func:`_greedy_steps`).
+      looks at placements only (:func:`greedy_steps`).
     * The tp-outer parameter layout (:func:`tp_outer_placements`) on either
       side: DTensor's own plan (what apply runs: it reads the layout as
       Shards in tp-first order), cached per shape.
-    * Any other _StridedShard: :func:`_strided_steps`.
+    * Any other _StridedShard: :func:`strided_steps`.
     * Explicit non-default shard order: DTensor's graph planner, which may
       look at the shape, so cached per shape.
     """
-    mesh_shape = _mesh_shape(src.mesh)
+    mesh_shape = _mesh_shape_of(src.mesh)
     base = key = (mesh_shape, src.placements, src.shard_order, dst.placements, dst.shard_order)
     plan = _PLAN_CACHE.get(base)
     if plan is _SHAPE_DEPENDENT:
@@ -338,10 +236,10 @@ def _plan(src: DTensorSpec, dst: DTensorSpec) -> _Plan:
         _PLAN_CACHE[base] = _SHAPE_DEPENDENT
         key = (base, src.mesh, tuple(src.tensor_meta.shape))
         raw = _transform_steps(src, dst)
-    elif any(_kind(p) == "X" for p in (*src.placements, *dst.placements)):
-        raw = _strided_steps(mesh_shape, src.placements, dst.placements)
+    elif any(kind(p) == STRIDED for p in (*src.placements, *dst.placements)):
+        raw = strided_steps(mesh_shape, src.placements, dst.placements)
     elif DTensorSpec.is_default_device_order(src.shard_order) and DTensorSpec.is_default_device_order(dst.shard_order):
-        raw = _greedy_steps(mesh_shape, src.placements, dst.placements)
+        raw = greedy_steps(mesh_shape, src.placements, dst.placements)
     else:
         _PLAN_CACHE[base] = _SHAPE_DEPENDENT
         key = (base, src.mesh, tuple(src.tensor_meta.shape))
@@ -349,77 +247,59 @@ def _plan(src: DTensorSpec, dst: DTensorSpec) -> _Plan:
     current, steps = list(src.placements), []
     for mesh_dim, a, b in raw:
         current[mesh_dim] = b
-        steps.append((mesh_dim, a, b, _step_kinds(a, b), _divisors(mesh_shape, current)))
-    plan = _PLAN_CACHE[key] = (_divisors(mesh_shape, src.placements), tuple(steps))
+        steps.append((mesh_dim, a, b, step_kinds(a, b), shard_divisors(mesh_shape, current)))
+    plan = _PLAN_CACHE[key] = (shard_divisors(mesh_shape, src.placements), tuple(steps))
     return plan
+
+
+def dtensor_plan_steps(src: DTensorSpec, dst: DTensorSpec, device: DeviceSpec = H100):
+    """Yield DTensor's plan's (mesh_dim, src placement, dst placement,
+    kinds, bytes before, seconds), bytes tracked step by step."""
+    meta = src.tensor_meta
+    if meta is None:
+        raise ValueError("redistribute cost needs src.tensor_meta (global shape and dtype)")
+    src_divs, plan = dtensor_plan(src, dst)
+    if not plan:
+        return
+    topo = mesh_dim_topology(src.mesh, device.gpus_per_node)
+    shape = tuple(meta.shape)
+    itemsize = meta.dtype.itemsize
+    cur_bytes = local_bytes(shape, src_divs, itemsize)
+    for mesh_dim, a, b, kinds, divs in plan:
+        new_bytes = local_bytes(shape, divs, itemsize)
+        yield mesh_dim, a, b, kinds, cur_bytes, step_time(topo[mesh_dim], kinds, cur_bytes, new_bytes, device)
+        cur_bytes = new_bytes
+
+
+def total_time(steps) -> float:
+    """The seconds of a plan: its step times summed from 0 in order (every
+    form sums this way, so totals round alike)."""
+    return sum(step[-1] for step in steps)
 
 
 def _costed_steps(src: DTensorSpec, dst: DTensorSpec, device: DeviceSpec) -> list[tuple]:
     """(mesh_dim, src placement, dst placement, kinds, bytes before, time)
-    per step: the min-cost plan (:mod:`.redistribute_plan`) where it
-    applies and is strictly cheaper than today's plan (:func:`_plan`),
-    else today's plan."""
-    steps = list(_planned_steps(src, dst, device))
+    per step: the min-cost plan where it applies and is strictly cheaper
+    than DTensor's plan, else DTensor's plan."""
+    steps = list(dtensor_plan_steps(src, dst, device))
     if steps:
-        cheaper = _min_cost_steps(src, dst, device, sum(step[-1] for step in steps))
+        cheaper = redistribute_plan.min_cost_steps(src, dst, device, total_time(steps))
         if cheaper is not None:
             return cheaper
     return steps
 
 
-def _min_cost_steps(src: DTensorSpec, dst: DTensorSpec, device: DeviceSpec, planned_total: float):
-    from . import redistribute_plan
-
-    return redistribute_plan.min_cost_steps(src, dst, device, planned_total)
-
-
 def min_cost_plan(src: DTensorSpec, dst: DTensorSpec, device: DeviceSpec = H100) -> list[tuple] | None:
     """The min-cost plan's steps (mesh_dim, src placement, dst placement,
     kinds, bytes before, time) when the cost model prices it (it applies and
-    is strictly cheaper than today's plan); None when it prices today's
-    plan, DTensor's own (what apply then runs)."""
+    is strictly cheaper than DTensor's plan); None when it prices DTensor's
+    own plan (what apply then runs)."""
     if src.tensor_meta is None or (src.mesh is not dst.mesh and src.mesh != dst.mesh):
         return None
-    steps = list(_planned_steps(src, dst, device))
+    steps = list(dtensor_plan_steps(src, dst, device))
     if not steps:
         return None
-    return _min_cost_steps(src, dst, device, sum(step[-1] for step in steps))
-
-
-def _planned_steps(src: DTensorSpec, dst: DTensorSpec, device: DeviceSpec):
-    """Yield today's plan's (mesh_dim, src placement, dst placement, kinds,
-    bytes before, time)."""
-    meta = src.tensor_meta
-    if meta is None:
-        raise ValueError("redistribute cost needs src.tensor_meta (global shape and dtype)")
-    src_divs, plan = _plan(src, dst)
-    if not plan:
-        return
-    topo = _mesh_dim_topology(src.mesh, device.gpus_per_node)
-    shape = tuple(meta.shape)
-    itemsize = meta.dtype.itemsize
-    cur_bytes = _local_bytes(shape, src_divs, itemsize)
-    for mesh_dim, a, b, kinds, divs in plan:
-        new_bytes = _local_bytes(shape, divs, itemsize)
-        yield mesh_dim, a, b, kinds, cur_bytes, step_time(topo[mesh_dim], kinds, cur_bytes, new_bytes, device)
-        cur_bytes = new_bytes
-
-
-def step_time(t: MeshDimTopology, kinds: tuple[str, ...], cur_bytes: int, new_bytes: int, device: DeviceSpec) -> float:
-    """Seconds of one plan step on a mesh dim of topology ``t`` that turns
-    ``cur_bytes`` of local shard into ``new_bytes`` through ``kinds`` (the
-    one body the scalar, per-matrix and vectorised costs share, so their
-    figures are bit-identical)."""
-    time = 0.0
-    if t.group_size > 1:
-        for kind in kinds:
-            if kind == "forbidden":
-                time = math.inf
-            elif kind == "local_copy":
-                time += _local_copy_time(new_bytes, device)
-            else:
-                time += collective_time(kind, cur_bytes, t.group_size, t.intra_node, device, t.ranks_per_node)
-    return time
+    return redistribute_plan.min_cost_steps(src, dst, device, total_time(steps))
 
 
 def redistribute_steps(src: DTensorSpec, dst: DTensorSpec, device: DeviceSpec = H100) -> list[CommStep]:
@@ -434,7 +314,7 @@ def redistribute_steps(src: DTensorSpec, dst: DTensorSpec, device: DeviceSpec = 
     ]
 
 
-_REDISTRIBUTE_CACHE: dict[tuple, float] = {}
+_REDISTRIBUTE_CACHE: dict[tuple, float] = register({})
 
 
 def redistribute_time(src: DTensorSpec, dst: DTensorSpec, device: DeviceSpec = H100) -> float:
@@ -452,5 +332,5 @@ def redistribute_time(src: DTensorSpec, dst: DTensorSpec, device: DeviceSpec = H
         pass
     if src.mesh is not dst.mesh and src.mesh != dst.mesh:
         return math.inf  # cross-mesh moves are not DTensor redistributions
-    cost = _REDISTRIBUTE_CACHE[key] = sum(step[-1] for step in _costed_steps(src, dst, device))
+    cost = _REDISTRIBUTE_CACHE[key] = total_time(_costed_steps(src, dst, device))
     return cost

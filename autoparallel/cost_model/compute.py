@@ -15,6 +15,7 @@ from torch.utils import flop_counter
 
 from ..torch_compat import is_shard_like as _is_shard_like
 
+from .caches import register
 from .devices import H100, DeviceSpec
 
 logger = logging.getLogger(__name__)
@@ -107,12 +108,17 @@ class TensorSig(NamedTuple):
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def _flop_formula(op: Any):
+def flop_formula(op: Any):
+    """torch.utils.flop_counter's formula for ``op`` (or the CPU attention
+    kernels' below), None when it has none."""
     packet = _packet(op)
     f = _EXTRA_FLOP_FORMULAS.get(packet)
     if f is None:
         f = flop_counter.flop_registry.get(packet)
     return f
+
+
+_flop_formula = flop_formula  # the name passes/overlap_model.py imports; use flop_formula
 
 
 # The CPU flash-attention ops appear when tracing on CPU fake tensors and are
@@ -157,18 +163,25 @@ def _to_sig(x: torch.Tensor, spec: DTensorSpec | None) -> TensorSig:
     if spec is None:
         return TensorSig(tuple(x.shape), x.dtype)
     if spec.tensor_meta is not None:
-        return _spec_sig(spec)  # keyed on the spec's cached hash
-    return TensorSig(_local_shape(tuple(x.shape), _mesh_shape(spec.mesh), spec.placements), x.dtype)
+        return spec_sig(spec)  # keyed on the spec's cached hash
+    return TensorSig(_local_shape(tuple(x.shape), mesh_shape(spec.mesh), spec.placements), x.dtype)
 
 
+@register
 @lru_cache(maxsize=None)
-def _spec_sig(spec: DTensorSpec) -> TensorSig:
+def spec_sig(spec: DTensorSpec) -> TensorSig:
+    """The cost model's view of a spec with a tensor meta: local (rank 0)
+    shape and dtype. Specs with equal signatures cost the same in every
+    op; cached per spec (its hash is cached too)."""
     meta = spec.tensor_meta
-    return TensorSig(_local_shape(tuple(meta.shape), _mesh_shape(spec.mesh), spec.placements), meta.dtype)
+    return TensorSig(_local_shape(tuple(meta.shape), mesh_shape(spec.mesh), spec.placements), meta.dtype)
 
 
+@register
 @lru_cache(maxsize=None)
-def _mesh_shape(mesh: Any) -> tuple[int, ...]:
+def mesh_shape(mesh: Any) -> tuple[int, ...]:
+    """``tuple(mesh.shape)``, cached per mesh (DeviceMesh.shape is a property
+    that builds a new tuple)."""
     return tuple(mesh.shape)
 
 
@@ -251,6 +264,7 @@ def _is_causal(op: Any, args: tuple, kwargs: dict) -> bool:
     return False
 
 
+@register
 @lru_cache(maxsize=None)
 def _flops_and_bytes_cached(op: Any, args: tuple, kwargs: tuple, out: Any) -> tuple[float, float]:
     kw = dict(kwargs)
@@ -261,7 +275,7 @@ def _flops_and_bytes_cached(op: Any, args: tuple, kwargs: tuple, out: Any) -> tu
         nbytes = sum(t.nbytes for t in _sig_leaves((args, kwargs, out)))
 
     flops = 0.0
-    formula = _flop_formula(op)
+    formula = flop_formula(op)
     if formula is not None:
         try:
             if hasattr(formula, "__wrapped__"):  # shape_wrapper'd: takes shapes
@@ -322,6 +336,7 @@ def local_shape(
     return _local_shape(tuple(global_shape), tuple(mesh_shape), tuple(placements))
 
 
+@register
 @lru_cache(maxsize=None)
 def _local_shape(global_shape: tuple, mesh_shape: tuple, placements: tuple) -> tuple[int, ...]:
     shape = list(global_shape)
@@ -368,6 +383,7 @@ def op_compute_time(
     return _op_time_cached(op, a, k, o, device)
 
 
+@register
 @lru_cache(maxsize=None)
 def _op_time_cached(op: Any, args: tuple, kwargs: tuple, out: Any, device: DeviceSpec) -> float:
     flops, nbytes = _flops_and_bytes_cached(op, args, kwargs, out)

@@ -1,15 +1,16 @@
 """Min-cost redistribution plans under our own per-step cost model.
 
-DTensor's greedy plan (:func:`comm._greedy_steps`) first un-shards inner mesh
+DTensor's greedy plan (:func:`comm.greedy_steps`) first un-shards inner mesh
 dims, so on >= 3-D meshes its later steps move 8-64x bigger buffers than
 needed: LLaMA-3 70B's activation [32, 8192, 8192] fp32 on 4x4x8x8,
 ``S(2) S(2) S(2) S(2) -> S(0) S(0) S(1) S(1)``, costs 11.8 ms greedily and
 ~0.7 ms as six all-to-alls at the local size. Here the plan is a shortest
-path over layout states, each edge costed with :func:`comm.step_time` (the
-same function, bytes from :func:`comm._local_bytes`).
+path over layout states, each edge costed with :func:`steps.step_time` (the
+function every form calls, bytes from :func:`steps.local_bytes`).
 
-A **state** is, per mesh dim, a code (:data:`R`, :data:`P` the source's
-Partial, ``S0 + d`` a Shard of tensor dim ``d``) and the mesh dim's rank in
+A **state** is, per mesh dim, a state code
+(:func:`placement_codes.state_codes`: ``R``, ``P`` the source's Partial,
+``S0 + d`` a Shard of tensor dim ``d``) and the mesh dim's rank in
 its tensor dim's shard order (0 outermost; DTensorSpec's ``shard_order``: a
 mesh dim later in the order holds an inner chunk). Default order: ranks
 ascending with the mesh dim. **Edges** change one mesh dim ``m``:
@@ -30,7 +31,7 @@ path of this graph, so the shortest path is never dearer; callers keep the
 greedy plan unless the min-cost one is strictly cheaper (so plans only
 change where it pays).
 
-Pairs this graph does not cover keep today's plan (:func:`comm._plan`):
+Pairs this graph does not cover keep DTensor's plan (:func:`comm.dtensor_plan`):
 ``_StridedShard`` / tp-outer layouts, ``_MaskPartial`` and norm Partials
 (apply threads their masks per mesh dim), non-default shard orders, uneven
 shards, Shard/other-Partial -> Partial (forbidden), 1-D meshes.
@@ -56,20 +57,16 @@ from typing import Any, Sequence
 
 import numpy as np
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
-from . import comm
-from .compute import _mesh_shape
+from .caches import register
+from .compute import mesh_shape as _mesh_shape
 from .devices import DeviceSpec
+from .placement_codes import PARTIAL, REPLICATE, P, R, S0, code_kind, state_codes
+from .steps import kinds_between, mesh_dim_topology, step_kinds, step_time
 
-R, P, S0 = 0, 1, 2  # state codes per mesh dim; Shard(d) is S0 + d
-_LETTER = {R: "R", P: "P"}
 # Sources per Bellman-Ford batch: bounds the (states x sources) arrays.
 BATCH = 256
-
-
-def _letter(code: int) -> str:
-    return _LETTER.get(code, "S")
 
 
 @dataclass
@@ -81,7 +78,7 @@ class StateGraph:
     radix: int  # codes per mesh dim: R, P, S(0..ndim-1)
     codes: np.ndarray  # (states, mesh dims) code per mesh dim
     ranks: np.ndarray  # (states, mesh dims) rank in the tensor dim's shard order
-    state_bytes: list[int]  # local bytes per state (comm._local_bytes)
+    state_bytes: list[int]  # local bytes per state (steps.local_bytes)
     default_of: np.ndarray  # assignment number (mixed radix codes) -> default-order state, -1 if uneven
     default_states: np.ndarray  # state ids of the default-order states
     default_pos: np.ndarray  # state id -> position in default_states (-1: not default order)
@@ -177,14 +174,7 @@ class StateGraph:
         return dist, pred
 
 
-_GRAPHS: dict[tuple, StateGraph] = {}
-
-
-def clear_caches() -> None:
-    _GRAPHS.clear()
-    _STRUCTURES.clear()
-    _LAYOUTS.clear()
-    _SPEC_CODES.clear()
+_GRAPHS: dict[tuple, StateGraph] = register({})
 
 
 def state_graph(mesh: Any, shape: tuple[int, ...], itemsize: int, device: DeviceSpec) -> StateGraph:
@@ -208,7 +198,7 @@ class _Structure:
     edges: list[tuple[int, int, int, tuple[str, ...], np.ndarray, np.ndarray]]  # (m, from, to, kinds, u, v)
 
 
-_STRUCTURES: dict[tuple, _Structure] = {}
+_STRUCTURES: dict[tuple, _Structure] = register({})
 _SWEEP_ORDER = {"local_copy": 0, "reduce_scatter": 1, "all_to_all": 2, "all_gather": 3, "all_reduce": 4}
 
 
@@ -270,7 +260,7 @@ def _enumerate(mesh_shape: tuple[int, ...], shape: tuple[int, ...]) -> _Structur
                     grouped.setdefault((m, c, t), []).append((u, v))
     edges = []
     for (m, a, b), pairs in grouped.items():
-        kinds = comm._STEP_KINDS[(_letter(a), _letter(b))]
+        kinds = kinds_between(code_kind(a), code_kind(b))
         edges.append((m, a, b, kinds, np.array([p[0] for p in pairs]), np.array([p[1] for p in pairs])))
     # relaxation order: shrinking steps first, inner mesh dims first (fewer
     # Gauss-Seidel sweeps: ~6 instead of ~8 on LLaMA-3's 4-D tensors)
@@ -284,8 +274,8 @@ def _build(mesh: Any, shape: tuple[int, ...], itemsize: int, device: DeviceSpec)
     mesh_shape = _mesh_shape(mesh)
     n = len(mesh_shape)
     st = _structure(mesh_shape, shape)
-    topo = comm._mesh_dim_topology(mesh, device.gpus_per_node)
-    # even states: comm._local_bytes' ceil divisions are exact
+    topo = mesh_dim_topology(mesh, device.gpus_per_node)
+    # even states: steps.local_bytes' ceil divisions are exact
     local = np.prod(np.array(shape, dtype=np.int64) // st.splits, axis=1) * itemsize
     byte_values, byte_index = np.unique(local, return_inverse=True)
     byte_list = byte_values.tolist()
@@ -293,7 +283,7 @@ def _build(mesh: Any, shape: tuple[int, ...], itemsize: int, device: DeviceSpec)
     groups, first = [], 0
     for m, a, b, kinds, u, v in st.edges:
         keys, inverse = np.unique(byte_index[u] * nb + byte_index[v], return_inverse=True)
-        times = [comm.step_time(topo[m], kinds, byte_list[k // nb], byte_list[k % nb], device) for k in keys.tolist()]
+        times = [step_time(topo[m], kinds, byte_list[k // nb], byte_list[k % nb], device) for k in keys.tolist()]
         w = np.array(times, dtype=np.float64)[inverse]
         groups.append((m, a, b, kinds, u, v, w, first))
         first += len(u)
@@ -313,40 +303,12 @@ def _build(mesh: Any, shape: tuple[int, ...], itemsize: int, device: DeviceSpec)
     )
 
 
-# placements -> per mesh dim code, or None when the graph does not cover them
-_SPEC_CODES: dict[tuple, tuple[int, ...] | None] = {}
-
-
-def placement_codes(placements: tuple[Placement, ...], ndim: int) -> tuple[int, ...] | None:
-    """Codes of plain placements (exact Replicate, Shard, Partial types:
-    Partial subclasses compare asymmetrically and carry masks), else None."""
-    key = (placements, ndim)
-    try:
-        return _SPEC_CODES[key]
-    except KeyError:
-        pass
-    codes = []
-    for p in placements:
-        t = type(p)
-        if t is Replicate:
-            codes.append(R)
-        elif t is Partial:
-            codes.append(P)
-        elif t is Shard and -ndim <= p.dim < ndim:
-            codes.append(S0 + p.dim % ndim)
-        else:
-            codes = None
-            break
-    result = _SPEC_CODES[key] = tuple(codes) if codes is not None else None
-    return result
-
-
 def pair_codes(src: tuple[Placement, ...], dst: tuple[Placement, ...], ndim: int):
     """(source codes, target codes in the graph, mesh dims needing a final
     ``R -> P``) for a pair the graph covers, else None."""
     if len(src) < 2:
         return None  # 1-D mesh: the one step is the plan
-    a, b = placement_codes(src, ndim), placement_codes(dst, ndim)
+    a, b = state_codes(src, ndim), state_codes(dst, ndim)
     if a is None or b is None:
         return None
     target, partition = list(b), []
@@ -360,12 +322,12 @@ def pair_codes(src: tuple[Placement, ...], dst: tuple[Placement, ...], ndim: int
     return a, tuple(target), tuple(partition)
 
 
-_R_TO_P = comm._STEP_KINDS[("R", "P")]
+_R_TO_P = kinds_between(REPLICATE, PARTIAL)
 
 
 def _partition_time(graph: StateGraph, topo, m: int, state: int, device: DeviceSpec) -> float:
     nbytes = graph.state_bytes[state]
-    return comm.step_time(topo[m], _R_TO_P, nbytes, nbytes, device)
+    return step_time(topo[m], _R_TO_P, nbytes, nbytes, device)
 
 
 def _partition_times(graph: StateGraph, topo, m: int, device: DeviceSpec) -> np.ndarray:
@@ -392,7 +354,7 @@ def prefetch(mesh: Any, shape: tuple[int, ...], itemsize: int, device: DeviceSpe
     graph = state_graph(mesh, shape, itemsize, device)
     states = []
     for placements in sources:
-        codes = placement_codes(placements, len(shape))
+        codes = state_codes(placements, len(shape))
         if codes is not None:
             state = graph.default_state(codes)
             if state >= 0 and state not in graph.rows:
@@ -420,7 +382,7 @@ def min_cost_total(src: DTensorSpec, dst: DTensorSpec, device: DeviceSpec) -> tu
         return None  # uneven source or target
     total = graph.distance(s, t)
     if partition:
-        topo = comm._mesh_dim_topology(src.mesh, device.gpus_per_node)
+        topo = mesh_dim_topology(src.mesh, device.gpus_per_node)
         for m in partition:
             total += _partition_time(graph, topo, m, t, device)
     return float(total), graph, s, t, partition
@@ -434,13 +396,13 @@ def min_cost_steps(src: DTensorSpec, dst: DTensorSpec, device: DeviceSpec, greed
     if found is None or not found[0] < greedy_total:
         return None
     _, graph, s, t, partition = found
-    topo = comm._mesh_dim_topology(src.mesh, device.gpus_per_node)
+    topo = mesh_dim_topology(src.mesh, device.gpus_per_node)
     current, steps = list(src.placements), []
     for m, a, b, kinds, u, v in graph.path(s, t):
         new = Replicate() if b == R else Shard(b - S0)
         nbytes = graph.state_bytes[u]
         steps.append(
-            (m, current[m], new, kinds, nbytes, comm.step_time(topo[m], kinds, nbytes, graph.state_bytes[v], device))
+            (m, current[m], new, kinds, nbytes, step_time(topo[m], kinds, nbytes, graph.state_bytes[v], device))
         )
         current[m] = new
     for m in partition:
@@ -450,7 +412,7 @@ def min_cost_steps(src: DTensorSpec, dst: DTensorSpec, device: DeviceSpec, greed
                 m,
                 current[m],
                 dst.placements[m],
-                comm._step_kinds(current[m], dst.placements[m]),
+                step_kinds(current[m], dst.placements[m]),
                 nbytes,
                 _partition_time(graph, topo, m, t, device),
             )
@@ -459,8 +421,8 @@ def min_cost_steps(src: DTensorSpec, dst: DTensorSpec, device: DeviceSpec, greed
     return steps
 
 
-_OPS: dict = {}  # a Partial's reduce op -> small int
-_LAYOUTS: dict[tuple, tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
+_OPS: dict = register({})  # a Partial's reduce op -> small int
+_LAYOUTS: dict[tuple, tuple[tuple[int, ...], tuple[int, ...]] | None] = register({})
 
 
 def _layout(placements: tuple[Placement, ...], ndim: int):
@@ -470,7 +432,7 @@ def _layout(placements: tuple[Placement, ...], ndim: int):
         return _LAYOUTS[key]
     except KeyError:
         pass
-    codes = placement_codes(placements, ndim)
+    codes = state_codes(placements, ndim)
     found = None
     if codes is not None:
         ops = tuple(_OPS.setdefault(p.reduce_op, len(_OPS)) if c == P else -1 for p, c in zip(placements, codes))
@@ -538,7 +500,7 @@ def improve_grid(
         # even: the target's shards with fewer Partials
         target_pos = graph.default_pos[graph.default_of[target_assign]]
         mc = np.take_along_axis(dist, target_pos, axis=1)
-        topo = comm._mesh_dim_topology(mesh, device.gpus_per_node)
+        topo = mesh_dim_topology(mesh, device.gpus_per_node)
         for m, part in partitions:
             mc = np.where(part, mc + _partition_times(graph, topo, m, device)[target_pos], mc)
     block = np.ix_(rows_ok, cols_ok)

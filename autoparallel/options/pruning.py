@@ -69,7 +69,7 @@ import numpy as np
 import torch.fx
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-from .fast_expand import placement_number
+from ..cost_model.placement_codes import PARTIAL, REPLICATE_KEY, key as placement_key
 from .strategies import NodeStrategy, Option
 
 logger = logging.getLogger(__name__)
@@ -111,24 +111,9 @@ class _ListInfo:
     why: str | None  # why its Partials must stay (creator, no substitute)
 
 
-_R = ("R",)
-
-
-def _code(p):
-    """A placement as a cheap hashable: ("P", reduce op) for any Partial,
-    ("R",) for Replicate, ("N", its number) otherwise (equal placements,
-    equal numbers; a placement's own hash runs in Python)."""
-    if p is None:
-        return None
-    if p.is_partial():
-        return ("P", getattr(p, "reduce_op", None), type(p))
-    if p.is_replicate():
-        return _R
-    return ("N", placement_number(p))
-
-
 class _Codes:
-    """Per-slot codes (:func:`_code` per mesh dim of a spec, or an output
+    """Per-slot codes (:func:`~autoparallel.cost_model.placement_codes.key`
+    per mesh dim of a spec: any Partial as ("P", reduce op, type), or an output
     slot's non-spec value) interned as small ints, for one prune_partials
     call: option keys become int tuples (nested tuples of placement codes
     hash in Python, per option and per substitution lookup), and a code's
@@ -165,7 +150,7 @@ class _Codes:
             hit = self._by_placements.get(id(placements))
             if hit is None:
                 hit = self._by_placements[id(placements)] = (
-                    self.intern(tuple(_code(p) for p in placements)),
+                    self.intern(tuple(placement_key(p) for p in placements)),
                     placements,
                 )
             i = self.by_spec[id(spec)] = hit[0]
@@ -246,12 +231,12 @@ def _held(code, d: int, family) -> bool:
     if not isinstance(code, tuple):
         return False
     c = code[d]
-    return c is not None and c is not _R and type(c) is tuple and c[0] == "P" and c[1] in family
+    return c is not None and c is not REPLICATE_KEY and type(c) is tuple and c[0] == PARTIAL and c[1] in family
 
 
 def _substitute(codes: tuple, d: int, family) -> tuple:
     """Codes with Partial(F) on mesh dim ``d`` replaced by Replicate."""
-    return tuple(c[:d] + (_R,) + c[d + 1 :] if _held(c, d, family) else c for c in codes)
+    return tuple(c[:d] + (REPLICATE_KEY,) + c[d + 1 :] if _held(c, d, family) else c for c in codes)
 
 
 def _list_info(

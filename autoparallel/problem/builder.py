@@ -16,7 +16,7 @@ torch-free :class:`solver.Problem`.
   resource constraint, and repeated layers as links.
 
 Edge costs come per distinct (source, target) placements from
-:mod:`autoparallel.cost_model.edge_costs` (equal to ``redistribute_time``, fast on 3-D
+:mod:`autoparallel.cost_model.class_costs` (equal to ``redistribute_time``, fast on 3-D
 and 4-D meshes). Before any pair matrix exists, Partial options that cannot help are dropped
 (:mod:`autoparallel.options.pruning`, exact) and the problem's size is
 estimated (:func:`estimate_problem_size`); over ``max_problem_bytes`` the
@@ -40,8 +40,7 @@ from torch.distributed.tensor.placement_types import Shard, _StridedShard
 import solver
 
 from .. import cost_model
-from ..cost_model.compute import _spec_sig  # the cost model's view of a spec, for deduplicating
-from ..cost_model.edge_costs import clear_caches as clear_edge_cost_caches
+from ..cost_model.compute import spec_sig  # the cost model's view of a spec, for deduplicating
 from .edge_matrices import EdgeMatrices, gradient_partners
 from ..options.pruning import PruneStats, prune_partials
 from .option_rules import OptionRule, allowed_mask
@@ -309,7 +308,7 @@ def build_problem(
         # the step plans per placement pair are only needed while costing
         # (millions of entries on a 4-D mesh); lazy matrices cost while the
         # solver prices (autoparallel.problem.pricing clears them after)
-        clear_edge_cost_caches()
+        cost_model.clear_caches()
         matrices.drop_pair_cache()
 
     pins = _pins(nodes, strategies, constraints)
@@ -661,9 +660,9 @@ class _LocalShapeCodes:
             code = self._by_spec.get(id(spec))
             if code is None:
                 # the cost model reads a spec through its local shape and
-                # dtype (_spec_sig), or without a tensor meta its placements
+                # dtype (spec_sig), or without a tensor meta its placements
                 # (the shape then comes from the node, the same per list)
-                sig = _spec_sig(spec) if spec.tensor_meta is not None else ("placements", spec.placements)
+                sig = spec_sig(spec) if spec.tensor_meta is not None else ("placements", spec.placements)
                 code = self._by_spec[id(spec)] = self._codes.setdefault(sig, len(self._codes))
             return code
         if isinstance(spec, (tuple, list)):

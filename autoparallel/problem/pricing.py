@@ -27,7 +27,7 @@ import solver
 from solver.pricing import PricingResult, solve_by_pricing
 from solver.pricing_quotient import is_lazy
 
-from ..cost_model.edge_costs import clear_caches as clear_edge_cost_caches
+from ..cost_model import clear_caches as clear_cost_caches
 from .edge_matrices import LazyKeyMatch
 from ..progress import gc_paused
 from ..options.strategies import NodeStrategy, Option
@@ -183,7 +183,7 @@ def release_caches() -> None:
     """Free the pair costs lazy matrices accumulated; call once no matrix of
     the problem will be asked for blocks again (interned placement ids,
     which its caches hold, start over)."""
-    clear_edge_cost_caches()
+    clear_cost_caches()
 
 
 def solve_lazy(problem: solver.Problem, strategies, *, plans=(), backend=None, time_limit=None) -> PricingResult:

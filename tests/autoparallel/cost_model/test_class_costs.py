@@ -334,7 +334,7 @@ def test_masked_and_norm_partials_take_the_vectorised_path(monkeypatch):
     def per_pair(*args, **kwargs):
         raise AssertionError("no pair should go pair by pair")
 
-    monkeypatch.setattr(class_costs, "redistribution_matrix", per_pair)
+    monkeypatch.setattr(class_costs, "_pairwise", per_pair)
     assert np.array_equal(class_costs.redistribution_grid(specs, specs, cost_model.H100), slow)
 
 

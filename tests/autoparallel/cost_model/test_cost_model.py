@@ -22,6 +22,7 @@ from autoparallel.cost_model import (
     DeviceSpec,
     TensorSig,
     apply_discount,
+    clear_caches,
     collective_time,
     compute_time,
     is_free_op,
@@ -278,7 +279,7 @@ def _dtensor_plan(src, dst):
     ],
 )
 def test_greedy_plan_matches_dtensor(mesh, mesh_shape, choices):
-    from autoparallel.cost_model.comm import _greedy_steps
+    from autoparallel.cost_model.comm import greedy_steps
 
     m = mesh if mesh_shape == (16, 8) else init_device_mesh("cpu", mesh_shape)
     shape = (64, 64, 64)
@@ -286,7 +287,7 @@ def test_greedy_plan_matches_dtensor(mesh, mesh_shape, choices):
     specs = [spec(m, c, shape) for c in combos]
     for s in specs:
         for d in specs:
-            assert _greedy_steps(mesh_shape, s.placements, d.placements) == _dtensor_plan(s, d), (s, d)
+            assert greedy_steps(mesh_shape, s.placements, d.placements) == _dtensor_plan(s, d), (s, d)
 
 
 def test_strided_shard_costs_via_gather(mesh, monkeypatch):
@@ -331,7 +332,7 @@ def test_2d_redistribution_is_sum_of_steps(mesh):
     full = 4096 * 4096 * 2
     # DTensor's greedy plan: tp all-gather of a 1/128 shard, then dp
     # all-gather of a 1/16 shard (the all-gather grew the local tensor).
-    greedy = list(comm._planned_steps(src, dst, H100))
+    greedy = list(comm.dtensor_plan_steps(src, dst, H100))
     assert [(s[0], s[3]) for s in greedy] == [(1, ("all_gather",)), (0, ("all_gather",))]
     assert greedy[1][4] == full // 16
     expect = collective_time("all_gather", full / 128, 8, True) + collective_time(
@@ -457,7 +458,7 @@ def test_mesh_topology_read_under_fake_mode(mesh):
     from autoparallel.cost_model import comm
 
     expected = comm.mesh_dim_topology(mesh, 8)
-    comm._mesh_dim_topology.cache_clear()
+    clear_caches()
     with FakeTensorMode(allow_non_fake_inputs=True):
         got = comm.mesh_dim_topology(mesh, 8)
     assert got == expected

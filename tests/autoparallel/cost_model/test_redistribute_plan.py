@@ -15,10 +15,11 @@ import torch
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from autoparallel.cost_model import class_costs, edge_costs
+from autoparallel.cost_model import class_costs
 from autoparallel import cost_model
 from autoparallel.cost_model import comm, redistribute_plan
 from autoparallel.cost_model.devices import H100
+from autoparallel.cost_model.steps import step_kinds
 from test_class_costs import _mesh, _world  # noqa: F401 (_world: the fake world of 1024 ranks, autouse)
 
 
@@ -28,7 +29,7 @@ def _spec(mesh, placements, shape, dtype=torch.float32):
 
 
 def _greedy_time(src, dst, device=H100) -> float:
-    return sum(step[-1] for step in comm._planned_steps(src, dst, device))
+    return sum(step[-1] for step in comm.dtensor_plan_steps(src, dst, device))
 
 
 def test_llama70b_activation_example():
@@ -104,8 +105,8 @@ def test_per_pair_and_grid_paths_read_the_min_cost_plan():
     greedy = np.array([[_greedy_time(s, d) for d in specs] for s in specs])
     assert (slow < greedy).sum() > 100  # the min-cost plan is used a lot on 4-D meshes
     assert np.array_equal(class_costs.redistribution_grid(specs, specs, H100), slow)
-    edge_costs.clear_caches()
-    assert np.array_equal(np.array(edge_costs.redistribution_matrix(specs, specs, H100)), slow)
+    cost_model.clear_caches()
+    assert np.array_equal(class_costs.redistribution_grid(specs, specs, H100), slow)
 
 
 def test_uneven_and_masked_keep_todays_plan():
@@ -144,8 +145,8 @@ def test_greedy_plan_is_a_path_of_the_graph():
     checked = 0
     for src in combos:
         for dst in combos:
-            steps = comm._greedy_steps(mesh_shape, src, dst)
-            if any(comm._step_kinds(a, b) == ("forbidden",) for _, a, b in steps):
+            steps = comm.greedy_steps(mesh_shape, src, dst)
+            if any(step_kinds(a, b) == ("forbidden",) for _, a, b in steps):
                 continue
             final, order = _legal_path(mesh_shape, src, steps, shape)
             assert tuple(final) == dst
