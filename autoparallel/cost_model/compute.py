@@ -118,9 +118,6 @@ def flop_formula(op: Any):
     return f
 
 
-_flop_formula = flop_formula  # the name passes/overlap_model.py imports; use flop_formula
-
-
 # The CPU flash-attention ops appear when tracing on CPU fake tensors and are
 # not in flop_counter's registry; their leading (grad_out,) q, k, v arguments
 # match the generic SDPA formulas.

@@ -34,7 +34,7 @@ import torch
 import torch.fx as fx
 
 from .. import cost_model
-from ..cost_model.compute import _flop_formula
+from ..cost_model.compute import flop_formula
 from ..apply.moe_a2a_phases import EXCHANGE as MOE_EXCHANGE
 from ..apply.moe_dispatch import in_op_collectives
 from ..graph_vocab import ALL_GATHER as AG, ALL_REDUCE as AR, ALL_TO_ALL as A2A, REDUCE_SCATTER as RS, WAIT
@@ -64,7 +64,7 @@ def is_compute(node: fx.Node) -> bool:
     target = node.target
     hit = _COMPUTE_TARGETS.get(target)
     if hit is None:
-        hit = isinstance(target, torch._ops.OpOverload) and _flop_formula(target) is not None
+        hit = isinstance(target, torch._ops.OpOverload) and flop_formula(target) is not None
         _COMPUTE_TARGETS[target] = hit
     return hit
 

@@ -139,7 +139,7 @@ def local_numel(shape, placements, mesh: DeviceMesh) -> int:
     return math.prod(sizes)
 
 
-def _forward_param_chain(traced: TracedStep) -> set[torch.fx.Node]:
+def forward_param_chain(traced: TracedStep) -> set[torch.fx.Node]:
     """Parameters and the layout/cast ops applied to them in forward."""
     chain: set[torch.fx.Node] = set(traced.param_nodes.values())
     for node in traced.gm.graph.nodes:
@@ -338,7 +338,7 @@ def _redistribution_edges(traced: TracedStep, strategies, constraints: Constrain
     """One edge per (producer, consumer, argument), tagged with the overlap
     kind of communication it may hide (a parameter's all-gather in forward, a
     gradient's reduction in backward)."""
-    param_chain = _forward_param_chain(traced)
+    param_chain = forward_param_chain(traced)
     grad_tail = _grad_tail(traced)
     unreducible = _unreducible_grad_nodes(traced, constraints.reduce_dtype)
     redist_edges = []

@@ -260,9 +260,9 @@ def step_memory_model(
             "optimizer": float(numel * per_elem_opt) if grad is not None else 0.0,
         }
     skipped = 0
-    from .builder import _forward_param_chain
+    from .builder import forward_param_chain
 
-    chain = _forward_param_chain(traced)
+    chain = forward_param_chain(traced)
     saved, remade = saved_and_needed(traced.gm, chain)
     counted = set()
     for node in saved:

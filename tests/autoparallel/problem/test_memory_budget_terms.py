@@ -33,7 +33,7 @@ from autoparallel.problem.memory_budget import (
     step_memory_model,
 )
 from autoparallel.models import LLAMA3_CONFIGS, Transformer
-from autoparallel.problem.builder import _forward_param_chain
+from autoparallel.problem.builder import forward_param_chain
 from autoparallel.capture.saved_activations import VIEW_OPS
 
 MESH = [2, 2, 2]
@@ -52,7 +52,7 @@ def llama_terms():
         with torch.device("meta"):
             model = Transformer(LLAMA3_CONFIGS["debug"])
         with AutoParallel(model, mesh, torch.empty(8, 64, dtype=torch.long, device="meta")) as autop:
-            saved = saved_activation_nodes(autop.traced.gm, _forward_param_chain(autop.traced))
+            saved = saved_activation_nodes(autop.traced.gm, forward_param_chain(autop.traced))
             yield step_memory_model(autop.traced, autop.strategies), autop.strategies, set(saved)
     finally:
         dist.destroy_process_group()
