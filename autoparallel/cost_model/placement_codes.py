@@ -66,7 +66,10 @@ def kind(p: Placement) -> str:
 
 def key(p: Placement) -> tuple:
     """``p`` as a small hashable tuple led by its kind letter (see the
-    module docstring for what equal keys mean)."""
+    module docstring for what equal keys mean); None (a slot without a
+    layout) stays None."""
+    if p is None:
+        return None
     letter = kind(p)
     if letter == REPLICATE:
         return REPLICATE_KEY

@@ -122,6 +122,7 @@ def test_keys_and_state_codes_encode_placements():
             assert (key(a) == key(b)) == (a == b)
         assert key(a)[0] == kind(a)
     assert key(Replicate()) is REPLICATE_KEY
+    assert key(None) is None  # an option slot without a layout (a non-tensor output)
     assert kind(_MASKED) == kind(_NormPartial(2)) == "P" and kind(_StridedShard(0, split_factor=2)) == "X"
     assert key(_MASKED) != key(Partial())  # Partial subclasses compare apart from a plain Partial
     assert state_codes((Replicate(), Partial(), Shard(2), Shard(-1)), 3) == (0, 1, 4, 4)
