@@ -2,7 +2,9 @@
 torch-free :class:`solver.Problem`.
 
 * one decision per node (named after the FX node), one option per
-  :class:`~autoparallel.options.strategies.Option`, unary cost = compute time;
+  :class:`~autoparallel.options.strategies.Option`, unary cost = compute time
+  (twice for a forward op the backward recomputes under activation
+  checkpointing, :mod:`.recompute`);
 * one edge per (producer, consumer, argument): redistribution time from the
   producer's output spec to the consumer's required input spec, plus a tiny
   tie-break for any non-identical transition;
@@ -42,6 +44,7 @@ import solver
 from .. import cost_model
 from ..cost_model.compute import spec_sig  # the cost model's view of a spec, for deduplicating
 from .edge_matrices import EdgeMatrices, gradient_partners
+from .recompute import recomputed_forward_nodes
 from ..options.pruning import PruneStats, prune_partials
 from .option_rules import OptionRule, allowed_mask
 from .size import (  # noqa: F401  (the size guard, re-exported)
@@ -301,7 +304,7 @@ def build_problem(
     lazy = _use_lazy_matrices(size, mesh, constraints)
     matrices = EdgeMatrices(device, overlap, lazy=lazy)
     nodes = list(strategies)
-    decisions, compute = _decisions(nodes, strategies, unary)
+    decisions, compute = _decisions(nodes, strategies, unary, recomputed_forward_nodes(traced.gm))
     edges = _edges(nodes, strategies, redist_edges, matrices, size)
     edges += _structural_edges(traced, strategies, matrices)
     if not lazy:
@@ -408,12 +411,14 @@ def _use_lazy_matrices(size: ProblemSize, mesh: DeviceMesh, constraints: Constra
     return lazy
 
 
-def _decisions(nodes, strategies, unary) -> tuple[list[solver.Decision], dict[str, list[float]]]:
+def _decisions(nodes, strategies, unary, recomputed) -> tuple[list[solver.Decision], dict[str, list[float]]]:
     """One decision per node, its options labelled by placement, and each
-    node's per-option compute seconds."""
+    node's per-option compute seconds: twice for the forward ops in
+    ``recomputed``, which the backward runs again (activation checkpointing)."""
     decisions: list[solver.Decision] = []
     compute: dict[str, list[float]] = {}
     labels_cache: dict[int, list[str]] = {}
+    twice: dict[int, list[float]] = {}
     label = SpecLabels().option
     for node in nodes:
         strat = strategies[node]
@@ -421,8 +426,13 @@ def _decisions(nodes, strategies, unary) -> tuple[list[solver.Decision], dict[st
         labels = labels_cache.get(key)
         if labels is None:
             labels = labels_cache[key] = [label(o) for o in strat.options]
-        compute[node.name] = unary[key]
-        decisions.append(solver.Decision(node.name, labels, unary[key]))
+        costs = unary[key]
+        if node in recomputed:
+            costs = twice.get(key)
+            if costs is None:
+                costs = twice[key] = [2 * c for c in unary[key]]
+        compute[node.name] = costs
+        decisions.append(solver.Decision(node.name, labels, costs))
     return decisions, compute
 
 
