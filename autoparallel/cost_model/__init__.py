@@ -64,6 +64,7 @@ from .overlap import (
     ComputeWindows,
     HiddenComm,
     apply_discount,
+    counted_device,
 )
 
 __all__ = [
@@ -95,5 +96,6 @@ __all__ = [
     "PARAM_ALL_GATHER",
     "GRAD_REDUCE_SCATTER",
     "apply_discount",
+    "counted_device",
     "clear_caches",
 ]

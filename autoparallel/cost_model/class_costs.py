@@ -56,7 +56,7 @@ from .caches import register
 from .comm import TRANSITION_TIEBREAK, redistribute_time
 from .compute import mesh_shape as _mesh_shape
 from .devices import DeviceSpec
-from .overlap import CommOverlapPolicy, HiddenComm, apply_discount
+from .overlap import CommOverlapPolicy, HiddenComm, apply_discount, counted_device
 from .placement_codes import SHARD, kind
 from .steps import local_bytes, mesh_dim_topology, step_kinds, step_time
 
@@ -360,7 +360,7 @@ def class_cost_grid(
     something moves, the tiebreak alone for a free move between different
     placements; ``inf`` where ``keep_partial`` and a source's Partial mesh
     dim would be reduced."""
-    raw, free = _raw_grid(src_specs, dst_specs, device)
+    raw, free = _raw_grid(src_specs, dst_specs, counted_device(device, overlap, kind))
     out = raw.copy()
     moved = (raw != 0.0) & np.isfinite(raw)
     if kind is not None:

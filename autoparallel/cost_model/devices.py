@@ -60,6 +60,12 @@ class DeviceSpec:
     attention_efficiency: float = 0.3
     memory_efficiency: float = 0.8
     comm_efficiency: float = 0.8
+    # The share of a collective's time counted, within a node and across
+    # nodes: 1.0 on a physical device; the overlap policy's counted
+    # fractions for collectives that hide under compute
+    # (:func:`autoparallel.cost_model.overlap.counted_device`).
+    intra_node_counted: float = 1.0
+    inter_node_counted: float = 1.0
 
     def __hash__(self) -> int:
         # Part of every cache key: hash the fields once, not per lookup.

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
+
+from .devices import DeviceSpec
 
 
 @dataclass(frozen=True)
@@ -15,51 +18,48 @@ class CommOverlapPolicy:
     and reduce-scatters layer i's gradients while layer i-1's backward runs,
     on their own link (the overlap scheduler's model,
     :mod:`autoparallel.passes.overlap_model`), so in steady state these
-    collectives hide behind compute whenever they are shorter than it.
+    collectives hide behind compute whenever they are shorter than it and
+    their link is free.
 
-    With ``compute_windows`` (opt-in, see below) each such collective of a
-    repeated block (``layers.3``) costs ``max(f * t, t - w)``: ``w`` is its
-    share (by parameter bytes) of the compute it can hide under, one block's
-    forward for a parameter gather, half a block's backward for a gradient
-    reduction and for the parameter's re-gather in backward (both on the same
-    link; the re-gather is counted with ``regather_in_backward``), and
-    ``f`` the fraction still counted when it fits. A gather longer than its
-    window (a cross-node gather of a whole block) costs what sticks out, as
-    the scheduler finds.
-    Each edge is costed on its own (the ILP stays linear and exact for this
-    model), which is exact when a block's parameters are laid out alike.
-    Parameters outside repeated blocks, and ``compute_windows=False``, get
-    the flat fraction ``f``. ``enabled=False`` counts everything.
+    By default the share counted depends on the link each step of the
+    redistribution runs on (:func:`counted_device`): ``network_fraction``
+    (0.1) across nodes, where nothing else queues and the scheduler hides
+    ~97% of them, ``nvlink_fraction`` (0.6) within a node, where they queue
+    with the blocking tensor-parallel activation collectives and a good
+    part stays exposed. The local copies around them (a gather along a
+    non-leading dim, all-to-all staging) always count in full: they run on
+    the compute stream. Measured on LLaMA-3 8B bf16 16x8 against the
+    scheduler's estimate of the applied plan (docs/estimates.md): flat
+    fractions of 0.25 pick a plan the scheduler rates 12% slower and
+    under-count it by 13%; counting everything picks a good plan but
+    over-counts it by a third; per link the plan is as good and the
+    solver's figure within a few percent.
 
-    ``f``: 0.25 for both by default. Measured against the overlap
-    scheduler's estimate of LLaMA-3 8B bf16 on 16x8
-    (``examples/example_llama3.py``; estimated step of the plan each value
-    picks, 4 / 32 layers): 0.25: 104.2 / 601.6 ms, 0.6: 93.9 / 518.7,
-    everything counted (the classic FSDP x TP+SP layout): 95.3 / 517.1.
-    With 0.25 parameter gathers look nearly free and the solver shards
-    attention weights over dp*tp: their gathers crowd the links (on NVLink
-    they queue ahead of the blocking TP activation collectives). 0.6 picks
-    a plan about as fast as the hand layout and keeps the solver's terms
-    closer to the scheduler's estimate (-9% against -35% at 32 layers),
-    but it also moves
-    small, latency-bound models off FSDP (the test LLaMA on 8 ranks goes
-    tensor parallel, estimated 1.6 ms per step against 2.0; a dim-8192
-    block on 2x4 keeps weights sharded over dp, 27.4 against 30.7 ms),
-    plans that tests of the apply stage and passes rely on.
-
-    Why the windows are opt-in: on that model every block's dp gather fits
-    its window (about 2.2 ms of gather against 2.4 ms of the block's
-    cheapest forward compute), and the plans they pick scheduled worse than
-    the flat fraction's (f = 0.25, 4 / 32 layers: 103.3 / 667.9 ms against
-    101.6 / 538.7); on small, latency-bound models (the test LLaMA on 8
-    ranks) they make gathers cost nearly in full and the solver replicates
-    small parameters instead of sharding them.
+    ``network_fraction=None`` or ``nvlink_fraction=None`` falls back to the
+    flat fractions ``param_allgather_discount`` and
+    ``grad_reduce_scatter_discount`` (one per collective kind, any link).
+    With ``compute_windows`` (opt-in, flat mode only) each such collective
+    of a repeated block (``layers.3``) costs ``max(f * t, t - w)``: ``w`` is
+    its share (by parameter bytes) of the compute it can hide under, one
+    block's forward for a parameter gather, half a block's backward for a
+    gradient reduction and for the parameter's re-gather in backward (with
+    ``regather_in_backward``), and ``f`` the flat fraction still counted
+    when it fits; parameters outside repeated blocks get ``f``. It is
+    opt-in because the plans it picks scheduled worse than the flat
+    fraction's on LLaMA-3 8B, and on small, latency-bound models it makes
+    gathers cost nearly in full. ``enabled=False`` counts everything.
     """
 
     enabled: bool = True
     param_allgather_discount: float = 0.25
     grad_reduce_scatter_discount: float = 0.25
     compute_windows: bool = False
+    # Per link, replacing the two flat fractions above: the share of such a
+    # collective's time counted when it runs across nodes and within a node
+    # (each step of a redistribution on its own link; the local copies
+    # around the collectives always in full). See :func:`counted_device`.
+    network_fraction: float | None = 0.1
+    nvlink_fraction: float | None = 0.6
     # FSDP-style resharding after forward (PassOptions.reshard_after_forward):
     # a windowed parameter gather runs again in backward, costed likewise in
     # the backward's window
@@ -80,13 +80,41 @@ class HiddenComm:
     backward_window: float | None = None  # a parameter gather's re-gather in backward
 
 
+def per_link(policy: CommOverlapPolicy) -> bool:
+    """Whether ``policy`` counts hidden collectives per link
+    (:func:`counted_device`) instead of by a flat fraction."""
+    return (
+        policy.enabled
+        and not policy.compute_windows
+        and policy.network_fraction is not None
+        and policy.nvlink_fraction is not None
+    )
+
+
+def counted_device(device: DeviceSpec, policy: CommOverlapPolicy, kind: str | HiddenComm | None) -> DeviceSpec:
+    """The device to cost an edge of ``kind`` on: for a parameter gather or
+    gradient reduction under a per-link policy, ``device`` with each link's
+    collectives counted at the policy's fraction for that link, so a
+    redistribution that gathers over a dim across nodes and then over one
+    within a node counts each step at its own link's fraction; otherwise
+    ``device`` itself."""
+    if kind is None or not per_link(policy) or policy.compute_windows:
+        return device
+    if (kind.kind if isinstance(kind, HiddenComm) else kind) not in (PARAM_ALL_GATHER, GRAD_REDUCE_SCATTER):
+        return device
+    return dataclasses.replace(
+        device, intra_node_counted=policy.nvlink_fraction, inter_node_counted=policy.network_fraction
+    )
+
+
 def apply_discount(time: float, kind: str | HiddenComm, policy: CommOverlapPolicy = CommOverlapPolicy()) -> float:
     """``time`` as counted by the policy for ``kind``
     (``"param_all_gather"``, ``"grad_reduce_scatter"``, or a
     :class:`HiddenComm` with its compute window); other kinds and a
-    disabled policy leave it unchanged. The caller decides what a parameter
-    all-gather is."""
-    if not policy.enabled:
+    disabled policy leave it unchanged, and so does a per-link policy
+    (``time`` was costed on :func:`counted_device`). The caller decides
+    what a parameter all-gather is."""
+    if not policy.enabled or per_link(policy):
         return time
     window = again = None
     if isinstance(kind, HiddenComm):

@@ -202,6 +202,11 @@ _STRUCTURES: dict[tuple, _Structure] = register({})
 _SWEEP_ORDER = {"local_copy": 0, "reduce_scatter": 1, "all_to_all": 2, "all_gather": 3, "all_reduce": 4}
 
 
+def _collective(kinds: tuple[str, ...]) -> str:
+    """The step's collective, or its copy (a staging copy does not order it)."""
+    return next((k for k in kinds if k != "pre_copy"), kinds[0])
+
+
 def _structure(mesh_shape: tuple[int, ...], shape: tuple[int, ...]) -> _Structure:
     n = len(mesh_shape)
     products = sorted({math.prod(c) for k in range(n + 1) for c in itertools.combinations(mesh_shape, k)})
@@ -260,11 +265,11 @@ def _enumerate(mesh_shape: tuple[int, ...], shape: tuple[int, ...]) -> _Structur
                     grouped.setdefault((m, c, t), []).append((u, v))
     edges = []
     for (m, a, b), pairs in grouped.items():
-        kinds = kinds_between(code_kind(a), code_kind(b))
+        kinds = kinds_between(code_kind(a), code_kind(b), a - S0 if a >= S0 else None, b - S0 if b >= S0 else None)
         edges.append((m, a, b, kinds, np.array([p[0] for p in pairs]), np.array([p[1] for p in pairs])))
     # relaxation order: shrinking steps first, inner mesh dims first (fewer
     # Gauss-Seidel sweeps: ~6 instead of ~8 on LLaMA-3's 4-D tensors)
-    edges.sort(key=lambda e: (_SWEEP_ORDER[e[3][0]], -e[0], e[1], e[2]))
+    edges.sort(key=lambda e: (_SWEEP_ORDER[_collective(e[3])], -e[0], e[1], e[2]))
     return _Structure(
         codes_list, ranks_list, np.array(splits, dtype=np.int64).reshape(len(splits), ndim), default_of, edges
     )

@@ -71,7 +71,7 @@ class EdgeMatrices:
         self._classes: dict = {}
 
     def _pair(self, src, dst, kind) -> float:
-        t = cost_model.redistribute_time(src, dst, self.device)
+        t = cost_model.redistribute_time(src, dst, cost_model.counted_device(self.device, self.overlap, kind))
         if t != 0.0 and math.isfinite(t):
             if kind is not None:
                 t = cost_model.apply_discount(t, kind, self.overlap)

@@ -4,6 +4,8 @@ for FSDP-like and replication-allowed plans on 1-D and 2-D meshes."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,7 +13,7 @@ from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from autoparallel import ApplyError, AutoParallel
+from autoparallel import ApplyError, AutoParallel, cost_model
 from autoparallel.passes import PassOptions
 from autoparallel.models import FFN, LLAMA3_CONFIGS, BlockModel, Transformer, apply_ac
 
@@ -55,7 +57,13 @@ MODELS = {
 }
 
 
-def _apply(kind: str, mesh_shape, *, high=None, ac=None, partitioner="min_cut"):
+# Parameter gathers across nodes count 10% (CommOverlapPolicy): FSDP layouts
+# for the small test models, whose gathers within a node would cost more
+# than replicating the weights.
+ONE_GPU_PER_NODE = dataclasses.replace(cost_model.H100, gpus_per_node=1)
+
+
+def _apply(kind: str, mesh_shape, *, high=None, ac=None, partitioner="min_cut", device="H100"):
     build, _ = MODELS[kind]
     mesh = init_device_mesh("cpu", mesh_shape)
     with torch.device("meta"):
@@ -63,7 +71,7 @@ def _apply(kind: str, mesh_shape, *, high=None, ac=None, partitioner="min_cut"):
     if ac:
         apply_ac(model, ac)
     example = MODELS[kind][1]()
-    with AutoParallel(model, mesh, torch.empty_like(example, device="meta")) as autop:
+    with AutoParallel(model, mesh, torch.empty_like(example, device="meta"), device=device) as autop:
         batch = (Shard(0),) * mesh.ndim
         autop.add_input_constraints([batch])
         autop.add_output_constraints([batch])
@@ -249,7 +257,8 @@ def test_names_state_dict_and_init(fake_world):
 
 def test_parallel_graph_has_collectives(fake_world):
     fake_world(8)
-    parallel, _, _ = _apply("ffn", (8,))
+    # one GPU per node: gathers cross nodes and hide, so the plan is FSDP
+    parallel, _, _ = _apply("ffn", (8,), device=ONE_GPU_PER_NODE)
     targets = {str(n.target) for n in parallel.parallel_graph.graph.nodes if n.op == "call_function"}
     assert "_c10d_functional.all_gather_into_tensor.default" in targets
     assert "_c10d_functional.wait_tensor.default" in targets
@@ -359,7 +368,7 @@ def test_collective_summary(fake_world):
     from autoparallel.apply import collectives, summarize
 
     fake_world(8)
-    parallel, mesh, _ = _apply("ffn", (2, 4))
+    parallel, mesh, _ = _apply("ffn", (2, 4), device=ONE_GPU_PER_NODE)  # FSDP, as above
     items = collectives(parallel.parallel_graph, mesh)
     assert items and all(c.mesh_dim in (0, 1) for c in items)
     table = summarize(items)

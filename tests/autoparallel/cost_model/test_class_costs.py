@@ -158,7 +158,8 @@ _WINDOWED = CommOverlapPolicy(compute_windows=True, regather_in_backward=True)
     [
         (None, CommOverlapPolicy()),
         (cost_model.PARAM_ALL_GATHER, CommOverlapPolicy()),
-        (cost_model.GRAD_REDUCE_SCATTER, CommOverlapPolicy(grad_reduce_scatter_discount=0.6)),
+        (cost_model.GRAD_REDUCE_SCATTER, CommOverlapPolicy(network_fraction=None, grad_reduce_scatter_discount=0.6)),
+        (cost_model.GRAD_REDUCE_SCATTER, CommOverlapPolicy(network_fraction=0.2, nvlink_fraction=0.5)),
         (cost_model.PARAM_ALL_GATHER, CommOverlapPolicy(enabled=False)),
         (HiddenComm(cost_model.PARAM_ALL_GATHER, 2e-5, 1e-5), _WINDOWED),
         (HiddenComm(cost_model.GRAD_REDUCE_SCATTER, 3e-5), _WINDOWED),
@@ -166,7 +167,7 @@ _WINDOWED = CommOverlapPolicy(compute_windows=True, regather_in_backward=True)
     ],
 )
 @pytest.mark.parametrize("keep_partial", [False, True])
-@pytest.mark.parametrize("mesh_shape", [(2, 4), (2, 1, 2, 2)])
+@pytest.mark.parametrize("mesh_shape", [(2, 4), (2, 1, 2, 2), (4, 4)])
 def test_class_grid_equals_pairs(kind, overlap, keep_partial, mesh_shape):
     """Masking, discount and tiebreak as EdgeMatrices._pair, bit for bit;
     moves over a mesh dim of size 1 are free (tiebreak only)."""

@@ -262,7 +262,37 @@ def test_all_to_all_cheaper_than_allgather(mesh):
     assert 0 < a2a < ag
     assert [
         s.kind for s in redistribute_steps(spec(mesh, (Replicate(), Shard(0))), spec(mesh, (Replicate(), Shard(1))))
-    ] == ["all_to_all"]
+    ] == ["pre_copy+all_to_all"]  # S(0) -> S(1): the input's dim-1 chunks are stacked first
+
+
+def test_collectives_on_non_leading_dims_pay_their_local_copies(mesh):
+    """A gather along tensor dim 1 concatenates the gathered chunks, a
+    reduce-scatter along dim 1 stacks its input's chunks first: one local
+    copy each (read + write) on top of the collective, as apply runs them."""
+    from autoparallel.cost_model import H100
+    from autoparallel.cost_model import steps
+    from autoparallel.cost_model.placement_codes import PARTIAL, REPLICATE, SHARD
+    from autoparallel.cost_model.steps import kinds_between
+
+    assert kinds_between(SHARD, REPLICATE, 0, None) == ("all_gather",)
+    assert kinds_between(SHARD, REPLICATE, 1, None) == ("all_gather", "local_copy")
+    assert kinds_between(PARTIAL, SHARD, None, 0) == ("reduce_scatter",)
+    assert kinds_between(PARTIAL, SHARD, None, 2) == ("pre_copy", "reduce_scatter")
+    assert kinds_between(SHARD, SHARD, 1, 0) == ("all_to_all", "local_copy")
+
+    def copy(nbytes):  # read + write
+        return 2 * nbytes / (H100.hbm_bw * H100.memory_efficiency)
+
+    topology = steps.mesh_dim_topology(mesh)[1]
+    gather = steps.step_time(topology, ("all_gather",), 2**21, 2**24, H100)
+    assert steps.step_time(topology, ("all_gather", "local_copy"), 2**21, 2**24, H100) == gather + copy(2**24)
+    scatter = steps.step_time(topology, ("reduce_scatter",), 2**24, 2**21, H100)
+    assert steps.step_time(topology, ("pre_copy", "reduce_scatter"), 2**24, 2**21, H100) == scatter + copy(2**24)
+    # the plan the cost model prices avoids the concatenation where an
+    # all-to-all of the shard is cheaper, never pays more than it
+    src, dst = spec(mesh, (Replicate(), Shard(1))), spec(mesh, (Replicate(), Replicate()))
+    plain = redistribute_time(spec(mesh, (Replicate(), Shard(0))), dst)
+    assert plain < redistribute_time(src, dst) <= plain + copy(4096 * 4096 * 2)
 
 
 def _dtensor_plan(src, dst):
@@ -340,22 +370,30 @@ def test_2d_redistribution_is_sum_of_steps(mesh):
     )
     assert sum(s[-1] for s in greedy) == pytest.approx(expect)
     # The min-cost plan moves the tp shard to dim 1 first, so the
-    # slow inter-node dp all-gather moves the 1/128 shard, not the 1/16 one.
+    # slow inter-node dp all-gather moves the 1/128 shard, not the 1/16 one;
+    # it moves it back to dim 0 before the last gather, which then needs no
+    # concatenation (an all-to-all of 1/8 is cheaper than copying the whole)
     steps = redistribute_steps(src, dst)
-    assert [(s.mesh_dim, s.kind) for s in steps] == [(1, "all_to_all"), (0, "all_gather"), (1, "all_gather")]
-    assert [s.bytes_per_rank for s in steps] == [full // 128, full // 128, full // 8]
+    assert [(s.mesh_dim, s.kind) for s in steps] == [
+        (1, "pre_copy+all_to_all"),
+        (0, "all_gather"),
+        (1, "all_to_all+local_copy"),
+        (1, "all_gather"),
+    ]
+    assert [s.bytes_per_rank for s in steps] == [full // 128, full // 128, full // 8, full // 8]
     assert redistribute_time(src, dst) == sum(s.time for s in steps) < expect
 
 
 def test_reduce_scatter_shrinks_bytes(mesh):
     src, dst = spec(mesh, (Partial(), Partial())), spec(mesh, (Shard(0), Shard(1)))
     steps = redistribute_steps(src, dst)
-    assert [s.kind for s in steps] == ["reduce_scatter", "reduce_scatter"]
-    # min-cost plan: the fast intra-node tp reduce-scatter first,
-    # so the slow inter-node dp one reduces an 8x smaller buffer (DTensor's
-    # greedy plan goes dp first)
-    assert [s.mesh_dim for s in steps] == [1, 0]
-    assert steps[1].bytes_per_rank == steps[0].bytes_per_rank // 8
+    assert [s.kind for s in steps] == ["reduce_scatter", "pre_copy+all_to_all", "reduce_scatter"]
+    # min-cost plan: the fast intra-node tp reduce-scatter first (along
+    # dim 0: no copy; then an all-to-all moves its shard to dim 1), so the
+    # slow inter-node dp one reduces an 8x smaller buffer (DTensor's greedy
+    # plan goes dp first)
+    assert [s.mesh_dim for s in steps] == [1, 1, 0]
+    assert steps[2].bytes_per_rank == steps[0].bytes_per_rank // 8
 
 
 def test_monotonic_in_size(mesh):
@@ -385,8 +423,28 @@ def test_collective_edge_cases():
         collective_time("broadcast", 1e6, 8, True)
 
 
-def test_overlap_policy():
+def test_overlap_policy_per_link(mesh):
+    """By default a parameter gather is counted per link: each step of its
+    redistribution at its link's fraction (dp crosses nodes on 16x8, tp
+    stays within one), its local copies in full; other edges in full."""
+    from autoparallel.cost_model import H100, counted_device
+
     p = CommOverlapPolicy()
+    assert (p.network_fraction, p.nvlink_fraction) == (0.1, 0.6)
+    counted = counted_device(H100, p, "param_all_gather")
+    assert counted_device(H100, p, None) is H100 and counted_device(H100, p, "all_reduce") is H100
+    assert apply_discount(1.0, "param_all_gather", p) == 1.0  # costed on the counted device instead
+    for intra_node, fraction in ((False, 0.1), (True, 0.6)):
+        full = collective_time("all_gather", 2**21, 8, intra_node, H100)
+        assert collective_time("all_gather", 2**21, 8, intra_node, counted) == pytest.approx(fraction * full)
+    tp_gather = (spec(mesh, (Replicate(), Shard(0))), spec(mesh, (Replicate(), Replicate())))
+    assert redistribute_time(*tp_gather, counted) == pytest.approx(0.6 * redistribute_time(*tp_gather, H100))
+    both = (spec(mesh, (Shard(0), Shard(1))), spec(mesh, (Replicate(), Replicate())))
+    assert 0.1 * redistribute_time(*both, H100) < redistribute_time(*both, counted) < redistribute_time(*both, H100)
+
+
+def test_overlap_policy_flat():
+    p = CommOverlapPolicy(network_fraction=None)
     assert apply_discount(1.0, "param_all_gather", p) == p.param_allgather_discount
     assert apply_discount(1.0, "grad_reduce_scatter", p) == p.grad_reduce_scatter_discount
     assert apply_discount(1.0, "all_reduce", p) == 1.0
@@ -396,7 +454,7 @@ def test_overlap_policy():
 def test_overlap_compute_windows():
     from autoparallel.cost_model import ComputeWindows, HiddenComm
 
-    flat = CommOverlapPolicy(param_allgather_discount=0.25, grad_reduce_scatter_discount=0.25)
+    flat = CommOverlapPolicy(param_allgather_discount=0.25, grad_reduce_scatter_discount=0.25, network_fraction=None)
     on = dataclasses.replace(flat, compute_windows=True)
     # fits its window: the flat fraction; longer: what sticks out
     assert apply_discount(1.0, HiddenComm("param_all_gather", 2.0), on) == 0.25

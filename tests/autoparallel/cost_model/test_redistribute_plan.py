@@ -34,17 +34,17 @@ def _greedy_time(src, dst, device=H100) -> float:
 
 def test_llama70b_activation_example():
     """A 70B activation, S(2) on all four dims to S(0)S(0)S(1)S(1): greedy
-    11.8 ms (all-gathers and all-to-alls at up to 256 MiB), min-cost six
-    all-to-alls at the local size."""
+    12.3 ms (all-gathers and all-to-alls at up to 256 MiB, with the copies
+    around them), min-cost six all-to-alls at the local size."""
     mesh = _mesh((4, 4, 8, 8))
     shape = (32, 8192, 8192)
     src = _spec(mesh, [Shard(2)] * 4, shape)
     dst = _spec(mesh, [Shard(0), Shard(0), Shard(1), Shard(1)], shape)
     greedy = _greedy_time(src, dst)
-    assert greedy == pytest.approx(11.8e-3, rel=0.01)
+    assert greedy == pytest.approx(12.3e-3, rel=0.01)
     steps = cost_model.redistribute_steps(src, dst)
     local = 32 * 8192 * 8192 * 4 // 1024
-    assert [s.kind for s in steps] == ["all_to_all"] * 6
+    assert [s.kind.replace("pre_copy+", "").replace("+local_copy", "") for s in steps] == ["all_to_all"] * 6
     assert all(s.bytes_per_rank == local for s in steps)
     total = cost_model.redistribute_time(src, dst)
     assert total == sum(s.time for s in steps)

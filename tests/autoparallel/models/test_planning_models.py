@@ -6,6 +6,7 @@ Block dimensions are realistic (on meta, nothing is allocated): with toy
 sizes every op sits at the kernel-launch floor and no parallelism pays off.
 """
 
+import dataclasses
 import re
 
 import pytest
@@ -15,7 +16,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Replicate, Shard
 from torch.utils.checkpoint import CheckpointPolicy
 
-from autoparallel import AutoParallel
+from autoparallel import AutoParallel, cost_model
 from autoparallel.models.llama3 import LLAMA3_CONFIGS, ModelArgs, Transformer, apply_ac
 from autoparallel.models.simple import FFN, BlockModel
 
@@ -30,8 +31,8 @@ def _block(dim=2048, heads=16):
         return BlockModel(args), args
 
 
-def _plan(model, mesh, inputs, data, high=None, mp_policy=None):
-    with AutoParallel(model, mesh, inputs, mp_policy=mp_policy) as autop:
+def _plan(model, mesh, inputs, data, high=None, mp_policy=None, device="H100"):
+    with AutoParallel(model, mesh, inputs, mp_policy=mp_policy, device=device) as autop:
         autop.add_input_constraints([data])
         autop.add_output_constraints([data])
         autop.add_parameter_memory_constraint(high=high)
@@ -85,10 +86,12 @@ def test_block_2d_is_tensor_parallel_on_tp_and_data_parallel_on_dp(fake_world):
     fake_world(8)
     mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
     # Big weights, few tokens per rank: gathering weights costs more than
-    # moving activations, so tensor parallelism pays on the tp dim.
+    # moving activations, so tensor parallelism pays on the tp dim, within
+    # a node; dp crosses nodes (4 GPUs per node), where weight gathers hide.
     model, args = _block(dim=8192, heads=64)
     x = torch.empty(2, 1024, args.dim, device="meta")
-    plan, _ = _plan(model, mesh, x, (Shard(0), Replicate()))
+    device = dataclasses.replace(cost_model.H100, gpus_per_node=4)
+    plan, _ = _plan(model, mesh, x, (Shard(0), Replicate()), device=device)
     assert plan.solution.optimal
     for fqn, p in _weight_params(plan).items():
         dp, tp = _per_dim(p.output_placements)

@@ -11,6 +11,7 @@ dp-then-tp all-gather chains fuse column-major.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -109,7 +110,7 @@ def test_cost_one_dp_all_gather_to_the_tp_shard(mesh):
     # the default order needs three steps: DTensor's greedy plan gathers tp,
     # then dp, then slices tp; the min-cost plan moves the tp
     # shard to dim 1 first, gathers dp, and moves it back
-    assert [s.kind for s in default] == ["all_to_all", "all_gather", "all_to_all"]
+    assert [s.kind for s in default] == ["pre_copy+all_to_all", "all_gather", "all_to_all+local_copy"]
     assert redistribute_time(src, _spec(mesh, (R, S0), (4096, 4096), torch.bfloat16)) < sum(s.time for s in default)
 
 
@@ -174,7 +175,10 @@ def _ffn_plan(mesh, pin_tp_outer=True, apply=True, **apply_kw):
     with torch.device("meta"):
         model = FFN(16, 64, bias=True)
     batch = (Shard(0), Shard(0))
-    with AutoParallel(model, mesh, torch.empty(8, 16, 16, device="meta")) as autop:
+    # one GPU per node: the weights' gathers cross nodes and hide
+    # (CommOverlapPolicy), so a sharded layout pays
+    device = dataclasses.replace(cost_model.H100, gpus_per_node=1)
+    with AutoParallel(model, mesh, torch.empty(8, 16, 16, device="meta"), device=device) as autop:
         autop.add_input_constraints([batch])
         autop.add_output_constraints([batch])
         if pin_tp_outer:

@@ -6,7 +6,8 @@ compute ops before a reduce-scatter; both graphs stay topologically valid.
 
 The "debug" config is widened to dim 256 and fed 32 x 64 tokens: at dim 64
 the solver replicates activations in backward (no reduce-scatters at all);
-at 256 the plan is FSDP-like (every parameter sharded and gathered, gradients
+at 256, with one GPU per node (every gather crosses nodes and hides), the
+plan is FSDP-like (every parameter sharded and gathered, gradients
 reduce-scattered)."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch.distributed.tensor import Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.checkpoint import CheckpointPolicy
 
-from autoparallel import AutoParallel, passes
+from autoparallel import AutoParallel, cost_model, passes
 from autoparallel.models import LLAMA3_CONFIGS, Transformer, apply_ac
 from autoparallel.passes.recompute_all_gathers import param_gather_chains, saved_for_backward
 from autoparallel.passes.schedule_overlap import check_topological, longest_compute_run
@@ -55,7 +56,12 @@ def _plan(mesh_shape, ac=None):
         model = Transformer(ARGS)
     if ac:
         apply_ac(model, ac)
-    autop = AutoParallel(model, mesh, torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"))
+    autop = AutoParallel(
+        model,
+        mesh,
+        torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),
+        device=dataclasses.replace(cost_model.H100, gpus_per_node=1),
+    )
     autop.__enter__()
     batch = (Shard(0),) * mesh.ndim
     autop.add_input_constraints([batch])
