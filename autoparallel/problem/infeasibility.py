@@ -120,11 +120,11 @@ def check_memory_budget(
     must meet the range the parameters' options reach, given the pins on
     parameters. ``high=None`` is "every parameter as sharded as the mesh
     allows" (as far as its gradient can follow and its repeated layers
-    agree: :func:`~autoparallel.problem.builder.param_floor`), which a pin
+    agree: :func:`~autoparallel.problem.param_budget.param_floor`), which a pin
     to a less sharded layout breaks. ``option_rules`` (mesh-dim roles:
     parameters kept replicated over a dim) narrow what "as sharded as the
     mesh allows" reaches."""
-    from .builder import param_floor, param_option_bytes, rule_masks
+    from .param_budget import param_floor, param_option_bytes, rule_masks
 
     weights = param_option_bytes(traced, strategies, mesh)
     floor = param_floor(traced, strategies, weights, repeats, rule_masks(traced, strategies, option_rules or {}))

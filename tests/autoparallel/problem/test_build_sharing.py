@@ -15,6 +15,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 from autoparallel import AutoParallel, cost_model
 from autoparallel.problem import builder as problem_builder
 from autoparallel.problem.coarse_seed import _OptionIndex
+from autoparallel.problem.param_budget import option_mapping
 from autoparallel.problem.recompute import recomputed_forward_nodes
 from autoparallel.options.placements import placements_of
 
@@ -80,7 +81,7 @@ def _check_links(planned):
     assert links, "the two layers are linked"
     for link in links:
         ref, other = by_name[link.a].options, by_name[link.b].options
-        assert link.mapping == problem_builder._option_mapping(ref, other)
+        assert link.mapping == option_mapping(ref, other)
         for i, j in enumerate(link.mapping):
             if j is not None:
                 assert placements_of(other[j].output_specs) == placements_of(ref[i].output_specs)
