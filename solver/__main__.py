@@ -20,6 +20,7 @@ import sys
 
 from .problem import ProblemError, Solution
 from .serialize import Bundle, DumpError, dump, load
+from .units import percent, seconds
 
 EXIT_OK, EXIT_NO_SOLUTION, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -116,12 +117,12 @@ def main(argv: list[str] | None = None) -> int:
 def summary(sol: Solution) -> str:
     """A few lines describing ``sol`` (status, costs, timings, size, presolve)."""
     lines = [
-        f"status     {sol.status} ({sol.backend}), gap {_percent(sol.gap)}"
-        + ("" if sol.bound is None or sol.optimal else f", bound {_seconds(sol.bound)}"),
-        f"objective  {_seconds(sol.objective)} = unary {_seconds(sol.unary_cost)} + edge {_seconds(sol.edge_cost)}"
+        f"status     {sol.status} ({sol.backend}), gap {percent(sol.gap)}"
+        + ("" if sol.bound is None or sol.optimal else f", bound {seconds(sol.bound)}"),
+        f"objective  {seconds(sol.objective)} = unary {seconds(sol.unary_cost)} + edge {seconds(sol.edge_cost)}"
         f" (exactly {sol.objective:.9g} s)",
         f"ILP        {sol.num_variables} variables, {sol.num_constraints} constraints",
-        "timings    " + ", ".join(f"{k} {_seconds(v)}" for k, v in sol.timings.items()),
+        "timings    " + ", ".join(f"{k} {seconds(v)}" for k, v in sol.timings.items()),
     ]
     s = sol.presolve
     if s is None:
@@ -145,38 +146,14 @@ def compare(previous: Solution, new: Solution, rel_tol: float = 1e-6) -> str:
     if same:
         verdict = "matches"
     elif b < a:
-        verdict = f"is better by {_seconds(a - b)}"
+        verdict = f"is better by {seconds(a - b)}"
     else:
-        verdict = f"is WORSE by {_seconds(b - a)}"
+        verdict = f"is WORSE by {seconds(b - a)}"
     changed = sum(1 for k, v in new.choice.items() if previous.choice.get(k) != v)
     return (
-        f"dumped     objective {_seconds(a)} ({previous.status}, {previous.backend or '?'}): "
+        f"dumped     objective {seconds(a)} ({previous.status}, {previous.backend or '?'}): "
         f"new objective {verdict}; {changed} decisions chose differently"
     )
-
-
-# The planner's unit system (autoparallel/report/units.py), restated here:
-# solver/ imports no torch, and importing autoparallel does. A test checks
-# that both give the same text.
-def _seconds(s: float | None) -> str:
-    """A duration in s, ms or us, three or four significant figures."""
-    if s is None:
-        return "n/a"
-    if math.isinf(s):
-        return "inf"
-    a = abs(s)
-    if a >= 1:
-        return f"{s:.2f} s"
-    if a >= 1e-3:
-        return f"{s * 1e3:.1f} ms"
-    if a == 0:
-        return "0 us"
-    return f"{s * 1e6:.1f} us" if a >= 1e-7 else f"{s * 1e6:.2g} us"
-
-
-def _percent(fraction: float | None) -> str:
-    """``0.0123`` -> ``1.23%``; None -> ``n/a``."""
-    return "n/a" if fraction is None else f"{100 * fraction:.3g}%"
 
 
 def _positive_seconds(text: str) -> float:

@@ -178,14 +178,3 @@ def test_explain_and_diff_in_the_unit_system(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "estimated step (objective) 12.3 ms vs 45.6 ms" in out
     assert_one_unit_system(out)
-
-
-@pytest.mark.parametrize("value", [0.0, 3.5, 1.25, 0.382625, 0.0123, 1.25e-5, 3e-8, -0.0012, float("inf"), None])
-def test_solver_cli_writes_seconds_as_the_report_does(value):
-    """``python -m solver`` restates the report's seconds (solver/ imports
-    no torch): both give the same text."""
-    from solver.__main__ import _percent, _seconds
-
-    assert _seconds(value) == units.seconds(value)
-    if value is not None and value == value and abs(value) < 10:
-        assert _percent(value) == units.percent(value)
