@@ -213,6 +213,7 @@ class AutoParallel:
         self.strategies: dict[torch.fx.Node, NodeStrategy] | None = None
         self.repeats: RepeatedLayers | None = None
         self.built: BuiltProblem | None = None
+        self._role_rules_off = False  # inside scoped_constraints(without_role_rules=True)
         self.timings: dict[str, float] = {}
 
     # -- context ---------------------------------------------------------------
@@ -402,18 +403,23 @@ class AutoParallel:
         self._memory_budget = memory_budget_mod.MemoryBudget(bytes, fraction, optimizer)
 
     @contextlib.contextmanager
-    def scoped_constraints(self):
+    def scoped_constraints(self, *, without_role_rules: bool = False):
         """Constraints added inside the block are dropped at its end (a
         baseline's pins, :mod:`autoparallel.baselines`); the plan, strategies
-        and trace are kept."""
+        and trace are kept. ``without_role_rules``: inside the block the mesh
+        roles' option rules do not hold (a hand layout says itself what each
+        dim does)."""
         self._require_open()
         saved = (dataclasses.replace(self._constraints, pins=dict(self._constraints.pins)), dict(self._constraint_log))
         built = self.built
+        suspended = self._role_rules_off
+        self._role_rules_off = suspended or without_role_rules
         try:
             yield self
         finally:
             self._constraints, self._constraint_log = saved
             self.built = built
+            self._role_rules_off = suspended
 
     def _node_roles(self) -> dict[str, str]:
         """What parameter and gradient nodes are, for messages."""
@@ -467,6 +473,9 @@ class AutoParallel:
         if not self.mesh_roles:
             return
         c = self._constraints
+        if self._role_rules_off:  # a hand layout's scope (scoped_constraints)
+            c.option_rules = {}
+            return
         c.option_rules = mesh_roles_mod.option_rules(self.traced, self.strategies, self.mesh, self.mesh_roles)
         placements = mesh_roles_mod.io_placements(self.mesh, self.mesh_roles)
         if placements is None:

@@ -210,7 +210,7 @@ def _solve_pinned(autop, layout: HandLayout, apply: bool, pass_options):
     the memory budget gives no plan."""
     skip: set[str] = set()
     for _ in range(_UNPIN_ROUNDS + 1):
-        with autop.scoped_constraints():
+        with autop.scoped_constraints(without_role_rules=True):
             # a hand layout may replicate: the default "fully sharded" bound does not hold it
             autop.add_parameter_memory_constraint(high=1.0)
             pinned, free = _pin_parameters(autop, layout, skip)

@@ -170,3 +170,26 @@ def test_ep_role_gives_all_to_all_dispatch(fake_world):
     assert "expert parallel (tokens by all-to-all) over ep" in plan.summary()
     # the batch splits over both dims (every dim has a role)
     assert plan.constraints["mesh roles (input 0)"]["placements"] == ["S(0)", "S(0)"]
+
+
+def test_hand_layouts_are_solved_without_the_role_rules(fake_world):
+    """A hand layout says itself what each dim does: inside
+    ``scoped_constraints(without_role_rules=True)`` (the baselines' scope)
+    the roles' option rules do not hold, and they hold again after it."""
+    fake_world(8)
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=HSDP)
+    with torch.device("meta"):
+        model = FFN(DIM, HIDDEN)
+    with AutoParallel(model, mesh, torch.empty(BATCH, SEQ, DIM, device="meta")) as autop:
+        autop.optimize_placement()
+        rules = dict(autop._constraints.option_rules)
+        assert rules  # dp_replicate keeps parameters replicated
+        with autop.scoped_constraints(without_role_rules=True):
+            plan = autop.optimize_placement()
+            assert autop._constraints.option_rules == {}
+        assert autop._constraints.option_rules == rules
+        again = autop.optimize_placement()
+    assert [n.output_placements for n in again.nodes.values() if n.is_parameter][0].startswith("R")
+    # free of the rules, the default memory rule shards over dp_replicate too
+    params = [n.output_placements for n in plan.nodes.values() if n.is_parameter]
+    assert any(not p.startswith("R") for p in params), params
