@@ -63,6 +63,7 @@ def test_static_inputs_of_the_llama_step(fake_world):
         check_capturable(step.graphs, cuda_available=False)
 
 
+@pytest.mark.slow  # plans and applies a MoE: ~20 s
 def test_moe_all_to_all_step_is_refused_naming_nodes(fake_world):
     """The expert-parallel all-to-all exchanges token counts before the
     tokens: sizes that depend on the data, which no CUDA graph can hold."""

@@ -614,6 +614,7 @@ def assert_same_step(a, b, rel=1e-6):
         assert_close_rel(a[1][name], g, rel, f"gradient of {name}")
 
 
+@pytest.mark.slow  # two Hugging Face models planned and applied twice: ~30 s each
 @pytest.mark.parametrize(
     "kind, modules",
     [
