@@ -13,6 +13,7 @@ nothing::
     python benchmarks/estimate_agreement.py                       # the small rows
     python benchmarks/estimate_agreement.py --rows all --baselines
     python benchmarks/estimate_agreement.py --rows 8b_16x8 70b_16x8
+    python benchmarks/estimate_agreement.py --rows debug_2x2 --breakdown  # where the figures part
 
 Rows: ``8b_16x8`` / ``8b_16x8_full`` (LLaMA-3 8B, seq 8192, batch 32, bf16,
 selective / full AC), ``70b_16x8`` (minutes), ``8b_2x8x8`` (dp_replicate
@@ -111,7 +112,7 @@ def _setup(kind: str, a: dict):
     return model, mesh, inputs, None, "batch_on_dp", None
 
 
-def run_row(name: str, with_baselines: bool) -> dict:
+def run_row(name: str, with_baselines: bool, breakdown_too: bool = False) -> dict:
     """Plan, apply and estimate one row (in this process)."""
     from torch.distributed.tensor import Replicate, Shard
 
@@ -122,6 +123,7 @@ def run_row(name: str, with_baselines: bool) -> dict:
     kind, a = ROWS[name]
     model, mesh, inputs, mp, ins, outs = _setup(kind, a)
     out: dict = {"row": name}
+    parallel = None
     with AutoParallel(model, mesh, inputs, mp_policy=mp) as autop:
         if ins == "batch_on_dp":
             ins = [(Shard(0),) + (Replicate(),) * (mesh.ndim - 1)] * len(autop.traced.input_nodes)
@@ -133,7 +135,7 @@ def run_row(name: str, with_baselines: bool) -> dict:
         out["plan_s"] = time.perf_counter() - t0
         out["solve_s"] = autop.timings.get("solve", 0.0)
         t0 = time.perf_counter()
-        autop.apply_placement(plan)
+        parallel = autop.apply_placement(plan)
         out["apply_s"] = time.perf_counter() - t0
         e = step_estimate(plan)
         out.update(
@@ -145,13 +147,77 @@ def run_row(name: str, with_baselines: bool) -> dict:
             exposed=e["exposed_after"],
             memory=breakdown(plan).total,
         )
+        if breakdown_too:
+            out["breakdown"] = _breakdown(autop, plan, parallel)
         if with_baselines:
             out["baselines"] = [r.to_json() for r in baselines.compare(autop, plan)]
     return out
 
 
-def _child(name: str, with_baselines: bool, max_gb: float) -> dict:
+def _op(target) -> str:
+    parts = str(target).split(".")
+    return (
+        parts[1] if len(parts) > 1 and parts[0] in ("aten", "_c10d_functional", "autoparallel", "prims") else parts[0]
+    )
+
+
+def _breakdown(autop, plan, parallel) -> dict:
+    """Where the two figures part: per op, the solver's compute (recomputation
+    included) against the scheduler's compute ops of the applied graphs; per
+    (phase, collective, link), the time on the link and the stall it causes."""
+    import collections
+    import types
+
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from autoparallel.passes.overlap_model import COLLECTIVE_START, OTHER_CALL, WAIT_NODE, Clock, Costs, Info
+
+    solver_ops: collections.Counter = collections.Counter()
+    for n in plan.nodes.values():
+        solver_ops[_op(n.op.replace("::", "."))] += n.compute_cost
+    sched_ops: collections.Counter = collections.Counter()
+    on_link: collections.Counter = collections.Counter()
+    exposed: collections.Counter = collections.Counter()
+    ctx = types.SimpleNamespace(mesh=autop.mesh, device=autop.device)
+    with unset_fake_temporarily():
+        for phase, gm in (("forward", parallel.forward_graph), ("backward", parallel.backward_graph)):
+            nodes = list(gm.graph.nodes)
+            info = Info(nodes, Costs(ctx))
+            clock = Clock(info)
+            for n in nodes:
+                before = clock.exposed
+                clock.run(n)
+                kind = info.kind[n]
+                if kind == OTHER_CALL:
+                    sched_ops[_op(n.target)] += info.time[n]
+                elif kind == COLLECTIVE_START:
+                    on_link[f"{phase} {_op(n.target)} on {info.stream[n]}"] += info.time[n]
+                elif kind == WAIT_NODE and clock.exposed > before:
+                    start = n.args[0]
+                    exposed[f"{phase} {_op(start.target)} on {info.stream[start]}"] += clock.exposed - before
+    ops = sorted(set(solver_ops) | set(sched_ops), key=lambda o: -abs(sched_ops[o] - solver_ops[o]))
+    return {
+        "compute_by_op": [(o, solver_ops[o], sched_ops[o]) for o in ops if solver_ops[o] or sched_ops[o]][:20],
+        "collectives": sorted(((k, v, exposed.get(k, 0.0)) for k, v in on_link.items()), key=lambda r: -r[1]),
+    }
+
+
+def print_breakdown(rows: list[dict]) -> None:
+    for r in rows:
+        b = r.get("breakdown")
+        if not b:
+            continue
+        print(f"\n{r['row']}: compute per op (solver / scheduler, ms)")
+        for op, a, c in b["compute_by_op"]:
+            print(f"  {op:32s} {a * 1e3:9.2f} {c * 1e3:9.2f} {(c - a) * 1e3:+9.2f}")
+        print(f"{r['row']}: collectives (time on the link / exposed, ms)")
+        for key, t, e in b["collectives"]:
+            print(f"  {key:48s} {t * 1e3:9.2f} {e * 1e3:9.2f}")
+
+
+def _child(name: str, with_baselines: bool, max_gb: float, breakdown_too: bool = False) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name] + (["--baselines"] if with_baselines else [])
+    cmd += ["--breakdown"] if breakdown_too else []
 
     def limit():
         b = int(max_gb * 2**30)
@@ -200,20 +266,26 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", nargs="*", default=None, help="row names, 'all' (the issue's rows) or 'small' (default)")
     p.add_argument("--baselines", action="store_true", help="also plan, apply and estimate the hand layouts")
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="per row, the compute per op (solver against scheduler) and the time and exposure per collective",
+    )
     p.add_argument("--max-gb", type=float, default=16.0, help="address-space limit per row")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
-        print(json.dumps(run_row(a.child, a.baselines)))
+        print(json.dumps(run_row(a.child, a.baselines, a.breakdown)))
         return
     names = a.rows or ["small"]
     names = [n for x in names for n in (FULL if x == "all" else SMALL if x == "small" else (x,))]
     rows = []
     for n in names:
         t0 = time.perf_counter()
-        rows.append(_child(n, a.baselines, a.max_gb))
+        rows.append(_child(n, a.baselines, a.max_gb, a.breakdown))
         print(f"# {n}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     print_table(rows)
+    print_breakdown(rows)
     print(json.dumps(rows), file=sys.stderr)
 
 
