@@ -38,7 +38,7 @@ CASES = {
 
 def _build(kind: str):
     """The loss-returning module of ``kind`` and its vocabulary size."""
-    from test_passes_chunk import _hf_lm, _our_model
+    from test_passes_chunk_models import _hf_lm, _our_model
 
     if kind in ("llama", "mixtral"):
         return _hf_lm(kind), 128
