@@ -36,7 +36,7 @@ Formulation
   decisions; fixed ones shift the bounds; rows are scaled to unit max weight.
   Options whose rows (columns) of the matrix are equal are interchangeable
   for the edge: one pair variable per block of them (see
-  :func:`_add_pairwise`).
+  :func:`~solver.ilp_edges.add_pairwise`).
 * The objective is scaled to unit max coefficient (HiGHS' tolerances are
   absolute); the choice is re-evaluated on the problem by the caller.
 
@@ -46,7 +46,7 @@ operations.
 
 With ``objective=False`` (feasibility checks for diagnosis) no edge costs are
 encoded: an edge with forbidden pairs only says that choosing an option
-requires one of its allowed partners (:func:`_add_support_rows`).
+requires one of its allowed partners (:func:`~solver.ilp_edges.add_support_rows`).
 
 Example::
 
@@ -70,12 +70,12 @@ from typing import Sequence
 
 import numpy as np
 
+from .ilp_edges import add_pairwise, add_support_rows, separable
 from .problem import INF, Problem
 
 logger = logging.getLogger(__name__)
 
 # Relative tolerance (to a matrix's largest entry) of the separability test.
-SEPARABLE_RTOL = 1e-12
 
 
 def _empty(dtype=np.float64) -> np.ndarray:
@@ -477,7 +477,7 @@ class _IlpBuilder:
             if diagonal:
                 self._encode_diagonal(pkey, m)
             else:
-                self.counts["support"] += _add_support_rows(self.asm, pkey, ckey, finite)
+                self.counts["support"] += add_support_rows(self.asm, pkey, ckey, finite)
             return
         if diagonal:
             # Same columns on both sides: only the diagonal can be chosen.
@@ -485,7 +485,7 @@ class _IlpBuilder:
             self._encode_diagonal(pkey, m)
             return
         if not has_inf:
-            sep = _separable(m)
+            sep = separable(m)
             if sep is not None:
                 self.counts["sep"] += 1
                 r, s = sep
@@ -496,7 +496,7 @@ class _IlpBuilder:
                 return
         self.counts["pair"] += 1
         self.counts["pairs_full"] += int(finite.sum())
-        self.counts["blocks"] += _add_pairwise(self.asm, pkey, ckey, m)
+        self.counts["blocks"] += add_pairwise(self.asm, pkey, ckey, m)
 
     def _encode_diagonal(self, key: tuple, m: np.ndarray) -> None:
         """Forbidden diagonal entries close their column; finite ones are
@@ -626,81 +626,3 @@ def _propagate(allowed: list[int], props: list[tuple[int, int, list[int], list[i
                         queued[k2] = True
                         pending.append(k2)
     return empty
-
-
-def _separable(m: np.ndarray) -> tuple[list[float], list[float]] | None:
-    """``(r, s)`` with ``m[i][j] == r[i] + s[j]`` if the (finite) matrix is
-    separable."""
-    r = m[:, 0]
-    s = m[0, :] - m[0, 0]
-    tol = SEPARABLE_RTOL * float(np.abs(m).max())
-    if float(np.abs(m - r[:, None] - s[None, :]).max()) > tol:
-        return None
-    return r.tolist(), s.tolist()
-
-
-def _classes(vectors) -> list[list[int]]:
-    """Indices grouped by equal vector, in order of first appearance."""
-    groups: dict[tuple, list[int]] = {}
-    for t, vec in enumerate(vectors):
-        groups.setdefault(tuple(vec), []).append(t)
-    return list(groups.values())
-
-
-def _add_support_rows(asm: _Assembler, pkey, ckey, finite: np.ndarray) -> int:
-    """Feasibility only: choosing an option of one end requires choosing one
-    of its finite partners at the other, ``sum x[class] <= sum x[partners]``
-    per class of options with the same partners (exact for binary x).
-    Returns the number of rows added."""
-    added = 0
-    for mine, theirs, fin in ((pkey, ckey, finite), (ckey, pkey, finite.T)):
-        listed = fin.tolist()
-        for members in _classes(listed):
-            support = listed[members[0]]
-            if all(support):
-                continue
-            cols = [mine[i] for i in members] + [theirs[j] for j, ok in enumerate(support) if ok]
-            vals = [1.0] * len(members) + [-1.0] * (len(cols) - len(members))
-            asm.row(cols, vals, None, 0.0)
-            added += 1
-    return added
-
-
-_SIGNS = np.array([1.0, -1.0, 1.0, -1.0])
-
-
-def _add_pairwise(asm: _Assembler, pkey, ckey, m: np.ndarray) -> int:
-    """Pair columns for finite entries, tied to both sides' one-hots.
-
-    Options with equal rows (columns) of ``m`` are interchangeable for this
-    edge: ``m`` is constant on each block (row class x column class), so one
-    pair variable per finite block, with marginals over the classes' summed
-    one-hots, is exact and has the same LP relaxation (the local polytope
-    projected onto block sums). Rows: one marginal per producer class, one
-    per consumer class but the last (implied by the others plus both
-    one-hots). Returns the number of pair columns added.
-    """
-    listed = m.tolist()
-    rows = _classes(listed)
-    cols = _classes(zip(*listed))
-    s, t = len(rows), len(cols)
-    block = m[[g[0] for g in rows]][:, [g[0] for g in cols]] if s * t < m.size else m
-    kk, ll = np.nonzero(np.isfinite(block))
-    n = len(kk)
-    y = np.arange(n, dtype=np.int64) + asm.new_pairs(block[kk, ll])
-    rclass = np.empty(len(pkey), dtype=np.int64)
-    for k, g in enumerate(rows):
-        rclass[g] = k
-    cclass = np.empty(len(ckey), dtype=np.int64)
-    for k, g in enumerate(cols):
-        cclass[g] = k
-    prow = asm.new_rows(s + t - 1, 0.0, 0.0)
-    crow = prow + s
-    last_y = ll < t - 1
-    last_x = cclass < t - 1
-    asm.add(
-        np.concatenate([prow + kk, prow + rclass, crow + ll[last_y], crow + cclass[last_x]]),
-        np.concatenate([y, np.asarray(pkey, dtype=np.int64), y[last_y], np.asarray(ckey, dtype=np.int64)[last_x]]),
-        np.repeat(_SIGNS, [n, len(pkey), int(np.count_nonzero(last_y)), int(np.count_nonzero(last_x))]),
-    )
-    return n
