@@ -5,7 +5,10 @@ The min-cut partitioner honours the AC tags (``node.meta["recompute"]``):
 a forward op tagged ``PREFER_RECOMPUTE`` or ``MUST_RECOMPUTE`` is not saved
 but run again in backward, when the backward needs it, directly or through
 other recomputed ops; a ``MUST_SAVE`` op's output is saved, and what only
-feeds it is not rerun. Full AC tags every op of a block for recomputation
+feeds it is not rerun. Before the cut, the partitioner saves the boundary
+between two checkpointed regions: a tagged op read by a tagged op of a later
+region (a block's residual add read by the next block) is saved, so the
+block's last ops (a MoE block's routed experts under that add) run once. Full AC tags every op of a block for recomputation
 (the backward reruns the block's whole forward); selective AC saves the
 matmuls and attention (every other matmul recomputed), so it reruns the
 cheap element-wise work and half the matmuls. The compute term of the
@@ -30,6 +33,13 @@ def _is_backward(n: fx.Node) -> bool:
     return n.meta.get("partitioner_tag") == "is_backward"
 
 
+def _later_region(n: fx.Node, user: fx.Node) -> bool:
+    """Whether ``user`` lies in a later checkpointed region than ``n`` (the
+    partitioner's ``cleanup_recompute_tags`` then saves ``n``)."""
+    a, b = n.meta.get("ac_graph_id"), user.meta.get("ac_graph_id")
+    return a is not None and b is not None and b > a
+
+
 def recomputed_forward_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     """The forward ``call_function`` nodes tagged for recomputation whose
     value the backward reads, directly or through other such nodes."""
@@ -38,6 +48,7 @@ def recomputed_forward_nodes(gm: fx.GraphModule) -> set[fx.Node]:
         for n in gm.graph.nodes
         if n.op == "call_function" and not _is_backward(n) and n.meta.get("recompute") in _RECOMPUTED
     }
+    tagged -= {n for n in tagged if any(_later_region(n, u) for u in n.users if u in tagged)}
     if not tagged:
         return set()
     out: set[fx.Node] = set()

@@ -20,7 +20,7 @@ from autoparallel.problem.recompute import recomputed_forward_nodes
 
 
 # three traces of a one-layer model: ~35 s
-pytestmark = pytest.mark.slow
+traced = pytest.mark.slow
 
 
 def _built(ac: str):
@@ -38,7 +38,7 @@ def _built(ac: str):
 
 
 @pytest.fixture(scope="module")
-def by_ac():
+def by_ac():  # the tests that use it are marked slow
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
@@ -48,6 +48,7 @@ def by_ac():
         dist.destroy_process_group()
 
 
+@traced
 def test_full_ac_reruns_more_than_selective(by_ac):
     none, selective, full = (by_ac[ac][1] for ac in ("none", "selective", "full"))
     assert none == set()
@@ -57,6 +58,7 @@ def test_full_ac_reruns_more_than_selective(by_ac):
     assert attention - selective
 
 
+@traced
 def test_recomputed_ops_cost_twice(by_ac):
     plain = by_ac["none"][2]
     for ac in ("selective", "full"):
@@ -68,6 +70,33 @@ def test_recomputed_ops_cost_twice(by_ac):
             assert row == pytest.approx([factor * c for c in plain[name]]), name
 
 
+@traced
 def test_objective_grows_with_recomputation(by_ac):
     cheapest = {ac: sum(min(d.costs) for d in by_ac[ac][0].problem.decisions) for ac in by_ac}
     assert cheapest["none"] < cheapest["selective"] < cheapest["full"]
+
+
+def _tagged_chain() -> torch.fx.GraphModule:
+    """x -> a (region 0) -> b (region 0) -> c (region 1) -> backward reads c
+    and b: the partitioner saves b, the boundary read by a later region."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    a = graph.call_function(torch.ops.aten.mm.default, (x, x))
+    b = graph.call_function(torch.ops.aten.add.Tensor, (a, a))
+    c = graph.call_function(torch.ops.aten.mm.default, (b, b))
+    grad = graph.call_function(torch.ops.aten.mul.Tensor, (c, b))
+    graph.output((grad,))
+    for node, region in ((a, 0), (b, 0), (c, 1)):
+        node.meta.update(recompute=CheckpointPolicy.PREFER_RECOMPUTE, ac_graph_id=region)
+        node.meta["partitioner_tag"] = "is_forward"
+    grad.meta["partitioner_tag"] = "is_backward"
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_region_boundary_runs_once():
+    gm = _tagged_chain()
+    a, b, c = (n for n in gm.graph.nodes if n.op == "call_function" and "recompute" in n.meta)
+    # b feeds region 1's c: saved, so neither b nor a (read only through b) reruns
+    assert recomputed_forward_nodes(gm) == {c}
