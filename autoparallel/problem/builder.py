@@ -340,7 +340,10 @@ def _redistribution_edges(traced: TracedStep, strategies, constraints: Constrain
             continue
         for k, producer in enumerate(strat.inputs):
             kind = None
-            if producer in param_chain and node.meta.get("partitioner_tag") != "is_backward":
+            if producer in param_chain:
+                # a backward op reading a parameter (a custom op's backward
+                # takes the weights) re-gathers it as FSDP does: prefetched
+                # under the backward's compute like the forward's gather
                 kind = cost_model.PARAM_ALL_GATHER
             elif node in grad_tail:
                 kind = cost_model.GRAD_REDUCE_SCATTER
