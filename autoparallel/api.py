@@ -443,11 +443,11 @@ class AutoParallel:
         options; option pricing passes the options it kept, with pruning
         and pricing off for that dense rebuild)."""
         self._require_open()
-        c = self._with_default_param_bound(self._constraints)
         narrowed = strategies is not None
         strategies = self.strategies if strategies is None else strategies
         if not narrowed:
             self._apply_mesh_roles()
+        c = self._with_default_param_bound(self._constraints)
         infeasibility.check_memory_budget(
             self.traced, self.strategies, self.mesh, c.pins, c.memory_low, c.memory_high, self.repeats, c.option_rules
         )
