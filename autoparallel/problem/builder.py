@@ -421,7 +421,7 @@ def _decisions(nodes, strategies, unary, recomputed) -> tuple[list[solver.Decisi
         if labels is None:
             labels = labels_cache[key] = [label(o) for o in strat.options]
         costs = unary[key]
-        if node in recomputed:
+        if node in recomputed and any(costs):  # free ops keep the shared list
             costs = twice.get(key)
             if costs is None:
                 costs = twice[key] = [2 * c for c in unary[key]]
