@@ -62,6 +62,12 @@ DUMP_GZIP_ENV = "AUTOPARALLEL_DUMP_GZIP"
 ConstraintError = validation.ConstraintError
 
 
+PARAM_BUDGET = "parameter memory budget"
+# the log entry until add_parameter_memory_constraint: "high" is filled in
+# at each build (1.0 under a step memory budget, else None: fully sharded)
+_DEFAULT_PARAM_BOUND = {"low": None, "high": None, "default": "the step memory budget bounds parameters"}
+
+
 def _dump_gzip() -> bool:
     return os.environ.get(DUMP_GZIP_ENV, "") not in ("", "0")
 
@@ -190,7 +196,7 @@ class AutoParallel:
             self._constraints.reduce_dtype = getattr(mp_policy, "reduce_dtype", None) or getattr(
                 mp_policy, "param_dtype", None
             )
-        self._constraint_log: dict[str, Any] = {}
+        self._constraint_log: dict[str, Any] = {PARAM_BUDGET: dict(_DEFAULT_PARAM_BOUND)}
         if not isinstance(memory_budget, bool):
             raise TypeError(
                 f"memory_budget must be True (HBM less a margin) or False (none), got {memory_budget!r}; "
@@ -377,12 +383,16 @@ class AutoParallel:
 
         ``high=None`` means fully sharded (each parameter as sharded as the
         mesh allows, which makes FSDP emerge); ``high=1.0`` allows full
-        replication (DDP).
+        replication (DDP). Without this call the step's memory budget
+        (:meth:`add_memory_budget`) bounds parameters together with their
+        gradients, optimizer state and activations: the planner replicates
+        where that is cheaper and fits, and shards what it must; with the
+        budget off, the bound is fully sharded.
         """
         validation.check_memory_bounds(low, high)
         self._constraints.memory_low = low
         self._constraints.memory_high = high
-        self._constraint_log["parameter memory budget"] = {"low": low, "high": high}
+        self._constraint_log[PARAM_BUDGET] = {"low": low, "high": high}
 
     def add_memory_budget(
         self, bytes: float | None = None, *, fraction: float | None = None, optimizer: OptimizerSpec = ADAMW
@@ -433,11 +443,11 @@ class AutoParallel:
         options; option pricing passes the options it kept, with pruning
         and pricing off for that dense rebuild)."""
         self._require_open()
-        c = self._constraints
         narrowed = strategies is not None
         strategies = self.strategies if strategies is None else strategies
         if not narrowed:
             self._apply_mesh_roles()
+        c = self._with_default_param_bound(self._constraints)
         infeasibility.check_memory_budget(
             self.traced, self.strategies, self.mesh, c.pins, c.memory_low, c.memory_high, self.repeats, c.option_rules
         )
@@ -466,6 +476,19 @@ class AutoParallel:
                     )
                 )
         return self.built
+
+    def _with_default_param_bound(self, c: Constraints) -> Constraints:
+        """``c`` with the parameter-memory bound the planner uses when the
+        user set none: the step's memory budget bounds parameters together
+        with everything else (a model that fits replicated may be planned
+        DDP-like, a large one is sharded as far as it must be); without a
+        budget, every parameter as sharded as the mesh allows."""
+        entry = self._constraint_log[PARAM_BUDGET]
+        if not entry.get("default"):
+            return c
+        budget, _ = self._memory_budget.resolve(self.device)
+        entry["high"] = None if budget is None else 1.0
+        return dataclasses.replace(c, memory_low=None, memory_high=entry["high"])
 
     def _apply_mesh_roles(self) -> None:
         """The roles' option rules, and (every dim with a role) their layout

@@ -211,7 +211,7 @@ def _solve_pinned(autop, layout: HandLayout, apply: bool, pass_options):
     skip: set[str] = set()
     for _ in range(_UNPIN_ROUNDS + 1):
         with autop.scoped_constraints(without_role_rules=True):
-            # a hand layout may replicate: the default "fully sharded" bound does not hold it
+            # a hand layout may replicate: a user's parameter-memory bound does not hold it
             autop.add_parameter_memory_constraint(high=1.0)
             pinned, free = _pin_parameters(autop, layout, skip)
             try:
@@ -276,9 +276,9 @@ def compare(autop, plan, *, apply: bool = True, pass_options=None, names=BASELIN
 
 def _outside_bound(plan, base) -> str:
     """A note when ``base`` holds more parameter bytes per rank than the
-    plan's parameter memory bound allows (the default bound, fully sharded,
-    keeps the plan from replicating: DDP, HSDP and TP's replicated norms lie
-    outside the plan's search space)."""
+    plan's parameter memory bound allows (a "fully sharded" bound, the
+    default without a step memory budget, keeps the plan from replicating:
+    DDP, HSDP and TP's replicated norms then lie outside its search space)."""
     high = ((plan.constraints or {}).get("parameter memory budget") or {}).get("high")
     if high is not None and high >= 1.0:
         return ""

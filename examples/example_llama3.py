@@ -110,7 +110,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--memory-high",
         type=float,
         default=None,
-        help="parameter memory budget as a fraction of the replicated size (default: fully sharded)",
+        help="parameter memory bound as a fraction of the replicated size (default: none; the step memory budget bounds parameters with the rest)",
     )
     ap.add_argument(
         "--dump-dir",
@@ -257,7 +257,8 @@ def plan_model(args: argparse.Namespace, mesh, model, config):
         grad_reduction="mean",
     ) as autop:
         autop.add_output_constraints([data_placements(mesh)])
-        autop.add_parameter_memory_constraint(high=args.memory_high)
+        if args.memory_high is not None:
+            autop.add_parameter_memory_constraint(high=args.memory_high)
         if plan is not None:
             if args.memory_high is not None:
                 # the budget shaped the saved plan's solve; a loaded plan is applied as it is

@@ -85,8 +85,9 @@ class Constraints:
     # decision name -> (constraint name, allowed placements)
     pins: dict[str, tuple[str, tuple]] = field(default_factory=dict)
     # Parameter memory budget as fractions of replicated parameter bytes;
-    # None high = fully sharded (smallest achievable per parameter). The
-    # budget always applies: by default it is what makes FSDP emerge.
+    # None high = fully sharded (smallest achievable per parameter). The API
+    # passes high=1.0 when the user set no bound and a step memory budget
+    # holds (the budget's row bounds parameters with the rest of the step).
     memory_low: float | None = None
     memory_high: float | None = None
     # Mixed precision: dtype parameter gradients are reduced in (None: no
@@ -420,7 +421,7 @@ def _decisions(nodes, strategies, unary, recomputed) -> tuple[list[solver.Decisi
         if labels is None:
             labels = labels_cache[key] = [label(o) for o in strat.options]
         costs = unary[key]
-        if node in recomputed:
+        if node in recomputed and any(costs):  # free ops keep the shared list
             costs = twice.get(key)
             if costs is None:
                 costs = twice[key] = [2 * c for c in unary[key]]

@@ -155,7 +155,7 @@ def check_memory_budget(
     default_high = unpinned_smallest / total  # what high=None means to the builder
     if high is None and smallest > unpinned_smallest * (1 + 1e-9):
         raise InfeasibleConstraintError(
-            f"parameter memory budget: the default budget (every parameter as sharded as the mesh allows, "
+            f"parameter memory budget: the bound high=None (every parameter as sharded as the mesh allows, "
             f"{unpinned_smallest / total:.4g} of the replicated size) cannot hold{with_pins}; call "
             f"add_parameter_memory_constraint(high={lo:.4g}) or higher to allow it",
             conflict=conflict,
@@ -175,7 +175,7 @@ def check_memory_budget(
         )
     if low is not None and high is None and low * (1 - 1e-9) > default_high:
         raise InfeasibleConstraintError(
-            f"parameter memory budget: low={low:g} is above the default high (every parameter as sharded as "
+            f"parameter memory budget: low={low:g} is above high=None (every parameter as sharded as "
             f"the mesh allows, {default_high:.4g} of the replicated size); pass high as well, e.g. high=1.0",
             conflict=conflict,
         )

@@ -185,7 +185,7 @@ def dim_notes(plan, mains: list[str], sharded: list[bool]) -> list[str]:
     constraints = plan.constraints or {}
     roles = constraints.get(LOG_KEY) or {}
     memory = constraints.get("parameter memory budget") or {}
-    default_memory = memory.get("high") is None
+    fully_sharded = memory.get("high") is None
     out = []
     for d, name in enumerate(names):
         if plan.mesh_shape[d] == 1:
@@ -195,7 +195,7 @@ def dim_notes(plan, mains: list[str], sharded: list[bool]) -> list[str]:
         if role is not None:
             out.append(f"{name}: role {role!r} ({_ROLE_ASKS[role]}); the plan: {did}")
         else:
-            out.append(f"{name}: no role, the planner's choice: {did}, {_reason(mains[d], sharded[d], default_memory)}")
+            out.append(f"{name}: no role, the planner's choice: {did}, {_reason(mains[d], sharded[d], fully_sharded)}")
     return out
 
 
@@ -219,10 +219,10 @@ def _what(main: str, weights_sharded: bool) -> str:
     return "mixed"
 
 
-def _reason(main: str, weights_sharded: bool, default_memory: bool) -> str:
-    if main == "data" and weights_sharded and default_memory:
+def _reason(main: str, weights_sharded: bool, fully_sharded: bool) -> str:
+    if main == "data" and weights_sharded and fully_sharded:
         return (
-            "because the default parameter-memory rule keeps every parameter as sharded as the mesh allows "
+            "because the parameter-memory bound keeps every parameter as sharded as the mesh allows "
             "(add_parameter_memory_constraint(high=1.0) lets the planner replicate where that is cheaper; "
             "the role 'replicate' asks for it)"
         )

@@ -3,8 +3,10 @@ floor it cannot go below: per parameter, its bytes per rank under each
 option (:func:`param_option_bytes`), the least-memory plan every parameter
 can reach together with its gradient and its linked copies
 (:func:`param_floor`), and the row that bounds their sum
-(:func:`parameter_memory_row`: by default that floor, "every parameter as
-sharded as the mesh allows"; ``add_parameter_memory_constraint`` moves it).
+(:func:`parameter_memory_row`: with ``high=None`` that floor, "every
+parameter as sharded as the mesh allows"; ``add_parameter_memory_constraint``
+moves it, and without one the API allows full replication when a step
+memory budget bounds the whole step).
 """
 
 from __future__ import annotations

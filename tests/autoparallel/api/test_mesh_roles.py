@@ -54,6 +54,9 @@ def _plan_ffn(mesh, **kwargs):
     with torch.device("meta"):
         model = FFN(DIM, HIDDEN)
     with AutoParallel(model, mesh, torch.empty(BATCH, SEQ, DIM, device="meta"), **kwargs) as autop:
+        # fully sharded as far as the roles let: the toy FFN would
+        # otherwise fit, and be planned, replicated everywhere
+        autop.add_parameter_memory_constraint()
         plan = autop.optimize_placement()
         parallel = autop.apply_placement(plan, pass_options=LOCAL_TENSOR_PASSES)
     return parallel, plan
@@ -81,7 +84,7 @@ def test_hsdp_roles_replicate_over_dp_replicate_and_match_ddp(fake_world):
     parallel, plan = _plan_ffn(mesh, grad_reduction="mean")
     params = {n.module_path: n.output_placements for n in plan.nodes.values() if n.is_parameter}
     assert params and all(p.startswith("R") for p in params.values()), params
-    # the default parameter-memory rule still shards what it can within the replica
+    # the fully-sharded bound still shards what it can within the replica
     assert any(p != "RRR" for p in params.values()), params
     assert "all_reduce" in _grad_reductions(parallel, mesh).get("dp_replicate", set()), _grad_reductions(parallel, mesh)
     inputs = [n for n in plan.nodes.values() if n.name.startswith("primals") and not n.is_parameter]
@@ -109,19 +112,25 @@ def test_hsdp_roles_replicate_over_dp_replicate_and_match_ddp(fake_world):
 
 def test_no_roles_leave_the_planner_free(fake_world):
     """mesh_roles={}: the same mesh without roles; the summary says what
-    each dim did and why."""
+    each dim did and why. The toy FFN fits replicated: bounded by the step
+    memory budget alone, it is planned DDP over the data-parallel dims;
+    bounded to fully sharded, it shards over every dim it can."""
     fake_world(8)
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=HSDP)
     with torch.device("meta"):
         model = FFN(DIM, HIDDEN)
     with AutoParallel(model, mesh, torch.empty(BATCH, SEQ, DIM, device="meta"), mesh_roles={}) as autop:
         autop.add_input_constraints([(Shard(0), Shard(0), Replicate())])
-        plan = autop.optimize_placement()
-    assert "mesh roles" not in plan.constraints
-    params = [n.output_placements for n in plan.nodes.values() if n.is_parameter]
-    # the default parameter-memory rule shards over every dim it can
+        free = autop.optimize_placement()
+        autop.add_parameter_memory_constraint()
+        sharded = autop.optimize_placement()
+    assert "mesh roles" not in free.constraints
+    assert all(n.output_placements == "RRR" for n in free.nodes.values() if n.is_parameter)
+    text = free.summary()
+    assert "dp_replicate: no role, the planner's choice:" in text and "100% of parameters) replicated" in text, text
+    params = [n.output_placements for n in sharded.nodes.values() if n.is_parameter]
     assert any(not p.startswith("R") for p in params), params
-    text = plan.summary()
+    text = sharded.summary()
     assert "dp_replicate: no role, the planner's choice:" in text and "because" in text, text
 
 
@@ -181,6 +190,7 @@ def test_hand_layouts_are_solved_without_the_role_rules(fake_world):
     with torch.device("meta"):
         model = FFN(DIM, HIDDEN)
     with AutoParallel(model, mesh, torch.empty(BATCH, SEQ, DIM, device="meta")) as autop:
+        autop.add_parameter_memory_constraint()  # fully sharded where the rules let
         autop.optimize_placement()
         rules = dict(autop._constraints.option_rules)
         assert rules  # dp_replicate keeps parameters replicated
@@ -190,6 +200,6 @@ def test_hand_layouts_are_solved_without_the_role_rules(fake_world):
         assert autop._constraints.option_rules == rules
         again = autop.optimize_placement()
     assert [n.output_placements for n in again.nodes.values() if n.is_parameter][0].startswith("R")
-    # free of the rules, the default memory rule shards over dp_replicate too
+    # free of the rules, the fully-sharded bound shards over dp_replicate too
     params = [n.output_placements for n in plan.nodes.values() if n.is_parameter]
     assert any(not p.startswith("R") for p in params), params

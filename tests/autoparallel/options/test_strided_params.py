@@ -181,6 +181,7 @@ def _ffn_plan(mesh, pin_tp_outer=True, apply=True, **apply_kw):
     with AutoParallel(model, mesh, torch.empty(8, 16, 16, device="meta"), device=device) as autop:
         autop.add_input_constraints([batch])
         autop.add_output_constraints([batch])
+        autop.add_parameter_memory_constraint()  # fully sharded: the layouts compared here
         if pin_tp_outer:
             for fqn in _FFN_PARAMS:
                 autop.add_node_constraint(autop.traced.param_nodes[fqn], (X0, S0))

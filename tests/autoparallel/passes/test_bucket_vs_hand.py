@@ -44,6 +44,7 @@ def test_llama_2x2_collectives_at_most_the_hand_plans(fake_world):
     with AutoParallel(model, mesh, torch.empty_like(tokens, device="meta")) as autop:
         autop.add_input_constraints([batch])
         autop.add_output_constraints([batch])
+        autop.add_parameter_memory_constraint()  # fully sharded, as the hand plan
         plan = autop.optimize_placement()
         options = PassOptions(column_major_all_gather="reorder")
         off = autop.apply_placement(plan, disable_passes=("bucket_collectives",), pass_options=options)
@@ -75,6 +76,7 @@ def test_llama_2x2_bucketed_reduce_scatters_same_step(fake_world):
     with AutoParallel(model, mesh, torch.empty_like(tokens, device="meta")) as autop:
         autop.add_input_constraints([batch])
         autop.add_output_constraints([batch])
+        autop.add_parameter_memory_constraint()  # fully sharded, as the hand plan
         plan = autop.optimize_placement()
         options = PassOptions(column_major_all_gather="reorder")
         off = autop.apply_placement(plan, disable_passes=("bucket_collectives",), pass_options=options)

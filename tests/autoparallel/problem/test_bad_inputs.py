@@ -245,7 +245,9 @@ def test_conflicting_constraints_on_one_node(mesh2):
         plan = autop.optimize_placement()
     assert plan.nodes[node.name].output_placements == "S(0)R"
     # the budget is on by default; the mesh's "tp" name gives that dim its role
-    pins = {k: v for k, v in plan.constraints.items() if k not in ("memory budget", "mesh roles")}
+    pins = {
+        k: v for k, v in plan.constraints.items() if k not in ("memory budget", "parameter memory budget", "mesh roles")
+    }
     assert set(pins) == {"input constraint 0", f"node constraint {node.name}"}
     assert all(c["placements"] == ["S(0)", "R"] for c in pins.values())
 
@@ -268,6 +270,7 @@ def _budget(high):
 
 
 def _pin_weight(a):
+    a.add_parameter_memory_constraint()  # as sharded as the mesh allows
     a.add_node_constraint(a.traced.param_nodes["l.weight"], RR)
     a.optimize_placement()
 
@@ -309,12 +312,12 @@ def _pin_weight_sharded_low(a):
         (
             8,
             _pin_weight,
-            r"the default budget \(every parameter as sharded as the mesh allows, 0.125 of the replicated size\) cannot hold with node constraint primals_1 \(l.weight as \(R, R\)\); call add_parameter_memory_constraint\(high=0.9",
+            r"the bound high=None \(every parameter as sharded as the mesh allows, 0.125 of the replicated size\) cannot hold with node constraint primals_1 \(l.weight as \(R, R\)\); call add_parameter_memory_constraint\(high=0.9",
         ),
         (
             8,
             lambda a: (a.add_parameter_memory_constraint(low=0.5), a.optimize_placement()),
-            r"low=0.5 is above the default high \(every parameter as sharded as the mesh allows, 0.125 of the replicated size\); pass high as well",
+            r"low=0.5 is above high=None \(every parameter as sharded as the mesh allows, 0.125 of the replicated size\); pass high as well",
         ),
         (
             8,
@@ -328,8 +331,8 @@ def _pin_weight_sharded_low(a):
         "partial-input",
         "partial-output",
         "budget-below-min",
-        "pin-vs-default-budget",
-        "low-above-default-high",
+        "pin-vs-fully-sharded",
+        "low-above-fully-sharded",
         "low-above-pinned-max",
     ],
 )

@@ -123,6 +123,7 @@ def test_pricing_cut_short_reports_its_bound(fake_world, monkeypatch):
     model, example = _tiny_llama()
     with AutoParallel(model, mesh, example, time_limit=None, option_pricing=False) as autop:
         autop.add_input_constraints([(Shard(0), Replicate())])
+        autop.add_parameter_memory_constraint()  # fully sharded: a problem pricing cannot prove at once
         best = autop.optimize_placement().solution.objective
         seeds = option_pricing.seed_options(autop.built.problem, autop.built.strategies)
         # the seed holds a plan: the greedy one, closed over structural edges
@@ -134,6 +135,7 @@ def test_pricing_cut_short_reports_its_bound(fake_world, monkeypatch):
     monkeypatch.setattr("solver.pricing_proof.ASCENT", False)
     with AutoParallel(model, mesh, example, time_limit=None, option_pricing=True) as autop:
         autop.add_input_constraints([(Shard(0), Replicate())])
+        autop.add_parameter_memory_constraint()
         plan = autop.optimize_placement()
     s = plan.solution
     assert s.status == "feasible" and not s.optimal
