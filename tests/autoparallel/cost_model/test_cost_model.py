@@ -295,6 +295,30 @@ def test_collectives_on_non_leading_dims_pay_their_local_copies(mesh):
     assert plain < redistribute_time(src, dst) <= plain + copy(4096 * 4096 * 2)
 
 
+def test_a_local_copy_costs_at_least_a_kernel_launch_and_its_share(mesh):
+    """A slice of a small replica is one kernel: the launch floor, as the
+    overlap scheduler's compute model costs it; an edge out of a value with
+    three readers counts a third of it (apply slices the value once)."""
+    from autoparallel.cost_model import H100, copies_device, steps
+    from autoparallel.cost_model.steps import local_copy_time
+
+    assert local_copy_time(1024, H100) == H100.launch_floor
+    big = 2**30
+    assert local_copy_time(big, H100) == 2 * big / (H100.hbm_bw * H100.memory_efficiency)
+    third = copies_device(H100, 1 / 3)
+    assert local_copy_time(1024, third) == H100.launch_floor * (1 / 3)
+    assert copies_device(H100, 1.0) is H100
+    # a collective is not shared out: only the copies around it are
+    topology = steps.mesh_dim_topology(mesh)[1]
+    gather = steps.step_time(topology, ("all_gather",), 2**21, 2**24, H100)
+    assert steps.step_time(topology, ("all_gather",), 2**21, 2**24, third) == gather
+    assert steps.step_time(topology, ("all_gather", "local_copy"), 2**21, 2**24, third) == gather + local_copy_time(
+        2**24, third
+    )
+    sharded, whole = spec(mesh, (Shard(0), Replicate())), spec(mesh, (Replicate(), Replicate()))
+    assert redistribute_time(whole, sharded, third) == pytest.approx(redistribute_time(whole, sharded, H100) / 3)
+
+
 def _dtensor_plan(src, dst):
     from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
 
