@@ -213,8 +213,11 @@ def _solver_edges(autop, plan) -> dict:
     into collectives (their time on the link, before any overlap share)
     and local copies (in full per edge, and as the edge's share of them)."""
     from autoparallel import cost_model
+    from autoparallel.cost_model.bucket_copies import bucket_copy_time
+    from autoparallel.problem.builder import forward_param_chain
 
     built, choice = autop.built, plan.solution.choice
+    param_chain = {n.name for n in forward_param_chain(autop.traced)}
     strategies = built.strategies
     by_name = {n.name: n for n in built.nodes}
     readers: dict = {}
@@ -225,7 +228,7 @@ def _solver_edges(autop, plan) -> dict:
             continue
         readers[e.producer] = readers.get(e.producer, 0) + 1
         edges.append(e)
-    total = {"collectives": 0.0, "copies": 0.0, "copies_shared": 0.0, "counted": 0.0}
+    total = {"collectives": 0.0, "copies": 0.0, "copies_shared": 0.0, "bucket_copies": 0.0, "counted": 0.0}
     no_copies = cost_model.copies_device(autop.device, 0.0)
     for e in edges:
         prod, cons = by_name[e.producer], by_name[e.consumer]
@@ -238,6 +241,9 @@ def _solver_edges(autop, plan) -> dict:
         total["collectives"] += coll
         total["copies"] += full - coll
         total["copies_shared"] += (full - coll) / readers[e.producer]
+        if e.producer in param_chain and cons.meta.get("partitioner_tag") != "is_backward":
+            share = cost_model.copies_device(autop.device, 1.0 / readers[e.producer])
+            total["bucket_copies"] += bucket_copy_time(src, dst, cost_model.PARAM_ALL_GATHER, share)
         total["counted"] += e.costs[choice[e.producer]][choice[e.consumer]]
     return total
 
@@ -251,7 +257,8 @@ def print_breakdown(rows: list[dict]) -> None:
         if ed:
             print(
                 f"\n{r['row']}: solver's edges: collectives {ed['collectives'] * 1e3:.2f} ms on the link, "
-                f"copies {ed['copies'] * 1e3:.2f} ms per edge, {ed['copies_shared'] * 1e3:.2f} ms shared "
+                f"copies {ed['copies'] * 1e3:.2f} ms per edge, {ed['copies_shared'] * 1e3:.2f} ms shared, "
+                f"parameter gathers' bucket copies {ed.get('bucket_copies', 0.0) * 1e3:.2f} ms "
                 f"(edges count {ed['counted'] * 1e3:.2f} ms); scheduler's redistribution copies "
                 f"{b.get('sched_copies', 0.0) * 1e3:.2f} ms"
             )
