@@ -545,3 +545,27 @@ def test_mesh_topology_read_under_fake_mode(mesh):
         got = comm.mesh_dim_topology(mesh, 8)
     assert got == expected
     assert [(t.group_size, t.intra_node) for t in got] == [(16, False), (8, True)]
+
+
+def test_bucketed_gathers_and_reductions_count_their_copies(mesh):
+    """A parameter gather counts its copy out of the bucket's gathered
+    buffer (at least a kernel launch) and its bytes of the copy in; a
+    gradient reduction its bytes of the copy in; other edges nothing."""
+    from autoparallel.cost_model import GRAD_REDUCE_SCATTER, H100, PARAM_ALL_GATHER
+    from autoparallel.cost_model.bucket_copies import bucket_copy_grid, bucket_copy_time
+    from autoparallel.cost_model.steps import local_copy_time
+
+    shard, whole = spec(mesh, (Shard(0), Replicate())), spec(mesh, (Replicate(), Replicate()))
+    partial = spec(mesh, (Partial(), Replicate()))
+    gathered = 4096 * 4096 * 2
+    assert bucket_copy_time(shard, whole, PARAM_ALL_GATHER, H100) >= local_copy_time(gathered, H100)
+    assert bucket_copy_time(whole, shard, PARAM_ALL_GATHER, H100) == 0.0  # a slice: no bucket
+    assert bucket_copy_time(partial, shard, GRAD_REDUCE_SCATTER, H100) == pytest.approx(
+        2 * gathered / (H100.hbm_bw * H100.memory_efficiency)
+    )
+    assert bucket_copy_time(shard, whole, None, H100) == 0.0
+    specs = [shard, whole, partial]
+    for kind in (PARAM_ALL_GATHER, GRAD_REDUCE_SCATTER):
+        grid = bucket_copy_grid(specs, specs, kind, H100)
+        assert grid.tolist() == [[bucket_copy_time(s, d, kind, H100) for d in specs] for s in specs]
+    assert bucket_copy_grid(specs, specs, None, H100) is None
