@@ -170,12 +170,14 @@ def _breakdown(autop, plan, parallel) -> dict:
 
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+    from autoparallel.graph_vocab import REDISTRIBUTE_KEY
     from autoparallel.passes.overlap_model import COLLECTIVE_START, OTHER_CALL, WAIT_NODE, Clock, Costs, Info
 
     solver_ops: collections.Counter = collections.Counter()
     for n in plan.nodes.values():
         solver_ops[_op(n.op.replace("::", "."))] += n.compute_cost
     sched_ops: collections.Counter = collections.Counter()
+    sched_copies = 0.0  # compute ops apply emitted for redistributions (and the passes' copies of them)
     on_link: collections.Counter = collections.Counter()
     exposed: collections.Counter = collections.Counter()
     ctx = types.SimpleNamespace(mesh=autop.mesh, device=autop.device)
@@ -190,6 +192,8 @@ def _breakdown(autop, plan, parallel) -> dict:
                 kind = info.kind[n]
                 if kind == OTHER_CALL:
                     sched_ops[_op(n.target)] += info.time[n]
+                    if n.meta.get(REDISTRIBUTE_KEY) is not None:
+                        sched_copies += info.time[n]
                 elif kind == COLLECTIVE_START:
                     on_link[f"{phase} {_op(n.target)} on {info.stream[n]}"] += info.time[n]
                 elif kind == WAIT_NODE and clock.exposed > before:
@@ -197,9 +201,51 @@ def _breakdown(autop, plan, parallel) -> dict:
                     exposed[f"{phase} {_op(start.target)} on {info.stream[start]}"] += clock.exposed - before
     ops = sorted(set(solver_ops) | set(sched_ops), key=lambda o: -abs(sched_ops[o] - solver_ops[o]))
     return {
+        "edges": _solver_edges(autop, plan),
+        "sched_copies": sched_copies,
         "compute_by_op": [(o, solver_ops[o], sched_ops[o]) for o in ops if solver_ops[o] or sched_ops[o]][:20],
         "collectives": sorted(((k, v, exposed.get(k, 0.0)) for k, v in on_link.items()), key=lambda r: -r[1]),
     }
+
+
+def _solver_edges(autop, plan) -> dict:
+    """The plan's redistribution edges as the objective counts them, split
+    into collectives (their time on the link, before any overlap share)
+    and local copies (in full per edge, and as the edge's share of them)."""
+    from autoparallel import cost_model
+    from autoparallel.cost_model.bucket_copies import bucket_copy_time
+    from autoparallel.problem.builder import forward_param_chain
+
+    built, choice = autop.built, plan.solution.choice
+    param_chain = {n.name for n in forward_param_chain(autop.traced)}
+    strategies = built.strategies
+    by_name = {n.name: n for n in built.nodes}
+    readers: dict = {}
+    edges = []
+    for e in built.problem.edges:
+        cons = by_name.get(e.consumer)
+        if e.arg_index < 0 or cons is None or strategies[cons].getitem_index is not None:
+            continue
+        readers[e.producer] = readers.get(e.producer, 0) + 1
+        edges.append(e)
+    total = {"collectives": 0.0, "copies": 0.0, "copies_shared": 0.0, "bucket_copies": 0.0, "counted": 0.0}
+    no_copies = cost_model.copies_device(autop.device, 0.0)
+    for e in edges:
+        prod, cons = by_name[e.producer], by_name[e.consumer]
+        src = strategies[prod].options[choice[e.producer]].output_spec
+        dst = strategies[cons].options[choice[e.consumer]].input_specs[e.arg_index]
+        if src.tensor_meta is None:
+            continue
+        full = cost_model.redistribute_time(src, dst, autop.device)
+        coll = cost_model.redistribute_time(src, dst, no_copies)
+        total["collectives"] += coll
+        total["copies"] += full - coll
+        total["copies_shared"] += (full - coll) / readers[e.producer]
+        if e.producer in param_chain and cons.meta.get("partitioner_tag") != "is_backward":
+            share = cost_model.copies_device(autop.device, 1.0 / readers[e.producer])
+            total["bucket_copies"] += bucket_copy_time(src, dst, cost_model.PARAM_ALL_GATHER, share)
+        total["counted"] += e.costs[choice[e.producer]][choice[e.consumer]]
+    return total
 
 
 def print_breakdown(rows: list[dict]) -> None:
@@ -207,6 +253,15 @@ def print_breakdown(rows: list[dict]) -> None:
         b = r.get("breakdown")
         if not b:
             continue
+        ed = b.get("edges")
+        if ed:
+            print(
+                f"\n{r['row']}: solver's edges: collectives {ed['collectives'] * 1e3:.2f} ms on the link, "
+                f"copies {ed['copies'] * 1e3:.2f} ms per edge, {ed['copies_shared'] * 1e3:.2f} ms shared, "
+                f"parameter gathers' bucket copies {ed.get('bucket_copies', 0.0) * 1e3:.2f} ms "
+                f"(edges count {ed['counted'] * 1e3:.2f} ms); scheduler's redistribution copies "
+                f"{b.get('sched_copies', 0.0) * 1e3:.2f} ms"
+            )
         print(f"\n{r['row']}: compute per op (solver / scheduler, ms)")
         for op, a, c in b["compute_by_op"]:
             print(f"  {op:32s} {a * 1e3:9.2f} {c * 1e3:9.2f} {(c - a) * 1e3:+9.2f}")

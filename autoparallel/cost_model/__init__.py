@@ -57,6 +57,7 @@ from .compute import (
     op_flops_and_bytes,
 )
 from .devices import A100, B200, H100, H200, DeviceSpec
+from .steps import copies_device
 from .overlap import (
     GRAD_REDUCE_SCATTER,
     PARAM_ALL_GATHER,
@@ -97,5 +98,6 @@ __all__ = [
     "GRAD_REDUCE_SCATTER",
     "apply_discount",
     "counted_device",
+    "copies_device",
     "clear_caches",
 ]

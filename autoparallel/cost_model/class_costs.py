@@ -52,6 +52,7 @@ from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _MaskPartial
 
 from . import redistribute_plan
+from .bucket_copies import bucket_copy_grid
 from .caches import register
 from .comm import TRANSITION_TIEBREAK, redistribute_time
 from .compute import mesh_shape as _mesh_shape
@@ -356,7 +357,9 @@ def class_cost_grid(
 ) -> np.ndarray:
     """The edge cost of every source x target spec, as
     :meth:`autoparallel.problem.edge_matrices.EdgeMatrices._pair` counts it: the
-    redistribution time, discounted (``kind``) and plus the tiebreak when
+    redistribution time, discounted (``kind``), plus the copies of a
+    bucketed parameter gather or gradient reduction
+    (:mod:`~autoparallel.cost_model.bucket_copies`) and the tiebreak when
     something moves, the tiebreak alone for a free move between different
     placements; ``inf`` where ``keep_partial`` and a source's Partial mesh
     dim would be reduced."""
@@ -365,6 +368,9 @@ def class_cost_grid(
     moved = (raw != 0.0) & np.isfinite(raw)
     if kind is not None:
         out[moved] = discounted(raw[moved], kind, overlap)
+        bucket = bucket_copy_grid(src_specs, dst_specs, kind, device)
+        if bucket is not None:
+            out[moved] += bucket[moved]
     out[moved] += TRANSITION_TIEBREAK
     out[free] = TRANSITION_TIEBREAK
     if keep_partial:

@@ -66,6 +66,11 @@ class DeviceSpec:
     # (:func:`autoparallel.cost_model.overlap.counted_device`).
     intra_node_counted: float = 1.0
     inter_node_counted: float = 1.0
+    # The share of a redistribution's local copies counted: 1.0 on a
+    # physical device; an edge of the planning problem counts its share of
+    # copies that the applied graph makes once for several readers
+    # (:func:`autoparallel.cost_model.steps.copies_device`).
+    copies_counted: float = 1.0
 
     def __hash__(self) -> int:
         # Part of every cache key: hash the fields once, not per lookup.

@@ -12,6 +12,7 @@ functions are the only place the cost of a step is written: the reference
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -120,10 +121,25 @@ def collective_time(
 
 
 def local_copy_time(out_bytes: float, device: DeviceSpec) -> float:
-    """Seconds to slice a shard out of a replica (clone) or to zero for a
-    Partial: read + write of the result. No launch floor: it is kept tiny on
-    purpose, so that a free-ish local reshard never looks like a collective."""
-    return 2 * out_bytes / (device.hbm_bw * device.memory_efficiency)
+    """Seconds of one local copy kernel around a collective (slice a shard
+    out of a replica, scale for a Partial, concatenate gathered chunks,
+    stage an all-to-all): read + write of ``out_bytes``, at least a kernel
+    launch (the overlap scheduler's compute model costs every copy kernel
+    so), times the device's ``copies_counted`` share."""
+    time = max(2 * out_bytes / (device.hbm_bw * device.memory_efficiency), device.launch_floor)
+    return time if device.copies_counted == 1.0 else time * device.copies_counted
+
+
+def copies_device(device: DeviceSpec, share: float) -> DeviceSpec:
+    """``device`` with a redistribution's local copies counted at ``share``.
+
+    The applied graph makes a redistribution once per (value, target
+    layout), whatever the number of readers (the partitioner's common
+    subexpression elimination merges the copies of several readers), while
+    the planning problem prices one edge per reader: an edge out of a value
+    with ``k`` readers counts ``1/k`` of its copies, exact when the readers
+    want one layout (q, k and v of one normed input)."""
+    return device if share == device.copies_counted else dataclasses.replace(device, copies_counted=share)
 
 
 # What DTensor's ``redistribute_local_tensor`` runs for one mesh dim, by

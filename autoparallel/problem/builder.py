@@ -189,6 +189,7 @@ class RedistEdge:
     arg: int
     kind: str | cost_model.HiddenComm | None
     keep_partial: bool
+    copies: float = 1.0  # the share of its local copies counted (shared by the producer's readers)
 
 
 class _Progress:
@@ -349,7 +350,17 @@ def _redistribution_edges(traced: TracedStep, strategies, constraints: Constrain
             elif node in grad_tail:
                 kind = cost_model.GRAD_REDUCE_SCATTER
             redist_edges.append(RedistEdge(producer, node, k, kind, producer in unreducible))
-    return redist_edges
+    return _with_copy_shares(redist_edges)
+
+
+def _with_copy_shares(redist_edges: list[RedistEdge]) -> list[RedistEdge]:
+    """Each edge counts ``1/k`` of its local copies, ``k`` the number of
+    edges out of its producer: apply makes a value's redistribution to one
+    layout once for all its readers (:func:`cost_model.copies_device`)."""
+    readers: dict[torch.fx.Node, int] = {}
+    for e in redist_edges:
+        readers[e.producer] = readers.get(e.producer, 0) + 1
+    return [e if readers[e.producer] == 1 else replace(e, copies=1.0 / readers[e.producer]) for e in redist_edges]
 
 
 def _unary_costs(strategies, mesh: DeviceMesh, device) -> dict[int, list[float]]:
@@ -448,7 +459,12 @@ def _edges(nodes, strategies, redist_edges: list[RedistEdge], matrices: EdgeMatr
             continue
         for e in by_consumer.get(node, ()):
             matrix = matrices.redistribution(
-                strategies[e.producer].options, strat.options, e.arg, e.kind, keep_partial=e.keep_partial
+                strategies[e.producer].options,
+                strat.options,
+                e.arg,
+                e.kind,
+                keep_partial=e.keep_partial,
+                copies=e.copies,
             )
             edges.append(solver.Edge(e.producer.name, node.name, e.arg, matrix))
     return edges

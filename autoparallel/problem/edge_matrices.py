@@ -41,6 +41,7 @@ import math
 import numpy as np
 
 from .. import cost_model
+from ..cost_model.bucket_copies import bucket_copy_time
 from ..cost_model.class_costs import class_cost_grid
 from ..options.strategies import Option, placements_of
 
@@ -75,6 +76,7 @@ class EdgeMatrices:
         if t != 0.0 and math.isfinite(t):
             if kind is not None:
                 t = cost_model.apply_discount(t, kind, self.overlap)
+                t += bucket_copy_time(src, dst, kind, self.device)
             t += cost_model.TRANSITION_TIEBREAK
         elif t == 0.0 and src.placements != dst.placements:
             t = cost_model.TRANSITION_TIEBREAK
@@ -93,27 +95,46 @@ class EdgeMatrices:
             hit = self._sides[key] = (specs, classes, ident, options)  # options: keep the id theirs
         return hit[:3]
 
-    def _class_specs(self, prod: list[Option], cons: list[Option], arg: int, kind, keep_partial: bool):
+    def _class_specs(self, prod: list[Option], cons: list[Option], arg: int, kind, keep_partial: bool, copies=1.0):
         """Distinct producer outputs and consumer inputs ``arg`` (by
         placements), each option's index among them, and the key of the
         costs between them (placements, shapes, dtype, overlap kind)."""
         src_specs, row_class, src_id = self._side(prod, None)
         dst_specs, col_class, dst_id = self._side(cons, arg)
         src_meta, dst_meta = src_specs[0].tensor_meta, dst_specs[0].tensor_meta
-        class_key = (src_id, dst_id, tuple(src_meta.shape), src_meta.dtype, tuple(dst_meta.shape), kind, keep_partial)
+        class_key = (
+            src_id,
+            dst_id,
+            tuple(src_meta.shape),
+            src_meta.dtype,
+            tuple(dst_meta.shape),
+            kind,
+            keep_partial,
+            copies,
+        )
         return src_specs, row_class, dst_specs, col_class, class_key
 
-    def classes(self, prod: list[Option], cons: list[Option], arg: int, kind: str | None, keep_partial: bool = False):
+    def classes(
+        self,
+        prod: list[Option],
+        cons: list[Option],
+        arg: int,
+        kind: str | None,
+        keep_partial: bool = False,
+        copies: float = 1.0,
+    ):
         """The redistribution costs between distinct placements: rows (lists)
         over (distinct producer outputs) x (distinct consumer inputs ``arg``),
         and each producer / consumer option's row / column index in it."""
-        src_specs, row_class, dst_specs, col_class, class_key = self._class_specs(prod, cons, arg, kind, keep_partial)
+        src_specs, row_class, dst_specs, col_class, class_key = self._class_specs(
+            prod, cons, arg, kind, keep_partial, copies
+        )
         class_rows = self._classes.get(class_key)
         if class_rows is None:
             # as lists: dense rows then share these float objects (one per
             # class pair, not one per option pair)
             class_rows = self._classes[class_key] = self._class_matrix(
-                src_specs, dst_specs, kind, keep_partial
+                src_specs, dst_specs, kind, keep_partial, copies
             ).tolist()
         return class_rows, row_class, col_class
 
@@ -123,52 +144,61 @@ class EdgeMatrices:
         matrices keep theirs in their own :class:`_ClassGrid`."""
         self._classes = {}
 
-    def _class_matrix(self, src_specs, dst_specs, kind, keep_partial) -> np.ndarray:
+    def _class_matrix(self, src_specs, dst_specs, kind, keep_partial, copies=1.0) -> np.ndarray:
         """:meth:`_pair` for every (source, target) spec (``inf`` where
         ``keep_partial`` forbids reducing a Partial), computed whole with
         numpy (:func:`class_costs.class_cost_grid`, bit-identical)."""
-        return class_cost_grid(src_specs, dst_specs, self.device, self.overlap, kind, keep_partial)
+        device = cost_model.copies_device(self.device, copies)
+        return class_cost_grid(src_specs, dst_specs, device, self.overlap, kind, keep_partial)
 
-    def _family_member(self, src_specs, dst_specs, kind, keep_partial):
+    def _family_member(self, src_specs, dst_specs, kind, keep_partial, copies=1.0):
         """The function computing one lazy class grid: from its tensor's
         :class:`_GridFamily` (grids of one tensor share most placements),
         or on its own when its specs do not share one meta."""
         src_meta, dst_meta = src_specs[0].tensor_meta, dst_specs[0].tensor_meta
         if any(s.tensor_meta != src_meta for s in src_specs) or any(d.tensor_meta != dst_meta for d in dst_specs):
-            return lambda: self._class_matrix(src_specs, dst_specs, kind, keep_partial)
-        key = (src_specs[0].mesh, src_meta, dst_meta, kind, keep_partial)
+            return lambda: self._class_matrix(src_specs, dst_specs, kind, keep_partial, copies)
+        key = (src_specs[0].mesh, src_meta, dst_meta, kind, keep_partial, copies)
         family = self._families.get(key)
         if family is None:
             family = self._families[key] = _GridFamily(
-                lambda src, dst: self._class_matrix(src, dst, kind, keep_partial)
+                lambda src, dst: self._class_matrix(src, dst, kind, keep_partial, copies)
             )
         return family.member(src_specs, dst_specs)
 
     def redistribution(
-        self, prod: list[Option], cons: list[Option], arg: int, kind: str | None, keep_partial: bool = False
+        self,
+        prod: list[Option],
+        cons: list[Option],
+        arg: int,
+        kind: str | None,
+        keep_partial: bool = False,
+        copies: float = 1.0,
     ):
         """Producer option x consumer option: time to bring the producer's
         output to what the consumer's option needs for argument ``arg``
-        (``keep_partial``: reducing a Partial mesh dim is forbidden)."""
-        key = (id(prod), id(cons), arg, kind, keep_partial)
+        (``keep_partial``: reducing a Partial mesh dim is forbidden;
+        ``copies``: the share of its local copies counted,
+        :func:`autoparallel.cost_model.copies_device`)."""
+        key = (id(prod), id(cons), arg, kind, keep_partial, copies)
         hit = self._matrices.get(key)
         if hit is not None:
             return hit[0]
         if self.lazy:
             src_specs, row_class, dst_specs, col_class, class_key = self._class_specs(
-                prod, cons, arg, kind, keep_partial
+                prod, cons, arg, kind, keep_partial, copies
             )
             grid = self._grids.get(class_key)
             if grid is None:
                 grid = self._grids[class_key] = _ClassGrid(
-                    self._family_member(src_specs, dst_specs, kind, keep_partial),
+                    self._family_member(src_specs, dst_specs, kind, keep_partial, copies),
                     len(src_specs),
                     len(dst_specs),
                 )
             matrix = LazyClassMatrix(grid, row_class, col_class)
             self._matrices[key] = (matrix, prod, cons)
             return matrix
-        class_rows, row_class, col_class = self.classes(prod, cons, arg, kind, keep_partial)
+        class_rows, row_class, col_class = self.classes(prod, cons, arg, kind, keep_partial, copies)
         # Options with the same output placements get the same row object.
         rows_by_class: dict[int, list[float]] = {}
         rows = []

@@ -295,6 +295,30 @@ def test_collectives_on_non_leading_dims_pay_their_local_copies(mesh):
     assert plain < redistribute_time(src, dst) <= plain + copy(4096 * 4096 * 2)
 
 
+def test_a_local_copy_costs_at_least_a_kernel_launch_and_its_share(mesh):
+    """A slice of a small replica is one kernel: the launch floor, as the
+    overlap scheduler's compute model costs it; an edge out of a value with
+    three readers counts a third of it (apply slices the value once)."""
+    from autoparallel.cost_model import H100, copies_device, steps
+    from autoparallel.cost_model.steps import local_copy_time
+
+    assert local_copy_time(1024, H100) == H100.launch_floor
+    big = 2**30
+    assert local_copy_time(big, H100) == 2 * big / (H100.hbm_bw * H100.memory_efficiency)
+    third = copies_device(H100, 1 / 3)
+    assert local_copy_time(1024, third) == H100.launch_floor * (1 / 3)
+    assert copies_device(H100, 1.0) is H100
+    # a collective is not shared out: only the copies around it are
+    topology = steps.mesh_dim_topology(mesh)[1]
+    gather = steps.step_time(topology, ("all_gather",), 2**21, 2**24, H100)
+    assert steps.step_time(topology, ("all_gather",), 2**21, 2**24, third) == gather
+    assert steps.step_time(topology, ("all_gather", "local_copy"), 2**21, 2**24, third) == gather + local_copy_time(
+        2**24, third
+    )
+    sharded, whole = spec(mesh, (Shard(0), Replicate())), spec(mesh, (Replicate(), Replicate()))
+    assert redistribute_time(whole, sharded, third) == pytest.approx(redistribute_time(whole, sharded, H100) / 3)
+
+
 def _dtensor_plan(src, dst):
     from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
 
@@ -521,3 +545,27 @@ def test_mesh_topology_read_under_fake_mode(mesh):
         got = comm.mesh_dim_topology(mesh, 8)
     assert got == expected
     assert [(t.group_size, t.intra_node) for t in got] == [(16, False), (8, True)]
+
+
+def test_bucketed_gathers_and_reductions_count_their_copies(mesh):
+    """A parameter gather counts its copy out of the bucket's gathered
+    buffer (at least a kernel launch) and its bytes of the copy in; a
+    gradient reduction its bytes of the copy in; other edges nothing."""
+    from autoparallel.cost_model import GRAD_REDUCE_SCATTER, H100, PARAM_ALL_GATHER
+    from autoparallel.cost_model.bucket_copies import bucket_copy_grid, bucket_copy_time
+    from autoparallel.cost_model.steps import local_copy_time
+
+    shard, whole = spec(mesh, (Shard(0), Replicate())), spec(mesh, (Replicate(), Replicate()))
+    partial = spec(mesh, (Partial(), Replicate()))
+    gathered = 4096 * 4096 * 2
+    assert bucket_copy_time(shard, whole, PARAM_ALL_GATHER, H100) >= local_copy_time(gathered, H100)
+    assert bucket_copy_time(whole, shard, PARAM_ALL_GATHER, H100) == 0.0  # a slice: no bucket
+    assert bucket_copy_time(partial, shard, GRAD_REDUCE_SCATTER, H100) == pytest.approx(
+        2 * gathered / (H100.hbm_bw * H100.memory_efficiency)
+    )
+    assert bucket_copy_time(shard, whole, None, H100) == 0.0
+    specs = [shard, whole, partial]
+    for kind in (PARAM_ALL_GATHER, GRAD_REDUCE_SCATTER):
+        grid = bucket_copy_grid(specs, specs, kind, H100)
+        assert grid.tolist() == [[bucket_copy_time(s, d, kind, H100) for d in specs] for s in specs]
+    assert bucket_copy_grid(specs, specs, None, H100) is None

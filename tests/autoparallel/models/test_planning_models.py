@@ -82,7 +82,7 @@ def test_block_1d_ddp_or_fsdp_from_the_memory_budget(fake_world, high):
         assert plan.parameter_bytes_per_rank == pytest.approx(plan.parameter_bytes_total / 8)
 
 
-def test_block_2d_is_tensor_parallel_on_tp_and_data_parallel_on_dp(fake_world):
+def test_block_2d_is_tensor_parallel_on_tp_and_data_parallel_attention_on_dp(fake_world):
     fake_world(8)
     mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
     # Big weights, few tokens per rank: gathering weights costs more than
@@ -101,11 +101,17 @@ def test_block_2d_is_tensor_parallel_on_tp_and_data_parallel_on_dp(fake_world):
     assert len(mms) == 7
     for mm in mms:
         (act_dp, act_tp), (w_dp, w_tp) = map(_per_dim, mm.input_placements)
-        # dp: activations split by batch, the weight gathered over dp; tp: the
-        # weight split (column or row parallel), the activation replicated
-        # or split on its features.
-        assert (act_dp, w_dp) == ("S(0)", "R"), (mm.name, mm.input_placements)
+        # tp: the weight split (column or row parallel), the activation
+        # replicated or split on its features. dp: the activations split by
+        # batch and the weight gathered over dp, or (the feed-forward's
+        # largest weights, whose copy out of a gathered bucket costs more
+        # than gathering the activation: the overlap scheduler rates that
+        # plan 5% faster) both laid out over dp as over tp: one 8-way
+        # tensor-parallel group.
         assert w_tp.startswith("S("), (mm.name, mm.input_placements)
+        assert (act_dp, w_dp) in (("S(0)", "R"), (act_tp, w_tp)), (mm.name, mm.input_placements)
+        if "attention" in mm.module_path:
+            assert (act_dp, w_dp) == ("S(0)", "R"), (mm.name, mm.input_placements)
 
 
 def test_tiny_llama_4x2_linked_layers_and_sac_tags(fake_world):
