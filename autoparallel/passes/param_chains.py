@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+import torch
 import torch.fx as fx
 
 from .base import PassContext
@@ -126,6 +127,40 @@ def deferred_chain_ops(ag_layer: dict, info: Info) -> set[fx.Node]:
             stack.extend(a for a in ins[n] if a in members)
         out.update(c for c in chain if root.get(c) is ag)
     return out
+
+
+# ops that only lay data out for a collective besides the chain ops of
+# :func:`.recompute_all_gathers.is_chain_op`: a bucket's flattening
+_LAYOUT_TARGETS = frozenset((torch.ops.aten._unsafe_view.default, torch.ops.aten._chunk_cat.default))
+
+
+def is_layout_op(node: fx.Node) -> bool:
+    """A collective, wait, view, copy or cast: an op that moves data
+    without computing with it (what lies between two stages of a
+    parameter's redistribution)."""
+    from .recompute_all_gathers import is_chain_op
+
+    return node.op == "call_function" and (node.target in _LAYOUT_TARGETS or is_chain_op(node))
+
+
+def first_use(ag: fx.Node, chain: set[fx.Node], index: dict[fx.Node, int]) -> int:
+    """Where the graph first computes with what ``ag`` gathers: the earliest
+    consumer, following the chain and then the ops that only move, view or
+    redistribute the data (a second gather over another mesh dim, an
+    all-to-all, a bucket's copy-out), that does neither; ``ag``'s own place
+    when nothing does. A layer's norm weights gathered in a preamble that
+    casts every parameter are first used in the layer, not the preamble."""
+    best, stack, seen = None, [ag], {ag}
+    while stack:
+        for u in stack.pop().users:
+            if u in seen:
+                continue
+            seen.add(u)
+            if u in chain or is_layout_op(u):
+                stack.append(u)
+            elif best is None or index[u] < best:
+                best = index[u]
+    return index[ag] if best is None else best
 
 
 def chain_users(ag: fx.Node, chain: set[fx.Node]) -> list[fx.Node]:

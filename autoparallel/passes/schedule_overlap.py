@@ -30,12 +30,24 @@ order), with four rules:
   overlap): a schedule whose estimated peak exceeds the unscheduled one by
   more than ``PEAK_TOLERANCE`` is redone with a limit lowered by the
   overshoot, and the original order is kept when no attempt fits.
+* **Later stages of a prefetched gather run ahead too.** A parameter
+  redistributed in stages (a bucket gathered over the network, then each
+  weight resharded and gathered within the node) has its next stage
+  issued once the stage before is done in the clock, its link is idle,
+  the compute before the next collective on that link that is not a
+  parameter stage (an activation collective, which blocks compute) is
+  longer than it, and what it allocates fits; otherwise it runs where its
+  consumer needs it. A layer is needed where its compute starts: a
+  gather's need follows layout ops and later stages to the first op that
+  computes with the data.
 * **Issue other collectives as soon as their input exists**: activation
   redistributions (except gathers whose result only leaves the graph, an
   activation saved for backward: those stay in place), and reductions
   (gradient reduce-scatters, all-reduces) together with the ops that only
   prepare their input (a bucket's flatten and fp32 cast, which the original
-  order runs at the very end). A ready reduction is issued by the main loop
+  order runs at the very end; a small collective among those ops, such as
+  a norm weight's gradient gathered into the bucket's layout, is issued
+  first and the reduction once the clock has it done). A ready reduction is issued by the main loop
   after that step's prefetches (FSDP2's order: the next layer's gathers
   before this layer's reduce-scatter, which would otherwise hold the link)
   and once the bytes its preparation allocates fit under the limit.
@@ -82,7 +94,8 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from .base import PassContext, register_pass
-from .param_chains import chain_users, deferred_chain_ops, layer_ranks, gathers_by_layer
+from .param_chains import deferred_chain_ops, first_use, gathers_by_layer, is_layout_op, layer_ranks
+from ..graph_vocab import COLLECTIVE_START, NOT_A_CALL, OTHER_CALL, WAIT_NODE
 from .overlap_model import (
     AG,
     RS,
@@ -185,6 +198,9 @@ class OverlapScheduler:
         self.compute_count = 0
         self.since_rs = 0  # compute ops since the last reduction
         self.next_pf = 0  # index into pf_order
+        self.staged: list[fx.Node] = []  # later stages of prefetched gathers, issued once their input is in
+        self.stage_need: dict[fx.Node, int] = {}
+        self._read_link_gaps()
         # the streams' clock of :func:`estimate`, and live bytes, as nodes are emitted
         self.clock = Clock(info)
         self.live = LiveBytes(info)
@@ -221,7 +237,7 @@ class OverlapScheduler:
             chain_set = chain_sets.get(id(chain))
             if chain_set is None:
                 chain_set = chain_sets[id(chain)] = set(chain)
-            need = min((index[u] for u in chain_users(ag, chain_set)), default=index[ag])
+            need = first_use(ag, chain_set, index)
             need_of[ag] = need
             first_need[layer] = min(first_need.get(layer, need), need)
         layer_order = sorted(first_need, key=first_need.__getitem__)
@@ -234,6 +250,35 @@ class OverlapScheduler:
             (a for a in ag_layer if nodes[need_of[a]] is not self.output), key=lambda a: (need_of[a], index[a])
         )
         self.need_points = [first_need[name] for name in layer_order]
+
+    def _read_link_gaps(self) -> None:
+        # compute seconds before each place of the original order, and per
+        # link the places of the collectives that are not parameter stages
+        # (activation redistributions, reductions): a parameter's later stage
+        # must not hold the link when one of them is issued
+        info, kind = self.info, self.kind
+        param_stages: set[fx.Node] = set()
+        stack = list(self.ag_layer)
+        while stack:
+            for c in self.follow_ups(stack.pop()):
+                if c not in param_stages:
+                    param_stages.add(c)
+                    stack.append(c)
+        self.compute_before = cum = [0.0]
+        self.link_starts: dict[str, list[int]] = {}
+        for p, n in enumerate(self.nodes):
+            cum.append(cum[-1] + (info.time.get(n, 0.0) if kind[n] == OTHER_CALL else 0.0))
+            if kind[n] == COLLECTIVE_START and n not in self.ag_layer and n not in param_stages:
+                self.link_starts.setdefault(info.stream[n], []).append(p)
+
+    def link_gap(self, i: int, link: str) -> float:
+        """Compute seconds, in the original order from place ``i``, before
+        the next collective on ``link`` that is not a parameter stage."""
+        starts = self.link_starts.get(link, ())
+        k = bisect.bisect_left(starts, i)
+        while k < len(starts) and self.nodes[starts[k]] in self.done:
+            k += 1
+        return float("inf") if k == len(starts) else self.compute_before[starts[k]] - self.compute_before[i]
 
     def _distances_to_reductions(self) -> dict[fx.Node, int]:
         # distance (in compute ops) from each node to the nearest gradient reduction
@@ -272,8 +317,11 @@ class OverlapScheduler:
         self.remaining_inputs: dict[fx.Node, int] = {}
         self.start_users: dict[fx.Node, list[fx.Node]] = {}
         self.prep_bytes: dict[fx.Node, int] = {}  # what a reduction's preparation allocates
+        self.inner_starts: dict[fx.Node, list[fx.Node]] = {}  # collectives within a reduction's preparation
         for c in eager_starts:
-            prep = _preparation(c, info) if c in self.reductions else set()
+            prep, inner = _preparation(c, info) if c in self.reductions else (set(), [])
+            if inner:
+                self.inner_starts[c] = inner
             if prep:
                 self.prep_bytes[c] = sum(info.size.get(m, 0) for m in prep)
             outside = {a for m in prep | {c} for a in ins[m] if a not in prep}
@@ -361,12 +409,19 @@ class OverlapScheduler:
         return self.memory_limit is None or self.live.live + self.prep_bytes.get(c, 0) <= self.memory_limit
 
     def release_held(self) -> None:
-        """Ready reductions, once their preparation fits."""
-        held = self.held
-        while held and (held[0][1] in self.done or self.fits(held[0][1])):
-            _, c = heapq.heappop(held)
-            if c not in self.done:
-                self.ensure(c)
+        """Ready reductions, once the collectives within their preparation
+        are done (issued here first) and their preparation fits."""
+        held, done, clock = self.held, self.done, self.clock
+        while held:
+            c = held[0][1]
+            if c not in done:
+                inner = self.inner_starts.get(c, ())
+                for s in inner:
+                    self.ensure(s)
+                if any(clock.done.get(s, 0.0) > clock.now for s in inner) or not self.fits(c):
+                    return
+            heapq.heappop(held)
+            self.ensure(c)
 
     # -- the rules of the main loop -------------------------------------------
 
@@ -403,9 +458,86 @@ class OverlapScheduler:
                     return
             before = self.compute_count
             self.ensure(ag)
+            self.staged.extend(self.follow_ups(ag))
             self.next_pf += 1
             if before == self.compute_count:
                 self.stats.prefetched_all_gathers += 1
+
+    def follow_ups(self, start: fx.Node) -> list[fx.Node]:
+        """The collectives that take ``start``'s result on through layout ops
+        alone: a parameter's next stage (gathered over the network, then
+        resharded and gathered within the node)."""
+        w = self.wait_of.get(start)
+        if w is None:
+            return []
+        kind, out, stack, seen = self.kind, [], [w], {w}
+        while stack:
+            for u in stack.pop().users:
+                if u in seen:
+                    continue
+                seen.add(u)
+                if kind[u] == COLLECTIVE_START:
+                    if u not in self.reductions and u not in self.ag_layer:
+                        out.append(u)
+                elif kind[u] == OTHER_CALL and u not in self.compute and is_layout_op(u):
+                    stack.append(u)
+        return out
+
+    def _missing_layout_ops(self, start: fx.Node) -> list[fx.Node] | None:
+        """The ops ``start`` still needs, when all are layout ops (views,
+        copies, casts) or waits of collectives the clock has finished; None
+        otherwise (running them now would stall or compute early)."""
+        done, kind, clock = self.done, self.kind, self.clock
+        missing, stack, seen = [], [start], {start}
+        while stack:
+            for a in self.ins[stack.pop()]:
+                if a in done or a in seen:
+                    continue
+                seen.add(a)
+                k = kind[a]
+                if k == WAIT_NODE:
+                    if a.args[0] not in done or clock.done.get(a.args[0], 0.0) > clock.now:
+                        return None
+                elif k != OTHER_CALL or a in self.compute or not is_layout_op(a):
+                    return None
+                missing.append(a)
+                stack.append(a)
+        return missing
+
+    def stage_step(self, i: int) -> None:
+        """Issue the next stage of prefetched parameter gathers once the stage
+        before is done (in the clock), while its link is idle and the bytes
+        it and its layout ops allocate fit, so that it runs ahead of the
+        layer too instead of queueing, at the layer's start, before the
+        activation collectives that block compute (and only where it ends
+        before the next of those is issued)."""
+        if not self.staged:
+            return
+        keep: list[fx.Node] = []
+        for c in self.staged:
+            if c in self.done:
+                continue
+            missing, link = None, self.info.stream[c]
+            if self.clock.link_idle(link) and self.info.time[c] <= self.link_gap(i, link):
+                missing = self._missing_layout_ops(c)
+            if missing is None or not self._stage_fits(i, c, missing):
+                keep.append(c)
+                continue
+            self.ensure(c)
+            keep.extend(self.follow_ups(c))
+        self.staged = keep
+
+    def _stage_fits(self, i: int, c: fx.Node, missing: list[fx.Node]) -> bool:
+        if self.memory_limit is None:
+            return True
+        size = self.info.size
+        added = size.get(c, 0) + sum(size.get(m, 0) for m in missing)
+        need = self.stage_need.get(c)
+        if need is None:
+            need = self.stage_need[c] = first_use(c, set(), self.index)
+        base = self.orig_live[i - 1 if i else 0]
+        rise = max(self.range_max(i, need + 1) - base, 0) + added
+        return self.live.live + rise <= self.memory_limit
 
     def current_rank(self, i: int) -> int:
         # need_points ascend: the last layer whose first need is at or before i
@@ -452,6 +584,7 @@ class OverlapScheduler:
                 i += 1
                 continue
             self.prefetch_step(i)
+            self.stage_step(i)
             self.release_held()
             until = self.stall_until(n)
             if until > self.clock.now:
@@ -510,23 +643,31 @@ def _only_output_reads(wait: fx.Node | None, output: fx.Node) -> bool:
     return True
 
 
-def _preparation(start: fx.Node, info: Info) -> set[fx.Node]:
-    """The ops that only prepare ``start``'s input: its ancestors used by
-    nothing else (directly or through each other), no compute op (matmul,
-    attention), collective or wait among them and no placeholder. For a
-    bucketed reduce-scatter: the casts, views and the concatenation of the
-    layer's gradients."""
-    ins, kind, compute = info.ins, info.kind, info.compute
+def _preparation(start: fx.Node, info: Info) -> tuple[set[fx.Node], list[fx.Node]]:
+    """The ops that only prepare ``start``'s input, and the collectives among
+    them: its ancestors used by nothing else (directly or through each
+    other), no compute op (matmul, attention), gradient reduction or
+    placeholder among them. For a bucketed reduce-scatter: the casts, views
+    and the concatenation of the layer's gradients, and a small collective
+    that moves one of them into the bucket's layout first (a norm weight's
+    gradient gathered over another mesh dim) with its wait."""
+    ins, kind, compute, reductions = info.ins, info.kind, info.compute, info.reductions
     prep: set[fx.Node] = set()
+    inner: list[fx.Node] = []
     stack = list(ins[start])
     while stack:
         a = stack.pop()
-        if a in prep or kind.get(a) != 3 or a in compute:
+        k = kind.get(a)
+        if a in prep or a in compute or a in reductions or k is None or k == NOT_A_CALL:
             continue
+        if k == WAIT_NODE and (not isinstance(a.args[0], fx.Node) or a.args[0] in reductions):
+            continue  # another reduction's wait: that reduction is issued on its own
         if all(u is start or u in prep for u in a.users):
             prep.add(a)
+            if k == COLLECTIVE_START:
+                inner.append(a)
             stack.extend(ins[a])
-    return prep
+    return prep, inner
 
 
 class _RangeMax:

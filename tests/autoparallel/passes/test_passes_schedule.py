@@ -308,3 +308,110 @@ def test_bucketed_reduction_issued_with_its_preparation():
     assert stats.longest_compute_run_after <= 3, stats
     assert stats.exposed_comm_after_s < stats.exposed_comm_before_s
     assert stats.peak_memory_after <= (1 + PEAK_TOLERANCE) * stats.peak_memory_before
+
+
+# ---------------------------------------------------------------------------
+# parameters redistributed in stages (a bucket gathered over one mesh dim,
+# then each weight over another) and named by layer
+
+
+class _Local:
+    """The part of a LocalJoint that names parameters: the placeholders
+    after the first (the activations) are the parameters ``fqns``."""
+
+    def __init__(self, gm, fqns):
+        self.param_fqns, self.buffer_fqns = list(fqns), []
+        self._names = [p.name for p in gm.graph.find_nodes(op="placeholder")][1 : 1 + len(fqns)]
+
+    def primal_names(self):
+        return self._names
+
+
+def _layer_ctx(gm, fqns, kind="forward", **kw):
+    ctx = PassContext(mesh=None, plan=None, options=PassOptions(**kw), graph_kind=kind)
+    ctx.local = _Local(gm, fqns)
+    return ctx
+
+
+def _gather_bucket(a, b, size, group):
+    # two parameters gathered as one flat bucket, then copied out of it
+    flat = torch.cat([a.reshape(-1), b.reshape(-1)])
+    g = c10d.wait_tensor(c10d.all_gather_into_tensor(flat, size, group)).view(size, -1)
+    ga, gb = g.split([a.numel(), b.numel()], dim=1)
+    return ga.clone().view(-1, *a.shape[1:]), gb.clone().view(-1, *b.shape[1:])
+
+
+def _preamble_forward(x, *params):
+    # every layer's two norm weights gathered in a preamble (a bucket over
+    # "0", then over "1"), as a plan that casts all parameters first leaves
+    # them; each layer's weight gathered at the layer; every layer's output
+    # saved for backward (the peak is at the end)
+    norms, shards = params[: 2 * LAYERS], params[2 * LAYERS :]
+    scales = []
+    for k in range(LAYERS):
+        na, nb = _gather_bucket(norms[2 * k], norms[2 * k + 1], 2, "0")
+        scales.append((c10d.wait_tensor(c10d.all_gather_into_tensor(na.clone(), 2, "1")).view(-1), nb))
+    saved = []
+    for k in range(LAYERS):
+        w = c10d.wait_tensor(c10d.all_gather_into_tensor(shards[k], 4, "0")).view(256, 256)
+        sa, nb = scales[k]
+        x = ((x * sa + nb.sum()) @ w).relu()
+        saved.append(x)
+    return tuple(saved)
+
+
+def test_layer_need_is_its_compute_not_a_preamble():
+    """A layer is needed where its compute starts, not where a preamble
+    redistributes its norm weights: each layer's weight gather is prefetched
+    at most one layer ahead, not all at the start."""
+    fqns = [f"layers.{k}.norm_{s}" for k in range(LAYERS) for s in "ab"] + [f"layers.{k}.w" for k in range(LAYERS)]
+    with FakeTensorMode():
+        args = [torch.randn(1 << 12, 256)] + [torch.randn(1, 64) for _ in range(2 * LAYERS)]
+        gm = make_fx(_preamble_forward)(*args, *[torch.randn(64, 256) for _ in range(LAYERS)])
+    schedule_overlap(gm, _layer_ctx(gm, fqns, prefetch_layers=1))
+    check_topological(gm)
+    nodes = list(gm.graph.nodes)
+    mms = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mm.default]
+    weight_gathers = [i for i, n in enumerate(nodes) if n.target is AG and n.args[0].op == "placeholder"]
+    assert len(weight_gathers) == LAYERS
+    for k in range(2, LAYERS):
+        assert weight_gathers[k] > mms[k - 2], (k, weight_gathers, mms)
+
+
+def _norm_grad_backward(*args):
+    # as _bucketed_backward, but each layer's bucket also holds a norm
+    # weight's gradient that is first gathered over another dim (its own
+    # collective and wait inside the bucket's preparation, at the very end)
+    g, acts, shards = args[0], args[1 : 1 + LAYERS], args[1 + LAYERS :]
+    grads = []
+    for k in reversed(range(LAYERS)):
+        w = c10d.wait_tensor(c10d.all_gather_into_tensor(shards[k], 4, "0"))
+        grads.append((g.t() @ acts[k], (g * acts[k]).sum(0)))
+        g = g @ w
+    outs = []
+    for gw, gn in grads:
+        gn_full = c10d.wait_tensor(c10d.all_gather_into_tensor(gn.to(torch.float64), 2, "1"))
+        flat = torch.cat([gw.reshape(-1).to(torch.float64), gn_full])
+        outs.append(c10d.wait_tensor(c10d.reduce_scatter_tensor(flat, "sum", 4, "0")))
+    return (g, *outs)
+
+
+def test_reduction_waits_for_a_gather_within_its_preparation():
+    """A bucket's reduce-scatter whose preparation gathers one gradient
+    first: the gather is issued once the gradient exists and the
+    reduce-scatter once the gather is done, within the layer, not after all
+    layers' compute."""
+    with FakeTensorMode():
+        tokens = 1 << 16
+        args = (
+            [torch.randn(tokens, 32)]
+            + [torch.randn(tokens, 32) for _ in range(LAYERS)]
+            + [torch.randn(8, 32) for _ in range(LAYERS)]
+        )
+        gm = make_fx(_norm_grad_backward)(*args)
+    assert longest_compute_run(gm.graph.nodes) == 2 * LAYERS
+    stats = schedule_overlap(gm, _ctx())
+    check_topological(gm)
+    assert stats.longest_compute_run_after <= 2, stats
+    assert stats.exposed_comm_after_s < stats.exposed_comm_before_s
+    assert stats.peak_memory_after <= (1 + PEAK_TOLERANCE) * stats.peak_memory_before
