@@ -182,10 +182,13 @@ def test_ffn_default_partitioner(fake_world):
 
 # Under LocalTensorMode every op runs 8 times through Python: a LLaMA step
 # takes ~7 s. The default suite checks one step (output, loss, every
-# gradient) of the block and the LLaMA; the slow suite runs three AdamW steps
-# on both meshes (and the 2-D plans, whose option enumeration is slow).
+# gradient) of the LLaMA, whose layers are the block's; the slow suite runs
+# the block alone and three AdamW steps on both meshes (and the 2-D plans,
+# whose option enumeration is slow).
 
 
+# slow: test_llama_debug_1d_selective_ac plans and steps the same blocks on (8,)
+@pytest.mark.slow
 def test_transformer_block_1d(fake_world):
     fake_world(8)
     parallel, mesh, _ = _apply("block", (8,))

@@ -101,9 +101,9 @@ def test_folded_graphs_equal_full_graphs(fake_world, passes_on, mixed_precision)
 
 def test_folded_llama_matches_reference(fake_world):
     """Loss and every gradient (middle layers included) equal the
-    single-device model's, on 4 simulated ranks."""
-    fake_world(4)
-    autop, plan, mesh = _plan((4,))
+    single-device model's, on 8 simulated ranks."""
+    fake_world(8)
+    autop, plan, mesh = _plan((8,))
     try:
         parallel = autop.apply_placement(plan)
     finally:
@@ -142,8 +142,8 @@ def test_folded_llama_matches_reference(fake_world):
 
 
 def test_too_few_layers_not_folded(fake_world):
-    fake_world(8)
-    autop, plan, _ = _plan((8,), args=dataclasses.replace(ARGS, n_layers=MIN_LAYERS - 1), ac=None)
+    fake_world(4)
+    autop, plan = _stack_plan(odd=None, n_layers=MIN_LAYERS - 1)
     try:
         choice = {k: v.option for k, v in plan.nodes.items()}
         with pytest.raises(FoldRejected, match="folding needs"):
@@ -173,10 +173,10 @@ class _Stack(nn.Module):
             layer[0].reset_parameters()
 
 
-def _stack_plan(odd):
+def _stack_plan(odd, n_layers=MIN_LAYERS):
     mesh = init_device_mesh("cpu", (4,))
     with torch.device("meta"):
-        model = _Stack(MIN_LAYERS, odd)
+        model = _Stack(n_layers, odd)
     autop = AutoParallel(model, mesh, torch.empty(8, 16, device="meta"))
     autop.__enter__()
     autop.add_input_constraints([(Shard(0),)])

@@ -224,7 +224,9 @@ def _hf_bert():
     )
 
 
-@pytest.mark.parametrize("build", [_hf_gpt2, _hf_bert], ids=["gpt2", "bert"])
+# GPT-2 is slow: BERT ties its head the same way by default (an alias of
+# the embedding's parameter), as does test_llama3_tied_embeddings
+@pytest.mark.parametrize("build", [pytest.param(_hf_gpt2, marks=pytest.mark.slow), _hf_bert], ids=["gpt2", "bert"])
 def test_hugging_face_tied_heads(fake_world, build):
     pytest.importorskip("transformers")
     fake_world(N)

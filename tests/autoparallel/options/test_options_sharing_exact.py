@@ -104,6 +104,10 @@ def _plan(share: bool, monkeypatch):
     return plan, autop
 
 
+# slow (plans the model twice): by default test_shared_options_equal_the_unshared
+# shows the shared and unshared option lists (specs and in-op work) equal on
+# 4x2, and the costs are priced from those
+@pytest.mark.slow
 def test_plan_with_shared_options_equals_the_unshared(fake_world, monkeypatch):
     fake_world(8)
     shared, shared_autop = _plan(True, monkeypatch)
