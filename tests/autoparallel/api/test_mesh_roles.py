@@ -153,7 +153,8 @@ def test_grad_reduction_sum_is_the_sum_of_local_losses(fake_world):
         torch.testing.assert_close(grads[name], 4 * p.grad, rtol=1e-5, atol=1e-7)
 
 
-MOE = dataclasses.replace(MOE_CONFIGS["debug"], n_layers=2)
+# one block, a MoE one: the role rules act on the routed-experts ops
+MOE = dataclasses.replace(MOE_CONFIGS["debug"], n_layers=1, n_dense_layers=0)
 
 
 def test_ep_role_gives_all_to_all_dispatch(fake_world):

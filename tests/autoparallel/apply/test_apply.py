@@ -182,10 +182,13 @@ def test_ffn_default_partitioner(fake_world):
 
 # Under LocalTensorMode every op runs 8 times through Python: a LLaMA step
 # takes ~7 s. The default suite checks one step (output, loss, every
-# gradient) of the block and the LLaMA; the slow suite runs three AdamW steps
-# on both meshes (and the 2-D plans, whose option enumeration is slow).
+# gradient) of the LLaMA, whose layers are the block's; the slow suite runs
+# the block alone and three AdamW steps on both meshes (and the 2-D plans,
+# whose option enumeration is slow).
 
 
+# slow: test_llama_debug_1d_selective_ac plans and steps the same blocks on (8,)
+@pytest.mark.slow
 def test_transformer_block_1d(fake_world):
     fake_world(8)
     parallel, mesh, _ = _apply("block", (8,))
@@ -204,8 +207,9 @@ def test_llama_debug_1d_selective_ac(fake_world):
 def test_llama_debug_1d_full_ac(fake_world):
     # Full AC recomputes the attention op, which is tagged random (dropout_p):
     # the partitioner saves its RNG state for the backward under another name.
-    fake_world(8)
-    parallel, mesh, _ = _apply("llama", (8,), ac="full")
+    # 4 simulated ranks: half the LocalTensorMode work of 8, same plan family.
+    fake_world(4)
+    parallel, mesh, _ = _apply("llama", (4,), ac="full")
     _train_and_compare("llama", parallel, mesh, ac="full", steps=1)
 
 

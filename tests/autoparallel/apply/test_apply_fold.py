@@ -56,7 +56,16 @@ def _plan(mesh_shape, *, ac="selective", args=ARGS, mp_policy=None):
 
 
 @pytest.mark.parametrize(
-    "passes_on, mixed_precision", [(True, False), (False, False), (True, True)], ids=["passes", "no-passes", "bf16"]
+    "passes_on, mixed_precision",
+    [
+        (True, False),
+        # slow: the same fold-versus-full comparison as "passes", without the
+        # rewrite passes, and with bf16 parameters (~10-15 s idle each;
+        # test_apply_mixed_precision.py applies bf16 plans by default)
+        pytest.param(False, False, marks=pytest.mark.slow),
+        pytest.param(True, True, marks=pytest.mark.slow),
+    ],
+    ids=["passes", "no-passes", "bf16"],
 )
 def test_folded_graphs_equal_full_graphs(fake_world, passes_on, mixed_precision):
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -133,8 +142,8 @@ def test_folded_llama_matches_reference(fake_world):
 
 
 def test_too_few_layers_not_folded(fake_world):
-    fake_world(8)
-    autop, plan, _ = _plan((8,), args=dataclasses.replace(ARGS, n_layers=MIN_LAYERS - 1), ac=None)
+    fake_world(4)
+    autop, plan = _stack_plan(odd=None, n_layers=MIN_LAYERS - 1)
     try:
         choice = {k: v.option for k, v in plan.nodes.items()}
         with pytest.raises(FoldRejected, match="folding needs"):
@@ -164,10 +173,10 @@ class _Stack(nn.Module):
             layer[0].reset_parameters()
 
 
-def _stack_plan(odd):
+def _stack_plan(odd, n_layers=MIN_LAYERS):
     mesh = init_device_mesh("cpu", (4,))
     with torch.device("meta"):
-        model = _Stack(MIN_LAYERS, odd)
+        model = _Stack(n_layers, odd)
     autop = AutoParallel(model, mesh, torch.empty(8, 16, device="meta"))
     autop.__enter__()
     autop.add_input_constraints([(Shard(0),)])

@@ -51,7 +51,8 @@ def _pairs(n_mesh, ndim, count, seed):
     return [(rng.choice(combos), rng.choice(combos)) for _ in range(count)]
 
 
-@pytest.mark.parametrize("mesh_shape,shape,count", [((2, 2, 2), (8, 8, 4), 150), ((2, 2, 2, 2), (16, 8, 4), 150)])
+# 16 simulated ranks per 4-D pair: fewer pairs there
+@pytest.mark.parametrize("mesh_shape,shape,count", [((2, 2, 2), (8, 8, 4), 150), ((2, 2, 2, 2), (16, 8, 4), 80)])
 def test_redistribute_runs_the_priced_plan_and_matches_dtensor(fake_world, mesh_shape, shape, count):
     pairs = _pairs(len(mesh_shape), len(shape), count, seed=len(mesh_shape))
     assert len(_check(fake_world, mesh_shape, shape, pairs)) > 10  # the min-cost plans were exercised

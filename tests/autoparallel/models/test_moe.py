@@ -182,6 +182,10 @@ def _routed_ops(plan):
     return [n for n in plan.nodes.values() if "moe_experts" in n.op]
 
 
+# slow: by default test_mixtral.py's test_mixtral_expert_parallel_chosen_and_matches
+# steps a routed-experts op run expert parallel with gathered tokens (weights
+# Shard(0), output Partial), and test_moe_plan_apply_2x2_a2a steps this MoE model
+@pytest.mark.slow
 def test_moe_plan_apply_ep_1d(fake_world):
     """4 ranks, expert weights pinned Shard(0) (the solver ties EP with TP
     here): the routed op runs expert parallel (tokens gathered, output

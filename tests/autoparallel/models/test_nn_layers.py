@@ -56,7 +56,8 @@ class EmbeddingHead(nn.Module):
 
 def _encoder(norm_first: bool):
     layer = nn.TransformerEncoderLayer(D, H, 2 * D, dropout=0.0, batch_first=True, norm_first=norm_first)
-    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    # one layer: the encoder's ops are those of its layer
+    return nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
 
 
 def _float(*shape):

@@ -186,8 +186,28 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("cost", ["default", "sharded_compute"])
-@pytest.mark.parametrize("name,case", CASES)
+# Slow on 2x2: T5 and GPT-2 with the slow-compute device (both are planned
+# and stepped on 2x2 with the default cost model; HF LLaMA, BERT, ViT and
+# the ConvNet keep their sharded-compute cases), and our own LLaMA-3 (HF
+# LLaMA here has the same op families under both cost models;
+# test_passes_bucket.py's test_llama_debug_2x2_buckets_and_matches_reference
+# steps our LLaMA-3 on 2x2).
+SLOW_2D = {
+    ("t5", "sharded_compute"),
+    ("gpt2", "sharded_compute"),
+    ("llama3_debug", "default"),
+    ("llama3_debug", "sharded_compute"),
+}
+
+
+@pytest.mark.parametrize(
+    "name,case,cost",
+    [
+        pytest.param(*p.values, cost, marks=[pytest.mark.slow] if (p.values[0], cost) in SLOW_2D else [])
+        for p in CASES
+        for cost in ("default", "sharded_compute")
+    ],
+)
 def test_zoo(fake_world, name, case, cost):
     fake_world(4)
     build, inputs = case()
@@ -208,11 +228,19 @@ MESH_3D = dict(mesh_shape=(2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard",
 # pricing after presolve (solver.api.PRICING_MIN_PAIRS): 42 s and 27 s
 # each, plan and apply, at load 6-7 on 2 cores (their planning: 8.8 s and
 # 5.1 s CPU).
+# Also slow: T5, HF LLaMA and ViT on 2x2x2 (each planned and stepped on 2x2
+# above, under both cost models); by default 2x2x2 keeps GPT-2 (the parameter
+# budget, below), BERT (three-stage gathers), the ConvNet, and LLaMA-3
+# (default: an option-pricing plan applied and stepped).
 SLOW_3D = {
     ("t5", "sharded_compute"),
     ("gpt2", "sharded_compute"),
     ("llama", "sharded_compute"),
     ("llama3_debug", "sharded_compute"),
+    ("t5", "default"),
+    ("llama", "default"),
+    ("vit", "default"),
+    ("vit", "sharded_compute"),
 }
 
 

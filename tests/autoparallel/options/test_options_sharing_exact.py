@@ -57,7 +57,9 @@ def _enumerate(traced, mesh, share: bool):
     return rows, enumerator
 
 
-@pytest.mark.parametrize("mesh_shape", [(2, 2, 2), (4, 2)])
+# 2x2x2 is slow: 4x2 compares the same shared and unshared lists (and checks
+# views with both raising and propagating candidates)
+@pytest.mark.parametrize("mesh_shape", [pytest.param((2, 2, 2), marks=pytest.mark.slow), (4, 2)])
 def test_shared_options_equal_the_unshared(fake_world, mesh_shape):
     from autoparallel.capture.tracing import trace_training_step
 
@@ -102,6 +104,10 @@ def _plan(share: bool, monkeypatch):
     return plan, autop
 
 
+# slow (plans the model twice): by default test_shared_options_equal_the_unshared
+# shows the shared and unshared option lists (specs and in-op work) equal on
+# 4x2, and the costs are priced from those
+@pytest.mark.slow
 def test_plan_with_shared_options_equals_the_unshared(fake_world, monkeypatch):
     fake_world(8)
     shared, shared_autop = _plan(True, monkeypatch)

@@ -60,6 +60,12 @@ def test_llama_2x2_collectives_at_most_the_hand_plans(fake_world):
     _check_same_step(off, on, tokens, _reference("llama").state_dict())
 
 
+# slow (dim 256, seq 256: the longest plan + three LocalTensorMode steps here).
+# By default, reduce-scatter bucketing is covered by test_passes_bucket.py
+# (test_merges_reduce_scatters_and_all_reduces_exactly,
+# test_two_stage_gathers_bucket_both_stages) and the bucketed LLaMA step
+# against the hand plan by test_llama_2x2_collectives_at_most_the_hand_plans.
+@pytest.mark.slow
 def test_llama_2x2_bucketed_reduce_scatters_same_step(fake_world):
     """A config whose plan reduces gradients with (two-stage) reduce-scatters
     (dim 256, seq 256): bucketed in backward, same step as unbucketed."""

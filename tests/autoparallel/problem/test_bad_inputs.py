@@ -465,6 +465,11 @@ plan.dump_json(sys.argv[1])
 """
 
 
+# slow (two fresh interpreters): by default, test_apply_gloo.py's
+# test_llama_2x2_init_forward_backward checks that 4 spawned processes (each
+# its own hash seed) make the same plan, and test_strategies_sharing.py's
+# test_plan_identical_across_runs that repeated runs give the same plan JSON
+@pytest.mark.slow
 def test_plan_json_identical_across_hash_seeds(tmp_path):
     paths = []
     for seed in ("0", "4242"):

@@ -189,6 +189,10 @@ def test_coarse_mesh_plans_lift_to_the_full_mesh(fake_world):
             assert sum(evaluate(built.problem, plan)) >= best * (1 - 1e-9)
 
 
+# slow (six coarse solves of the tiny LLaMA): by default lifted_plans and its
+# worker threads run in test_pricing_plan_has_the_dense_optimum[ffn-shape1-True]
+# and test_coarse_mesh_plans_lift_to_the_full_mesh
+@pytest.mark.slow
 def test_coarse_plans_solved_side_by_side_equal_one_after_the_other(fake_world, monkeypatch):
     """lifted_plans builds each coarse problem while the previous ones solve
     in worker threads; its plans are lifted_plan's for each pair of dims in

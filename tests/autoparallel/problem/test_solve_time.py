@@ -46,6 +46,9 @@ def test_llama_one_layer_4x2_proven_or_bounded(fake_world):
     assert DEFAULT_TIME_LIMIT is not None
 
 
+# slow: tests/autoparallel/models/test_zoo.py's test_zoo[t5-_t5-default] plans
+# a two-layer T5 on 2x2 by default and requires it proven optimal
+@pytest.mark.slow
 def test_t5_plans_proven_optimal(fake_world):
     """Encoder-decoder with two kwargs inputs, cross-attention and relative
     position bias (layer 0 of each stack differs from the others, so with 2
