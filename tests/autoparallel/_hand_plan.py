@@ -101,3 +101,19 @@ def count_graph_collectives(*gms) -> Counter:
             if n.op == "call_function" and n.target in STARTS:
                 counts[STARTS[n.target]] += 1
     return counts
+
+
+def pin_hand_layout(autop, name: str = "FSDP x TP + SP", free: tuple[str, ...] = ("tok_embeddings.weight",)) -> None:
+    """Pin every parameter but those named in ``free`` to the hand layout
+    ``name`` of :mod:`autoparallel.baselines` (the tests of passes that
+    need a known plan shape: the planner alone may pick another one on a
+    toy model). The embedding is left free by default: its gradient (a
+    scatter-add of Partial rows) cannot follow every hand layout."""
+    from autoparallel import baselines
+
+    shapes = {fqn: tuple(n.meta["val"].shape) for fqn, n in autop.traced.param_nodes.items()}
+    (layout,) = [h for h in baselines.hand_layouts(tuple(autop.mesh.mesh_dim_names), shapes) if h.name == name]
+    skip = {n.name for fqn, n in autop.traced.param_nodes.items() if fqn.endswith(free)}
+    autop.add_parameter_memory_constraint(high=1.0)  # a hand layout may replicate (norms over tp)
+    pinned, _ = baselines._pin_parameters(autop, layout, skip=skip)
+    assert pinned, name

@@ -14,7 +14,7 @@ from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
-from _hand_plan import count_graph_collectives, count_hand_step, hand_fsdp_tp
+from _hand_plan import count_graph_collectives, count_hand_step, hand_fsdp_tp, pin_hand_layout
 from autoparallel import AutoParallel
 from autoparallel.passes import PassOptions
 from autoparallel.models.llama3 import LLAMA3_CONFIGS, Transformer
@@ -44,7 +44,7 @@ def test_llama_2x2_collectives_at_most_the_hand_plans(fake_world):
     with AutoParallel(model, mesh, torch.empty_like(tokens, device="meta")) as autop:
         autop.add_input_constraints([batch])
         autop.add_output_constraints([batch])
-        autop.add_parameter_memory_constraint()  # fully sharded, as the hand plan
+        pin_hand_layout(autop)  # the hand plan's layout: collectives counted like for like
         plan = autop.optimize_placement()
         options = PassOptions(column_major_all_gather="reorder")
         off = autop.apply_placement(plan, disable_passes=("bucket_collectives",), pass_options=options)

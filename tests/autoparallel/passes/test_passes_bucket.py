@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from _hand_plan import pin_hand_layout
 from autoparallel.passes import PassContext, PassOptions
 from autoparallel.passes.bucket_collectives import bucket_collectives
 from autoparallel.passes.schedule_overlap import check_topological, schedule_overlap
@@ -289,7 +290,7 @@ def _plan_and_apply(mesh, variants):
         batch = (Shard(0), Shard(0))
         autop.add_input_constraints([batch])
         autop.add_output_constraints([batch])
-        autop.add_parameter_memory_constraint(high=None)
+        pin_hand_layout(autop, "FSDP")  # the gathers bucketing merges (the toy model may plan TP)
         plan = autop.optimize_placement()
         # LocalTensorMode simulates only sorted groups: column-major chains of
         # tp-outer parameters gather on the row-major group and reorder

@@ -367,7 +367,11 @@ def test_llama3_tp_chunked_matches_single_device(fake_world, n_layers):
         modules = {"body.layers.*.attention": "batch", "body.layers.*.feed_forward": "batch"}
         parallel = autop.apply_placement(plan, pass_options=PassOptions(**LOCAL, chunk_modules=modules))
     stats = plan.pass_stats["chunk_regions"]
-    assert stats.regions_chunked == 2 * args.n_layers, stats.refused
+    # every feed-forward chunks; an attention region whose plan gathers
+    # along the split dim inside it is refused, naming why
+    assert stats.regions_chunked >= args.n_layers, stats.refused
+    assert stats.regions_chunked + stats.regions_refused == 2 * args.n_layers
+    assert all("feed_forward" not in region for region in stats.refused), stats.refused
     assert stats.nodes_added > 0 and stats.live_ins_split > 0
     assert bool(parallel.parallel_state.local.extra.get("folded")) == (n_layers > 4)
     check_step(parallel, mesh, Loss, (tokens,))
