@@ -35,6 +35,7 @@ from .problem.memory import ADAMW, OptimizerSpec
 from .plan import Plan
 from .checks.provenance import PlanMismatch, check_applicable, provenance  # noqa: F401 - PlanMismatch re-exported
 from .progress import Stages, gc_paused
+from .problem.param_budget import PARAM_BUDGET, default_bound_entry, with_default_bound
 from .problem.builder import DEFAULT_MAX_PROBLEM_BYTES, BuiltProblem, Constraints, build_problem
 from .capture.repeated_layers import RepeatedLayers, find_repeated_layers
 from .options.strategies import NodeStrategy, StrategyEnumerator
@@ -60,12 +61,6 @@ DUMP_GZIP_ENV = "AUTOPARALLEL_DUMP_GZIP"
 
 
 ConstraintError = validation.ConstraintError
-
-
-PARAM_BUDGET = "parameter memory budget"
-# the log entry until add_parameter_memory_constraint: "high" is filled in
-# at each build (1.0 under a step memory budget, else None: fully sharded)
-_DEFAULT_PARAM_BOUND = {"low": None, "high": None, "default": "the step memory budget bounds parameters"}
 
 
 def _dump_gzip() -> bool:
@@ -196,7 +191,7 @@ class AutoParallel:
             self._constraints.reduce_dtype = getattr(mp_policy, "reduce_dtype", None) or getattr(
                 mp_policy, "param_dtype", None
             )
-        self._constraint_log: dict[str, Any] = {PARAM_BUDGET: dict(_DEFAULT_PARAM_BOUND)}
+        self._constraint_log: dict[str, Any] = {PARAM_BUDGET: default_bound_entry()}
         if not isinstance(memory_budget, bool):
             raise TypeError(
                 f"memory_budget must be True (HBM less a margin) or False (none), got {memory_budget!r}; "
@@ -478,17 +473,8 @@ class AutoParallel:
         return self.built
 
     def _with_default_param_bound(self, c: Constraints) -> Constraints:
-        """``c`` with the parameter-memory bound the planner uses when the
-        user set none: the step's memory budget bounds parameters together
-        with everything else (a model that fits replicated may be planned
-        DDP-like, a large one is sharded as far as it must be); without a
-        budget, every parameter as sharded as the mesh allows."""
-        entry = self._constraint_log[PARAM_BUDGET]
-        if not entry.get("default"):
-            return c
         budget, _ = self._memory_budget.resolve(self.device)
-        entry["high"] = None if budget is None else 1.0
-        return dataclasses.replace(c, memory_low=None, memory_high=entry["high"])
+        return with_default_bound(c, self._constraint_log[PARAM_BUDGET], budget)
 
     def _apply_mesh_roles(self) -> None:
         """The roles' option rules, and (every dim with a role) their layout
@@ -600,10 +586,7 @@ class AutoParallel:
         return plan
 
     def _solve_by_pricing(self, built: BuiltProblem) -> tuple[BuiltProblem, solver.Solution]:
-        """Solve a lazy problem by option pricing, then rebuild it densely
-        over the kept options (what the plan, its report and the dumps
-        read) and map the choice into it."""
-        results = []
+        """Option pricing (:func:`~.problem.pricing.solve_and_narrow`), seeded by coarse-mesh plans."""
         lifted = []
         if option_pricing.COARSE_SEEDS:
             with self._stages.stage("coarse mesh plans (pricing seeds)", "coarse_seed"), unset_fake_temporarily():
@@ -611,38 +594,21 @@ class AutoParallel:
                     self.traced,
                     built.strategies,
                     self.mesh,
-                    self._constraints,
+                    self._with_default_param_bound(self._constraints),
                     device=self.device,
                     overlap=self.overlap,
                     repeats=self.repeats,
                     backend=self.backend,
                     time_limit=self.time_limit,
                 )
-
-        def price(p: solver.Problem) -> solver.Solution:
-            results.append(
-                option_pricing.solve_lazy(
-                    p, built.strategies, plans=lifted, backend=self.backend, time_limit=self.time_limit
-                )
-            )
-            return results[-1].solution
-
-        # ilp_only: pricing's restricted problems go to the ILP, not back to pricing
-        with (
-            self._stages.stage(f"option pricing ({len(built.problem.decisions)} decisions)", "solve"),
-            solver.ilp_only(),
-        ):
-            try:
-                memory_budget_mod.solve_within_budget(built.problem, price)
-            finally:
-                option_pricing.release_caches()
-        result = results[-1]
-        narrowed = option_pricing.narrow_strategies(built.strategies, result.kept)
-        dense = self.build_problem(narrowed)
-        dense.priced_size, dense.size_unpruned, dense.pruning = built.size, built.size_unpruned, built.pruning
-        choice = option_pricing.map_choice(built.strategies, narrowed, result.solution.choice)
-        solution = option_pricing.narrowed_solution(result, dense.problem, choice)
-        return dense, solution
+        return option_pricing.solve_and_narrow(
+            built,
+            lifted,
+            backend=self.backend,
+            time_limit=self.time_limit,
+            stage=self._stages.stage(f"option pricing ({len(built.problem.decisions)} decisions)", "solve"),
+            rebuild=self.build_problem,
+        )
 
     def _dump(
         self,

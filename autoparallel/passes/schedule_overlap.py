@@ -95,12 +95,11 @@ import torch.fx as fx
 
 from .base import PassContext, register_pass
 from .param_chains import deferred_chain_ops, first_use, gathers_by_layer, is_layout_op, layer_ranks
-from ..graph_vocab import COLLECTIVE_START, NOT_A_CALL, OTHER_CALL, WAIT_NODE
+from .schedule_queries import RangeMax, check_order, closest_reduction, only_output_reads, preparation
+from ..graph_vocab import COLLECTIVE_START, OTHER_CALL, WAIT_NODE
 from .overlap_model import (
     AG,
     RS,
-    STARTS,
-    WAIT,
     Clock,
     Costs,
     Info,
@@ -207,7 +206,7 @@ class OverlapScheduler:
 
         # live bytes after each node of the original order
         self.orig_live = live_curve(info, nodes) if memory_limit is not None else []
-        self.range_max = _RangeMax(self.orig_live)
+        self.range_max = RangeMax(self.orig_live)
         self.orig_last: dict[fx.Node, int] = {}  # root -> its last keeper's place in the original order
         if memory_limit is not None:
             for p, n in enumerate(nodes):
@@ -312,14 +311,14 @@ class OverlapScheduler:
             for n in nodes
             if kind[n] == 1
             and n not in self.ag_layer
-            and (n in self.reductions or not _only_output_reads(wait_of.get(n), self.output))
+            and (n in self.reductions or not only_output_reads(wait_of.get(n), self.output))
         ]
         self.remaining_inputs: dict[fx.Node, int] = {}
         self.start_users: dict[fx.Node, list[fx.Node]] = {}
         self.prep_bytes: dict[fx.Node, int] = {}  # what a reduction's preparation allocates
         self.inner_starts: dict[fx.Node, list[fx.Node]] = {}  # collectives within a reduction's preparation
         for c in eager_starts:
-            prep, inner = _preparation(c, info) if c in self.reductions else (set(), [])
+            prep, inner = preparation(c, info) if c in self.reductions else (set(), [])
             if inner:
                 self.inner_starts[c] = inner
             if prep:
@@ -594,7 +593,7 @@ class OverlapScheduler:
                     continue
             if self.since_rs >= self.cap and n in self.compute and n in self.dist_to_rs:
                 # past the cap: run toward the nearest pending reduction first
-                target = _closest_reduction(n, nodes, i, done, self.dist_to_rs, self.info)
+                target = closest_reduction(n, nodes, i, done, self.dist_to_rs, self.info)
                 if target is not None and target is not n:
                     self.ensure(target)
                     continue
@@ -620,111 +619,6 @@ def schedule_order(
     that prefetching, filling and early reductions must stay under (None: no
     limit)."""
     return OverlapScheduler(gm, ctx, stats, costs, memory_limit, info).run()
-
-
-def _only_output_reads(wait: fx.Node | None, output: fx.Node) -> bool:
-    """Whether the result of ``wait`` (through views and layout ops: the
-    split and concatenation of a gather along another dim) is read only by
-    the graph output."""
-    from .recompute_all_gathers import is_chain_op
-
-    if wait is None:
-        return False
-    stack, seen = [wait], {wait}
-    while stack:
-        for u in stack.pop().users:
-            if u is output or u in seen:
-                continue
-            if is_chain_op(u) and u.target not in STARTS and u.target is not WAIT:
-                seen.add(u)
-                stack.append(u)
-            else:
-                return False
-    return True
-
-
-def _preparation(start: fx.Node, info: Info) -> tuple[set[fx.Node], list[fx.Node]]:
-    """The ops that only prepare ``start``'s input, and the collectives among
-    them: its ancestors used by nothing else (directly or through each
-    other), no compute op (matmul, attention), gradient reduction or
-    placeholder among them. For a bucketed reduce-scatter: the casts, views
-    and the concatenation of the layer's gradients, and a small collective
-    that moves one of them into the bucket's layout first (a norm weight's
-    gradient gathered over another mesh dim) with its wait."""
-    ins, kind, compute, reductions = info.ins, info.kind, info.compute, info.reductions
-    prep: set[fx.Node] = set()
-    inner: list[fx.Node] = []
-    stack = list(ins[start])
-    while stack:
-        a = stack.pop()
-        k = kind.get(a)
-        if a in prep or a in compute or a in reductions or k is None or k == NOT_A_CALL:
-            continue
-        if k == WAIT_NODE and (not isinstance(a.args[0], fx.Node) or a.args[0] in reductions):
-            continue  # another reduction's wait: that reduction is issued on its own
-        if all(u is start or u in prep for u in a.users):
-            prep.add(a)
-            if k == COLLECTIVE_START:
-                inner.append(a)
-            stack.extend(ins[a])
-    return prep, inner
-
-
-class _RangeMax:
-    """``max(values[lo:hi], default=0)`` in O(1) after an O(n log n) table
-    (built on first use)."""
-
-    def __init__(self, values: list[int]):
-        self.values = values
-        self.table: list[list[int]] | None = None
-
-    def __call__(self, lo: int, hi: int) -> int:
-        hi = min(hi, len(self.values))
-        if hi <= lo:
-            return 0
-        if self.table is None:
-            table = [self.values]
-            step = 1
-            while 2 * step <= len(self.values):
-                prev = table[-1]
-                table.append(list(map(max, prev, prev[step:])))
-                step *= 2
-            self.table = table
-        k = (hi - lo).bit_length() - 1
-        row = self.table[k]
-        return max(row[lo], row[hi - (1 << k)])
-
-
-def _closest_reduction(n, nodes, i, done, dist_to_rs, info: Info):
-    """A not-yet-run reduction reachable soonest from the nodes about to run
-    (looking a short way ahead in the original order)."""
-    ins, compute, reductions = info.ins, info.compute, info.reductions
-    best, best_d = None, dist_to_rs.get(n, 1 << 30)
-    for m in nodes[i : i + 64]:
-        if m in done or m not in reductions:
-            continue
-        # cost to reach m: compute ops among its missing ancestors
-        missing, stack, seen = 0, [m], {m}
-        while stack:
-            x = stack.pop()
-            for a in ins[x]:
-                if a not in done and a not in seen:
-                    seen.add(a)
-                    missing += 1 if a in compute else 0
-                    stack.append(a)
-        if missing < best_d:
-            best, best_d = m, missing
-    return best
-
-
-def _check_order(order: list[fx.Node], info: Info) -> None:
-    """Every node after its inputs (what ``graph.lint`` would catch of a reorder)."""
-    pos = {n: p for p, n in enumerate(order)}
-    ins = info.ins
-    for p, n in enumerate(order):
-        for a in ins[n]:
-            if pos[a] >= p:
-                raise RuntimeError(f"schedule_overlap put {n.name} before its input {a.name}")
 
 
 # The schedule's estimated peak may exceed the unscheduled one by this much;
@@ -769,7 +663,7 @@ def schedule_overlap(gm: fx.GraphModule, ctx: PassContext) -> ScheduleStats:
     order = _schedule_within(gm, ctx, stats, costs, limit, target, info, before)
     if len(order) != len(before) or set(order) != set(before):
         raise RuntimeError("schedule_overlap lost or duplicated nodes")
-    _check_order(order, info)
+    check_order(order, info)
     # move nodes into the new order
     cursor = order[0]
     for n in order[1:]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import dataclasses
 import math
 
 import numpy as np
@@ -28,6 +29,28 @@ from .option_rules import OptionRule, allowed_mask
 
 if TYPE_CHECKING:
     from .builder import Constraints
+
+
+PARAM_BUDGET = "parameter memory budget"  # its name in the constraint log and errors
+
+
+def default_bound_entry() -> dict:
+    """The constraint log's entry until ``add_parameter_memory_constraint``:
+    ``high`` is filled in at each build by :func:`with_default_bound`."""
+    return {"low": None, "high": None, "default": "the step memory budget bounds parameters"}
+
+
+def with_default_bound(c: "Constraints", entry: dict, budget: float | None) -> "Constraints":
+    """``c`` with the parameter-memory bound the planner uses when the user
+    set none (``entry`` is the default one): the step's memory budget
+    bounds parameters together with everything else (high=1.0: a model
+    that fits replicated may be planned DDP-like, a large one is sharded as
+    far as it must be); without a budget, every parameter as sharded as the
+    mesh allows (high=None). A user's entry leaves ``c`` as it is."""
+    if not entry.get("default"):
+        return c
+    entry["high"] = None if budget is None else 1.0
+    return dataclasses.replace(c, memory_low=None, memory_high=entry["high"])
 
 
 def local_numel(shape, placements, mesh: DeviceMesh) -> int:
@@ -167,7 +190,7 @@ def parameter_memory_row(
     # Bytes are exact integers; a relative slack keeps float round-off from
     # turning "exactly fully sharded" into infeasible.
     return solver.ResourceConstraint(
-        "parameter memory budget",
+        PARAM_BUDGET,
         terms,
         low=None if low is None else low * (1 - 1e-9),
         high=high * (1 + 1e-9),

@@ -279,3 +279,32 @@ def narrowed_solution(result: PricingResult, dense: solver.Problem, choice: dict
             f"internal error: the plan costs {unary + edge!r} on the narrowed problem but {sol.objective!r} priced"
         )
     return dataclasses.replace(sol, choice=choice, unary_cost=unary, edge_cost=edge)
+
+
+def solve_and_narrow(built, lifted, *, backend, time_limit, stage, rebuild) -> tuple:
+    """Solve ``built`` (a lazy problem) by option pricing under the step's
+    memory budget (inside the context ``stage``), then rebuild it densely
+    over the kept options with ``rebuild(narrowed strategies)`` (what the
+    plan, its report and the dumps read) and map the choice into it:
+    (dense built problem, its solution). ``lifted``: coarse-mesh plans
+    seeding the pricing."""
+    from . import memory_budget
+
+    results: list[PricingResult] = []
+
+    def price(p: solver.Problem) -> solver.Solution:
+        results.append(solve_lazy(p, built.strategies, plans=lifted, backend=backend, time_limit=time_limit))
+        return results[-1].solution
+
+    # ilp_only: pricing's restricted problems go to the ILP, not back to pricing
+    with stage, solver.ilp_only():
+        try:
+            memory_budget.solve_within_budget(built.problem, price)
+        finally:
+            release_caches()
+    result = results[-1]
+    narrowed = narrow_strategies(built.strategies, result.kept)
+    dense = rebuild(narrowed)
+    dense.priced_size, dense.size_unpruned, dense.pruning = built.size, built.size_unpruned, built.pruning
+    choice = map_choice(built.strategies, narrowed, result.solution.choice)
+    return dense, narrowed_solution(result, dense.problem, choice)
