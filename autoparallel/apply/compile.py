@@ -37,12 +37,11 @@ from torch._functorch.partitioners import (
     _is_primal,
     _is_tangent,
     classify_nodes,
-    is_not_collective,
     is_sym_node,
 )
 
 from ..torch_compat import extract_fwd_bwd_modules, is_opaque_node
-from .partition import SAVE_TAG
+from .partition import SAVE_TAG, drop_dead_collectives
 
 __all__ = ["PartitionRecord", "autoparallel_backend", "LAST_PARTITION"]
 
@@ -72,12 +71,6 @@ def _is_input(node: fx.Node) -> bool:
     while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
         node = node.args[0]
     return _is_primal(node)
-
-
-def _keep_if_dead(node: fx.Node) -> bool:
-    """DCE predicate: keep a user-less node only if it has a side effect other
-    than being a functional collective (mutations, RNG, placeholders)."""
-    return is_not_collective(node) and node.is_impure()
 
 
 def save_tagged_partition(joint: fx.GraphModule, _joint_inputs: Any, *, num_fwd_outputs: int, **_kw):
@@ -119,17 +112,8 @@ def save_tagged_partition(joint: fx.GraphModule, _joint_inputs: Any, *, num_fwd_
         if not _is_input(n) and not _tagged(n):
             untagged.append(n.name)
     fw, bw = extract_fwd_bwd_modules(joint, saved, sym, opaque, num_fwd_outputs=num_fwd_outputs)
-    # The extraction copies every node whose inputs are available, and its DCE
-    # keeps collectives (impure): the forward gets the backward's re-gathers of
-    # (views of) primals, the backward the forward's gathers of saved primals.
-    # A multi-step gather's dead tail (wait -> split -> getitem -> cat) keeps
-    # each step alive, so drop dead collectives *and* dead pure nodes together
-    # (torch's ``is_not_collective`` DCE keeps every dead non-collective, so
-    # such a chain survived it).
-    fw.graph.eliminate_dead_code(is_impure_node=_keep_if_dead)
-    bw.graph.eliminate_dead_code(is_impure_node=_keep_if_dead)
-    fw.recompile()
-    bw.recompile()
+    # the extraction copies every node whose inputs are available
+    drop_dead_collectives(fw, bw)
     LAST_PARTITION.fw, LAST_PARTITION.bw = fw, bw
     LAST_PARTITION.saved = list(fw.graph.find_nodes(op="output")[0].args[0][num_fwd_outputs:])
     LAST_PARTITION.untagged_saved = untagged

@@ -19,7 +19,7 @@ from typing import Literal
 
 import torch
 import torch.fx
-from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+from torch._functorch.partitioners import default_partition, is_not_collective, min_cut_rematerialization_partition
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx._lazy_graph_module import _LazyGraphModule, _make_graph_module, _use_lazy_graph_module
 
@@ -71,6 +71,7 @@ def split_joint(local: LocalJoint, partitioner: Partitioner = "min_cut") -> Step
     # the partitioner builds some of its results as plain graph modules,
     # whose every recompile (one per pass) generates Python code
     fw, bw = _LazyGraphModule.from_graphmodule(fw), _LazyGraphModule.from_graphmodule(bw)
+    drop_dead_collectives(fw, bw)
     _drop_needless_rng_states(fw, bw)
     fw_outs = output_nodes(fw)
     saved = fw_outs[n_out:]
@@ -108,6 +109,29 @@ def split_joint(local: LocalJoint, partitioner: Partitioner = "min_cut") -> Step
         seconds,
     )
     return StepGraphs(fw, bw, n_out, len(saved), bw_inputs, partitioner, seconds)
+
+
+def _keep_if_dead(node: torch.fx.Node) -> bool:
+    """DCE predicate: keep a user-less node only if it has a side effect other
+    than being a functional collective (mutations, RNG, placeholders)."""
+    return is_not_collective(node) and node.is_impure()
+
+
+def drop_dead_collectives(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> None:
+    """Remove the collectives (and the pure nodes around them) whose results
+    nobody reads. The partitioners copy into each graph every node whose
+    inputs it has, and their dead-code elimination keeps collectives
+    (impure): the forward gets the backward's own gathers of a parameter
+    (a weight re-laid out for a backward matmul, recomputed there from the
+    shard), the backward the forward's. Dead, they would still run: a
+    collective per layer on the link and its buffer at the forward's end.
+    A multi-step gather's dead tail (wait -> split -> getitem -> cat) keeps
+    each step alive, so dead collectives and dead pure nodes go together.
+    Every rank runs the same graph: dropping a collective on all of them
+    keeps them matched."""
+    for gm in (fw, bw):
+        gm.graph.eliminate_dead_code(is_impure_node=_keep_if_dead)
+        gm.recompile()
 
 
 def _dropout_free(op, args: tuple, kwargs: dict) -> bool:

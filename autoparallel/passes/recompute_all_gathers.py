@@ -11,13 +11,18 @@ every layer's full weight stays alive from forward to backward: the memory
 FSDP exists to avoid. This pass tags the whole chain ``MUST_RECOMPUTE`` so
 the backward gathers again from the shard (a primal, always available).
 
-The chain is every forward node that is a function of one parameter alone
+The chain is every node that is a function of one parameter alone
 (plus the ``coords`` input) built from collectives, casts and layout ops, and
 that is connected to an all-gather: the cast before it, the all-gather and
 its wait, the slices/cat that place gathered chunks, and the single-input
 chain of layout ops after it (``t``, ``permute``, ``view``, ``expand``...).
 Tagging only the collective would let the partitioner save ``t(W)`` instead:
-the same bytes under another name.
+the same bytes under another name. Backward nodes belong to the chain too: a
+backward op that reads the weight in another layout (the transposed weight
+gathered over tp as well) has its own gather, a function of the parameter
+alone, which the partitioner would otherwise run in the forward and save
+(it saves every collective it is not told to recompute): on a LLaMA-3
+70B plan on 16 x 8 that is 75 GB of gathered weights per rank.
 
 ``PassOptions.reshard_after_forward=False`` (ZeRO-2 style) does the opposite:
 the chain's collectives are MUST_SAVE even inside a selective-AC region, so
@@ -66,6 +71,7 @@ _DATA_MOVES = {
     _aten._to_copy.default,
     _aten.index_select.default,  # this rank's chunk, by coords
     _aten.reshape.default,
+    _aten._unsafe_view.default,  # a reshape's copy (the backward's re-layout of a weight ends in one)
     _aten.split.Tensor,
     _aten.split_with_sizes.default,
     _aten.chunk.default,
@@ -166,7 +172,13 @@ def recompute_all_gathers(gm: fx.GraphModule, ctx: PassContext) -> RecomputeAllG
     """Tag parameter all-gather chains of the joint graph ``gm`` (in place)."""
     recompute = ctx.options.reshard_after_forward
     stats = RecomputeAllGathersStats(mode="recompute" if recompute else "save")
-    for param, chain in param_gather_chains(gm, ctx).items():
+    # backward nodes too: a backward op that reads a parameter in another
+    # layout than the forward's (a transposed weight gathered over tp) gets
+    # its own gather chain in the backward, a function of the parameter alone;
+    # left untagged, the partitioner saves every collective
+    # (``force_save_collectives``), so that chain would run in the forward
+    # and keep each layer's gathered weight until the backward
+    for param, chain in param_gather_chains(gm, ctx, forward_only=False).items():
         # a folded graph's layer-1 parameter stands for several layers'
         copies = ctx.copies(param)
         stats.chains += copies

@@ -91,7 +91,7 @@ def _gathers(gm):
 def test_dead_gather_chain_is_dropped():
     """A gather whose only use is a dead split/cat tail (what the graph
     extraction copies into the other graph) goes; dead side effects stay."""
-    from autoparallel.apply.compile import _keep_if_dead
+    from autoparallel.apply.partition import drop_dead_collectives
 
     g = torch.fx.Graph()
     x = g.placeholder("x")
@@ -102,8 +102,9 @@ def test_dead_gather_chain_is_dropped():
     g.call_function(torch.ops.aten.cat.default, ([a, b], 1))  # dead
     g.call_function(torch.ops.aten.copy_.default, (x, x))  # dead but a mutation
     g.output(x)
-    g.eliminate_dead_code(is_impure_node=_keep_if_dead)
-    assert [n.target for n in g.nodes if n.op == "call_function"] == [torch.ops.aten.copy_.default]
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    drop_dead_collectives(gm, torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()))
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [torch.ops.aten.copy_.default]
 
 
 @pytest.mark.slow

@@ -115,3 +115,56 @@ def test_no_parameters_gathered_no_tags():
     local = SimpleNamespace(param_fqns=["w"], buffer_fqns=[], num_primals=2)
     stats = recompute_all_gathers(gm, PassContext(mesh=None, plan=None, local=local))
     assert stats.chains == 0 and not _tags(gm)
+
+
+def _joint_backward_relayout(primals, tangents):
+    w_shard, x, coords = primals
+    (tan,) = tangents
+    wt = _gather(w_shard).t()
+    y = x @ wt
+    # backward: the weight read in another layout, gathered again from the
+    # forward's transposed weight (a function of the parameter alone; the
+    # copy and reshape as apply emits them)
+    w_other = torch.ops.aten._unsafe_view(_gather(wt.contiguous()), [4, 8, 8])[0]
+    grad_x = tan @ w_other
+    grad_w = c10d.wait_tensor(c10d.reduce_scatter_tensor(tan.t() @ x, "sum", 4, "0"))
+    return [y, grad_w, grad_x]
+
+
+def _trace_tagged():
+    """The joint graph with AOT autograd's forward/backward tags: what
+    follows the forward's matmul is backward."""
+    with FakeTensorMode():
+        primals = [torch.randn(2, 8), torch.randn(8, 8), torch.zeros(1, dtype=torch.int64)]
+        gm = make_fx(_joint_backward_relayout)(primals, [torch.randn(8, 8)])
+    backward = False
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        n.meta["partitioner_tag"] = "is_backward" if backward else "is_forward"
+        backward = backward or n.target is torch.ops.aten.mm.default
+    return gm
+
+
+def test_backward_relayout_of_a_weight_is_gathered_in_backward():
+    ag = c10d.all_gather_into_tensor.default
+    fw0, _ = min_cut_rematerialization_partition(_trace_tagged(), None, num_fwd_outputs=1)
+    gm = _trace_tagged()
+    stats = recompute_all_gathers(gm, PassContext(mesh=None, plan=None, local=_ctx().local))
+    assert stats.all_gathers == 2
+    chain = set(_tags(gm))
+    fw, bw = min_cut_rematerialization_partition(gm, None, num_fwd_outputs=1)
+    # untagged, the backward's gather runs in the forward and what it gathered is saved
+    assert sum(1 for n in fw0.graph.nodes if n.target is ag) == 2
+    assert chain & set(dict(saved_for_backward(fw0, 1)))
+    # tagged, both gathers run again in the backward from the 2 x 8 shard
+    assert sum(1 for n in bw.graph.nodes if n.target is ag) == 2
+    assert not chain & set(dict(saved_for_backward(fw, 1)))
+    # the extraction also copies the backward's gather into the forward, dead
+    # there: apply drops it (it would run on the link for nothing)
+    from autoparallel.apply.partition import drop_dead_collectives
+
+    assert sum(1 for n in fw.graph.nodes if n.target is ag) == 2
+    drop_dead_collectives(fw, bw)
+    assert sum(1 for n in fw.graph.nodes if n.target is ag) == 1
+    assert sum(1 for n in bw.graph.nodes if n.target is ag) == 2
