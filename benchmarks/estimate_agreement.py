@@ -3,8 +3,10 @@ layouts beside the plan.
 
 Per configuration: plan (the ILP's objective: compute, recomputation
 included, plus communication as the objective counts it), apply, and read
-the overlap scheduler's estimated step of the applied graphs; with
-``--baselines`` also plan, apply and schedule each hand layout
+the overlap scheduler's estimated step of the applied graphs, and the
+memory per rank both ways (``mem plan``: the planner's estimate, which the
+memory budget bounds; ``mem peak``: with the scheduler's live-bytes peak
+of the applied graphs); with ``--baselines`` also plan, apply and schedule each hand layout
 (:mod:`autoparallel.baselines`) and print the plan's margin. Each row runs
 in its own subprocess under a memory limit (``--max-gb``), one after the
 other; a row that fails prints its error and the rest go on. Asserts
@@ -138,6 +140,7 @@ def run_row(name: str, with_baselines: bool, breakdown_too: bool = False) -> dic
         parallel = autop.apply_placement(plan)
         out["apply_s"] = time.perf_counter() - t0
         e = step_estimate(plan)
+        mem = breakdown(plan)
         out.update(
             solver=plan.compute_cost + plan.comm_cost,
             solver_compute=plan.compute_cost,
@@ -145,7 +148,10 @@ def run_row(name: str, with_baselines: bool, breakdown_too: bool = False) -> dic
             step=e["step"],
             compute=e["compute"],
             exposed=e["exposed_after"],
-            memory=breakdown(plan).total,
+            memory=mem.total,
+            # the planner's estimate, which the memory budget bounds
+            memory_planned=mem.planned,
+            memory_budget=mem.budget,
         )
         if breakdown_too:
             out["breakdown"] = _breakdown(autop, plan, parallel)
@@ -291,10 +297,14 @@ def _ms(s):
     return "n/a" if s is None else f"{s * 1e3:9.2f}"
 
 
+def _gb(b):
+    return f"{'n/a':>8s}" if b is None else f"{b / 1e9:5.2f} GB"
+
+
 def print_table(rows: list[dict]) -> None:
     print(
         f"{'row':16s} {'solver ms':>9s} {'sched ms':>9s} {'diff':>7s} {'s.compute':>9s} {'s.comm':>9s} "
-        f"{'compute':>9s} {'exposed':>9s} {'plan s':>7s} {'solve s':>7s}"
+        f"{'compute':>9s} {'exposed':>9s} {'plan s':>7s} {'solve s':>7s} {'mem plan':>8s} {'mem peak':>8s}"
     )
     for r in rows:
         if "error" in r:
@@ -304,7 +314,8 @@ def print_table(rows: list[dict]) -> None:
         print(
             f"{r['row']:16s} {_ms(r['solver'])} {_ms(r['step'])} {diff:+6.1f}% {_ms(r['solver_compute'])} "
             f"{_ms(r['solver_comm'])} {_ms(r['compute'])} "
-            f"{_ms(r['exposed'])} {r['plan_s']:7.1f} {r['solve_s']:7.2f}"
+            f"{_ms(r['exposed'])} {r['plan_s']:7.1f} {r['solve_s']:7.2f} {_gb(r.get('memory_planned'))} "
+            f"{_gb(r.get('memory'))}"
         )
     for r in rows:
         for b in r.get("baselines", ()):

@@ -59,13 +59,16 @@ from .compute import (
 from .devices import A100, B200, H100, H200, DeviceSpec
 from .steps import copies_device
 from .overlap import (
+    BACKWARD_ACTIVATION,
     GRAD_REDUCE_SCATTER,
     PARAM_ALL_GATHER,
+    PARAM_BACKWARD_GATHER,
     CommOverlapPolicy,
     ComputeWindows,
     HiddenComm,
     apply_discount,
     counted_device,
+    per_link,
 )
 
 __all__ = [
@@ -95,9 +98,12 @@ __all__ = [
     "ComputeWindows",
     "HiddenComm",
     "PARAM_ALL_GATHER",
+    "PARAM_BACKWARD_GATHER",
+    "BACKWARD_ACTIVATION",
     "GRAD_REDUCE_SCATTER",
     "apply_discount",
     "counted_device",
+    "per_link",
     "copies_device",
     "clear_caches",
 ]

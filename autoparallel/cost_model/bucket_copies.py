@@ -29,12 +29,14 @@ import numpy as np
 
 from .compute import mesh_shape as _mesh_shape
 from .devices import DeviceSpec
-from .overlap import GRAD_REDUCE_SCATTER, PARAM_ALL_GATHER, HiddenComm
+from .overlap import GRAD_REDUCE_SCATTER, PARAM_ALL_GATHER, PARAM_BACKWARD_GATHER, HiddenComm
 from .steps import local_bytes, local_copy_time, shard_divisors
 
 
 def _kind_name(kind) -> str | None:
-    return kind.kind if isinstance(kind, HiddenComm) else kind
+    name = kind.kind if isinstance(kind, HiddenComm) else kind
+    # a backward op's gather of a parameter copies as the forward's does
+    return PARAM_ALL_GATHER if name == PARAM_BACKWARD_GATHER else name
 
 
 def _copy_in_time(nbytes: float, device: DeviceSpec) -> float:

@@ -287,7 +287,7 @@ def build_problem(
     repeats: RepeatedLayers | None = None,
 ) -> BuiltProblem:
     t0 = time.perf_counter()
-    redist_edges = _redistribution_edges(traced, strategies, constraints)
+    redist_edges = _redistribution_edges(traced, strategies, constraints, overlap)
     unary = _unary_costs(strategies, mesh, device)
     if overlap.enabled and overlap.compute_windows:
         redist_edges = _with_compute_windows(traced, strategies, unary, redist_edges)
@@ -329,10 +329,14 @@ def build_problem(
     return BuiltProblem(problem, nodes, strategies, compute, seconds, size, pruning, size_unpruned, lazy)
 
 
-def _redistribution_edges(traced: TracedStep, strategies, constraints: Constraints) -> list[RedistEdge]:
+def _redistribution_edges(
+    traced: TracedStep, strategies, constraints: Constraints, overlap: cost_model.CommOverlapPolicy
+) -> list[RedistEdge]:
     """One edge per (producer, consumer, argument), tagged with the overlap
     kind of communication it may hide (a parameter's all-gather in forward, a
-    gradient's reduction in backward)."""
+    gradient's reduction in backward; under the per-link policy also a
+    backward op's gather of a parameter and its read of an activation)."""
+    by_phase = cost_model.per_link(overlap)
     param_chain = forward_param_chain(traced)
     grad_tail = _grad_tail(traced)
     unreducible = _unreducible_grad_nodes(traced, constraints.reduce_dtype)
@@ -342,13 +346,17 @@ def _redistribution_edges(traced: TracedStep, strategies, constraints: Constrain
             continue
         for k, producer in enumerate(strat.inputs):
             kind = None
+            backward = node.meta.get("partitioner_tag") == "is_backward"
             if producer in param_chain:
-                # a backward op reading a parameter (a custom op's backward
-                # takes the weights) re-gathers it as FSDP does: prefetched
-                # under the backward's compute like the forward's gather
-                kind = cost_model.PARAM_ALL_GATHER
+                # a backward op reading a parameter (a matmul's input
+                # gradient reads the weight; a custom op's backward takes
+                # the weights) gathers it from the shard: prefetched under
+                # the backward's compute
+                kind = cost_model.PARAM_BACKWARD_GATHER if backward and by_phase else cost_model.PARAM_ALL_GATHER
             elif node in grad_tail:
                 kind = cost_model.GRAD_REDUCE_SCATTER
+            elif backward and by_phase:
+                kind = cost_model.BACKWARD_ACTIVATION
             redist_edges.append(RedistEdge(producer, node, k, kind, producer in unreducible))
     return _with_copy_shares(redist_edges)
 

@@ -467,6 +467,27 @@ def test_overlap_policy_per_link(mesh):
     assert 0.1 * redistribute_time(*both, H100) < redistribute_time(*both, counted) < redistribute_time(*both, H100)
 
 
+def test_overlap_policy_backward_kinds(mesh):
+    """A backward op's gather of a parameter and its read of an activation
+    count at their own fractions on either link; with the flat fractions
+    they are not told apart from the other kinds."""
+    from autoparallel.cost_model import BACKWARD_ACTIVATION, H100, PARAM_BACKWARD_GATHER, counted_device
+
+    p = CommOverlapPolicy()
+    both = (spec(mesh, (Shard(0), Shard(1))), spec(mesh, (Replicate(), Replicate())))
+    full = redistribute_time(*both, H100)
+    for kind, fraction in ((PARAM_BACKWARD_GATHER, p.backward_param_fraction), (BACKWARD_ACTIVATION, 0.5)):
+        counted = counted_device(H100, p, kind)
+        assert (counted.intra_node_counted, counted.inter_node_counted) == (fraction, fraction)
+        for intra_node in (False, True):
+            one = collective_time("all_gather", 2**21, 8, intra_node, H100)
+            assert collective_time("all_gather", 2**21, 8, intra_node, counted) == pytest.approx(fraction * one)
+        assert fraction * full < redistribute_time(*both, counted) < full  # local copies in full
+    flat = CommOverlapPolicy(network_fraction=None)
+    assert counted_device(H100, flat, BACKWARD_ACTIVATION) is H100
+    assert apply_discount(1.0, BACKWARD_ACTIVATION, flat) == 1.0
+
+
 def test_overlap_policy_flat():
     p = CommOverlapPolicy(network_fraction=None)
     assert apply_discount(1.0, "param_all_gather", p) == p.param_allgather_discount
