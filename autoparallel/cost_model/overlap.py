@@ -46,7 +46,7 @@ class CommOverlapPolicy:
     matmul's backward has a second, independent product (the weight
     gradient beside the input gradient) for it to run under:
     ``backward_activation_fraction`` (0.5). The scheduler left 0% of the
-    former and 30-50% of the latter exposed on LLaMA-3 8B and 70B (16 x 8,
+    former and 37-51% of the latter exposed on LLaMA-3 8B and 70B (16 x 8,
     2 x 8 x 8, selective and full AC). The forward's activation
     collectives count in full: the next op needs them.
 

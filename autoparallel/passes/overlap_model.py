@@ -358,9 +358,6 @@ class Info:
         return exposed, peak
 
 
-_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
-
-
 def _comm_side_waits(nodes, kind, ins) -> tuple[set[fx.Node], dict[fx.Node, list[fx.Node]]]:
     """Waits whose result only feeds further collectives (through layout
     ops and casts: a parameter resharded by an all-to-all, then gathered),
@@ -385,7 +382,7 @@ def _comm_side_waits(nodes, kind, ins) -> tuple[set[fx.Node], dict[fx.Node, list
                     starts.append(u)
                 elif u.op == "output":  # also saved for backward
                     continue
-                elif kind.get(u) == OTHER_CALL and (is_chain_op(u) or u.target is _UNSAFE_VIEW):
+                elif kind.get(u) == OTHER_CALL and is_chain_op(u):
                     stack.append(u)
                 else:
                     ok = False

@@ -28,8 +28,10 @@ order), with four rules:
   A gather not prefetched is issued when its consumer needs it, as in the
   original order. That prediction can miss (prefetched gathers then
   overlap): a schedule whose estimated peak exceeds the unscheduled one by
-  more than ``PEAK_TOLERANCE`` is redone with a limit lowered by the
-  overshoot, and the original order is kept when no attempt fits.
+  more than ``PEAK_TOLERANCE`` plus one gathered buffer (the largest
+  all-gather's: what prefetching one gather ahead holds, as FSDP does) is
+  redone with a limit lowered by the overshoot, and the original order is
+  kept when no attempt fits.
 * **Later stages of a prefetched gather run ahead too.** A parameter
   redistributed in stages (a bucket gathered over the network, then each
   weight resharded and gathered within the node) has its next stage
@@ -659,7 +661,10 @@ def schedule_overlap(gm: fx.GraphModule, ctx: PassContext) -> ScheduleStats:
     stats.longest_compute_run_before = info.longest_compute_run(before)
     stats.exposed_comm_before_s, stats.peak_memory_before = info.estimate(before)
     limit = int(stats.peak_memory_before * (1 + PREFETCH_MEMORY_SLACK))
-    target = int(stats.peak_memory_before * (1 + PEAK_TOLERANCE))
+    # one gather held ahead of its use: on a small model a single buffer is
+    # more than the relative tolerance
+    one_gather = max((info.size.get(n, 0) for n in before if n.target is AG), default=0)
+    target = int(stats.peak_memory_before * (1 + PEAK_TOLERANCE)) + one_gather
     order = _schedule_within(gm, ctx, stats, costs, limit, target, info, before)
     if len(order) != len(before) or set(order) != set(before):
         raise RuntimeError("schedule_overlap lost or duplicated nodes")

@@ -82,7 +82,7 @@ def test_block_1d_ddp_or_fsdp_from_the_memory_budget(fake_world, high):
         assert plan.parameter_bytes_per_rank == pytest.approx(plan.parameter_bytes_total / 8)
 
 
-def test_block_2d_is_tensor_parallel_on_tp_and_data_parallel_attention_on_dp(fake_world):
+def test_block_2d_is_tensor_parallel_on_tp_and_never_gathers_activations_and_weights_over_dp(fake_world):
     fake_world(8)
     mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
     # Big weights, few tokens per rank: gathering weights costs more than
@@ -102,16 +102,16 @@ def test_block_2d_is_tensor_parallel_on_tp_and_data_parallel_attention_on_dp(fak
     for mm in mms:
         (act_dp, act_tp), (w_dp, w_tp) = map(_per_dim, mm.input_placements)
         # tp: the weight split (column or row parallel), the activation
-        # replicated or split on its features. dp: the activations split by
-        # batch and the weight gathered over dp, or (the feed-forward's
-        # largest weights, whose copy out of a gathered bucket costs more
-        # than gathering the activation: the overlap scheduler rates that
-        # plan 5% faster) both laid out over dp as over tp: one 8-way
-        # tensor-parallel group.
+        # replicated or split on its features
         assert w_tp.startswith("S("), (mm.name, mm.input_placements)
-        assert (act_dp, w_dp) in (("S(0)", "R"), (act_tp, w_tp)), (mm.name, mm.input_placements)
-        if "attention" in mm.module_path:
-            assert (act_dp, w_dp) == ("S(0)", "R"), (mm.name, mm.input_placements)
+        # dp: the activations split by batch and the weight gathered over
+        # dp (data parallel), or the weight split over dp too (tensor
+        # parallel over all 8 ranks, the activation whole or split like the
+        # weight): never both gathered. On this block the planner splits
+        # every weight over dp too; the overlap scheduler rates that plan
+        # 27.3 ms against 28.0 ms for data-parallel attention.
+        data_parallel = (act_dp, w_dp) == ("S(0)", "R")
+        assert data_parallel or w_dp.startswith("S("), (mm.name, mm.input_placements)
 
 
 def test_tiny_llama_4x2_linked_layers_and_sac_tags(fake_world):
