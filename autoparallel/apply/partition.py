@@ -153,7 +153,10 @@ def _drop_needless_rng_states(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule
 
     The partitioner wraps the k-th such op as ``run_and_save_rng_state`` in the
     forward and ``run_with_rng_state(rng_state_output_<k>, ...)`` in the
-    backward, in the same order; pairs are matched by that order."""
+    backward; its state is the k-th RNG state among the forward's outputs.
+    Pairs are matched by that ``k`` (the backward runs the layers in
+    reverse: graph order would pair layer 1's forward with layer L-2's
+    backward)."""
     save, restore = torch._prims.rng_prims.run_and_save_rng_state, torch._prims.rng_prims.run_with_rng_state
     fw_calls = [n for n in fw.graph.nodes if n.op == "call_function" and n.target is save]
     bw_calls = [n for n in bw.graph.nodes if n.op == "call_function" and n.target is restore]
@@ -161,7 +164,20 @@ def _drop_needless_rng_states(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule
         return
     (out,) = fw.graph.find_nodes(op="output")
     outputs = list(out.args[0])
-    for f, b in zip(fw_calls, bw_calls):
+    call_of_state = {
+        u: f for f in fw_calls for u in f.users if u.target is operator.getitem and u.args[1] == 0 and out in u.users
+    }
+    fw_by_k = [call_of_state[o] for o in outputs if o in call_of_state]
+    bw_by_k = {}
+    for b in bw_calls:
+        name = getattr(b.args[0], "name", "")
+        if not name.startswith("rng_state_output_"):
+            return
+        bw_by_k[int(name.removeprefix("rng_state_output_"))] = b
+    if len(fw_by_k) != len(fw_calls) or sorted(bw_by_k) != list(range(len(fw_by_k))):
+        return
+    for k, f in enumerate(fw_by_k):
+        b = bw_by_k[k]
         op, args = f.args[0], tuple(f.args[1:])
         if not _dropout_free(op, args, f.kwargs) or b.args[1] is not op:
             continue
@@ -171,8 +187,12 @@ def _drop_needless_rng_states(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule
             continue
         with fw.graph.inserting_before(f):
             direct = fw.graph.call_function(op, args, dict(f.kwargs))
+        # the forward op's meta (the partitioner copies it to the result):
+        # the backward's recomputation is the same op, and keeps its stamps
+        # (layer folding's keys, AC tags) as other recomputed ops do
+        op_meta = copy.copy(result[0].meta) if result else {}
         if result:
-            direct.meta = copy.copy(result[0].meta)
+            direct.meta = copy.copy(op_meta)
             result[0].replace_all_uses_with(direct)
             fw.graph.erase_node(result[0])
         outputs = [o for o in outputs if o is not state[0]]
@@ -182,7 +202,7 @@ def _drop_needless_rng_states(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule
         placeholder = b.args[0]
         with bw.graph.inserting_before(b):
             direct = bw.graph.call_function(op, tuple(b.args[2:]), dict(b.kwargs))
-        direct.meta = copy.copy(b.meta)
+        direct.meta = {**op_meta, **b.meta}
         b.replace_all_uses_with(direct)
         bw.graph.erase_node(b)
         if not placeholder.users:

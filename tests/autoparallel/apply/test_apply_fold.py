@@ -56,23 +56,26 @@ def _plan(mesh_shape, *, ac="selective", args=ARGS, mp_policy=None):
 
 
 @pytest.mark.parametrize(
-    "passes_on, mixed_precision",
+    "passes_on, mixed_precision, ac",
     [
-        (True, False),
+        (True, False, "selective"),
+        # full AC: the backward recomputes attention, whose RNG-state wrapper
+        # apply drops (dropout-free); the direct call keeps the op's stamps
+        (True, False, "full"),
         # slow: the same fold-versus-full comparison as "passes", without the
         # rewrite passes, and with bf16 parameters (~10-15 s idle each;
         # test_apply_mixed_precision.py applies bf16 plans by default)
-        pytest.param(False, False, marks=pytest.mark.slow),
-        pytest.param(True, True, marks=pytest.mark.slow),
+        pytest.param(False, False, "selective", marks=pytest.mark.slow),
+        pytest.param(True, True, "selective", marks=pytest.mark.slow),
     ],
-    ids=["passes", "no-passes", "bf16"],
+    ids=["passes", "full-ac", "no-passes", "bf16"],
 )
-def test_folded_graphs_equal_full_graphs(fake_world, passes_on, mixed_precision):
+def test_folded_graphs_equal_full_graphs(fake_world, passes_on, mixed_precision, ac):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     fake_world(8)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else None
-    autop, plan, mesh = _plan((2, 4), mp_policy=mp)
+    autop, plan, mesh = _plan((2, 4), mp_policy=mp, ac=ac)
     try:
         from autoparallel import passes
 
