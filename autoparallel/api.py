@@ -486,32 +486,10 @@ class AutoParallel:
             c.option_rules = {}
             return
         c.option_rules = mesh_roles_mod.option_rules(self.traced, self.strategies, self.mesh, self.mesh_roles)
-        placements = mesh_roles_mod.io_placements(self.mesh, self.mesh_roles)
-        if placements is None:
-            return
-        ends = [("input", i, n, None) for i, n in enumerate(self.traced.input_nodes)]
-        ends += [("output", i, n, self.traced.tangent_nodes.get(i)) for i, n in enumerate(self.traced.output_nodes)]
-        for kind, i, node, tangent in ends:
-            if node is None or node.name in c.pins or node not in self.strategies:
-                continue
-            cname = f"{mesh_roles_mod.LOG_KEY} ({kind} {i})"
-            try:
-                checked = self._check_placements(placements, node, cname)
-            except ConstraintError:
-                checked = None
-            usable = checked is not None and all(
-                n is None
-                or n not in self.strategies
-                or infeasibility.explain_unavailable_layout(
-                    cname, kind, n, checked, self.strategies[n].options, self.mesh
-                )
-                is None
-                for n in (node, tangent)
-            )
-            if not usable:
-                logger.info("%s: %s does not split as %s; left to the planner", cname, node.name, placements)
-                continue
-            self._pin(node, checked, cname, f"{kind} {i}")
+        for node, placements, cname, subject in mesh_roles_mod.io_pins(
+            self.traced, self.strategies, self.mesh, self.mesh_roles, c.pins
+        ):
+            self._pin(node, placements, cname, subject)
 
     def _check_step_memory(self) -> memory_budget_mod.StepMemoryModel:
         """The step's memory terms; the budget's entry in the constraint

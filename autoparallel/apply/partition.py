@@ -192,7 +192,7 @@ def _drop_needless_rng_states(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule
         # (layer folding's keys, AC tags) as other recomputed ops do
         op_meta = copy.copy(result[0].meta) if result else {}
         if result:
-            direct.meta = copy.copy(op_meta)
+            direct.meta = op_meta
             result[0].replace_all_uses_with(direct)
             fw.graph.erase_node(result[0])
         outputs = [o for o in outputs if o is not state[0]]

@@ -172,6 +172,42 @@ def io_placements(mesh: DeviceMesh, roles: dict[int, str]) -> tuple | None:
     )
 
 
+def io_pins(traced, strategies: dict, mesh: DeviceMesh, roles: dict[int, str], pinned) -> list[tuple]:
+    """The pins the roles add to the step's tensor inputs and outputs no
+    constraint pinned (``pinned``: names already pinned), as
+    ``(node, placements, constraint name, subject)``: :func:`io_placements`
+    where the node and its incoming gradient can take that layout; the
+    others are left to the planner (logged)."""
+    from ..checks.validation import check_placements
+    from .infeasibility import explain_unavailable_layout
+
+    placements = io_placements(mesh, roles)
+    if placements is None:
+        return []
+    ends = [("input", i, n, None) for i, n in enumerate(traced.input_nodes)]
+    ends += [("output", i, n, traced.tangent_nodes.get(i)) for i, n in enumerate(traced.output_nodes)]
+    out = []
+    for kind, i, node, tangent in ends:
+        if node is None or node.name in pinned or node not in strategies:
+            continue
+        cname = f"{LOG_KEY} ({kind} {i})"
+        try:
+            checked = check_placements(placements, node, mesh, cname)
+        except ConstraintError:
+            checked = None
+        usable = checked is not None and all(
+            n is None
+            or n not in strategies
+            or explain_unavailable_layout(cname, kind, n, checked, strategies[n].options, mesh) is None
+            for n in (node, tangent)
+        )
+        if not usable:
+            logger.info("%s: %s does not split as %s; left to the planner", cname, node.name, placements)
+            continue
+        out.append((node, checked, cname, f"{kind} {i}"))
+    return out
+
+
 # -- what each dim did, for the plan's summary -----------------------------------------
 
 

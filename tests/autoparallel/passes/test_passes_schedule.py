@@ -36,7 +36,9 @@ def _backward_like(*args):
     return (g, *outs)
 
 
-def _trace(tokens=16):
+def _trace(tokens=16, fn=None):
+    """``fn`` (default :func:`_backward_like`) traced on its input, one
+    activation and one 8 x 32 weight shard per layer."""
     # tokens=16: comm-bound (collective latency >> matmul time);
     # tokens=1 << 20: each matmul takes longer than a gather
     with FakeTensorMode():
@@ -45,7 +47,7 @@ def _trace(tokens=16):
             + [torch.randn(tokens, 32) for _ in range(LAYERS)]
             + [torch.randn(8, 32) for _ in range(LAYERS)]
         )
-        return make_fx(_backward_like)(*args)
+        return make_fx(fn or _backward_like)(*args)
 
 
 def _ctx(**kw):
@@ -294,14 +296,7 @@ def test_bucketed_reduction_issued_with_its_preparation():
     """The flatten/concatenate/cast before a bucket's reduce-scatter (run at
     the end in the original order) moves up with it: each reduce-scatter is
     issued before the next layer's matmuls, not after all of them."""
-    with FakeTensorMode():
-        tokens = 1 << 16  # compute-bound: each reduction ends within a layer
-        args = (
-            [torch.randn(tokens, 32)]
-            + [torch.randn(tokens, 32) for _ in range(LAYERS)]
-            + [torch.randn(8, 32) for _ in range(LAYERS)]
-        )
-        gm = make_fx(_bucketed_backward)(*args)
+    gm = _trace(1 << 16, _bucketed_backward)  # compute-bound: each reduction ends within a layer
     assert longest_compute_run(gm.graph.nodes) == 3 * LAYERS
     stats = schedule_overlap(gm, _ctx())
     check_topological(gm)
@@ -401,14 +396,7 @@ def test_reduction_waits_for_a_gather_within_its_preparation():
     first: the gather is issued once the gradient exists and the
     reduce-scatter once the gather is done, within the layer, not after all
     layers' compute."""
-    with FakeTensorMode():
-        tokens = 1 << 16
-        args = (
-            [torch.randn(tokens, 32)]
-            + [torch.randn(tokens, 32) for _ in range(LAYERS)]
-            + [torch.randn(8, 32) for _ in range(LAYERS)]
-        )
-        gm = make_fx(_norm_grad_backward)(*args)
+    gm = _trace(1 << 16, _norm_grad_backward)
     assert longest_compute_run(gm.graph.nodes) == 2 * LAYERS
     stats = schedule_overlap(gm, _ctx())
     check_topological(gm)
