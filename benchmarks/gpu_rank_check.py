@@ -11,7 +11,12 @@ group's collectives return at once without moving data, so what is timed is
 the rank's own work (compute and the copies its plan makes), communication
 taken out. Then the same for the hand FSDP2 + TP + SP layout of the same
 model on the same fake group (``tests/autoparallel/_hand_plan.py``, as
-torchtitan writes it).
+torchtitan writes it), and, with ``--ranks ... cudagraphs``, the plan again
+with ``apply_placement(..., cudagraphs=True)``: the same step replayed as
+captured CUDA graphs (at least two untimed steps first: the warm-up and the
+capture). Its per-kind profile is skipped: the replayed kernels carry no
+aten op names, so a per-kind split of them would skew the implied
+efficiencies.
 
 Printed per rank: forward + backward and optimizer milliseconds (median of
 ``--steps`` after ``--warmup``, CUDA events), peak memory
@@ -22,15 +27,20 @@ per-kind estimate, and the ``DeviceSpec`` efficiencies the measurement
 implies (``autoparallel.cost_model.measured``). ``--json`` writes it all as a
 record that ``corrected_device_spec`` reads.
 
+A rank the library refuses to run here (the CUDA-graphs rank on CPU) is
+reported as refused, with the library's reason, and does not fail the run;
+any other exception is an error (exit status 1).
+
     python benchmarks/gpu_rank_check.py --json rank_check.json   # one H100 or H200, all 32 layers
     python benchmarks/gpu_rank_check.py --layers 8               # a quicker run (fewer blocks)
+    python benchmarks/gpu_rank_check.py --ranks autoparallel hand cudagraphs --json rank_check.json
     python benchmarks/gpu_rank_check.py --device cpu --layers 2 --dim 256 --heads 8 --kv-heads 8 \\
         --vocab 1024 --seq 64 --mesh 2 2 --batch 4                  # dry mode (seconds)
 
 The hand rank has no estimate: the cost model prices plans, not hand
 layouts. The backward starts from a fixed gradient of the logits (the traced
-step's tangent), so no loss op runs. Garbage from the fake collectives (their
-outputs are left unwritten) does not change kernel times.
+step's tangent), so no loss op runs. The fake collectives move no data
+(what lands in their outputs does not change kernel times).
 """
 
 from __future__ import annotations
@@ -56,6 +66,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
 RANKS = ("autoparallel", "hand", "cudagraphs")  # cudagraphs: the plan run as captured CUDA graphs
+CUDA_GRAPH_WARMUP = 2  # untimed steps a captured step needs: the eager warm-up, then the capture
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -177,7 +188,7 @@ def plan_rank(a, mesh, device, cudagraphs: bool = False):
     config = model_config(a)
     args = example_args(a)
     args.cudagraphs = cudagraphs
-    plan, parallel, _ = example_llama3.plan_model(args, mesh, meta_model(a, config), config)
+    plan, parallel, _, _ = example_llama3.plan_model(args, mesh, meta_model(a, config), config)
     e = step_estimate(plan)
     ms = lambda s: None if s is None else s * 1e3  # noqa: E731
     estimate = {
@@ -213,10 +224,14 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def measure(model, tokens, device, a) -> tuple[list[float], list[float], int | None, dict | None]:
+def measure(
+    model, tokens, device, a, *, warmup: int | None = None, profile: bool = True
+) -> tuple[list[float], list[float], int | None, dict | None]:
     """Forward + backward and AdamW times of ``--steps`` steps after
-    ``--warmup``, the peak memory of all of them, and one profiled step's
-    device time by kind of work."""
+    ``warmup`` (default ``--warmup``), the peak memory of all of them, and
+    (``profile``, unless ``--no-profile``) one profiled step's device time by
+    kind of work."""
+    warmup = a.warmup if warmup is None else warmup
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     grad = None
     cuda = device.type == "cuda"
@@ -224,7 +239,7 @@ def measure(model, tokens, device, a) -> tuple[list[float], list[float], int | N
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     fwd_bwd, optim = [], []
-    for step in range(a.warmup + a.steps):
+    for step in range(warmup + a.steps):
         if cuda:
             marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
             marks[0].record()
@@ -247,11 +262,11 @@ def measure(model, tokens, device, a) -> tuple[list[float], list[float], int | N
             times = (marks[0].elapsed_time(marks[1]), marks[1].elapsed_time(marks[2]))
         else:
             times = ((t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
-        if step >= a.warmup:
+        if step >= warmup:
             fwd_bwd.append(times[0])
             optim.append(times[1])
     peak = torch.cuda.max_memory_allocated() if cuda else None
-    by_kind = None if a.no_profile else profile_by_kind(model, tokens, grad, device)
+    by_kind = profile_by_kind(model, tokens, grad, device) if profile and not a.no_profile else None
     return fwd_bwd, optim, peak, by_kind
 
 
@@ -294,7 +309,11 @@ def run_rank(name, a, mesh, device) -> RankResult:
     setup = time.perf_counter() - t0
     dp = a.mesh[0]
     tokens = torch.randint(0, a.vocab, (a.batch // dp, a.seq), generator=torch.Generator().manual_seed(1))
-    fwd_bwd, optim, peak, by_kind = measure(model, tokens.to(device), device, a)
+    if name == "cudagraphs":
+        warmup, profile = max(a.warmup, CUDA_GRAPH_WARMUP), False
+    else:
+        warmup, profile = a.warmup, True
+    fwd_bwd, optim, peak, by_kind = measure(model, tokens.to(device), device, a, warmup=warmup, profile=profile)
     if hasattr(model, "release_cuda_graphs"):
         model.release_cuda_graphs()  # before the process group goes
     del model
@@ -354,6 +373,7 @@ def main(argv=None) -> int:
         torch.cuda.set_device(device)
     from torch.distributed.device_mesh import init_device_mesh
 
+    from autoparallel import CudaGraphError
     from autoparallel.cost_model import DeviceSpec
     from autoparallel.cost_model.measured import implied_efficiencies
 
@@ -375,6 +395,7 @@ def main(argv=None) -> int:
         },
         "ranks": {},
         "errors": {},
+        "refused": {},  # rank -> why the library refused to run it here (not an error)
     }
     print(
         f"LLaMA-3 8B shapes, {a.layers} layers (dim {a.dim}, {a.heads}/{a.kv_heads} heads, vocab {a.vocab}), "
@@ -388,6 +409,9 @@ def main(argv=None) -> int:
             try:
                 record["ranks"][name] = run_rank(name, a, mesh, device).to_json()
             except Exception as e:  # one layout failing must not lose the other's figures
+                if isinstance(e, CudaGraphError) and name == "cudagraphs" and device.type != "cuda":
+                    record["refused"][name] = str(e)  # CUDA graphs need a GPU: the library says so
+                    continue
                 traceback.print_exc()
                 record["errors"][name] = f"{type(e).__name__}: {e}"
                 if device.type == "cuda":
@@ -398,6 +422,8 @@ def main(argv=None) -> int:
     print()
     for line in report_lines(record):
         print(line)
+    for name, why in record["refused"].items():
+        print(f"{name}: refused on {device.type} ({why})")
     for name, err in record["errors"].items():
         print(f"{name}: FAILED ({err})")
     if a.json:

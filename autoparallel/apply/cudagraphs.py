@@ -14,6 +14,13 @@ graph-capture designs it learns from (torchtitan's compiler-toolkit pass):
   every other input (the batch, mutated buffers, tangents, mesh coordinates)
   is copied into a buffer the graph owns (:func:`static_inputs` says which,
   and how many bytes a step copies);
+* an output that is a static input, or a view of one (a parameter the
+  forward saves for the backward as it is), is handed out by each replay as
+  a view of the tensor passed in that step, not as the object captured: the
+  captured one is a ``DTensor.to_local()`` view of an earlier step, which
+  AdamW's CUDA foreach kernels have since marked modified in place (they
+  bump its version counter), and autograd refuses to unpack such a view
+  from the backward's saved tensors (:class:`InputAlias`);
 * a check before every replay (on by default, cheap) that each static input
   still has the address it had at capture: a parameter reallocated by
   ``to_empty`` or ``load_state_dict(assign=True)`` would otherwise be read
@@ -339,7 +346,16 @@ def _warn_nccl_settings() -> None:
 
 
 class CudaGraphSession:
-    """The pool, stream and the two graphs of one parallel module."""
+    """The pool, stream and the two graphs of one parallel module.
+
+    The device work is in four methods (:meth:`check_device`,
+    :meth:`ensure_pool`, :meth:`warm_up`, :meth:`capture`); everything else
+    (which buffers are copied, what the replay returns, the address and
+    release checks) is tensor bookkeeping that :class:`GraphedCall` does the
+    same way whatever captures the graph. A stand-in that overrides the four
+    to run the step eagerly drives that bookkeeping on CPU."""
+
+    device_type = "cuda"
 
     def __init__(self, inputs: StaticInputs, *, check_addresses: bool = True):
         self.inputs = inputs
@@ -350,6 +366,13 @@ class CudaGraphSession:
         self.stream: torch.cuda.Stream | None = None
         self._pool_anchor: torch.cuda.CUDAGraph | None = None
         _SESSIONS.add(self)
+
+    def check_device(self, device: torch.device | None, graph: str) -> None:
+        if device is None or device.type != self.device_type:
+            raise CudaGraphError(
+                f"cudagraphs=True: the {graph} step's tensors are on {device}, not a CUDA device: move the "
+                "module there first (model.to_empty(device='cuda'))"
+            )
 
     def ensure_pool(self, device: torch.device) -> None:
         if self.pool is not None:
@@ -363,12 +386,71 @@ class CudaGraphSession:
         with torch.cuda.graph(self._pool_anchor, pool=self.pool, stream=self.stream):
             pass
 
+    @contextlib.contextmanager
+    def warm_up(self, device: torch.device):
+        """The eager warm-up step: on the graphs' stream, from their pool."""
+        torch.cuda.synchronize(device)
+        with _allocate_in_pool(device, self.pool, self.stream):
+            yield
+        torch.cuda.synchronize(device)
+
+    def capture(self, fn: Callable, buffers: Sequence[torch.Tensor], device: torch.device):
+        """Capture ``fn(*buffers)``: the graph (``replay()``, ``reset()``)
+        and its outputs, which every replay overwrites in place."""
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize(device)
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+            outs = tuple(fn(*buffers))
+        torch.cuda.synchronize(device)
+        return graph, outs
+
     def release(self) -> bool:
         held = self.forward.release() | self.backward.release() | (self.pool is not None)
         self._pool_anchor = None
         self.pool = None
         self.stream = None
         return held
+
+
+@dataclass(frozen=True)
+class InputAlias:
+    """A captured output whose memory is a static input's: a parameter (or a
+    view of one) that the forward hands to the backward as a saved value.
+
+    The replay returns it as a view of the tensor the caller passes this
+    step, never as the tensor object captured a step earlier: that object is
+    a view (``DTensor.to_local``) whose base the optimizer has since updated
+    in place, and autograd refuses to unpack such a view from a backward's
+    saved tensors. Same memory, a view made this step."""
+
+    input: int  # the static input's position
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    whole: bool  # the output is the input itself
+
+    def of(self, args: Sequence[torch.Tensor]) -> torch.Tensor:
+        arg = args[self.input]
+        if self.whole:
+            return arg
+        return arg.as_strided(self.size, self.stride, self.storage_offset)
+
+
+def _input_aliases(outs: Sequence, buffers: Sequence, static: Sequence[bool]) -> list[InputAlias | None]:
+    storage_of = {}
+    for k, (b, s) in enumerate(zip(buffers, static)):
+        ptr = b.untyped_storage().data_ptr()
+        if s and ptr:  # an empty tensor's null pointer aliases nothing
+            storage_of.setdefault(ptr, k)
+    aliases = []
+    for o in outs:
+        k = storage_of.get(o.untyped_storage().data_ptr()) if isinstance(o, torch.Tensor) else None
+        if k is None:
+            aliases.append(None)
+        else:
+            whole = o is buffers[k]
+            aliases.append(InputAlias(k, tuple(o.shape), tuple(o.stride()), o.storage_offset(), whole))
+    return aliases
 
 
 class GraphedCall:
@@ -380,10 +462,11 @@ class GraphedCall:
         self.static = list(static)
         self.session = session
         self.described = list(described)
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph = None  # the captured graph (torch.cuda.CUDAGraph): replay(), reset()
         self.warmed_up = False
-        self.args: list | None = None  # the graph's input buffers (static ones: the caller's tensors)
+        self.args: list | None = None  # the graph's input buffers (static ones: the caller's tensors at capture)
         self.outputs: tuple | None = None
+        self.aliases: list[InputAlias | None] = []  # per output: the static input whose memory it is
         self.addresses: list[int | None] = []
         self.output_uses: list[tuple[int, int] | None] = []  # (tensor, memory) uses right after capture
         self.copied_bytes = 0
@@ -393,24 +476,19 @@ class GraphedCall:
         if self.graph is not None:
             self.graph.reset()
         self.graph, self.args, self.outputs, self.warmed_up = None, None, None, False
+        self.aliases = []
         return held
 
     def __call__(self, fn: Callable, args: Sequence) -> tuple:
         if len(args) != len(self.static):
             raise CudaGraphError(f"{self.name} graph called with {len(args)} inputs, captured for {len(self.static)}")
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-        if device is None or device.type != "cuda":
-            raise CudaGraphError(
-                f"cudagraphs=True: the {self.name} step's tensors are on {device}, not a CUDA device: move the "
-                "module there first (model.to_empty(device='cuda'))"
-            )
         session = self.session
+        session.check_device(device, self.name)
         session.ensure_pool(device)
         if not self.warmed_up:
-            torch.cuda.synchronize(device)
-            with _allocate_in_pool(device, session.pool, session.stream):
+            with session.warm_up(device):
                 outs = fn(*args)
-            torch.cuda.synchronize(device)
             self.warmed_up = True
             return tuple(outs)
         if self.graph is None:
@@ -418,7 +496,6 @@ class GraphedCall:
         return self._replay(args)
 
     def _capture(self, fn: Callable, args: Sequence, device) -> tuple:
-        session = self.session
         buffers = []
         for k, (a, static) in enumerate(zip(args, self.static)):
             if not isinstance(a, torch.Tensor):
@@ -428,26 +505,23 @@ class GraphedCall:
                 )
             buffers.append(a if static else a.detach().clone())
         self.copied_bytes = sum(b.numel() * b.element_size() for b, s in zip(buffers, self.static) if not s)
-        graph = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize(device)
-        with torch.cuda.graph(graph, pool=session.pool, stream=session.stream):
-            outs = tuple(fn(*buffers))
-        torch.cuda.synchronize(device)
+        graph, outs = self.session.capture(fn, buffers, device)
         self.graph, self.args, self.outputs = graph, buffers, outs
         self.addresses = [b.data_ptr() if s else None for b, s in zip(buffers, self.static)]
-        # An output that is a static input (a parameter saved for backward)
-        # lives outside the pool: nothing overwrites it, nothing to check.
-        inputs = {b.untyped_storage().data_ptr() for b, s in zip(buffers, self.static) if s}
+        # An output that is (a view of) a static input (a parameter saved for
+        # backward) lives outside the pool: nothing overwrites it, nothing to
+        # check; each replay hands out a view of that step's input instead.
+        self.aliases = _input_aliases(outs, buffers, self.static)
         self.output_uses = [
-            _uses(o) if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in inputs else None
-            for o in outs
+            _uses(o) if isinstance(o, torch.Tensor) and alias is None else None for o, alias in zip(outs, self.aliases)
         ]
         logger.info(
-            "CUDA graph captured (%s): %d inputs static, %d copied per step (%s)",
+            "CUDA graph captured (%s): %d inputs static, %d copied per step (%s), %d outputs alias static inputs",
             self.name,
             sum(self.static),
             len(self.static) - sum(self.static),
             _bytes(self.copied_bytes),
+            sum(a is not None for a in self.aliases),
         )
         graph.replay()
         return outs
@@ -478,7 +552,9 @@ class GraphedCall:
                 if not static:
                     buf.copy_(a)
         self.graph.replay()
-        return self.outputs
+        return tuple(
+            o if alias is None else alias.of(args) for o, alias in zip(self.outputs, self.aliases, strict=True)
+        )
 
     def _label(self, k: int) -> str:
         if k < len(self.described):
