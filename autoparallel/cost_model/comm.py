@@ -79,7 +79,7 @@ from .steps import (  # noqa: F401  (collective_time, MeshDimTopology, mesh_dim_
 
 logger = logging.getLogger(__name__)
 
-# Added by the caller to every non-identical transition so that, when costs
+# Added by :func:`edge_time` to every non-identical transition so that, when costs
 # tie (e.g. a free Replicate -> Shard slice), the ILP prefers fewer
 # redistributions. 0.1 us: far below any real collective (>= ~5 us) and below
 # the launch floor, so it only ever breaks ties.
