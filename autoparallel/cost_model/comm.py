@@ -44,6 +44,15 @@ to 4-D meshes (``tests/autoparallel/cost_model/test_forms_agree.py``), and
 on every pair the LLaMA-3 and MoE planning problems price
 (``tests/autoparallel/cost_model/test_forms_agree_on_problems.py``).
 
+**Who asks.** The planning problem's edges
+(:mod:`autoparallel.problem.edge_matrices`: whole grids from
+:mod:`~autoparallel.cost_model.class_costs`, a tp-outer parameter's
+gradient rows from :func:`edge_time`), apply (:func:`min_cost_plan`: the
+steps it runs) and the benchmarks' breakdowns. Collectives that are not a
+redistribution (an op's own all-to-all, the applied graph's collectives the
+overlap scheduler orders) are priced with the same
+:func:`~autoparallel.cost_model.steps.collective_time`.
+
 **Caches** (step plans per placements, costs per spec pair, state graphs)
 are registered with :mod:`autoparallel.cost_model.caches`;
 ``cost_model.clear_caches()`` clears them all.
