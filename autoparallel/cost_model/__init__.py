@@ -14,6 +14,8 @@ Three parts:
   redistribution (DTensor's own plan, or a min-cost plan where strictly
   cheaper), each costed with a ring model per mesh dim (:mod:`.steps`); a
   mesh dim is intra-node when every group along it sits in one node.
+  :func:`.comm.edge_time` is what the planning problem counts for a move
+  (overlap discount, bucket copies, tiebreak).
   Placements are read through one encoding (:mod:`.placement_codes`);
   :mod:`.class_costs` computes whole grids of the same figures with numpy.
 * **Overlap**: a policy saying how much of an FSDP-style parameter
@@ -40,6 +42,7 @@ from .comm import (
     CommStep,
     MeshDimTopology,
     collective_time,
+    edge_time,
     is_tp_outer,
     mesh_dim_topology,
     redistribute_steps,
@@ -92,6 +95,7 @@ __all__ = [
     "CommStep",
     "redistribute_steps",
     "redistribute_time",
+    "edge_time",
     "is_tp_outer",
     "tp_outer_placements",
     "CommOverlapPolicy",

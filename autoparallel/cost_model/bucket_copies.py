@@ -30,6 +30,7 @@ import numpy as np
 from .compute import mesh_shape as _mesh_shape
 from .devices import DeviceSpec
 from .overlap import GRAD_REDUCE_SCATTER, PARAM_ALL_GATHER, PARAM_BACKWARD_GATHER, HiddenComm
+from .placement_codes import partial_mask
 from .steps import local_bytes, local_copy_time, shard_divisors
 
 
@@ -50,10 +51,6 @@ def _bytes(spec) -> int:
     return local_bytes(tuple(meta.shape), shard_divisors(_mesh_shape(spec.mesh), spec.placements), meta.dtype.itemsize)
 
 
-def _partial_mask(spec) -> int:
-    return sum(1 << i for i, p in enumerate(spec.placements) if p.is_partial())
-
-
 def bucket_copy_time(src, dst, kind, device: DeviceSpec) -> float:
     """Seconds of bucket copies an edge of ``kind`` moving ``src`` to
     ``dst`` (DTensorSpecs with tensor metas) counts: for a parameter gather
@@ -66,7 +63,7 @@ def bucket_copy_time(src, dst, kind, device: DeviceSpec) -> float:
         if dst_bytes > src_bytes:
             return _copy_in_time(src_bytes, device) + local_copy_time(dst_bytes, device)
     elif name == GRAD_REDUCE_SCATTER:
-        if _partial_mask(src) & ~_partial_mask(dst):
+        if partial_mask(src.placements) & ~partial_mask(dst.placements):
             return _copy_in_time(_bytes(src), device)
     return 0.0
 
@@ -84,7 +81,7 @@ def bucket_copy_grid(src_specs: Sequence, dst_specs: Sequence, kind, device: Dev
         copy_out = np.array([local_copy_time(b, device) for b in dst_bytes], dtype=np.float64)
         grows = np.array(dst_bytes, dtype=np.int64)[None, :] > np.array(src_bytes, dtype=np.int64)[:, None]
         return np.where(grows, copy_in[:, None] + copy_out[None, :], 0.0)
-    src_partial = np.array([_partial_mask(s) for s in src_specs], dtype=np.int64)
-    dst_whole = np.array([~_partial_mask(d) for d in dst_specs], dtype=np.int64)
+    src_partial = np.array([partial_mask(s.placements) for s in src_specs], dtype=np.int64)
+    dst_whole = np.array([~partial_mask(d.placements) for d in dst_specs], dtype=np.int64)
     reduces = (src_partial[:, None] & dst_whole[None, :]) != 0
     return np.where(reduces, copy_in[:, None], 0.0)

@@ -6,7 +6,8 @@ target placements) pair of one tensor: on LLaMA-3 70B over 4x4x8x8 up to
 computes the raw times of a grid at once, equal bit for bit to
 :func:`autoparallel.cost_model.redistribute_time`, the reference
 (:mod:`autoparallel.cost_model.comm`); :func:`class_cost_grid` adds what an edge matrix counts on top
-(keep-partial masking, the overlap discount, the transition tiebreak).
+(keep-partial masking, the overlap discount, the transition tiebreak), equal
+bit for bit to :func:`autoparallel.cost_model.comm.edge_time`.
 
 How, for placements of the types DTensor's greedy planner handles
 (Replicate, Shard, Partial, and the masked / norm Partials of embeddings and
@@ -58,7 +59,7 @@ from .comm import TRANSITION_TIEBREAK, redistribute_time
 from .compute import mesh_shape as _mesh_shape
 from .devices import DeviceSpec
 from .overlap import CommOverlapPolicy, HiddenComm, apply_discount, counted_device
-from .placement_codes import SHARD, kind
+from .placement_codes import partial_mask, shard_dim
 from .steps import local_bytes, mesh_dim_topology, step_kinds, step_time
 
 # Pairs per vectorised chunk (sources x targets): bounds the temporaries
@@ -116,9 +117,9 @@ class _Vocabulary:
         objects = [p for _, p in index]
         self.dims: dict = {}
         for p in objects:
-            if kind(p) == SHARD:
+            if shard_dim(p) is not None:
                 self.dims.setdefault(p.dim, len(self.dims))
-        self.shard = np.array([1 + self.dims[p.dim] if kind(p) == SHARD else 0 for p in objects], dtype=np.int32)
+        self.shard = np.array([0 if shard_dim(p) is None else 1 + self.dims[p.dim] for p in objects], dtype=np.int32)
         self.ne = np.array([[a != b for b in objects] for a in objects], dtype=bool)
         self.eq = np.array([[a is b or a == b for b in objects] for a in objects], dtype=bool)
         kinds: dict = {}
@@ -343,10 +344,6 @@ def discounted(times: np.ndarray, kind: str | HiddenComm, policy: CommOverlapPol
     return np.asarray(values, dtype=np.float64)[inverse].reshape(times.shape)
 
 
-def _partial_mask(spec) -> int:
-    return sum(1 << i for i, p in enumerate(spec.placements) if p.is_partial())
-
-
 def class_cost_grid(
     src_specs: Sequence,
     dst_specs: Sequence,
@@ -355,14 +352,13 @@ def class_cost_grid(
     kind: str | HiddenComm | None,
     keep_partial: bool,
 ) -> np.ndarray:
-    """The edge cost of every source x target spec, as
-    :meth:`autoparallel.problem.edge_matrices.EdgeMatrices._pair` counts it: the
-    redistribution time, discounted (``kind``), plus the copies of a
-    bucketed parameter gather or gradient reduction
-    (:mod:`~autoparallel.cost_model.bucket_copies`) and the tiebreak when
-    something moves, the tiebreak alone for a free move between different
-    placements; ``inf`` where ``keep_partial`` and a source's Partial mesh
-    dim would be reduced."""
+    """:func:`autoparallel.cost_model.comm.edge_time` of every source x
+    target spec, bit for bit: the redistribution time, discounted
+    (``kind``), plus the copies of a bucketed parameter gather or gradient
+    reduction (:mod:`~autoparallel.cost_model.bucket_copies`) and the
+    tiebreak when something moves, the tiebreak alone for a free move
+    between different placements; ``inf`` where ``keep_partial`` and a
+    source's Partial mesh dim would be reduced."""
     raw, free = _raw_grid(src_specs, dst_specs, counted_device(device, overlap, kind))
     out = raw.copy()
     moved = (raw != 0.0) & np.isfinite(raw)
@@ -374,7 +370,7 @@ def class_cost_grid(
     out[moved] += TRANSITION_TIEBREAK
     out[free] = TRANSITION_TIEBREAK
     if keep_partial:
-        src_partial = np.array([_partial_mask(s) for s in src_specs], dtype=np.int64)
-        dst_whole = np.array([~_partial_mask(d) for d in dst_specs], dtype=np.int64)
+        src_partial = np.array([partial_mask(s.placements) for s in src_specs], dtype=np.int64)
+        dst_whole = np.array([~partial_mask(d.placements) for d in dst_specs], dtype=np.int64)
         out[(src_partial[:, None] & dst_whole[None, :]) != 0] = math.inf
     return out

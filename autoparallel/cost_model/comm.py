@@ -26,7 +26,9 @@ per mesh dim, local bytes tracked step by step). Which steps:
    where it applies and is strictly cheaper than 1.
 
 :func:`redistribute_steps` lists the chosen steps (what apply runs),
-:func:`redistribute_time` sums them from 0 in order.
+:func:`redistribute_time` sums them from 0 in order, and
+:func:`edge_time` is what the planning problem counts for the move (the
+overlap discount, bucket copies, the transition tiebreak, a kept Partial).
 
 **Fast forms.** The ILP needs millions of these figures on 3-D and 4-D
 meshes. :mod:`autoparallel.cost_model.class_costs` computes whole grids
@@ -36,9 +38,20 @@ vectorised over pairs, the min-cost distances from
 table, :func:`~autoparallel.cost_model.steps.local_bytes` and
 :func:`~autoparallel.cost_model.steps.step_time` (called on the distinct
 values present) with this module, and sums steps in the same order, so its
-entries are bit-identical to :func:`redistribute_time`; property tests
-check that on random layouts over 1-D to 4-D meshes
-(``tests/autoparallel/cost_model/test_forms_agree.py``).
+entries are bit-identical to :func:`redistribute_time` (and its edge grids
+to :func:`edge_time`); property tests check that on random layouts over 1-D
+to 4-D meshes (``tests/autoparallel/cost_model/test_forms_agree.py``), and
+on every pair the LLaMA-3 and MoE planning problems price
+(``tests/autoparallel/cost_model/test_forms_agree_on_problems.py``).
+
+**Who asks.** The planning problem's edges
+(:mod:`autoparallel.problem.edge_matrices`: whole grids from
+:mod:`~autoparallel.cost_model.class_costs`, a tp-outer parameter's
+gradient rows from :func:`edge_time`), apply (:func:`min_cost_plan`: the
+steps it runs) and the benchmarks' breakdowns. Collectives that are not a
+redistribution (an op's own all-to-all, the applied graph's collectives the
+overlap scheduler orders) are priced with the same
+:func:`~autoparallel.cost_model.steps.collective_time`.
 
 **Caches** (step plans per placements, costs per spec pair, state graphs)
 are registered with :mod:`autoparallel.cost_model.caches`;
@@ -58,8 +71,10 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 from . import redistribute_plan
 from .caches import register
 from .compute import mesh_shape as _mesh_shape_of
+from .bucket_copies import bucket_copy_time
 from .devices import H100, DeviceSpec
-from .placement_codes import SHARD, STRIDED, kind
+from .overlap import CommOverlapPolicy, HiddenComm, apply_discount, counted_device
+from .placement_codes import REPLICATE, SHARD, STRIDED, kind, partial_mask, shard_dim
 from .steps import (  # noqa: F401  (collective_time, MeshDimTopology, mesh_dim_topology: public here too)
     Divisors,
     MeshDimTopology,
@@ -73,7 +88,7 @@ from .steps import (  # noqa: F401  (collective_time, MeshDimTopology, mesh_dim_
 
 logger = logging.getLogger(__name__)
 
-# Added by the caller to every non-identical transition so that, when costs
+# Added by :func:`edge_time` to every non-identical transition so that, when costs
 # tie (e.g. a free Replicate -> Shard slice), the ILP prefers fewer
 # redistributions. 0.1 us: far below any real collective (>= ~5 us) and below
 # the launch floor, so it only ever breaks ties.
@@ -92,16 +107,12 @@ class CommStep:
     time: float
 
 
-def _shard_dim(p: Placement) -> int | None:
-    return p.dim if kind(p) == SHARD else None
-
-
 def greedy_steps(
     mesh_shape: tuple[int, ...],
     src: Sequence[Any],
     dst: Sequence[Any],
     letter: Callable[[Any], str] = kind,
-    shard_dim: Callable[[Any], int | None] = _shard_dim,
+    shard_dim: Callable[[Any], int | None] = shard_dim,
     replicate: Any = None,
 ) -> list[tuple[int, Any, Any]]:
     """DTensor's greedy redistribution planner
@@ -187,9 +198,9 @@ def _via_replicate_steps(
     """Upper bound: differing mesh dims go to Replicate (inner first), then
     to the target (outer first)."""
     steps = [
-        (d, a, Replicate()) for d, (a, b) in reversed(list(enumerate(zip(src, dst)))) if a != b and not a.is_replicate()
+        (d, a, Replicate()) for d, (a, b) in reversed(list(enumerate(zip(src, dst)))) if a != b and kind(a) != REPLICATE
     ]
-    steps += [(d, Replicate(), b) for d, (a, b) in enumerate(zip(src, dst)) if a != b and not b.is_replicate()]
+    steps += [(d, Replicate(), b) for d, (a, b) in enumerate(zip(src, dst)) if a != b and kind(b) != REPLICATE]
     return steps
 
 
@@ -334,3 +345,37 @@ def redistribute_time(src: DTensorSpec, dst: DTensorSpec, device: DeviceSpec = H
         return math.inf  # cross-mesh moves are not DTensor redistributions
     cost = _REDISTRIBUTE_CACHE[key] = total_time(_costed_steps(src, dst, device))
     return cost
+
+
+def edge_time(
+    src: DTensorSpec,
+    dst: DTensorSpec,
+    device: DeviceSpec,
+    overlap: CommOverlapPolicy,
+    kind: str | HiddenComm | None = None,
+    keep_partial: bool = False,
+) -> float:
+    """What an edge of the planning problem counts for moving ``src`` to
+    ``dst``: :func:`redistribute_time` on the device the overlap policy
+    counts for ``kind`` (:func:`~autoparallel.cost_model.counted_device`),
+    less its hidden share (:func:`~autoparallel.cost_model.apply_discount`),
+    plus the copies of a bucketed parameter gather or gradient reduction
+    (:mod:`~autoparallel.cost_model.bucket_copies`), plus the transition
+    tiebreak when something moves; the tiebreak alone for a free move between
+    different placements; ``inf`` where ``keep_partial`` and a Partial mesh
+    dim of ``src`` would be reduced. ``device`` carries the share of local
+    copies the edge counts (:func:`~autoparallel.cost_model.copies_device`).
+
+    The scalar reference of :func:`autoparallel.cost_model.class_costs.class_cost_grid`
+    (the edge matrices' whole grids), equal to it bit for bit."""
+    if keep_partial and partial_mask(src.placements) & ~partial_mask(dst.placements):
+        return math.inf
+    t = redistribute_time(src, dst, counted_device(device, overlap, kind))
+    if t != 0.0 and math.isfinite(t):
+        if kind is not None:
+            t = apply_discount(t, kind, overlap)
+            t += bucket_copy_time(src, dst, kind, device)
+        t += TRANSITION_TIEBREAK
+    elif t == 0.0 and src.placements != dst.placements:
+        t = TRANSITION_TIEBREAK
+    return t

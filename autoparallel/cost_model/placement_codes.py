@@ -6,6 +6,8 @@ A placement is read three ways, each derived from its **kind letter**:
   Partials included), ``"S"`` a plain Shard, ``"X"`` a strided shard,
   ``"?"`` anything else. The redistribution planner and the step table
   (:data:`autoparallel.cost_model.steps.STEP_KINDS`) read only this.
+  :func:`shard_dim` (a plain shard's tensor dim) and :func:`partial_mask`
+  (which mesh dims hold a Partial) are read from it too.
 * :func:`key`: a small hashable tuple led by the kind letter: ``("R",)``,
   ``("S", dim)``, ``("P", reduce_op, type)``, ``("X", placement)``. Two
   plain placements (exact Replicate, Shard, Partial) are equal exactly when
@@ -62,6 +64,19 @@ def kind(p: Placement) -> str:
     if is_shard_like(p):
         return SHARD if p.is_shard() else STRIDED
     return OTHER
+
+
+def shard_dim(p: Placement) -> int | None:
+    """The tensor dim of a shard of kind ``"S"`` (a plain shard), else None
+    (strided shards included: they are not one tensor dim's chunks)."""
+    return p.dim if kind(p) == SHARD else None
+
+
+def partial_mask(placements: Sequence[Placement]) -> int:
+    """Bit ``m`` set where mesh dim ``m`` holds a Partial (of any kind):
+    ``partial_mask(a) & ~partial_mask(b)`` is non-zero exactly when going
+    from ``a`` to ``b`` reduces some Partial."""
+    return sum(1 << m for m, p in enumerate(placements) if kind(p) == PARTIAL)
 
 
 def key(p: Placement) -> tuple:

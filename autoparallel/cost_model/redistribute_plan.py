@@ -310,21 +310,23 @@ def _build(mesh: Any, shape: tuple[int, ...], itemsize: int, device: DeviceSpec)
 
 def pair_codes(src: tuple[Placement, ...], dst: tuple[Placement, ...], ndim: int):
     """(source codes, target codes in the graph, mesh dims needing a final
-    ``R -> P``) for a pair the graph covers, else None."""
+    ``R -> P``) for a pair the graph covers, else None. Reads placements as
+    :func:`improve_grid` does (:func:`_layout`: codes and reduce ops)."""
     if len(src) < 2:
         return None  # 1-D mesh: the one step is the plan
-    a, b = state_codes(src, ndim), state_codes(dst, ndim)
+    a, b = _layout(src, ndim), _layout(dst, ndim)
     if a is None or b is None:
         return None
-    target, partition = list(b), []
-    for m, (x, y) in enumerate(zip(a, b)):
+    (src_codes, src_ops), (dst_codes, dst_ops) = a, b
+    target, partition = list(dst_codes), []
+    for m, (x, y) in enumerate(zip(src_codes, dst_codes)):
         if y == P:
             if x == R:
                 target[m] = R
                 partition.append(m)
-            elif not (x == P and src[m] == dst[m]):
+            elif not (x == P and src_ops[m] == dst_ops[m]):
                 return None  # Shard or another Partial -> Partial: forbidden (today's plan says inf)
-    return a, tuple(target), tuple(partition)
+    return src_codes, tuple(target), tuple(partition)
 
 
 _R_TO_P = kinds_between(REPLICATE, PARTIAL)
@@ -431,7 +433,8 @@ _LAYOUTS: dict[tuple, tuple[tuple[int, ...], tuple[int, ...]] | None] = register
 
 
 def _layout(placements: tuple[Placement, ...], ndim: int):
-    """(codes, reduce op id per mesh dim or -1) of plain placements, else None."""
+    """(codes, reduce op id per mesh dim or -1) of plain placements, else
+    None: two plain Partials are equal exactly when their reduce ops are."""
     key = (placements, ndim)
     try:
         return _LAYOUTS[key]

@@ -22,7 +22,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from .caches import register
 from .devices import H100, DeviceSpec
-from .placement_codes import PARTIAL, REPLICATE, SHARD, STRIDED, kind
+from .placement_codes import PARTIAL, REPLICATE, SHARD, STRIDED, kind, shard_dim
 
 
 @dataclass(frozen=True)
@@ -187,15 +187,11 @@ def kinds_between(
     return kinds
 
 
-def _shard_dim(p: Placement) -> int | None:
-    return p.dim if kind(p) == SHARD else None
-
-
 def step_kinds(a: Placement, b: Placement) -> tuple[str, ...]:
     """What the step ``a -> b`` runs on its mesh dim (nothing when equal)."""
     if a == b:
         return ()
-    return kinds_between(kind(a), kind(b), _shard_dim(a), _shard_dim(b))
+    return kinds_between(kind(a), kind(b), shard_dim(a), shard_dim(b))
 
 
 # Shard divisors of a layout: (tensor dim, mesh dim size) per sharded mesh

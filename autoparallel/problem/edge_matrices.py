@@ -41,7 +41,6 @@ import math
 import numpy as np
 
 from .. import cost_model
-from ..cost_model.bucket_copies import bucket_copy_time
 from ..cost_model.class_costs import class_cost_grid
 from ..options.strategies import Option, placements_of
 
@@ -70,17 +69,6 @@ class EdgeMatrices:
         self._placement_ids: dict = {}  # distinct placements -> small int
         self._matrices: dict = {}
         self._classes: dict = {}
-
-    def _pair(self, src, dst, kind) -> float:
-        t = cost_model.redistribute_time(src, dst, cost_model.counted_device(self.device, self.overlap, kind))
-        if t != 0.0 and math.isfinite(t):
-            if kind is not None:
-                t = cost_model.apply_discount(t, kind, self.overlap)
-                t += bucket_copy_time(src, dst, kind, self.device)
-            t += cost_model.TRANSITION_TIEBREAK
-        elif t == 0.0 and src.placements != dst.placements:
-            t = cost_model.TRANSITION_TIEBREAK
-        return t
 
     def _side(self, options: list[Option], arg: int | None):
         """Distinct specs (by placements) of the options' output (``arg``
@@ -145,9 +133,9 @@ class EdgeMatrices:
         self._classes = {}
 
     def _class_matrix(self, src_specs, dst_specs, kind, keep_partial, copies=1.0) -> np.ndarray:
-        """:meth:`_pair` for every (source, target) spec (``inf`` where
-        ``keep_partial`` forbids reducing a Partial), computed whole with
-        numpy (:func:`class_costs.class_cost_grid`, bit-identical)."""
+        """:func:`cost_model.edge_time` of every (source, target) spec
+        (``inf`` where ``keep_partial`` forbids reducing a Partial), computed
+        whole with numpy (:func:`class_costs.class_cost_grid`, bit-identical)."""
         device = cost_model.copies_device(self.device, copies)
         return class_cost_grid(src_specs, dst_specs, device, self.overlap, kind, keep_partial)
 
@@ -244,7 +232,12 @@ class EdgeMatrices:
 
             def row_costs(i: int) -> np.ndarray:
                 ps = special[i]
-                by_class = [0.0 if gs.placements == ps.placements else self._pair(gs, ps, kind) for gs in grad_specs]
+                by_class = [
+                    0.0
+                    if gs.placements == ps.placements
+                    else cost_model.edge_time(gs, ps, self.device, self.overlap, kind)
+                    for gs in grad_specs
+                ]
                 return np.asarray(by_class, dtype=np.float64)[classes]
 
             return LazyKeyMatch(row_keys, [col_keys[c] for c in grad_class], {i: row_costs for i in special})
