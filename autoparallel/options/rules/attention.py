@@ -32,8 +32,9 @@ aten = torch.ops.aten
 _PER_DIM_CHOICES = (Replicate(), Shard(0), Shard(1))
 # schema names of the inputs that broadcast against (batch, heads, q_len, k_len)
 MASK_ARGUMENTS = ("attn_mask", "attn_bias")
-# dims of the tensors attention is independent along: batch, heads
-_INDEPENDENT_DIMS = 2
+# attention tensors have batch, heads and at least one more dim; smaller
+# tensors are the kernels' random-number state and empty debug masks
+_AUXILIARY_MAX_DIMS = 2
 
 
 def _mask_placement(p: Placement, mask: torch.Tensor, q_shape: torch.Size, gradient: bool) -> Placement:
@@ -81,7 +82,7 @@ def batch_head_options(
         def placements(t: torch.Tensor, mask: bool = False, gradient: bool = False):
             if mask:
                 return tuple(_mask_placement(p, t, q_shape, gradient) for p in combo)
-            if t.dim() <= _INDEPENDENT_DIMS:
+            if t.dim() <= _AUXILIARY_MAX_DIMS:
                 return (Replicate(),) * mesh.ndim  # rng state, empty debug mask
             return combo
 

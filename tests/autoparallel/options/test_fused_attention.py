@@ -236,3 +236,31 @@ def test_cuda_mesh_on_cpu_build_says_what_to_do(fake_world):
     with pytest.raises(RuntimeError, match="traced_attention_kernel"):
         with AutoParallel(model, mesh, (x,)):
             pass
+
+
+def test_variable_length_attention_runs_replicated(fake_world):
+    """With cum_seq_q/k (packed sequences: dim 0 of q holds the tokens of
+    every sequence, not the batch), the only option is replicated."""
+    from autoparallel.options.rules.fused_attention import fused_attention_backward_rule
+
+    fake_world(4)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    graph = torch.fx.Graph()
+
+    def placeholder(name, *shape, dtype=torch.float32):
+        node = graph.placeholder(name)
+        node.meta["val"] = torch.empty(shape, dtype=dtype, device="meta")
+        return node
+
+    tokens = (64, HEADS, 8)  # 4 sequences of 16 tokens, packed
+    grad, q, k, v, out = (placeholder(name, *tokens) for name in ("grad", "q", "k", "v", "out"))
+    lse = placeholder("lse", HEADS, 64)
+    cum_q, cum_k = placeholder("cum_q", 5, dtype=torch.int32), placeholder("cum_k", 5, dtype=torch.int32)
+    seed, offset = placeholder("seed", 2, dtype=torch.int64), placeholder("offset", dtype=torch.int64)
+    node = graph.call_function(
+        BACKWARD["flash"], (grad, q, k, v, out, lse, cum_q, cum_k, 16, 16, 0.0, True, seed, offset)
+    )
+    node.meta["val"] = tuple(torch.empty(*tokens, device="meta") for _ in range(3))
+    (option,) = fused_attention_backward_rule(node, [], mesh)
+    specs = [*option.input_specs, *option.output_specs]
+    assert all(tuple(s.placements) == (Replicate(), Replicate()) for s in specs)
