@@ -273,6 +273,21 @@ def _module_path_annotations(model: nn.Module, running: list[str] | None = None)
             open_contexts.pop().__exit__(None, None, None)
 
 
+def _check_device_traceable(device_type: str) -> None:
+    """A CPU-only build of torch cannot trace on fake CUDA tensors: autograd
+    asks CUDA's device guard about them and the process aborts (a C++
+    ``terminate``, no Python error). Say so before it happens, and what to
+    do instead."""
+    if torch.device(device_type).type == "cuda" and not torch.backends.cuda.is_built():
+        raise RuntimeError(
+            "the mesh's device type is 'cuda' but this torch is a CPU-only build, which cannot trace on CUDA "
+            "tensors. Plan on a 'cpu' mesh of the same shape (the cost model's device is set apart, with "
+            "AutoParallel(device=...)); to trace the fused attention kernel a GPU would run, enter "
+            "autoparallel.capture.attention_kernels.traced_attention_kernel('cudnn') (or 'flash', 'efficient') "
+            "around AutoParallel"
+        )
+
+
 def trace_training_step(
     model: nn.Module,
     inputs: Any,
@@ -289,6 +304,7 @@ def trace_training_step(
     keeps contexts on it); the caller closes it.
     """
     t0 = time.perf_counter()
+    _check_device_traceable(device_type)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     fake_model, tied = fake_model_copy(model, fake_mode, device_type)
     # Hugging Face MoE experts: traceable and shardable by expert, same math.

@@ -196,5 +196,7 @@ class Option:
     @property
     def output_spec(self) -> DTensorSpec:
         if not isinstance(self.output_specs, DTensorSpec):
-            raise TypeError("multi-output option has no single output spec")
+            raise TypeError(
+                f"option {self.label} has no single output spec (its output: {format_specs(self.output_specs)})"
+            )
         return self.output_specs

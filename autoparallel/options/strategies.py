@@ -28,6 +28,7 @@ a redistribution on the edge.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 import time
@@ -327,6 +328,8 @@ class StrategyEnumerator:
             opts, source = hit
         else:
             opts, source = self._compute(node, inputs, candidates)
+            if not isinstance(node.meta.get("val"), torch.Tensor):
+                opts = self._every_output_specified(node, opts)
             self._cache[key] = (opts, source)
             self.stats.computed += 1
         if source == "fallback":
@@ -366,6 +369,40 @@ class StrategyEnumerator:
             why = "no rule"
         self._fallback_why.setdefault(str(op), why)
         return replicate_options(node, inputs, self.mesh), "fallback"
+
+    def _every_output_specified(self, node, options: list[Option]) -> list[Option]:
+        """``options`` of a multi-output node with a replicated spec for
+        every tensor output a strategy left without one.
+
+        DTensor's strategies give no spec (None) to outputs DTensor hands
+        back as plain tensors: the random-number state of the fused CUDA
+        attention kernels (efficient and cuDNN attention's philox seed and
+        offset, flash attention's offset). DTensor reads such a tensor as
+        replicated where an op takes it (a scalar tensor is replicated
+        implicitly), and so does the plan: the getitem of that output then
+        offers a spec its consumers can be priced against, rather than None,
+        on which a consumer's DTensor rule raised and a consumer that fell
+        back to replicated had no producer spec to redistribute from.
+        """
+        metas = node_out_meta(node)
+        if not isinstance(metas, tuple) or not any(
+            spec is None and meta is not None
+            for o in options
+            if isinstance(o.output_specs, tuple)
+            for spec, meta in zip(o.output_specs, metas)
+        ):
+            return options
+        rep = (Replicate(),) * self.mesh.ndim
+
+        def filled(specs):
+            if not isinstance(specs, tuple):
+                return specs
+            return tuple(
+                self._pool.get(rep, meta) if spec is None and meta is not None else spec
+                for spec, meta in zip(specs, metas)
+            )
+
+        return [dataclasses.replace(o, output_specs=filled(o.output_specs)) for o in options]
 
     def _every_input_layout(self, node, inputs, failures: list) -> list[Option]:
         """Options of a one-input op from every even layout of its input,
