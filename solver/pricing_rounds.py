@@ -30,7 +30,7 @@ from .tree_bound import Reparam
 from .work import DEFAULT_NODE_LIMIT, MAX_PRICING_ROUNDS, SafetyCap
 
 if TYPE_CHECKING:
-    from .pricing import PricingStats
+    from .pricing_stats import PricingStats
 
 logger = logging.getLogger(__name__)
 
