@@ -634,7 +634,8 @@ class AutoParallel:
         the forward and backward graphs as captured CUDA graphs after one
         warm-up step (:mod:`autoparallel.apply.cudagraphs`)."""
         self._require_open()
-        from .apply import ApplyState, apply_placement
+        from .apply.state import ApplyState
+        from .apply_plan import apply_placement
         from .report.applied import record_applied
         from .passes import chunk_options
 
