@@ -25,7 +25,8 @@ from torch.distributed.tensor.placement_types import Placement
 import solver
 
 from . import cost_model
-from .checks import agreement, preflight, validation
+from . import validation
+from .checks import agreement, preflight
 from .problem import mesh_roles as mesh_roles_mod
 from .options import rules  # noqa: F401 - rules register on import
 from .problem import coarse_seed, infeasibility
