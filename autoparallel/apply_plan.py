@@ -32,7 +32,8 @@ from .checks.provenance import resolve_choice
 if TYPE_CHECKING:
     from .plan import Plan
 
-logger = logging.getLogger(__name__)
+# apply_placement's messages, under the logger name they always had.
+logger = logging.getLogger("autoparallel.apply")
 
 
 def _input_slots(inputs, local: LocalJoint, input_nodes) -> tuple:
