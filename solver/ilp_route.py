@@ -37,9 +37,9 @@ _IN_PRICING: contextvars.ContextVar[bool] = contextvars.ContextVar("solver_in_pr
 
 @contextlib.contextmanager
 def ilp_only():
-    """Within this block, :func:`solve` never routes a problem to option
-    pricing (for callers that run pricing themselves and solve its
-    restricted problems with :func:`solve`)."""
+    """Within this block, :func:`solver.solve` never routes a problem to
+    option pricing (for callers that run pricing themselves and solve its
+    restricted problems with :func:`solver.solve`)."""
     token = _IN_PRICING.set(True)
     try:
         yield
