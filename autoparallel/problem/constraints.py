@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .option_rules import OptionRule
-from .size import DEFAULT_MAX_PROBLEM_BYTES
+from .size_figures import DEFAULT_MAX_PROBLEM_BYTES
 
 
 @dataclass
