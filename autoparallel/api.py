@@ -25,14 +25,16 @@ from torch.distributed.tensor.placement_types import Placement
 import solver
 
 from . import cost_model
-from .checks import agreement, preflight, validation
+from . import validation
+from .checks import agreement, preflight
 from .problem import mesh_roles as mesh_roles_mod
 from .options import rules  # noqa: F401 - rules register on import
-from .problem import coarse_seed, infeasibility, to_plan
+from .problem import coarse_seed, infeasibility
 from .problem import memory_budget as memory_budget_mod
 from .problem import pricing as option_pricing
 from .problem.memory import ADAMW, OptimizerSpec
 from .plan import Plan
+from . import to_plan
 from .checks.provenance import PlanMismatch, check_applicable, provenance  # noqa: F401 - PlanMismatch re-exported
 from .progress import Stages, gc_paused
 from .problem.param_budget import PARAM_BUDGET, default_bound_entry, with_default_bound
@@ -596,7 +598,7 @@ class AutoParallel:
         plan: Plan | None,
         status: str | None = None,
     ) -> None:
-        """The solver dumps (see :func:`~.problem.to_plan.write_dumps`)."""
+        """The solver dumps (see :func:`~.to_plan.write_dumps`)."""
         seconds = to_plan.write_dumps(directory, self.mesh, built, solution, plan, status, gzip=_dump_gzip())
         if seconds is not None:
             self.timings["dump"] = seconds
@@ -634,7 +636,8 @@ class AutoParallel:
         the forward and backward graphs as captured CUDA graphs after one
         warm-up step (:mod:`autoparallel.apply.cudagraphs`)."""
         self._require_open()
-        from .apply import ApplyState, apply_placement
+        from .apply.state import ApplyState
+        from .apply_plan import apply_placement
         from .report.applied import record_applied
         from .passes import chunk_options
 

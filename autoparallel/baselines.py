@@ -46,7 +46,7 @@ import solver
 
 from .report.baseline_table import margin_line, table_lines  # noqa: F401  (re-exported)
 from .report.numbers import step_estimate
-from .checks.validation import ConstraintError
+from .validation import ConstraintError
 
 logger = logging.getLogger(__name__)
 

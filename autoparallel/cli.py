@@ -88,7 +88,7 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     import solver
 
     from .checks.provenance import PlanMismatch
-    from .checks.validation import ConstraintError
+    from .validation import ConstraintError
     from .checks.preflight import PlanFileError
     from .passes.chunk_options import ChunkOptionError
     from .problem.builder import ProblemTooLarge

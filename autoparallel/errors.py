@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import solver
 
 if TYPE_CHECKING:
-    from .problem.size import ProblemSize
+    from .problem.size_figures import ProblemSize
 
 __all__ = [
     "AutoParallelError",

@@ -22,7 +22,7 @@ from .problem import (
     ResourceConstraint,
     Solution,
 )
-from .serialize import _NONFINITE, SCHEMA, Bundle, DumpError, _key
+from .dump_format import NONFINITE, SCHEMA, Bundle, DumpError, json_key
 
 # ------------------------------------------------------------------ decoding
 
@@ -79,7 +79,7 @@ def _number(v: Any, path: str, special: tuple[str, ...] = ()) -> float | int:
     if isinstance(v, (int, float)) and not isinstance(v, bool):
         return v
     if isinstance(v, str) and v in special:
-        return _NONFINITE[v]
+        return NONFINITE[v]
     expected = "a number" + "".join(f' or "{s}"' for s in special)
     raise _fail(path, expected, v)
 
@@ -93,7 +93,7 @@ def _numbers(v: Any, path: str, special: tuple[str, ...] = ()) -> list:
     if types <= _PLAIN:  # fast path: plain numbers (bool is not int here)
         return list(v)
     if special and types <= _PLAIN_OR_STR:  # "inf" among numbers: decode at C speed
-        dec = _DECODERS.get(special) or _DECODERS.setdefault(special, {k: _NONFINITE[k] for k in special})
+        dec = _DECODERS.get(special) or _DECODERS.setdefault(special, {k: NONFINITE[k] for k in special})
         out = list(map(dec.get, v, v))
         if set(map(type, out)) <= _PLAIN:
             return out
@@ -108,7 +108,7 @@ def _matrix(v: Any, path: str, special: tuple[str, ...]) -> list:
         if types <= _PLAIN:
             return [r[:] for r in rows]
         if special and types <= _PLAIN_OR_STR:
-            dec = _DECODERS.get(special) or _DECODERS.setdefault(special, {k: _NONFINITE[k] for k in special})
+            dec = _DECODERS.get(special) or _DECODERS.setdefault(special, {k: NONFINITE[k] for k in special})
             out = [list(map(dec.get, r, r)) for r in rows]
             if set(map(type, itertools.chain.from_iterable(out))) <= _PLAIN:
                 return out
@@ -121,8 +121,8 @@ _PLAIN_OR_STR = {float, int, str}
 
 def _unmeta(v: Any) -> Any:
     if isinstance(v, dict):
-        if len(v) == 1 and "$float" in v and v["$float"] in _NONFINITE:
-            return _NONFINITE[v["$float"]]
+        if len(v) == 1 and "$float" in v and v["$float"] in NONFINITE:
+            return NONFINITE[v["$float"]]
         return {k: _unmeta(x) for k, x in v.items()}
     if isinstance(v, list):
         return [_unmeta(x) for x in v]
@@ -247,8 +247,8 @@ def _problem(d: Any, path: str, nested: bool = False) -> Problem:
             raise _fail(f"{where}.terms", "an object", terms_in)
         terms = {}
         for name, w in terms_in.items():
-            row = _deref(w, tables, "rows", _key(f"{where}.terms", name))
-            terms[name] = row if row is not None else _numbers(w, _key(f"{where}.terms", name))
+            row = _deref(w, tables, "rows", json_key(f"{where}.terms", name))
+            terms[name] = row if row is not None else _numbers(w, json_key(f"{where}.terms", name))
         bounds = []
         for b in ("low", "high"):
             v = x.get(b)
@@ -287,7 +287,7 @@ def _solution(d: Any, path: str, nested: bool = False) -> Solution:
     choice_in = d["choice"]
     if not isinstance(choice_in, dict):
         raise _fail(f"{path}.choice", "an object", choice_in)
-    choice = {k: _int(v, _key(f"{path}.choice", k)) for k, v in choice_in.items()}
+    choice = {k: _int(v, json_key(f"{path}.choice", k)) for k, v in choice_in.items()}
     special = ("inf", "-inf", "nan")
     timings_in = d.get("timings", {})
     if not isinstance(timings_in, dict):
@@ -307,7 +307,7 @@ def _solution(d: Any, path: str, nested: bool = False) -> Solution:
         optimal=_bool(d["optimal"], f"{path}.optimal"),
         gap=None if gap is None else _number(gap, f"{path}.gap", special),
         backend=_str(d.get("backend", ""), f"{path}.backend"),
-        timings={k: _number(v, _key(f"{path}.timings", k), special) for k, v in timings_in.items()},
+        timings={k: _number(v, json_key(f"{path}.timings", k), special) for k, v in timings_in.items()},
         num_variables=_int(d.get("num_variables", 0), f"{path}.num_variables"),
         num_constraints=_int(d.get("num_constraints", 0), f"{path}.num_constraints"),
         presolve=stats,
@@ -324,9 +324,9 @@ def _bundle(d: Any, path: str) -> Bundle:
     where = f"{path}.solution.choice"
     for name, o in s.choice.items():
         if name not in by:
-            raise DumpError(f"{_key(where, name)}: no decision {name!r} in the problem")
+            raise DumpError(f"{json_key(where, name)}: no decision {name!r} in the problem")
         if not 0 <= o < by[name].num_options:
-            raise DumpError(f"{_key(where, name)}: option {o} out of range 0..{by[name].num_options - 1}")
+            raise DumpError(f"{json_key(where, name)}: option {o} out of range 0..{by[name].num_options - 1}")
     missing = [d.name for d in p.decisions if d.name not in s.choice]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
@@ -416,7 +416,7 @@ def _huge_int_path(v: Any, path: str = "$") -> str | None:
         return None
     items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
     for k, x in items:
-        found = _huge_int_path(x, _key(path, k) if isinstance(k, str) else f"{path}[{k}]")
+        found = _huge_int_path(x, json_key(path, k) if isinstance(k, str) else f"{path}[{k}]")
         if found:
             return found
     return None

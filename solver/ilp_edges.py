@@ -8,12 +8,9 @@ rows and columns (:func:`add_pairwise`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-if TYPE_CHECKING:
-    from .ilp import _Assembler
+from .ilp_assembler import Assembler
 
 SEPARABLE_RTOL = 1e-12
 
@@ -37,7 +34,7 @@ def option_classes(vectors) -> list[list[int]]:
     return list(groups.values())
 
 
-def add_support_rows(asm: "_Assembler", pkey, ckey, finite: np.ndarray) -> int:
+def add_support_rows(asm: Assembler, pkey, ckey, finite: np.ndarray) -> int:
     """Feasibility only: choosing an option of one end requires choosing one
     of its finite partners at the other, ``sum x[class] <= sum x[partners]``
     per class of options with the same partners (exact for binary x).
@@ -59,7 +56,7 @@ def add_support_rows(asm: "_Assembler", pkey, ckey, finite: np.ndarray) -> int:
 SIGNS = np.array([1.0, -1.0, 1.0, -1.0])
 
 
-def add_pairwise(asm: "_Assembler", pkey, ckey, m: np.ndarray) -> int:
+def add_pairwise(asm: Assembler, pkey, ckey, m: np.ndarray) -> int:
     """Pair columns for finite entries, tied to both sides' one-hots.
 
     Options with equal rows (columns) of ``m`` are interchangeable for this

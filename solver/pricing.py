@@ -81,7 +81,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -91,6 +91,7 @@ from .pricing_bisect import bisect_targets
 from .pricing_proof import TREES, final_ascent, pairs_among, prefilter
 from .pricing_quotient import build_quotient, evaluate_lazy
 from .pricing_rounds import Pricer, Rounds, lp_rounds
+from .pricing_stats import PricingStats
 from .problem import Problem, Solution
 from .tree_bound import eliminate
 from .work import DEFAULT_NODE_LIMIT, SafetyCap, stopped_by
@@ -105,32 +106,6 @@ OPT_RTOL = 1e-9
 # Pairs between the options left after tree elimination up to which the
 # restricted ILP simply takes all of them (no pricing rounds).
 DIRECT_PAIRS = 3_000_000
-
-
-@dataclass
-class PricingStats:
-    """How the pricing went; seconds per phase: setup (quotient), lp,
-    pricing, ilp, evaluate."""
-
-    classes: int = 0
-    options_total: int = 0  # allowed options over all classes
-    rounds: int = 0
-    kept_per_round: list[int] = field(default_factory=list)  # exact options
-    relaxed_per_round: list[int] = field(default_factory=list)
-    promoted_per_round: list[int] = field(default_factory=list)
-    priced_per_round: list[int] = field(default_factory=list)
-    lp_objective_per_round: list[float] = field(default_factory=list)
-    bound_per_round: list[float] = field(default_factory=list)
-    lower_bound: float = -math.inf
-    restricted_objectives: list[float] = field(default_factory=list)
-    fixed_in: int = 0  # options added by reduced-cost fixing
-    tree_bound: float = -math.inf  # best spanning-forest bound (solver.tree_bound)
-    eliminated: int = 0  # options dropped by tree min-marginals before pricing
-    ascent_bound: float = -math.inf  # the dual ascent's (solver.dual_bound)
-    ascent_sweeps: int = 0
-    entries_read: int = 0  # matrix entries materialised (pairs)
-    converged: bool = False  # the LP reached the full LP's optimum
-    seconds: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -63,7 +63,7 @@ from .tree_bound import eliminate
 
 if TYPE_CHECKING:
     from .dual_bound import DualAscent
-    from .pricing import PricingStats
+    from .pricing_stats import PricingStats
     from .pricing_rounds import Pricer
     from .problem import Solution
 

@@ -40,7 +40,7 @@ from .tree_bound import MAX_PASSES, choice_cost, eliminate
 from .work import MAX_ASCENT_SWEEPS
 
 if TYPE_CHECKING:
-    from .pricing import PricingStats
+    from .pricing_stats import PricingStats
     from .pricing_rounds import Pricer
 
 logger = logging.getLogger(__name__)

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .api import solve
 from .diagnose import InfeasibleError
+from .ilp_route import solve_by_ilp
 from .problem import Decision, Edge, Problem, ResourceConstraint, Solution
 from .pricing_lp import LPSolution, RestrictedLP
 from .pricing_quotient import Quotient
@@ -30,7 +30,7 @@ from .tree_bound import Reparam
 from .work import DEFAULT_NODE_LIMIT, MAX_PRICING_ROUNDS, SafetyCap
 
 if TYPE_CHECKING:
-    from .pricing import PricingStats
+    from .pricing_stats import PricingStats
 
 logger = logging.getLogger(__name__)
 
@@ -277,7 +277,10 @@ class Pricer:
         stops on ``node_limit`` MIP nodes (counted), ``time_limit`` being
         the safety cap."""
         try:
-            sol = solve(self.restricted_problem(), backend=backend, time_limit=time_limit, node_limit=self.node_limit)
+            # the ILP alone: a restricted problem never goes back to pricing
+            sol = solve_by_ilp(
+                self.restricted_problem(), backend=backend, time_limit=time_limit, node_limit=self.node_limit
+            )
         except InfeasibleError as exc:
             logger.info("restricted ILP over %d options infeasible: %s", self.num_kept(), exc)
             return None

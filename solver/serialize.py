@@ -32,10 +32,10 @@ import dataclasses
 import json
 import math
 import os
-import re
-from dataclasses import dataclass
 from typing import Any
 
+from .decode import from_json, load, problem_from_json, solution_from_json
+from .dump_format import SCHEMA, Bundle, DumpError, json_key
 from .problem import Problem, Solution
 
 __all__ = [
@@ -52,30 +52,6 @@ __all__ = [
     "solution_to_json",
     "to_json",
 ]
-
-SCHEMA = "autoparallel.solver/1"
-
-_NONFINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
-
-_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-
-
-def _key(path: str, key: str) -> str:
-    """``path.key``, or ``path["key"]`` where the key is not an identifier."""
-    return f"{path}.{key}" if _IDENT.match(key) else f"{path}[{json.dumps(key)}]"
-
-
-class DumpError(ValueError):
-    """A dump is malformed; the message gives the JSON path of the fault."""
-
-
-@dataclass
-class Bundle:
-    """A problem together with a solution of it (one dump file)."""
-
-    problem: Problem
-    solution: Solution
-
 
 # ------------------------------------------------------------------ encoding
 
@@ -113,7 +89,7 @@ def _meta(obj: Any, path: str) -> Any:
         for k, v in obj.items():
             if not isinstance(k, str):
                 raise DumpError(f"{path}: metadata keys must be strings, got {k!r}")
-            out[k] = _meta(v, _key(path, k))
+            out[k] = _meta(v, json_key(path, k))
         return out
     if isinstance(obj, (list, tuple)):
         return [_meta(v, f"{path}[{i}]") for i, v in enumerate(obj)]
@@ -302,7 +278,3 @@ def dump(
         except OSError:
             pass
         raise
-
-
-# Decoding lives in solver/decode.py; re-exported here, the module users import.
-from .decode import from_json, load, problem_from_json, solution_from_json  # noqa: E402

@@ -220,7 +220,7 @@ class ParallelModuleMixin:
     def _input_locals(self, st: ParallelState, args, kwargs, callers: list) -> list[torch.Tensor]:
         leaves, spec = tree_flatten_with_path((args, kwargs))
         if spec != st.in_spec:
-            from ..checks.validation import describe_call
+            from ..validation import describe_call
 
             raise TypeError(
                 f"the parallel module was traced with inputs structured as {describe_call(st.in_spec)}, "

@@ -1,7 +1,7 @@
 """What apply needs from planning: :class:`ApplyState`.
 
 ``AutoParallel.apply_placement`` builds one from its traced step and hands
-it to :func:`autoparallel.apply.apply_placement`; apply reads nothing else
+it to :func:`autoparallel.apply_plan.apply_placement`; apply reads nothing else
 of the facade, so a plan can be applied from any source of these fields.
 """
 

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Partial, Placement, Shard
 from torch.utils._pytree import tree_flatten
 
-from .validation import ConstraintError, check_constraint_list, describe_placements, mesh_dim_name
+from ..validation import ConstraintError, check_constraint_list, describe_placements, mesh_dim_name
 
 
 class PlanFileError(ValueError):

@@ -21,9 +21,11 @@ from torch.distributed.tensor._dtensor_spec import TensorMeta
 from torch.distributed.tensor._op_schema import OpSpec, OpStrategy
 
 from ..torch_compat import TORCH_VERSION, CODE_ERRORS, rule_error, say_once, strategy_function
-from .dtensor_query import build_schema, node_out_meta, propagator, dtensor_rule_name
-from .placements import tensor_meta_of
-from .strategies import RULES, OpSpecConverter, Option, SpecPool, arg_key, val_key, dtensor_strategy_for
+from .cache_keys import arg_key, val_key
+from .conversion import OpSpecConverter, SpecPool
+from .dtensor_query import build_schema, dtensor_rule_name, dtensor_strategy_for, node_out_meta, propagator
+from .placements import Option, tensor_meta_of
+from .rule_registry import RULES
 
 # DTensor strategy functions (module, qualified name) that map each input
 # candidate to exactly one OpSpec, in order, whatever the other candidates

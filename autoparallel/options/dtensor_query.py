@@ -264,3 +264,15 @@ def _decomp_strategy(node: torch.fx.Node, schema: OpSchema, mesh: DeviceMesh):
     except Exception as e:  # noqa: BLE001 - any other failure means "no rule"
         logger.debug("decomposition strategy failed for %s: %s", op, e)
         return None
+
+
+def dtensor_strategy_for(node, inputs, candidates, mesh: DeviceMesh):
+    """DTensor's strategy for ``node`` given the candidate specs per input
+    (None: no rule); raises whatever DTensor's strategy function raises."""
+    cand_strategies: dict[torch.fx.Node, OpStrategy] = {}
+    for n, c in zip(inputs, candidates):
+        # A node used twice (mul(x, x)) has one strategy: the first wins.
+        cand_strategies.setdefault(n, OpStrategy([OpSpec(s) for s in c]))
+    schema = build_schema(node, cand_strategies)
+    with without_dtensor_redistribute_costs():
+        return dtensor_strategy(node, schema, mesh)

@@ -33,26 +33,25 @@ import logging
 import operator
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSpec, OpStrategy
 from torch.distributed.tensor.placement_types import Replicate
 
 from ..graph_vocab import module_path
 from ..torch_compat import CODE_ERRORS, qualified_name, rule_error
 from .dtensor_query import (
-    build_schema,
-    dtensor_strategy,
     node_out_meta,
     propagator,
-    without_dtensor_redistribute_costs,
     dtensor_rule_name,
+    dtensor_strategy_for,
     single_dim_rule,
 )
+from .cache_keys import arg_key, val_key
+from .candidate_memo import PerCandidateOptions
 from .fast_expand import fast_expansion
 from .conversion import (  # noqa: F401 - SpecPool: imported from here by rules
     OpSpecConverter,
@@ -62,6 +61,8 @@ from .conversion import (  # noqa: F401 - SpecPool: imported from here by rules
     out_placements_ok,
     pooled_output,
 )
+
+from .rule_registry import RULES, RuleFn, register_rule  # noqa: F401 - imported from here by rules and users
 
 # the placement helpers moved to .placements; imported from here by rules and users
 from .placements import (  # noqa: F401
@@ -91,25 +92,6 @@ class NodeStrategy:
     # For getitem nodes: which element of the parent's output tuple. The
     # parent is then ``inputs[0]`` and options carry no input specs.
     getitem_index: int | None = None
-
-
-RuleFn = Callable[[torch.fx.Node, list[list[DTensorSpec]], DeviceMesh], list[Option]]
-RULES: dict[Any, RuleFn] = {}
-
-
-def register_rule(*ops: Any) -> Callable[[RuleFn], RuleFn]:
-    """Register ``fn(node, input_candidates, mesh) -> list[Option]`` for ``ops``.
-
-    ``input_candidates[k]`` lists the distinct specs the node's k-th tensor
-    input may arrive with. A registered rule takes precedence over DTensor's.
-    """
-
-    def wrap(fn: RuleFn) -> RuleFn:
-        for op in ops:
-            RULES[op] = fn
-        return fn
-
-    return wrap
 
 
 def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -212,8 +194,6 @@ class StrategyEnumerator:
         their candidate sets) and convert each candidate of a view-like op
         once (:mod:`.candidate_memo`); False computes every distinct
         candidate set from scratch (the reference the tests compare with)."""
-        from .candidate_memo import PerCandidateOptions
-
         self.mesh = mesh
         self.share = share
         self._cache: dict[Any, tuple[list[Option], str]] = {}
@@ -419,18 +399,6 @@ class StrategyEnumerator:
         return dtensor_options(node, inputs, every, self._pool, failures)
 
 
-def dtensor_strategy_for(node, inputs, candidates, mesh: DeviceMesh):
-    """DTensor's strategy for ``node`` given the candidate specs per input
-    (None: no rule); raises whatever DTensor's strategy function raises."""
-    cand_strategies: dict[torch.fx.Node, OpStrategy] = {}
-    for n, c in zip(inputs, candidates):
-        # A node used twice (mul(x, x)) has one strategy: the first wins.
-        cand_strategies.setdefault(n, OpStrategy([OpSpec(s) for s in c]))
-    schema = build_schema(node, cand_strategies)
-    with without_dtensor_redistribute_costs():
-        return dtensor_strategy(node, schema, mesh)
-
-
 def _propagate(node, inputs, candidates, pool: SpecPool) -> list[Option]:
     """Options from DTensor for the given candidate specs per input; raises
     whatever DTensor's strategy function raises."""
@@ -522,25 +490,3 @@ def _dedup(items) -> tuple:
     for it in items:
         out.setdefault(it, None)
     return tuple(out)
-
-
-def val_key(val):
-    """Hashable shape, stride and dtype of a fake value (nested for tuples): what a strategy depends on."""
-    if isinstance(val, torch.Tensor):
-        return (tuple(val.shape), tuple(val.stride()), val.dtype)
-    if isinstance(val, (tuple, list)):
-        return tuple(val_key(v) for v in val)
-    return None
-
-
-def arg_key(a):
-    """Hashable structure of non-tensor arguments; tensor args become markers."""
-    if isinstance(a, torch.fx.Node):
-        return "T"
-    if isinstance(a, (list, tuple)):
-        return tuple(arg_key(x) for x in a)
-    if isinstance(a, dict):
-        return tuple(sorted((k, arg_key(v)) for k, v in a.items()))
-    if isinstance(a, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
-        return str(a)
-    return a

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx
@@ -43,7 +43,7 @@ from ..cost_model.compute import spec_sig  # the cost model's view of a spec, fo
 from .edge_matrices import EdgeMatrices
 from .recompute import recomputed_forward_nodes
 from ..options.pruning import PruneStats, prune_partials
-from .option_rules import OptionRule
+from .constraints import Constraints
 from .param_budget import option_mapping, parameter_memory_row
 from .size import (  # noqa: F401  (the size guard, re-exported)
     DEFAULT_MAX_PROBLEM_BYTES,
@@ -76,38 +76,6 @@ _PASS_THROUGH_OPS = {
     torch.ops.aten._to_copy.default,
     torch.ops.prims.convert_element_type.default,
 }
-
-
-@dataclass
-class Constraints:
-    """What the user asked for, in node terms (validated by the API)."""
-
-    # decision name -> (constraint name, allowed placements)
-    pins: dict[str, tuple[str, tuple]] = field(default_factory=dict)
-    # Parameter memory budget as fractions of replicated parameter bytes;
-    # None high = fully sharded (smallest achievable per parameter). The API
-    # passes high=1.0 when the user set no bound and a step memory budget
-    # holds (the budget's row bounds parameters with the rest of the step).
-    memory_low: float | None = None
-    memory_high: float | None = None
-    # Mixed precision: dtype parameter gradients are reduced in (None: no
-    # constraint). Partial gradients of another dtype may not be reduced.
-    reduce_dtype: torch.dtype | None = None
-    # Refuse to build a problem whose estimated memory (see
-    # :func:`estimate_problem_size`) exceeds this many bytes; None: no limit.
-    max_problem_bytes: float | None = DEFAULT_MAX_PROBLEM_BYTES
-    # Drop Partial options no computation can make useful, before building
-    # pair matrices (exact: see autoparallel.options.pruning); off only to
-    # compare against.
-    prune_options: bool = True
-    # Lazy edge matrices and option pricing (solver.pricing) instead of
-    # dense matrices: True, False, or None = when the dense problem's
-    # estimate exceeds max_problem_bytes (then max_problem_bytes bounds the
-    # lazy estimate instead).
-    option_pricing: bool | None = None
-    # decision name -> rules allowing a set of its options by placement on
-    # one mesh dim (autoparallel.problem.option_rules; mesh-dim roles)
-    option_rules: dict[str, list[OptionRule]] = field(default_factory=dict)
 
 
 @dataclass

@@ -29,7 +29,7 @@ import solver
 
 from ..errors import InfeasibleConstraintError
 from ..options.placements import format_placement, placements_of
-from ..checks.validation import describe_placements, mesh_dim_name
+from ..validation import describe_placements, mesh_dim_name
 
 # how many layouts a message lists before "..."
 _MAX_LISTED = 12

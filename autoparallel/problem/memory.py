@@ -151,7 +151,7 @@ class MemoryBreakdown:
 
 
 def _percent(fraction: float) -> str:
-    from ..report import units
+    from solver import units
 
     return units.percent(fraction)
 

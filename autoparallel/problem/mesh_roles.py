@@ -45,7 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from .option_rules import OptionRule, allowed_mask
-from ..checks.validation import ConstraintError
+from ..validation import ConstraintError
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ def io_pins(traced, strategies: dict, mesh: DeviceMesh, roles: dict[int, str], p
     ``(node, placements, constraint name, subject)``: :func:`io_placements`
     where the node and its incoming gradient can take that layout; the
     others are left to the planner (logged)."""
-    from ..checks.validation import check_placements
+    from ..validation import check_placements
     from .infeasibility import explain_unavailable_layout
 
     placements = io_placements(mesh, roles)

@@ -11,8 +11,6 @@ memory budget bounds the whole step).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import dataclasses
 import math
 
@@ -25,10 +23,8 @@ import solver
 
 from .edge_matrices import gradient_partners
 from ..options.strategies import Option, placements_of
+from .constraints import Constraints
 from .option_rules import OptionRule, allowed_mask
-
-if TYPE_CHECKING:
-    from .builder import Constraints
 
 
 PARAM_BUDGET = "parameter memory budget"  # its name in the constraint log and errors

@@ -11,6 +11,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from solver import units
+
 # One placement token per mesh dim: S(d), _S(d, k) (strided shard), P, P(op), R.
 _TOKEN = re.compile(r"_S\(\d+, ?\d+\)|S\(\d+\)|P(?:\(\w+\))?|R")
 
@@ -65,6 +67,4 @@ UNIT_NOTE = "GB = 10^9 bytes"
 def size_text(b: float) -> str:
     """Bytes in GB, MB or kB (powers of 10, as :data:`GB`): the report's
     unit system (:func:`autoparallel.report.units.size`)."""
-    from ..report import units  # here: the report package imports this one
-
     return units.size(b)

@@ -5,6 +5,8 @@ plan; never pricing inside pricing."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 import solver
@@ -113,7 +115,7 @@ def test_unproven_pricing_out_of_time_returns_its_plan(monkeypatch):
     )
     _fake_pricing(monkeypatch, "feasible", False, 0.25)
     times = iter([0.0] + [100.0] * 50)  # every clock read after the start: past the limit
-    monkeypatch.setattr(solver_api.time, "perf_counter", lambda: next(times))
+    monkeypatch.setattr(time, "perf_counter", lambda: next(times))
     s = solve(p, pricing=True, presolve=False, time_limit=10.0)
     assert s.backend == "pricing+fake" and s.status == "feasible" and s.objective == pytest.approx(1.0)
     assert s.bound == pytest.approx(0.75) and s.gap == pytest.approx(0.25)

@@ -45,7 +45,7 @@ def test_old_import_paths_name_the_same_classes():
     from autoparallel.capture.tracing import DataDependentTraceError as trace_error
     from autoparallel.problem.builder import ProblemTooLarge as too_large
     from autoparallel.checks.provenance import PlanMismatch as mismatch
-    from autoparallel.checks.validation import ConstraintError as constraint_error
+    from autoparallel.validation import ConstraintError as constraint_error
 
     assert (apply_error, trace_error, too_large, mismatch, constraint_error) == (
         ApplyError,

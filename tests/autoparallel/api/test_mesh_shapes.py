@@ -148,7 +148,7 @@ def test_bad_input_constraints_on_3d_meshes(fake_world, shape, batch, placements
     """Placement tuples of the wrong length and batches that do not divide
     the data-parallel ranks stop at the constraint, naming the mesh dims
     and sizes (before any solve)."""
-    from autoparallel.checks.validation import ConstraintError
+    from autoparallel.validation import ConstraintError
 
     fake_world(12)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=HSDP)

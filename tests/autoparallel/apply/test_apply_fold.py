@@ -18,7 +18,7 @@ from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-import autoparallel.apply as apply_mod
+import autoparallel.apply_plan as apply_plan_mod
 from autoparallel import AutoParallel
 from autoparallel.apply.fingerprint import differences, fingerprint, node_hashes
 from autoparallel.apply.fold import MIN_LAYERS, FoldRejected, fold_layers
@@ -224,7 +224,7 @@ def test_failed_unfold_falls_back_to_full_graphs(fake_world, monkeypatch, caplog
     def refuse(*args, **kwargs):
         raise FoldRejected("refused for the test")
 
-    monkeypatch.setattr(apply_mod, "unfold_step", refuse)
+    monkeypatch.setattr(apply_plan_mod, "unfold_step", refuse)
     with caplog.at_level(logging.WARNING, logger="autoparallel.apply"):
         parallel = _apply_stack()
     assert not parallel.parallel_state.local.extra.get("folded")

@@ -104,9 +104,10 @@ def _reference_options(node, strategy, inputs, pool):
     return options
 
 
-def _enumerate_both_ways(monkeypatch, model, example, mesh, **reference):
+def _enumerate_both_ways(monkeypatch, model, example, mesh, module=None, **reference):
     """Option labels per node: as the planner enumerates them, and with
-    ``reference`` (strategies module attribute -> replacement) patched in."""
+    ``reference`` (attribute of ``module``, default the strategies module ->
+    replacement) patched in."""
     import contextlib
 
     from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -121,7 +122,7 @@ def _enumerate_both_ways(monkeypatch, model, example, mesh, **reference):
             for patched in (False, True):
                 if patched:
                     for name, value in reference.items():
-                        monkeypatch.setattr(strategies, name, value)
+                        monkeypatch.setattr(module or strategies, name, value)
                 # patched: every op through the patched functions (views
                 # too: the shared enumerator converts them per candidate)
                 enumerator = strategies.StrategyEnumerator(mesh, share=not patched)
@@ -156,6 +157,7 @@ def test_options_without_dtensors_costs(fake_world, monkeypatch):
     import contextlib
 
     from autoparallel.models import FFN
+    from autoparallel.options import dtensor_query
 
     fake_world(8)
     with torch.device("meta"):
@@ -165,6 +167,7 @@ def test_options_without_dtensors_costs(fake_world, monkeypatch):
         model,
         torch.empty(8, 6, 16, device="meta"),
         init_device_mesh("cpu", (2, 4)),
+        module=dtensor_query,
         without_dtensor_redistribute_costs=contextlib.nullcontext,
     )
     assert ours == costed

@@ -21,8 +21,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, Shard
 from torch.utils._pytree import TreeSpec, tree_flatten
 
-from ..errors import ConstraintError
-from ..options.placements import format_placement, on_mesh
+from .errors import ConstraintError
+from .options.placements import format_placement, on_mesh
 
 
 # -- AutoParallel(...) arguments ---------------------------------------------------
@@ -94,7 +94,7 @@ def check_arguments(
     checked where they are flattened, in tracing)."""
     import torch.nn as nn
 
-    from .. import cost_model
+    from . import cost_model
 
     if not isinstance(model, nn.Module):
         raise _type_error("model", "an nn.Module", model)

@@ -21,12 +21,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import solver
 
-from .. import cost_model
-from ..capture.tracing import TracedStep, module_path
-from ..options.strategies import format_specs
-from ..plan import NodePlan, Plan
-from ..torch_compat import current_ranks
-from .builder import BuiltProblem
+from . import cost_model
+from .capture.tracing import TracedStep, module_path
+from .options.strategies import format_specs
+from .plan import NodePlan, Plan
+from .problem.builder import BuiltProblem
+from .torch_compat import current_ranks
 
 __all__ = ["make_plan", "runner_ups", "write_dumps"]
 
