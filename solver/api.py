@@ -12,7 +12,8 @@ the better of the two plans is returned, with the higher bound).
 The objective reported is :func:`solver.evaluate.evaluate` of the expanded
 choice on the original problem; the ILP's own objective only steers the
 search. An infeasible problem raises :class:`InfeasibleError` naming the
-conflicting constraints (diagnosed on the original problem, no presolve).
+conflicting constraints (diagnosed on the original problem's constraint groups,
+within counted work and the safety cap: :mod:`solver.diagnose`).
 
 Determinism: the same problem and options give the same solution, whatever
 the machine's load. Both backends are deterministic, the model is built in a
@@ -49,7 +50,7 @@ from .diagnose import InfeasibleError, diagnose
 from .evaluate import evaluate, violations
 from .ilp import build
 from .problem import Problem, ProblemError, Solution
-from .work import stopped_by
+from .work import SafetyCap, stopped_by
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,7 @@ def solve(
 
 
 def _solve(problem, backend, time_limit, rel_gap, presolve, pricing, node_limit, t_start) -> Solution:
+    cap = SafetyCap(time_limit, t_start)  # the diagnosis of an infeasible problem stays under it too
     pre_mod = _presolve_module() if presolve else None
     if pre_mod is None:
         problem.validate()
@@ -154,7 +156,7 @@ def _solve(problem, backend, time_limit, rel_gap, presolve, pricing, node_limit,
                 pre = pre_mod.presolve(problem, check_costs=True)
             except pre_mod.PresolveInfeasible as exc:
                 logger.info("presolve found the problem infeasible: %s", exc)
-                raise _infeasible(problem, solver.name) from None
+                raise _infeasible(problem, solver.name, cap) from None
             reduced, expand, stats = pre.problem, pre.expand, pre.stats
         timings["presolve"] = time.perf_counter() - t0
 
@@ -182,13 +184,13 @@ def _solve(problem, backend, time_limit, rel_gap, presolve, pricing, node_limit,
     )
     if model.infeasible is not None:
         logger.info("infeasible before solving: %s", model.infeasible)
-        raise _infeasible(problem, solver.name)
+        raise _infeasible(problem, solver.name, cap)
 
     result = solver.solve(model, time_limit=time_limit, rel_gap=rel_gap, node_limit=node_limit)
     timings["build"] += result.timings.get("build", 0.0)
     timings["solve"] = result.timings.get("solve", 0.0)
     if result.status == "infeasible":
-        raise _infeasible(problem, solver.name)
+        raise _infeasible(problem, solver.name, cap)
     if result.status == "unknown" and priced is not None:
         return _priced_solution(problem, priced, expand, stats, timings, t_start)
     if result.status == "unknown":
@@ -386,8 +388,10 @@ def _presolve_module():
     return pre_mod
 
 
-def _infeasible(problem: Problem, backend: str) -> InfeasibleError:
-    err = diagnose(problem, backend=backend)
+def _infeasible(problem: Problem, backend: str, cap: SafetyCap) -> InfeasibleError:
+    """The diagnosis of ``problem``, which the solve proved infeasible,
+    within what is left of the solve's safety cap."""
+    err = diagnose(problem, backend=backend, cap=cap, known_infeasible=True)
     if err is None:  # should not happen: the reduced problem was infeasible
         return InfeasibleError(
             "Infeasible: the solver found no solution, but no conflicting constraint set could be isolated"

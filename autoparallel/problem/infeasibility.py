@@ -201,7 +201,7 @@ def describe_conflict(
         elif isinstance(entry, dict) and entry.get("budget_bytes") is not None:
             from .memory_budget import describe_entry
 
-            described.append(f"'{name}' ({describe_entry(entry)})")
+            described.append(f"'{name}' ({describe_entry(entry, err.reachable.get(name))})")
         elif isinstance(entry, dict) and ("low" in entry or "high" in entry):
             described.append(f"'{name}' (low={entry.get('low')}, high={entry.get('high')})")
         else:
@@ -212,8 +212,21 @@ def describe_conflict(
     params = {r.removeprefix("parameter ") for r in pinned_roles if r.startswith("parameter ")}
     if any(r.removeprefix("the gradient of ") in params for r in pinned_roles if r.startswith("the gradient of ")):
         reason = " (a parameter's gradient takes the parameter's layout)"
-    message = (
-        f"Infeasible: these constraints cannot hold together: {', '.join(described)}{reason}; "
-        "removing any one of them makes the problem feasible"
+    if err.unproven:
+        # the solver's diagnosis ran out of work: the set conflicts, but may not be irreducible
+        unproven = ", ".join(repr(n) for n in err.unproven)
+        tail = (
+            f"; a partial diagnosis: {unproven} may not be needed (their checks reached the diagnosis' work "
+            "limits, solver.work.DIAGNOSIS_NODE_LIMIT / DIAGNOSIS_MAX_CHECKS, or the time limit)"
+        )
+    else:
+        tail = "; removing any one of them makes the problem feasible"
+    message = f"Infeasible: these constraints cannot hold together: {', '.join(described)}{reason}{tail}"
+    return solver.InfeasibleError(
+        message,
+        conflict=err.conflict,
+        decisions=err.decisions,
+        edges=err.edges,
+        unproven=err.unproven,
+        reachable=err.reachable,
     )
-    return solver.InfeasibleError(message, conflict=err.conflict, decisions=err.decisions, edges=err.edges)
