@@ -52,7 +52,7 @@ import numpy as np
 
 from .backends import SolverError, get_backend
 from .ilp import build
-from .problem import Decision, Problem
+from .problem import Problem
 from .work import DIAGNOSIS_MAX_CHECKS, DIAGNOSIS_MAX_COLUMNS, DIAGNOSIS_NODE_LIMIT, SafetyCap
 
 try:
@@ -116,6 +116,7 @@ class FeasibilityChecker:
         self.checks = 0
         self.unknown = 0
         self.cache: dict = {}  # edge matrices of unpresolved problems, converted once
+        self.forbidden: dict = {}  # id(edge costs) -> (costs, forbidden pairs as 0/inf or None)
 
     def out_of_work(self) -> bool:
         return self.checks >= self.max_checks or self.cap.reached()
@@ -154,39 +155,36 @@ class FeasibilityChecker:
     def reachable(self, p: Problem, name: str, sense: int) -> tuple[float, float | None] | None:
         """``(bound, reached)`` of resource ``name``'s sum over the choices
         ``p`` without it allows: its minimum (``sense=1``) or maximum
-        (``sense=-1``) as the objective, solved within the node limit;
-        ``None`` when out of work or the rest is infeasible."""
+        (``sense=-1``) as the objective of the feasibility model (edges
+        only forbid pairs there, links share columns), solved within the
+        node limit; ``None`` when out of work or the rest is infeasible."""
         res = next(r for r in p.resources if r.name == name)
         if self.out_of_work():
             return None
         self.checks += 1
-        decisions = []
-        for d in p.decisions:
-            w = res.terms.get(d.name)
-            costs = [math.inf if math.isinf(c) else (sense * w[i] if w else 0.0) for i, c in enumerate(d.costs)]
-            decisions.append(Decision(d.name, d.options, costs))
-        # the objective is the row alone: edges keep only their forbidden pairs
-        edges = []
-        for e in p.edges:
-            a = np.asarray(e.costs, dtype=np.float64)
-            finite = np.isfinite(a)
-            if not finite.all():
-                edges.append(dataclasses.replace(e, costs=np.where(finite, 0.0, math.inf).tolist()))
-        row = dataclasses.replace(
-            p, decisions=decisions, edges=edges, resources=[r for r in p.resources if r.name != name]
-        )
-        if _presolve is not None:
-            try:
-                row = _presolve.presolve(row).problem
-            except _presolve.PresolveInfeasible:
-                return None
-        model = build(row)
-        if model.infeasible is not None:
+        rest = dataclasses.replace(p, resources=[r for r in p.resources if r.name != name])
+        model = build(rest, objective=False, cache=self.cache)
+        if model.infeasible is not None or model.num_cols > DIAGNOSIS_MAX_COLUMNS:
             return None
+        cost = np.zeros(model.num_cols)
+        const = 0.0
+        for decision, weights in res.terms.items():
+            if decision in model.fixed:
+                const += weights[model.fixed[decision]]
+                continue
+            for option, col in enumerate(model.option_cols.get(decision, ())):
+                if col is not None:  # linked decisions share a column: their weights add up
+                    cost[col] += sense * weights[option]
+        scale = float(np.abs(cost).max()) if model.num_cols else 0.0
+        model.objective_scale = scale if scale > 0 else 1.0
+        model.col_cost = cost / model.objective_scale
+        model.objective_offset = sense * const
         result = self.solver.solve(model, node_limit=DIAGNOSIS_NODE_LIMIT, time_limit=self.cap.left())
-        if result.status not in ("optimal", "feasible") or result.bound is None:
+        bound = result.objective if result.status == "optimal" else result.bound
+        if result.status not in ("optimal", "feasible") or bound is None:
             return None
-        return sense * result.bound, None if result.objective is None else sense * result.objective
+        reached = None if result.objective is None else sense * result.objective
+        return sense * bound, reached
 
 
 def diagnose(
