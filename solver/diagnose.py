@@ -13,17 +13,20 @@ Each step is a feasibility check that stops on counted work, like a solve
 (:mod:`solver.work`): presolve's propagation (which merges linked layers, so
 a 32-layer model is checked at one layer's size), then the LP relaxation,
 then a branch and bound of at most :data:`~solver.work.DIAGNOSIS_NODE_LIMIT`
-MIP nodes. A check that runs out of nodes is *unknown*: the filter keeps the
-group it tested, so what it names still conflicts, but that group is not
-proven needed and the error says the diagnosis is partial
+MIP nodes (a model over :data:`~solver.work.DIAGNOSIS_MAX_COLUMNS` columns
+is not solved). A check that runs out of work is *unknown*: the filter
+keeps the group it tested, so what it names still conflicts, but that group
+is not proven needed and the error says the diagnosis is partial
 (:attr:`InfeasibleError.unproven`). So does every check after
 :data:`~solver.work.DIAGNOSIS_MAX_CHECKS` checks or the caller's safety cap.
+The filter runs over the other groups with every link kept first (cheap,
+merged checks), then settles the links with one check without them.
 
 For every resource constraint in the conflict, the smallest (largest, for a
-``low`` bound) sum any choice reaches under the other named constraints is
-bounded by one more solve, the row's sum as objective
+``low`` bound) sum any choice reaches under the other named constraints
+(and the links) is bounded by one more solve, the row's sum as objective
 (:attr:`InfeasibleError.reachable`): "the memory budget is 72e9, and no plan
-under the other constraints gets below 80e9".
+under the other constraints gets below 75.6e9".
 
 Example::
 
@@ -116,7 +119,6 @@ class FeasibilityChecker:
         self.checks = 0
         self.unknown = 0
         self.cache: dict = {}  # edge matrices of unpresolved problems, converted once
-        self.forbidden: dict = {}  # id(edge costs) -> (costs, forbidden pairs as 0/inf or None)
 
     def out_of_work(self) -> bool:
         return self.checks >= self.max_checks or self.cap.reached()
