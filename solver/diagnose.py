@@ -67,6 +67,11 @@ except ModuleNotFoundError as _exc:  # presolve is optional, as for solve()
 
 logger = logging.getLogger(__name__)
 
+# unproven groups a message names before "and N more" (links come by the hundred)
+_MAX_NAMED = 8
+# conflicting groups a message names before "and N more"
+_MAX_LISTED = 24
+
 
 class InfeasibleError(ValueError):
     """No assignment satisfies the problem.
@@ -244,7 +249,9 @@ def diagnose(
                 )
             return InfeasibleError(msg + _partial(unproven, check), edges=edges, unproven=unproven)
         reachable = _reachable(problem, keep, check)
-        names = ", ".join(repr(g) for g in keep)
+        names = ", ".join(repr(g) for g in keep[:_MAX_LISTED])
+        if len(keep) > _MAX_LISTED:
+            names += f" and {len(keep) - _MAX_LISTED} more (InfeasibleError.conflict lists them)"
         if len(keep) == 1:
             msg = f"Infeasible: constraint {names} cannot be satisfied (removing it makes the problem feasible)"
         elif unproven:
@@ -336,7 +343,9 @@ def _partial(unproven: list[str], check: FeasibilityChecker) -> str:
         if check.out_of_work()
         else f"their checks reached {DIAGNOSIS_NODE_LIMIT} MIP nodes (solver.work.DIAGNOSIS_NODE_LIMIT)"
     )
-    names = ", ".join(repr(n) for n in unproven)
+    names = ", ".join(repr(n) for n in unproven[:_MAX_NAMED])
+    if len(unproven) > _MAX_NAMED:
+        names += f" and {len(unproven) - _MAX_NAMED} more"
     return (
         f" [partial diagnosis: these conflict together, but {names} may not be needed: {why}; "
         "the groups not named are proven not needed]"

@@ -259,3 +259,18 @@ def test_diagnosis_of_a_hard_problem_ends_on_counted_work(monkeypatch):
     assert err.conflict == p.constraint_names()  # no check proved a smaller set infeasible
     assert {f"pin {j}" for j in range(20)} <= set(err.unproven) <= set(err.conflict)
     assert "partial diagnosis" in str(err) and "limit of 8 checks" in str(err)
+
+
+def test_diagnosis_stops_at_the_safety_cap(monkeypatch):
+    """Past the caller's wall-clock cap no check runs: the conflict is every
+    group, all unproven, and the message says why."""
+    from solver.work import SafetyCap
+
+    p = model_problem(extra_pins=[Pin("w1 replicated", "w1", [0])])
+    checks = []
+    real = diagnose_mod.FeasibilityChecker._check
+    monkeypatch.setattr(diagnose_mod.FeasibilityChecker, "_check", lambda self, q: checks.append(q) or real(self, q))
+    err = diagnose(p, cap=SafetyCap(1e-9, start=0.0), known_infeasible=True)
+    assert checks == []
+    assert err.conflict == p.constraint_names() and err.unproven == err.conflict
+    assert "partial diagnosis" in str(err) and "the time limit was reached" in str(err)
