@@ -33,6 +33,8 @@ from ..checks.validation import describe_placements, mesh_dim_name
 
 # how many layouts a message lists before "..."
 _MAX_LISTED = 12
+# how many conflicting constraints a message describes before "and N more"
+_MAX_CONFLICTS = 24
 
 
 def _layouts(options: Sequence[Any]) -> list[tuple]:
@@ -214,14 +216,19 @@ def describe_conflict(
         reason = " (a parameter's gradient takes the parameter's layout)"
     if err.unproven:
         # the solver's diagnosis ran out of work: the set conflicts, but may not be irreducible
-        unproven = ", ".join(repr(n) for n in err.unproven)
+        unproven = ", ".join(repr(n) for n in err.unproven[:_MAX_CONFLICTS])
+        if len(err.unproven) > _MAX_CONFLICTS:
+            unproven += f" and {len(err.unproven) - _MAX_CONFLICTS} more"
         tail = (
             f"; a partial diagnosis: {unproven} may not be needed (their checks reached the diagnosis' work "
             "limits, solver.work.DIAGNOSIS_NODE_LIMIT / DIAGNOSIS_MAX_CHECKS, or the time limit)"
         )
     else:
         tail = "; removing any one of them makes the problem feasible"
-    message = f"Infeasible: these constraints cannot hold together: {', '.join(described)}{reason}{tail}"
+    listed = ", ".join(described[:_MAX_CONFLICTS])
+    if len(described) > _MAX_CONFLICTS:
+        listed += f" and {len(described) - _MAX_CONFLICTS} more"
+    message = f"Infeasible: these constraints cannot hold together: {listed}{reason}{tail}"
     return solver.InfeasibleError(
         message,
         conflict=err.conflict,
