@@ -297,6 +297,7 @@ class AutoParallel:
                 reduce_dtype=getattr(self.mp_policy, "reduce_dtype", None),
                 cast_inputs=getattr(self.mp_policy, "cast_forward_inputs", True),
                 stack=self._stack,
+                mesh_shape=tuple(self.mesh.shape),
             )
         enumerator = StrategyEnumerator(self.mesh)
         # AOT export leaves its fake mode entered on the stack; planning

@@ -362,3 +362,80 @@ def last_node(graph: torch.fx.Graph | None) -> torch.fx.Node | None:
     if graph is None:
         return None
     return next(iter(reversed(graph.nodes)), None)
+
+
+# Name the trampoline below reads in _func_map's globals (its code runs as
+# _local_map_wrapped's, whose globals are that module's).
+_LOCAL_MAP_HANDLER = "_autoparallel_local_map_handler"
+
+
+def _local_map_trampoline(
+    func, out_placements, in_placements, in_grad_placements, device_mesh, redistribute_inputs, *args, **kwargs
+):
+    return _autoparallel_local_map_handler(  # noqa: F821 (a global of _func_map while intercepted)
+        func, out_placements, in_placements, in_grad_placements, device_mesh, redistribute_inputs, args, kwargs
+    )
+
+
+@contextlib.contextmanager
+def intercept_local_map(handler: Callable) -> Iterator[bool]:
+    """While open, every call of a function wrapped by
+    ``torch.distributed.tensor.experimental.local_map`` goes to
+    ``handler(func, out_placements, in_placements, in_grad_placements,
+    device_mesh, redistribute_inputs, args, kwargs)``; yields whether it
+    could be intercepted.
+
+    ``local_map`` returns ``functools.partial(_local_map_wrapped, func,
+    ...)``, created whenever the user's module was imported, so the partial
+    cannot be swapped: the wrapped function's code is, for the duration
+    (torch 2.4-2.15 keep that signature). On plain (fake) tensors the
+    wrapper would call ``func`` on global tensors, which silently computes
+    something else than a body written for local shards."""
+    try:
+        from torch.distributed.tensor.experimental import _func_map
+    except ImportError:
+        yield False
+        return
+    wrapped = getattr(_func_map, "_local_map_wrapped", None)
+    if wrapped is None or wrapped.__code__.co_freevars or wrapped.__code__.co_argcount != 6:
+        logger.warning("torch's local_map wrapper changed shape: local_map regions are not intercepted")
+        yield False
+        return
+    original = wrapped.__code__
+    previous = _func_map.__dict__.get(_LOCAL_MAP_HANDLER)
+    _func_map.__dict__[_LOCAL_MAP_HANDLER] = handler
+    wrapped.__code__ = _local_map_trampoline.__code__
+    try:
+        yield True
+    finally:
+        wrapped.__code__ = original
+        if previous is None:
+            _func_map.__dict__.pop(_LOCAL_MAP_HANDLER, None)
+        else:
+            _func_map.__dict__[_LOCAL_MAP_HANDLER] = previous
+
+
+@contextlib.contextmanager
+def outside_tracing() -> Iterator[None]:
+    """Run code on fake tensors without it entering the graph being traced
+    (no proxy, no functionalization), e.g. to learn a body's output shapes."""
+    from torch._dispatch.python import suspend_functionalization
+    from torch._subclasses.functional_tensor import disable_functional_mode
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with suspend_functionalization(), disable_functional_mode(), disable_proxy_modes_tracing():
+        yield
+
+
+@contextlib.contextmanager
+def autograd_below_custom_op() -> Iterator[None]:
+    """Record autograd again inside a custom op's implementation (which runs
+    with the autograd dispatch keys excluded), e.g. to differentiate a body
+    there. ``torch.func.vjp`` would do it too, but not on tensor subclasses
+    without storage (LocalTensor)."""
+    from torch._C import DispatchKey
+
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    exclude = exclude.remove(DispatchKey.AutogradFunctionality).remove(DispatchKey.ADInplaceOrView)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
+        yield

@@ -12,7 +12,8 @@ the better of the two plans is returned, with the higher bound).
 The objective reported is :func:`solver.evaluate.evaluate` of the expanded
 choice on the original problem; the ILP's own objective only steers the
 search. An infeasible problem raises :class:`InfeasibleError` naming the
-conflicting constraints (diagnosed on the original problem, no presolve).
+conflicting constraints (diagnosed on the original problem's constraint groups,
+within counted work and the safety cap: :mod:`solver.diagnose`).
 
 Determinism: the same problem and options give the same solution, whatever
 the machine's load. Both backends are deterministic, the model is built in a

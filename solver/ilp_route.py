@@ -25,7 +25,7 @@ from .diagnose import InfeasibleError, diagnose
 from .evaluate import evaluate, violations
 from .ilp import build
 from .problem import Problem, ProblemError, Solution
-from .work import stopped_by
+from .work import SafetyCap, stopped_by
 
 # solve()'s messages, under the logger name they always had.
 logger = logging.getLogger("solver.api")
@@ -95,6 +95,7 @@ def solve_by_ilp(
 def _solve(
     problem, backend, time_limit, rel_gap, presolve, pricing: PricingHook | None, node_limit, t_start
 ) -> Solution:
+    cap = SafetyCap(time_limit, t_start)  # the diagnosis of an infeasible problem stays under it too
     pre_mod = _presolve_module() if presolve else None
     if pre_mod is None:
         problem.validate()
@@ -122,7 +123,7 @@ def _solve(
                 pre = pre_mod.presolve(problem, check_costs=True)
             except pre_mod.PresolveInfeasible as exc:
                 logger.info("presolve found the problem infeasible: %s", exc)
-                raise _infeasible(problem, solver.name) from None
+                raise _infeasible(problem, solver.name, cap) from None
             reduced, expand, stats = pre.problem, pre.expand, pre.stats
         timings["presolve"] = time.perf_counter() - t0
 
@@ -150,13 +151,13 @@ def _solve(
     )
     if model.infeasible is not None:
         logger.info("infeasible before solving: %s", model.infeasible)
-        raise _infeasible(problem, solver.name)
+        raise _infeasible(problem, solver.name, cap)
 
     result = solver.solve(model, time_limit=time_limit, rel_gap=rel_gap, node_limit=node_limit)
     timings["build"] += result.timings.get("build", 0.0)
     timings["solve"] = result.timings.get("solve", 0.0)
     if result.status == "infeasible":
-        raise _infeasible(problem, solver.name)
+        raise _infeasible(problem, solver.name, cap)
     if result.status == "unknown" and priced is not None:
         return _priced_solution(problem, priced, expand, stats, timings, t_start)
     if result.status == "unknown":
@@ -314,8 +315,10 @@ def _presolve_module():
     return pre_mod
 
 
-def _infeasible(problem: Problem, backend: str) -> InfeasibleError:
-    err = diagnose(problem, backend=backend)
+def _infeasible(problem: Problem, backend: str, cap: SafetyCap) -> InfeasibleError:
+    """The diagnosis of ``problem``, which the solve proved infeasible,
+    within what is left of the solve's safety cap."""
+    err = diagnose(problem, backend=backend, cap=cap, known_infeasible=True)
     if err is None:  # should not happen: the reduced problem was infeasible
         return InfeasibleError(
             "Infeasible: the solver found no solution, but no conflicting constraint set could be isolated"

@@ -45,6 +45,7 @@ from ..options.dtensor_query import propagator
 from ..torch_compat import last_node, scalar_shape_adjusters, squeeze_dims_variants
 from ..options.strategies import NodeStrategy, format_specs
 from ..capture.tracing import TracedStep, module_path
+from . import local_map  # noqa: F401  (registers the local_map regions' lowerings)
 from .moe_dispatch import LOCAL_LOWERINGS
 from .node_templates import Template, has_mask_partial, nodes_after, template_key, tracer_of_proxy_mode
 from .redistribute import (

@@ -79,6 +79,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from . import activation_checkpointing
 from ..errors import DataDependentTraceError
 from ..graph_vocab import MODULE_PATH_KEY, module_path  # noqa: F401 - module_path re-exported
+from .local_map import capture_local_map
 from .trace_wrappers import ParamCastWrapper, TraceRoot, linalg_checks_without_effect_tokens, route_hf_experts
 
 logger = logging.getLogger(__name__)
@@ -297,8 +298,12 @@ def trace_training_step(
     reduce_dtype: torch.dtype | None = None,
     cast_inputs: bool = True,
     stack: contextlib.ExitStack,
+    mesh_shape: tuple[int, ...] | None = None,
 ) -> TracedStep:
     """Trace forward+backward of ``model(*inputs)`` into a joint FX graph.
+
+    ``mesh_shape``: the plan's mesh, which ``local_map`` regions are laid out
+    on (:mod:`.local_map`).
 
     ``stack`` must stay open as long as the joint graph is used (AOT autograd
     keeps contexts on it); the caller closes it.
@@ -327,6 +332,7 @@ def trace_training_step(
         fake_mode,
         activation_checkpointing.graph_ac_tracing(),
         _module_path_annotations(fake_model, running),
+        capture_local_map(mesh_shape, running, fake_mode),
         _compiling_state_context(),
         linalg_checks_without_effect_tokens(),
     ):

@@ -33,6 +33,8 @@ from ..validation import describe_placements, mesh_dim_name
 
 # how many layouts a message lists before "..."
 _MAX_LISTED = 12
+# how many conflicting constraints a message describes before "and N more"
+_MAX_CONFLICTS = 24
 
 
 def _layouts(options: Sequence[Any]) -> list[tuple]:
@@ -201,7 +203,7 @@ def describe_conflict(
         elif isinstance(entry, dict) and entry.get("budget_bytes") is not None:
             from .memory_budget import describe_entry
 
-            described.append(f"'{name}' ({describe_entry(entry)})")
+            described.append(f"'{name}' ({describe_entry(entry, err.reachable.get(name))})")
         elif isinstance(entry, dict) and ("low" in entry or "high" in entry):
             described.append(f"'{name}' (low={entry.get('low')}, high={entry.get('high')})")
         else:
@@ -212,8 +214,26 @@ def describe_conflict(
     params = {r.removeprefix("parameter ") for r in pinned_roles if r.startswith("parameter ")}
     if any(r.removeprefix("the gradient of ") in params for r in pinned_roles if r.startswith("the gradient of ")):
         reason = " (a parameter's gradient takes the parameter's layout)"
-    message = (
-        f"Infeasible: these constraints cannot hold together: {', '.join(described)}{reason}; "
-        "removing any one of them makes the problem feasible"
+    if err.unproven:
+        # the solver's diagnosis ran out of work: the set conflicts, but may not be irreducible
+        unproven = ", ".join(repr(n) for n in err.unproven[:_MAX_CONFLICTS])
+        if len(err.unproven) > _MAX_CONFLICTS:
+            unproven += f" and {len(err.unproven) - _MAX_CONFLICTS} more"
+        tail = (
+            f"; a partial diagnosis: {unproven} may not be needed (their checks reached the diagnosis' work "
+            "limits, solver.work.DIAGNOSIS_NODE_LIMIT / DIAGNOSIS_MAX_CHECKS, or the time limit)"
+        )
+    else:
+        tail = "; removing any one of them makes the problem feasible"
+    listed = ", ".join(described[:_MAX_CONFLICTS])
+    if len(described) > _MAX_CONFLICTS:
+        listed += f" and {len(described) - _MAX_CONFLICTS} more"
+    message = f"Infeasible: these constraints cannot hold together: {listed}{reason}{tail}"
+    return solver.InfeasibleError(
+        message,
+        conflict=err.conflict,
+        decisions=err.decisions,
+        edges=err.edges,
+        unproven=err.unproven,
+        reachable=err.reachable,
     )
-    return solver.InfeasibleError(message, conflict=err.conflict, decisions=err.decisions, edges=err.edges)

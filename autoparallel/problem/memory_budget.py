@@ -404,11 +404,15 @@ def describe(parts: dict[str, float]) -> str:
     return ", ".join(f"{cat} {size_text(parts[cat])}" for cat in CATEGORIES if parts.get(cat))
 
 
-def describe_entry(entry: dict) -> str:
-    """A constraint-log entry of the budget in words, for conflict messages."""
+def describe_entry(entry: dict, reachable: tuple[float, float | None] | None = None) -> str:
+    """A constraint-log entry of the budget in words, for conflict messages;
+    ``reachable``: the solver diagnosis' ``(bound, reached)`` of the
+    budget row under the other constraints of the conflict."""
     text = f"{size_text(entry['budget_bytes'])} per rank, {entry.get('source', '')}"
     if entry.get("smallest_bytes") is not None:
         text += f"; every term at its smallest layout: {size_text(entry['smallest_bytes'])}"
+    if reachable is not None:
+        text += f"; no plan under the other constraints needs less than {size_text(reachable[0])}"
     return text
 
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 
+import numpy as np
 import pytest
 
 import solver
+import solver.diagnose as diagnose_mod
 from solver import InfeasibleError, solve
-from solver.diagnose import _deletion_filter, diagnose
+from solver.diagnose import Verdict, _deletion_filter, diagnose
 from solver.problem import INF, Decision, Edge, Link, Pin, Problem, ResourceConstraint
 
 from ilp_cases import brute_force, random_problem
@@ -74,8 +76,10 @@ def test_known_conflicting_triple_is_named_exactly(backend, presolve):
     assert err.conflict == ["w1 replicated", "w1/w2 alike", "parameter memory budget"]
     assert str(err) == (
         "Infeasible: constraints conflict: 'w1 replicated', 'w1/w2 alike', "
-        "'parameter memory budget' (removing any one of them makes the problem feasible)"
+        "'parameter memory budget' (removing any one of them makes the problem feasible); "
+        "'parameter memory budget': no choice under the others gets its sum below 8 (high 6)"
     )
+    assert err.reachable == {"parameter memory budget": (8.0, 8.0)} and err.unproven == []
 
 
 def test_conflicting_pair_message():
@@ -84,7 +88,8 @@ def test_conflicting_pair_message():
     assert err.conflict == ["input constraint 0", "replicated input too big"]
     assert str(err) == (
         "Infeasible: constraints conflict: 'input constraint 0', 'replicated input too big' "
-        "(removing any one of them makes the problem feasible)"
+        "(removing any one of them makes the problem feasible); "
+        "'replicated input too big': no choice under the others gets its sum below 9 (high 5)"
     )
     assert isinstance(err, ValueError) and not isinstance(err, solver.ProblemError)
 
@@ -179,13 +184,93 @@ def test_deletion_filter_is_irreducible_with_few_checks(conflicts):
     calls = []
 
     def feasible(kept):
-        calls.append(tuple(kept))
         return not any(c <= set(kept) for c in conflicts)
 
-    result = _deletion_filter(list(range(64)), feasible)
+    def check(kept):
+        calls.append(tuple(kept))
+        return Verdict.FEASIBLE if feasible(kept) else Verdict.INFEASIBLE
+
+    result, unproven = _deletion_filter(list(range(64)), check)
     assert len(set(calls)) == len(calls)  # no check repeated
     if len(conflicts[0]) <= 2:
         assert len(calls) <= 30  # versus 64 for one-by-one deletion
-    assert not feasible(result)
+    assert not feasible(result) and unproven == []
     for g in result:
         assert feasible([k for k in result if k != g])
+
+
+def test_deletion_filter_keeps_what_it_could_not_check():
+    """A check that runs out of work keeps the group it tested: the result
+    still conflicts (only proven-infeasible sets are moved to), and a group
+    whose own removal was never decided comes back as unproven."""
+    conflict = {5, 40}
+
+    def check(kept):
+        if not conflict <= set(kept):
+            return Verdict.FEASIBLE
+        # without group 7 the checker cannot prove anything infeasible
+        return Verdict.INFEASIBLE if 7 in kept else Verdict.UNKNOWN
+
+    result, unproven = _deletion_filter(list(range(64)), check)
+    assert result == [5, 7, 40] and unproven == [7]
+
+
+def market_split(m: int, n: int, seed: int) -> Problem:
+    """Cornuéjols-Dawande market split: m equality rows over n on/off
+    decisions, each row's sum held at half its total. Such rows are
+    (almost always) infeasible, and proving it takes branch and bound
+    thousands of nodes: the LP relaxation and propagation prove nothing.
+    One pin per decision (allowing both options) gives the deletion filter
+    groups to test."""
+    rng = np.random.default_rng(seed)
+    a = rng.integers(0, 100, (m, n))
+    return Problem(
+        [Decision(f"d{j}", ["off", "on"], [0.0, 0.0]) for j in range(n)],
+        pins=[Pin(f"pin {j}", f"d{j}", [0, 1]) for j in range(n)],
+        resources=[
+            ResourceConstraint(
+                f"split {i}",
+                {f"d{j}": [0.0, float(a[i, j])] for j in range(n)},
+                low=float(a[i].sum() // 2),
+                high=float(a[i].sum() // 2),
+            )
+            for i in range(m)
+        ],
+        name="market split",
+    )
+
+
+@pytest.mark.skipif("highs" not in BACKENDS, reason="the node limit is HiGHS'")
+def test_diagnosis_of_a_hard_problem_ends_on_counted_work(monkeypatch):
+    """Each feasibility check stops at the node limit (``unknown``), and the
+    checks in all at ``max_checks``: the diagnosis ends, naming a set that
+    conflicts (nothing was dropped without proof) and saying it is partial."""
+    p = market_split(3, 20, 0)
+    monkeypatch.setattr(diagnose_mod, "DIAGNOSIS_NODE_LIMIT", 20)
+    checks = []
+    real = diagnose_mod.FeasibilityChecker._check
+    monkeypatch.setattr(diagnose_mod.FeasibilityChecker, "_check", lambda self, q: checks.append(q) or real(self, q))
+    with pytest.raises(solver.SolverError, match="not decided within 20 MIP nodes"):
+        diagnose(p)  # not known infeasible: no answer is honest
+    assert len(checks) == 1
+    checks.clear()
+    err = diagnose(p, known_infeasible=True, max_checks=8)
+    assert 0 < len(checks) <= 8
+    assert err.conflict == p.constraint_names()  # no check proved a smaller set infeasible
+    assert {f"pin {j}" for j in range(20)} <= set(err.unproven) <= set(err.conflict)
+    assert "partial diagnosis" in str(err) and "limit of 8 checks" in str(err)
+
+
+def test_diagnosis_stops_at_the_safety_cap(monkeypatch):
+    """Past the caller's wall-clock cap no check runs: the conflict is every
+    group, all unproven, and the message says why."""
+    from solver.work import SafetyCap
+
+    p = model_problem(extra_pins=[Pin("w1 replicated", "w1", [0])])
+    checks = []
+    real = diagnose_mod.FeasibilityChecker._check
+    monkeypatch.setattr(diagnose_mod.FeasibilityChecker, "_check", lambda self, q: checks.append(q) or real(self, q))
+    err = diagnose(p, cap=SafetyCap(1e-9, start=0.0), known_infeasible=True)
+    assert checks == []
+    assert err.conflict == p.constraint_names() and err.unproven == err.conflict
+    assert "partial diagnosis" in str(err) and "the time limit was reached" in str(err)

@@ -317,3 +317,29 @@ def test_solver_conflict_names_the_budget_with_its_numbers():
     msg = str(infeasibility.describe_conflict(err, log))
     assert "'memory budget' (2.00 GB per rank, given; every term at its smallest layout: 1.50 GB)" in msg
     assert "'input constraint 0' (tokens as R)" in msg
+    assert msg.endswith("removing any one of them makes the problem feasible")
+
+
+def test_partial_diagnosis_says_so_with_the_reachable_figure():
+    """A diagnosis that ran out of work says which groups may not be
+    needed; the budget gets the smallest figure the solver proved
+    reachable under the other constraints."""
+    import solver
+    from autoparallel.problem import infeasibility
+
+    err = solver.InfeasibleError(
+        "infeasible",
+        conflict=[BUDGET_NAME, "input constraint 0"],
+        unproven=["input constraint 0"],
+        reachable={BUDGET_NAME: (2.5e9, 2.6e9)},
+    )
+    log = {
+        BUDGET_NAME: {"budget_bytes": 2e9, "source": "given", "smallest_bytes": 1.5e9, "model": {}},
+        "input constraint 0": {"node": "tokens", "placements": ["R"]},
+    }
+    out = infeasibility.describe_conflict(err, log)
+    msg = str(out)
+    assert "no plan under the other constraints needs less than 2.50 GB" in msg
+    assert "a partial diagnosis: 'input constraint 0' may not be needed" in msg
+    assert "removing any one" not in msg
+    assert out.unproven == ["input constraint 0"] and out.reachable == {BUDGET_NAME: (2.5e9, 2.6e9)}
