@@ -66,12 +66,16 @@ def _sequence_sharded(op, sig: AttentionSignature, option, cp_dim: int, coords: 
         args = list(args)
         for i, full in gathered.items():
             args[i] = redistribute(args[i], specs[i], full, coords, device=device)
-        if args[sig.is_causal]:
+        # is_causal as the node passes it: positional, by name, or left to its default (False)
+        causal = args[sig.is_causal] if len(args) > sig.is_causal else kwargs.get("is_causal", False)
+        if causal:
             q, k = args[sig.query], args[sig.key]
             lq, lk = q.shape[sig.seq_dim], k.shape[sig.seq_dim]
             first_row = coords[cp_dim] * lq
-            args[sig.is_causal] = False
-            kwargs = {**kwargs, sig.mask_kwarg: causal_mask(lq, lk, first_row, q.dtype, q.device)}
+            if len(args) > sig.is_causal:
+                args[sig.is_causal] = False
+            kwargs = {**kwargs, "is_causal": False} if "is_causal" in kwargs else dict(kwargs)
+            kwargs[sig.mask_kwarg] = causal_mask(lq, lk, first_row, q.dtype, q.device)
         out = op(*args, **kwargs)
         if not sig.backward:
             return out

@@ -87,7 +87,7 @@ def sequence_shardable(node) -> bool:
     sig = SEQUENCE_SHARDED_ATTENTION.get(node.target)
     if sig is None or node.kwargs.get(sig.mask_kwarg) is not None:
         return False
-    return float(_arg(node, sig.dropout_p, 0.0)) == 0.0
+    return float(_arg(node, sig.dropout_p, node.kwargs.get("dropout_p", 0.0))) == 0.0
 
 
 def cp_mesh_dim(option: Option, sig: AttentionSignature) -> int | None:

@@ -18,6 +18,7 @@ from _parity import check_step, plan_and_apply
 from torch.distributed.device_mesh import init_device_mesh
 
 from autoparallel import AutoParallel
+from autoparallel.api import ConstraintError
 from autoparallel.apply.collectives import collectives
 from autoparallel.apply.context_parallel import causal_mask
 from autoparallel.models.llama3 import LLAMA3_CONFIGS, Transformer
@@ -101,3 +102,44 @@ def test_planner_chooses_context_parallel_by_its_price(fake_world, monkeypatch):
     assert _attention_placements(4096, heads=4) == ["(S(1), S(1))"] * 2
     monkeypatch.setattr(attention_rules, "sequence_options", lambda *args: [])
     assert all("S(2)" not in p for p in _attention_placements(4096, heads=2))
+
+
+class Bidirectional(nn.Module):
+    """One non-causal attention block (an encoder's) and a scalar loss."""
+
+    def __init__(self, dim: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (y.transpose(1, 2) for y in self.qkv(x).view(b, t, 3, self.heads, c // self.heads).unbind(2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=False)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c)).pow(2).mean()
+
+
+def test_cp_non_causal_step_matches_single_device(fake_world):
+    """Without a causal mask every rank's queries attend to the gathered keys
+    unmasked; the "cp" role forces the sequence split on the 2x2 mesh."""
+    fake_world(4)
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 32)
+    parallel, plan, mesh = plan_and_apply(Bidirectional, (x,), mesh_dim_names=("dp", "cp"))
+    attention = [n for n in plan.nodes.values() if n.op in (SDPA, SDPA_BACKWARD)]
+    assert len(attention) == 2 and all("S(2)" in n.output_placements for n in attention), attention
+    check_step(parallel, mesh, Bidirectional, (x,), rel=1e-4)
+
+
+def test_cp_role_names_an_attention_op_it_cannot_split(fake_world):
+    """A sequence that does not divide over the "cp" dim: the role's error
+    names the attention op and says what would be valid."""
+    fake_world(4)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    with torch.device("meta"):
+        model = Bidirectional()
+        x = torch.randn(2, 15, 32)
+    with AutoParallel(model, mesh, (x,)) as autop:
+        with pytest.raises(ConstraintError, match=r"attention op .* no sequence-sharded option over 'cp' \(2 ranks\)"):
+            autop.optimize_placement()
