@@ -90,6 +90,12 @@ def sequence_shardable(node) -> bool:
     return float(_arg(node, sig.dropout_p, node.kwargs.get("dropout_p", 0.0))) == 0.0
 
 
+def is_causal(node, sig: AttentionSignature) -> bool:
+    """Whether the attention node masks causally (positional, by name, or
+    the default False)."""
+    return bool(_arg(node, sig.is_causal, node.kwargs.get("is_causal", False)))
+
+
 def cp_mesh_dim(option: Option, sig: AttentionSignature) -> int | None:
     """The mesh dim an option splits the sequence over (the query's
     ``Shard(seq_dim)``), or None for a batch/heads option."""
@@ -121,9 +127,14 @@ def in_op_work(node, sig: AttentionSignature, placements: tuple, mesh, cp_dim: i
     kf[sig.seq_dim] *= n
     vf[sig.seq_dim] *= n
     if sig.backward:
-        flops = sdpa_backward_flop_count(ql, ql, kf, vf) - sdpa_backward_flop_count(ql, ql, kl, vl)
+        full, local = sdpa_backward_flop_count(ql, ql, kf, vf), sdpa_backward_flop_count(ql, ql, kl, vl)
     else:
-        flops = sdpa_flop_count(ql, kf, vf) - sdpa_flop_count(ql, kl, vl)
+        full, local = sdpa_flop_count(ql, kf, vf), sdpa_flop_count(ql, kl, vl)
+    # The op's own price is its local shapes' flops, halved when causal (a
+    # causal kernel skips the masked half); the lowered kernel takes an
+    # explicit mask and computes every block of the local queries against
+    # all keys: the difference is in-op work.
+    flops = full - (0.5 if is_causal(node, sig) else 1.0) * local
     shard_bytes = [_numel(s) * t.element_size() for s, t in ((kl, k), (vl, v))]
     collectives = [("all_gather", b, cp_dim) for b in shard_bytes]
     if sig.backward:

@@ -143,3 +143,41 @@ def test_cp_role_names_an_attention_op_it_cannot_split(fake_world):
     with AutoParallel(model, mesh, (x,)) as autop:
         with pytest.raises(ConstraintError, match=r"attention op .* no sequence-sharded option over 'cp' \(2 ranks\)"):
             autop.optimize_placement()
+
+
+def test_sequence_option_prices_gathers_and_compute_over_cp_degree(fake_world):
+    """On 4 ranks a causal attention's sequence-sharded option costs each
+    rank 1/4 of the (unmasked) attention compute in all (its queries against
+    every key: the op's causal-halved local price plus the in-op flops), two
+    all-gathers of the K/V shards, and in the backward two reduce-scatters of
+    the full-length dK/dV."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    from autoparallel.options.rules.context_parallel import sequence_options
+
+    fake_world(4)
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("x",))
+    aten = torch.ops.aten
+    shape = (2, 4, 64, 8)
+
+    def step(q, k, v, g):
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, out, lse, 0.0, True)
+
+    gm = make_fx(step, tracing_mode="fake")(*(torch.randn(shape) for _ in range(4)))
+    forward, backward = (n for n in gm.graph.nodes if n.op == "call_function" and "flash_attention" in str(n.target))
+    local, kv_bytes = (2, 4, 16, 8), 2 * 4 * 16 * 8 * 4
+    for node, formula, args in (
+        (forward, sdpa_flop_count, (shape, shape, shape)),
+        (backward, sdpa_backward_flop_count, (shape, shape, shape, shape)),
+    ):
+        tensors = [a.meta["val"] for a in node.args if isinstance(a, torch.fx.Node)]
+        (option,) = sequence_options(node, tensors, node.meta["val"], mesh, (torch.distributed.tensor.Replicate(),))
+        local_args = (local,) * len(args)
+        total = option.in_op.flops + 0.5 * formula(*local_args)
+        assert total == pytest.approx(formula(*args) / 4)
+        gathers = [("all_gather", kv_bytes, 0)] * 2
+        assert list(option.in_op.collectives) == gathers + (
+            [("reduce_scatter", 4 * kv_bytes, 0)] * 2 if node is backward else []
+        )
