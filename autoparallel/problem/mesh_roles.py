@@ -15,7 +15,9 @@ role            what the plan does over that dim
                 shard dim): the planner decides, the default parameter-
                 memory rule shards them as far as the mesh allows
 ``tp``          tensor parallel: the batch is not split over it
-``cp``          context parallel: the sequence (tensor dim 1) is split
+``cp``          context parallel: the sequence (tensor dim 1) is split,
+                attention included (K and V gathered over the dim,
+                :mod:`autoparallel.options.rules.context_parallel`)
 ``ep``          routed experts sharded by expert with all-to-all token
                 dispatch (the routed-experts op of
                 :mod:`autoparallel.models.moe`); data parallel elsewhere

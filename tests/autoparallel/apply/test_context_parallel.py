@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from _parity import check_step, plan_and_apply
+from _parity import check_step, plan_and_apply, slow_compute_device
 
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -181,3 +181,29 @@ def test_sequence_option_prices_gathers_and_compute_over_cp_degree(fake_world):
         assert list(option.in_op.collectives) == gathers + (
             [("reduce_scatter", 4 * kv_bytes, 0)] * 2 if node is backward else []
         )
+
+
+@pytest.mark.slow
+def test_cp_with_heads_split_on_3d_mesh(fake_world):
+    """A 2x2x2 ("dp", "cp", "tp") mesh with compute so slow that the plan
+    splits all it can: attention takes the batch over dp, the sequence over
+    cp (K/V gathered) and the heads over tp, and the step matches single
+    device on 8 LocalTensorMode ranks."""
+    fake_world(8)
+    torch.manual_seed(0)
+    seq = 64
+    tokens = torch.randint(0, 256, (2, seq))
+    targets = torch.randint(0, 256, (2, seq))
+
+    def build():
+        return LlamaLoss(seq)
+
+    parallel, plan, mesh = plan_and_apply(
+        build,
+        (tokens, targets),
+        mesh_shape=(2, 2, 2),
+        mesh_dim_names=("dp", "cp", "tp"),
+        device=slow_compute_device(),
+    )
+    assert {n.output_placements for n in plan.nodes.values() if n.op == SDPA} == {"(S(0)S(2)S(1), S(0)S(2)S(1))"}
+    check_step(parallel, mesh, build, (tokens, targets), rel=1e-4)
