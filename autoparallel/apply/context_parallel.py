@@ -75,7 +75,11 @@ def _sequence_sharded(op, sig: AttentionSignature, option, cp_dim: int, coords: 
             if len(args) > sig.is_causal:
                 args[sig.is_causal] = False
             kwargs = {**kwargs, "is_causal": False} if "is_causal" in kwargs else dict(kwargs)
-            kwargs[sig.mask_kwarg] = causal_mask(lq, lk, first_row, q.dtype, q.device)
+            mask = causal_mask(lq, lk, first_row, q.dtype, q.device)
+            if isinstance(sig.mask, int):
+                args[sig.mask] = mask
+            else:
+                kwargs[sig.mask] = mask
         out = op(*args, **kwargs)
         if not sig.backward:
             return out

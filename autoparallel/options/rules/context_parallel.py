@@ -54,7 +54,9 @@ class AttentionSignature:
     value: int
     dropout_p: int
     is_causal: int
-    mask_kwarg: str = "attn_mask"
+    # the additive mask argument: a keyword (``attn_mask``) or a position
+    # (the efficient kernel's ``attn_bias``)
+    mask: str | int = "attn_mask"
     grad_key_value: tuple[int, int] | None = None
     seq_dim: int = 2
     # tensor inputs the op has without a mask (the option is offered then only)
@@ -85,7 +87,10 @@ def sequence_shardable(node) -> bool:
     offset rows and columns) and no dropout (its random stream is per
     global position)."""
     sig = SEQUENCE_SHARDED_ATTENTION.get(node.target)
-    if sig is None or node.kwargs.get(sig.mask_kwarg) is not None:
+    if sig is None:
+        return False
+    user_mask = _arg(node, sig.mask, None) if isinstance(sig.mask, int) else node.kwargs.get(sig.mask)
+    if user_mask is not None:
         return False
     return float(_arg(node, sig.dropout_p, node.kwargs.get("dropout_p", 0.0))) == 0.0
 
