@@ -54,7 +54,7 @@ def test_causal_mask_offsets_rows():
     assert torch.equal(full.isinf(), ~torch.ones(8, 8, dtype=torch.bool).tril())
 
 
-@pytest.mark.parametrize("seq", [64])
+@pytest.mark.parametrize("seq", [64, pytest.param(256, marks=pytest.mark.slow)])
 def test_cp_step_matches_single_device(fake_world, seq):
     fake_world(4)
     torch.manual_seed(0)
