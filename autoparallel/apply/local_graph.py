@@ -45,6 +45,7 @@ from ..options.dtensor_query import propagator
 from ..torch_compat import last_node, scalar_shape_adjusters, squeeze_dims_variants
 from ..options.strategies import NodeStrategy, format_specs
 from ..capture.tracing import TracedStep, module_path
+from .context_parallel import lower_attention
 from . import local_map  # noqa: F401  (registers the local_map regions' lowerings)
 from .moe_dispatch import LOCAL_LOWERINGS
 from .node_templates import Template, has_mask_partial, nodes_after, template_key, tracer_of_proxy_mode
@@ -348,6 +349,8 @@ class _Interpreter:
         op_ = schema.op
         lower = LOCAL_LOWERINGS.get(op_)
         lowered = lower(opt, self.mesh, largs, lkwargs) if lower is not None else None
+        if lowered is None:  # sequence-sharded attention gathers K/V itself
+            lowered = lower_attention(op_, opt, self.mesh, self.coords, largs, lkwargs, self.device)
         if lowered is not None:  # an op whose option runs its own collectives
             op_, largs, lkwargs = lowered
         out = op_(*largs, **lkwargs)

@@ -15,7 +15,9 @@ role            what the plan does over that dim
                 shard dim): the planner decides, the default parameter-
                 memory rule shards them as far as the mesh allows
 ``tp``          tensor parallel: the batch is not split over it
-``cp``          context parallel: the sequence (tensor dim 1) is split
+``cp``          context parallel: the sequence (tensor dim 1) is split,
+                attention included (K and V gathered over the dim,
+                :mod:`autoparallel.options.rules.context_parallel`)
 ``ep``          routed experts sharded by expert with all-to-all token
                 dispatch (the routed-experts op of
                 :mod:`autoparallel.models.moe`); data parallel elsewhere
@@ -44,6 +46,7 @@ import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
+from ..options.rules.context_parallel import SEQUENCE_SHARDED_ATTENTION
 from .option_rules import OptionRule, allowed_mask
 from ..validation import ConstraintError
 
@@ -125,7 +128,9 @@ def option_rules(
     replicated over a ``replicate`` dim; every routed-experts op (forward
     and backward) in the all-to-all mode over the ``ep`` dim (tokens
     sharded, expert weights ``Shard(0)``). Raises :class:`ConstraintError`
-    naming the node when no option of it can follow its rule."""
+    naming the node when no option of it can follow its rule; every
+    attention op sequence-sharded over a ``cp`` dim (context parallelism,
+    :mod:`autoparallel.options.rules.context_parallel`)."""
     names = _dim_names(mesh)
     rules: dict[str, list[OptionRule]] = {}
     for d, role in sorted(roles.items()):
@@ -134,6 +139,8 @@ def option_rules(
             for fqn, node in traced.param_nodes.items():
                 if node in strategies:
                     rules.setdefault(node.name, []).append(OptionRule(cname, d, output="R"))
+        elif role == "cp":
+            _cp_rules(strategies, d, cname, mesh, rules)
         elif role == "ep":
             found = 0
             for node, strat in strategies.items():
@@ -158,6 +165,31 @@ def option_rules(
             if not found:
                 logger.info("%s: the model has no routed-experts op; the dim is data parallel", cname)
     return rules
+
+
+def _cp_rules(strategies: dict, d: int, cname: str, mesh: DeviceMesh, rules: dict[str, list[OptionRule]]) -> None:
+    """Every attention op (forward and backward) takes its query split on the
+    sequence over ``cp`` dim ``d``: the sequence-sharded option, which
+    gathers K and V over the dim."""
+    found = 0
+    for node, strat in strategies.items():
+        sig = SEQUENCE_SHARDED_ATTENTION.get(getattr(node, "target", None))
+        if sig is None:
+            continue
+        found += 1
+        rule = OptionRule(cname, d, inputs=((sig.query, f"S({sig.seq_dim})"),))
+        if not any(allowed_mask([rule], strat.options)):
+            from ..capture.tracing import module_path
+
+            raise ConstraintError(
+                f"{cname}: the attention op {node.name} ({module_path(node) or 'no module path'}) has no "
+                f"sequence-sharded option over {_dim_names(mesh)[d]!r} ({mesh.size(d)} ranks): the sequence must "
+                "divide evenly by that many ranks, and the op may carry no explicit mask and no dropout "
+                "(only is_causal); use another mesh shape or give the dim another role"
+            )
+        rules.setdefault(node.name, []).append(rule)
+    if not found:
+        logger.info("%s: the model has no sequence-shardable attention op; only the inputs are split", cname)
 
 
 def io_placements(mesh: DeviceMesh, roles: dict[int, str]) -> tuple | None:

@@ -12,8 +12,10 @@ or bias broadcasts against ``(batch, heads, q_len, k_len)`` from the right:
 it is sharded where it has the batch (heads) dim in full and replicated
 where it broadcasts over it (a 2-D causal mask is replicated whatever q
 holds). Tensors of fewer than three dims (random-number state, empty debug
-masks) are replicated. Sharding the sequence would need the causal mask's
-global offsets: not offered.
+masks) are replicated. The CPU kernel may also split the sequence over
+one mesh dim (context parallelism): those options come from
+:mod:`.context_parallel`, whose apply gathers K and V and offsets the causal
+mask.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from ..strategies import Option, SpecPool, is_evenly_sharded, register_rule, tensor_inputs, tensor_meta_of
+from .context_parallel import sequence_options
 
 aten = torch.ops.aten
 
@@ -111,4 +114,6 @@ def batch_head_options(
 )
 def sdpa_cpu_rule(node, input_candidates, mesh):
     query = node.args[0] if node.target is aten._scaled_dot_product_flash_attention_for_cpu.default else node.args[1]
-    return batch_head_options(node, mesh, query)
+    options = batch_head_options(node, mesh, query)
+    tensors = [n.meta["val"] for n in tensor_inputs(node)]
+    return options + sequence_options(node, tensors, node.meta["val"], mesh, _PER_DIM_CHOICES)
