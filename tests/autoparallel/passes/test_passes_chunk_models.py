@@ -136,7 +136,7 @@ def test_hugging_face_decoder_layers_compute_bound(fake_world, kind):
     modules = {"model.model.layers.*": "batch"}
     stats, plain, chunked = chunked_vs_unchunked(build, tokens, modules, device=slow_compute_device())
     assert stats.regions_chunked == 2 and not stats.refused, stats.refused
-    assert_same_step(chunked, plain)
+    assert_same_step(chunked, plain, rel=step_tolerance(tokens[0].numel()))
 
 
 def _our_model(kind: str, n_layers: int = 2):
@@ -173,8 +173,8 @@ def test_our_decoder_layers_chunked_equal_unchunked(fake_world, kind, device):
     tokens = (torch.randint(0, args.vocab_size, (8, 16), generator=torch.Generator().manual_seed(1)),)
     dev = slow_compute_device() if device == "compute-bound" else None
     stats, plain, chunked = chunked_vs_unchunked(build, tokens, {"body.layers.*": "batch"}, device=dev)
-    assert stats.regions_chunked == 2, stats.refused
-    assert_same_step(chunked, plain)
+    assert stats.regions_chunked == 2 and not stats.refused, stats.refused
+    assert_same_step(chunked, plain, rel=step_tolerance(tokens[0].numel()))
 
 
 def step_tolerance(tokens: int, dtype=torch.float32) -> float:
