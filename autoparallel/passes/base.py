@@ -32,6 +32,11 @@ ColumnMajorAllGather = Literal["group", "reorder"]
 # Which dim chunk_regions splits a region's work along (user inputs are
 # [batch, seq, ...]).
 ChunkMode = Literal["batch", "seq"]
+# chunk_regions' promise: "bitwise", every chunk computes what the region
+# computes on contiguous halves of its inputs; "tolerance", chunks may also
+# hold every rank's half of rows gathered over a mesh dim (equal to the
+# unchunked step up to the order of floating-point sums over the split dim)
+ChunkExactness = Literal["bitwise", "tolerance"]
 
 
 @dataclass
@@ -68,6 +73,9 @@ class PassOptions:
     # False: each chunk's goes through its own reduce-scatter, added after
     # (chunk A's overlaps chunk B's compute; twice the gradient bytes).
     chunk_early_grad_sum: bool = True
+    # ... "tolerance" (default) or "bitwise": see ChunkExactness and
+    # docs/chunking.md (the bound on the difference from the unchunked step).
+    chunk_exactness: ChunkExactness = "tolerance"
 
 
 @dataclass

@@ -19,13 +19,14 @@ import fnmatch
 import operator
 import re
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 import torch
 import torch.fx as fx
 
 from ..capture.tracing import module_path
-from .base import ChunkMode, PassContext
+from .base import ChunkExactness, ChunkMode, PassContext
 from .chunk_dims import (
     PER_CHUNK,
     ATTENTION_NAMES,
@@ -38,7 +39,7 @@ from .chunk_dims import (
     UnknownSplitDim,
     fake_val,
     group_split,
-    merge_depth,
+    merge_factor,
     propagate_split_dims,
 )
 
@@ -132,6 +133,11 @@ class RegionPlan:
     # built outside the region with the literal batch, a constant fill):
     # value -> dim; each chunk reads its own half
     partners: dict[fx.Node, int] = field(default_factory=dict)
+    # how a chunk's rows are grouped along the split dim (see
+    # chunk_dims.rows_of_chunk), for the values split where the region reads
+    # them (live-ins, partners) and those rebuilt where they leave it; absent: 1
+    # (contiguous halves)
+    groups: dict[fx.Node, int] = field(default_factory=dict)
 
 
 def _is_random(n: fx.Node) -> bool:
@@ -186,6 +192,15 @@ def _is_linear(n: fx.Node) -> bool:
     return isinstance(t, torch._ops.OpOverload) and t.is_view
 
 
+class _Regroup(Exception):
+    """Live-ins to split rank by rank (live-in -> grouping) so their rows line
+    up with rows gathered over a mesh dim inside the region; plan again."""
+
+    def __init__(self, groups: dict[fx.Node, int]):
+        super().__init__(groups)
+        self.groups = groups
+
+
 def plan_region(
     region: str,
     mode: ChunkMode,
@@ -193,8 +208,57 @@ def plan_region(
     global_dims: dict,
     early_sums: bool = True,
     why: dict | None = None,
+    exactness: ChunkExactness = "tolerance",
 ) -> RegionPlan:
-    """Decide what to split, duplicate and rebuild; raise :class:`ChunkRefused`."""
+    """Decide what to split, duplicate and rebuild; raise :class:`ChunkRefused`.
+
+    ``exactness="bitwise"``: every live-in is split in contiguous halves, so
+    each chunk computes exactly what the region computes on the halves
+    (eager module-level chunking); a region that gathers rows along the split
+    dim and combines them with rows it did not gather is refused.
+    ``"tolerance"``: such live-ins are split rank by rank instead (each
+    chunk holds the first or second half of every rank's rows, the order the
+    gathered rows have), and values leaving the region with that grouping
+    are rebuilt rank by rank; the step then equals the unchunked one up to
+    the order in which sums over the split dim add their terms."""
+    if exactness not in ("bitwise", "tolerance"):
+        raise ValueError(f"chunk exactness {exactness!r}: give 'bitwise' or 'tolerance'")
+    live_in_groups: dict[fx.Node, int] = {}
+    for _ in range(len(members) + 1):  # each retry regroups at least one more live-in
+        try:
+            return _plan_region(region, mode, members, global_dims, early_sums, why, exactness, live_in_groups)
+        except _Regroup as r:
+            live_in_groups.update(r.groups)
+    raise ChunkRefused(f"{region}: the live-ins' row groupings did not settle")  # unreachable in practice
+
+
+def _live_in_roots(nodes: list[fx.Node], live_ins: dict[fx.Node, int], state: dict) -> set[fx.Node]:
+    """The split live-ins that ``nodes`` (region values) are computed from."""
+    roots: set[fx.Node] = set()
+    seen: set[fx.Node] = set()
+    stack = list(nodes)
+    while stack:
+        x = stack.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        if x in live_ins:
+            roots.add(x)
+        elif x in state:
+            stack.extend(a for a in x.all_input_nodes if a in state)
+    return roots
+
+
+def _plan_region(
+    region: str,
+    mode: ChunkMode,
+    members: list[fx.Node],
+    global_dims: dict,
+    early_sums: bool,
+    why: dict | None,
+    exactness: ChunkExactness,
+    live_in_groups: dict[fx.Node, int],
+) -> RegionPlan:
     member_set = set(members)
     if mode == "seq":
         att = next((n for n in members if any(s in str(n.target) for s in ATTENTION_NAMES)), None)
@@ -210,7 +274,10 @@ def plan_region(
     summed: set[fx.Node] = set()  # sums over the split dim, added up at once
     partners: dict[fx.Node, int] = {}  # full-size inputs each chunk reads its part of
     late_reduced: dict[fx.Node, fx.Node] = {}  # linear ops on a partial sum, duplicated -> its producer
-    depth: dict[fx.Node, int] = {}  # see merge_depth: 0 where a chunk's rows are a contiguous half
+    # see merge_factor: 1 where a chunk's rows are a contiguous half, G where
+    # they are the halves of G groups (rows gathered over G ranks)
+    grouping: dict[fx.Node, Fraction] = {}
+    partner_groups: dict[fx.Node, Fraction] = {}
     mesh_sizes = MESH_SIZES.get()
     for n in members:
         ins = n.all_input_nodes
@@ -224,11 +291,16 @@ def plan_region(
             if isinstance(g, int):
                 if a not in live_ins:
                     v = fake_val(a)
-                    if v.shape[g] % 2:
-                        raise ChunkRefused(f"live-in {a.name} has odd size {v.shape[g]} on the split dim {g}")
+                    k = live_in_groups.get(a, 1)
+                    if v.shape[g] % (2 * k):
+                        raise ChunkRefused(
+                            f"live-in {a.name} has odd size {v.shape[g]} on the split dim {g}"
+                            + (f" per group of {k} ranks' rows" if k > 1 else "")
+                        )
                     live_ins[a] = g
                     half[a] = v.narrow(g, 0, v.shape[g] // 2)
                     state[a] = g
+                    grouping[a] = Fraction(k)
                 deps.append(a)
             elif g is None:
                 lost = (why or {}).get(a)
@@ -256,7 +328,7 @@ def plan_region(
             raise ChunkRefused(f"{n.name} ({n.target}): attention under sequence chunking needs every key")
         in_dims = [state[a] for a in deps if isinstance(state.get(a), int)]
         first = next((a for a in deps if isinstance(state.get(a), int)), None)
-        regroup = first is not None and group_split(n, state[first], depth.get(first, 0), mesh_sizes)
+        regroup = first is not None and group_split(n, state[first], grouping.get(first, Fraction(1)), mesh_sizes)
         if (
             first is not None
             and not regroup
@@ -277,17 +349,30 @@ def plan_region(
         for f, i in found.items():
             if partners.setdefault(f, i) != i:
                 raise ChunkRefused(f"{f.name} lines up with the split dim along two different dims")
-        depths = {depth.get(a, 0) for a in deps}
-        if len(depths) > 1 or (found and depths != {0}):
-            raise ChunkRefused(
-                f"{n.name} ({n.target}) combines rows in different orders (one gathered over a mesh dim "
-                "along the split dim inside the region)"
-            )
-        base = depths.pop() if depths else 0
+        # (a partial sum has no rows: its grouping does not matter)
+        groups = {grouping.get(a, Fraction(1)) for a in deps if state.get(a) != REDUCED}
+        if len(groups) > 1:
+            _regroup_or_refuse(n, deps, grouping, groups, live_ins, live_in_groups, state, exactness)
+        base = groups.pop() if groups else Fraction(1)
+        for f in found:
+            if base != 1 and (exactness == "bitwise" or base.denominator != 1):
+                if exactness == "tolerance":
+                    # scattered rows: split the live-ins so that the chunks hold halves of the rows the rank has here
+                    _regroup(deps, 1 / base, live_ins, live_in_groups, state)
+                raise ChunkRefused(
+                    f"{n.name} ({n.target}) reads {f.name}, full size along the split dim, with rows "
+                    "gathered or scattered over a mesh dim inside the region" + _BITWISE_HINT.get(exactness, "")
+                )
+            if partner_groups.setdefault(f, base) != base:
+                raise ChunkRefused(f"{f.name} lines up with the split dim in two different row orders")
         if regroup:
-            depth[n] = base - 1  # each part: one rank's rows again
+            # each part: one rank's rows again
+            v = fake_val(n.args[0])
+            grouping[n] = base / (v.shape[state[first]] // n.args[1])
+        elif st == REDUCED:
+            grouping[n] = Fraction(1)
         else:
-            depth[n] = base + (merge_depth(n, state[first], st, mesh_sizes) if first is not None else 0)
+            grouping[n] = base * (merge_factor(n, state[first], st, mesh_sizes) if first is not None else 1)
         state[n] = tuple(st) if isinstance(st, list) else st
         half[n] = out
         probe[n] = (out, sized)
@@ -302,13 +387,21 @@ def plan_region(
                     late_reduced[m] = n
     if not dependent:
         raise ChunkRefused("no node of the region depends on a value carrying the split dim")
+    leaving: dict[fx.Node, int] = {}
     for n in dependent:
         u = next((u for u in n.users if u not in member_set), None)
-        if u is not None and depth.get(n, 0) and isinstance(state[n], int):
-            raise ChunkRefused(
-                f"{n.name} ({n.target}) was gathered or scattered over a mesh dim along the split dim and "
-                f"{u.name} outside the region reads it: the chunks' rows interleave rank by rank"
-            )
+        k = grouping.get(n, Fraction(1))
+        if u is not None and k != 1 and isinstance(state[n], int):
+            rows = fake_val(n).shape[state[n]] * 2
+            if exactness == "tolerance" and k.denominator != 1:
+                _regroup([n], 1 / k, live_ins, live_in_groups, state)
+            if exactness == "bitwise" or k.denominator != 1 or rows % (2 * k):
+                raise ChunkRefused(
+                    f"{n.name} ({n.target}) was gathered or scattered over a mesh dim along the split dim and "
+                    f"{u.name} outside the region reads it: the chunks' rows interleave rank by rank"
+                    + _BITWISE_HINT.get(exactness, "")
+                )
+            leaving[n] = int(k)
         if state[n] == PER_CHUNK:
             u = next((u for u in n.users if u not in member_set), None)
             if u is not None:
@@ -316,7 +409,52 @@ def plan_region(
                     f"{n.name} ({n.target}) is per-chunk (MoE routing or exchanged rows) and {u.name} "
                     "outside the region reads it: it cannot be rebuilt from the chunks"
                 )
-    return RegionPlan(region, mode, dependent, live_ins, len(shared), state, probe, partners=partners)
+    split_groups = {a: k for a, k in live_in_groups.items() if a in live_ins and k != 1}
+    split_groups.update({f: int(k) for f, k in partner_groups.items() if k != 1})
+    return RegionPlan(
+        region,
+        mode,
+        dependent,
+        live_ins,
+        len(shared),
+        state,
+        probe,
+        partners=partners,
+        groups={**split_groups, **leaving},
+    )
+
+
+# appended to refusals that the tolerance mode would chunk
+_BITWISE_HINT = {"bitwise": " (chunk_exactness='tolerance' splits the live-ins rank by rank instead)"}
+
+
+def _regroup(nodes, factor: Fraction, live_ins, live_in_groups, state) -> None:
+    """Raise :class:`_Regroup` splitting the live-ins ``nodes`` are computed
+    from with ``factor`` times their grouping, where that is whole; return
+    when it cannot be (the caller refuses)."""
+    roots = _live_in_roots(nodes, live_ins, state)
+    regrouped = {r: live_in_groups.get(r, 1) * factor for r in roots}
+    if roots and all(k.denominator == 1 for k in regrouped.values()):
+        raise _Regroup({r: int(k) for r, k in regrouped.items()})
+
+
+def _regroup_or_refuse(n, deps, grouping, groups, live_ins, live_in_groups, state, exactness) -> None:
+    """``n`` combines values whose chunks group their rows differently: in
+    tolerance mode, raise :class:`_Regroup` to split the live-ins of the
+    less grouped ones like the most grouped one; else refuse."""
+    top = max(groups)
+    reason = (
+        f"{n.name} ({n.target}) combines rows in different orders (one gathered over a mesh dim "
+        "along the split dim inside the region)"
+    )
+    if exactness == "tolerance":
+        high = [a for a in deps if grouping.get(a, Fraction(1)) == top]
+        low = [a for a in deps if grouping.get(a, Fraction(1)) != top and state.get(a) != REDUCED]
+        factors = {top / grouping.get(a, Fraction(1)) for a in low}
+        if len(factors) == 1 and not _live_in_roots(low, live_ins, state) & _live_in_roots(high, live_ins, state):
+            _regroup(low, factors.pop(), live_ins, live_in_groups, state)
+        raise ChunkRefused(reason + ": the less gathered rows do not come from live-ins that could be split like them")
+    raise ChunkRefused(reason + _BITWISE_HINT.get(exactness, ""))
 
 
 _WORD = re.compile(r"(?<![\w.])([A-Za-z_]\w*)(?: \(([^()]*)\))?(?![\w.])")

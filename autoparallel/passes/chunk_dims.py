@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import operator
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -36,9 +37,10 @@ __all__ = [
     "fake_mode_of",
     "fake_val",
     "group_split",
-    "merge_depth",
+    "merge_factor",
     "probe_op",
     "propagate_split_dims",
+    "rows_of_chunk",
     "stamp_like",
 ]
 
@@ -102,9 +104,9 @@ def _view_dim(in_shape, d: int, out_shape, mesh_sizes: frozenset = frozenset()) 
 
     ``mesh_sizes``: the reshape is a redistribution's ``[group, per-rank]``
     split of ``d`` (apply's layout change): the group factor is the mesh's
-    and stays, the per-rank factor halves, as redistributing each eager
-    chunk would do; ambiguous (refused) when both factors could be the
-    group."""
+    and stays (the outer factor: a Shard's ranks hold contiguous blocks),
+    the per-rank factor halves, as redistributing each eager chunk would
+    do; refused when the per-rank factor is odd."""
     outer = 1
     for s in in_shape[:d]:
         outer *= s
@@ -113,19 +115,20 @@ def _view_dim(in_shape, d: int, out_shape, mesh_sizes: frozenset = frozenset()) 
         prefix = 1
         for j, s in enumerate(out_shape[:-1]):
             if prefix == outer and s * out_shape[j + 1] == size:
+                # a Shard's ranks hold contiguous blocks: the group is the outer factor
                 group, per = s, out_shape[j + 1]
-                if group in mesh_sizes and per % 2 == 0 and per not in mesh_sizes:
+                if group in mesh_sizes and per % 2 == 0:
                     return j + 1
                 if group in mesh_sizes:
                     raise UnknownSplitDim(
                         f"redistribution reshape {tuple(in_shape)} -> {tuple(out_shape)}: "
-                        "cannot tell the mesh group factor from the per-rank one"
+                        f"{per} row(s) per rank of the mesh group of {group} do not halve"
                     )
                 break
             prefix *= s
     if mesh_sizes and len(out_shape) == len(in_shape) - 1 and d >= 1 and in_shape[d - 1] in mesh_sizes:
         # the inverse: a gathered [group, per-rank] pair merged back; each
-        # chunk's rows then interleave with the group's (see merge_depth)
+        # chunk's rows then interleave with the group's (see merge_factor)
         j = d - 1
         if list(out_shape[:j]) == list(in_shape[:j]) and out_shape[j] == in_shape[j] * size:
             return j
@@ -142,22 +145,24 @@ def _view_dim(in_shape, d: int, out_shape, mesh_sizes: frozenset = frozenset()) 
 _VIEWS = {_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default}
 
 
-def merge_depth(node: fx.Node, in_dim: int, out_dim, mesh_sizes: frozenset) -> int:
-    """How ``node`` changes the order of a chunk's rows along the split dim
-    relative to the whole value's: +1 where it merges the split dim with a
-    mesh group's (an all-gather along it, or a redistribution's
-    ``[group, per-rank]`` merge: a chunk's rows then run rank by rank,
-    interleaved with the other chunk's), -1 where it splits one off (a
-    reduce-scatter along it, a ``[group, per-rank]`` split), 0 otherwise.
-    Inside a region any order works, row by row; a value leaving it must be
-    back at depth 0 for the chunks to concatenate into the whole."""
+def merge_factor(node: fx.Node, in_dim: int, out_dim, mesh_sizes: frozenset) -> Fraction:
+    """How ``node`` changes the grouping of a chunk's rows along the split
+    dim relative to the whole value's (see :func:`rows_of_chunk`): times
+    ``g`` where it merges the split dim with a mesh group of ``g`` ranks (an
+    all-gather along it, or a redistribution's ``[group, per-rank]`` merge:
+    a chunk's rows then run rank by rank, interleaved with the other
+    chunk's), divided by ``g`` where it splits one off (a reduce-scatter
+    along it, a ``[group, per-rank]`` split), 1 otherwise. Inside a region
+    any grouping works row by row as long as the values an op combines
+    share it; a value leaving the region with grouping ``G > 1`` is
+    rebuilt rank by rank."""
     t = node.target
     if not isinstance(out_dim, int):
-        return 0
+        return Fraction(1)
     if t is _c10d.all_gather_into_tensor.default and in_dim == 0:
-        return 1
+        return Fraction(node.args[1])
     if t is _c10d.reduce_scatter_tensor.default and in_dim == 0:
-        return -1
+        return Fraction(1, node.args[2])
     if t in _VIEWS and REDISTRIBUTE_KEY in node.meta and mesh_sizes:
         in_shape, out_shape = list(fake_val(node.args[0]).shape), list(fake_val(node).shape)
         if (
@@ -166,24 +171,37 @@ def merge_depth(node: fx.Node, in_dim: int, out_dim, mesh_sizes: frozenset) -> i
             and in_shape[in_dim - 1] in mesh_sizes
             and out_shape[out_dim] == in_shape[in_dim - 1] * in_shape[in_dim]
         ):
-            return 1
+            return Fraction(in_shape[in_dim - 1])
         if (
             len(out_shape) == len(in_shape) + 1
             and out_dim == in_dim + 1
             and out_shape[in_dim] in mesh_sizes
             and out_shape[in_dim] * out_shape[out_dim] == in_shape[in_dim]
         ):
-            return -1
-    return 0
+            return Fraction(1, out_shape[in_dim])
+    return Fraction(1)
 
 
-def group_split(node: fx.Node, d: int, depth: int, mesh_sizes: frozenset) -> bool:
+def rows_of_chunk(size: int, groups: int, chunk: int) -> list[int]:
+    """The rows (indices along the split dim, of ``size``) that chunk
+    ``chunk`` (0 or 1) holds of a value with grouping ``groups``: the dim
+    viewed as ``[groups, size // groups]``, each chunk the first or second
+    half of every group. ``groups == 1``: the contiguous halves.
+
+    >>> rows_of_chunk(8, 2, 0)
+    [0, 1, 4, 5]
+    """
+    per = size // groups
+    return [g * per + chunk * (per // 2) + i for g in range(groups) for i in range(per // 2)]
+
+
+def group_split(node: fx.Node, d: int, groups: Fraction, mesh_sizes: frozenset) -> bool:
     """Whether ``node`` splits a value gathered along split dim ``d``
-    (``depth`` > 0, see :func:`merge_depth`) back into its ranks' parts,
+    (``groups`` > 1, see :func:`merge_factor`) back into its ranks' parts,
     inside a redistribution (a gather along another dim: all-gather on dim
     0, split into the ranks' parts, concatenated along the gather dim).
     Each chunk splits its own gathered rows the same way."""
-    if node.target is not _aten.split.Tensor or REDISTRIBUTE_KEY not in node.meta or depth <= 0:
+    if node.target is not _aten.split.Tensor or REDISTRIBUTE_KEY not in node.meta or groups <= 1:
         return False
     v = fake_val(node.args[0])
     dim = _normalize(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), v.dim())

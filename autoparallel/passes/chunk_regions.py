@@ -50,9 +50,15 @@ their dims' meaning outside regions; inside a region they run per chunk, as
 redistributing each eager chunk would (a ``[group, per-rank]`` reshape keeps
 the mesh group factor and halves the per-rank one; its inverse merges them
 back). A value gathered over a mesh dim along the split dim holds a chunk's
-rows rank by rank, interleaved with the other chunk's: fine inside the
-region (row-wise ops, sums), refused where it would leave it before being
-scattered back (:func:`~.chunk_dims.merge_depth`).
+rows rank by rank, interleaved with the other chunk's (its *grouping*,
+:func:`~.chunk_dims.merge_factor`, :func:`~.chunk_dims.rows_of_chunk`); a
+scatter divides the grouping again. Values an op combines must share their
+grouping (row ``i`` of each is the same token). Where they do not (the
+region gathers the gradient's rows and pairs them with rows gathered before
+it, as a sequence-parallel layer does), ``chunk_exactness="tolerance"`` (the
+default) splits the live-ins they come from rank by rank instead of in
+contiguous halves, and a value leaving the region with rows grouped rank by
+rank is rebuilt rank by rank; ``"bitwise"`` refuses such regions.
 
 Limits (refused, with the reason in the stats): a split dim that a reshape
 merges with an outer dim (sequence chunking where batch and sequence are
@@ -63,8 +69,13 @@ reason (:meth:`ChunkRegionsStats.refusal_lines`).
 
 Buffer mutations stay where they are: their new values are rebuilt from
 both chunks (concatenated or summed) before the mutation output reads them.
-The result is exactly eager module-level chunking (run the module on each
-half, concatenate): the same ops on the same halves, gradients added once.
+With ``chunk_exactness="bitwise"`` the result is exactly eager module-level
+chunking (run the module on each contiguous half, concatenate): the same
+ops on the same halves, gradients added once. With ``"tolerance"`` the
+halves may be every rank's half instead; either way the step equals the
+unchunked one up to the order in which each sum over the split dim adds
+its terms (two partial sums added once): within ``2 * n * eps`` of the
+terms' magnitude for a sum of ``n`` terms (docs/chunking.md).
 
 The analysis (which regions can be chunked, what to split and duplicate,
 the refusal reasons) is :mod:`.chunk_analysis`; this module rewrites the
@@ -84,7 +95,7 @@ import torch
 import torch.fx as fx
 
 from ..capture.tracing import module_path
-from .base import ChunkMode, PassContext, register_pass
+from .base import ChunkExactness, ChunkMode, PassContext, register_pass
 from .chunk_analysis import (
     MODE_INPUT_DIM,
     RegionPlan,
@@ -191,22 +202,20 @@ def _apply(gm: fx.GraphModule, plan: RegionPlan) -> int:
     """Rewrite ``gm`` per ``plan``; returns how many nodes were added."""
 
     g = gm.graph
+    before = len(g.nodes)
     dep = set(plan.nodes)
     a_of: dict[fx.Node, fx.Node] = {}
     b_of: dict[fx.Node, fx.Node] = {}
-    added = 0
     first_use = {}
     for n in plan.nodes:
         for a in n.all_input_nodes:
             if a in plan.live_ins and a not in first_use:
                 first_use[a] = n
     for x, d in plan.live_ins.items():
-        a_of[x], b_of[x] = _split_before(g, x, d, first_use[x], "chunk_split")
-        added += 3
+        a_of[x], b_of[x] = _split_before(g, x, d, first_use[x], "chunk_split", plan.groups.get(x, 1))
     for f, d in plan.partners.items():
         n0 = next(u for u in plan.nodes if f in u.all_input_nodes)
-        a_of[f], b_of[f] = _split_before(g, f, d, n0, "chunk_partner")
-        added += 3
+        a_of[f], b_of[f] = _split_before(g, f, d, n0, "chunk_partner", plan.groups.get(f, 1))
     for n in plan.nodes:
         out, (args, kwargs) = plan.probe[n]
 
@@ -229,7 +238,6 @@ def _apply(gm: fx.GraphModule, plan: RegionPlan) -> int:
         n.meta[CHUNK_KEY] = (plan.region, 0)
         b.meta[CHUNK_KEY] = (plan.region, 1)
         a_of[n], b_of[n] = n, b
-        added += 1
     # rebuild the values that leave the chunked part
     for n in plan.nodes:
         st = plan.state[n]
@@ -239,36 +247,94 @@ def _apply(gm: fx.GraphModule, plan: RegionPlan) -> int:
         if not outside:
             continue
         b = b_of[n]
-        with g.inserting_after(b):
+        groups = plan.groups.get(n, 1)
+        with g.inserting_before(b.next):
             if st == REDUCED:
                 j = g.call_function(_aten.add.Tensor, (n, b))
-            else:
+            elif groups == 1:
                 j = g.call_function(_aten.cat.default, ([n, b], st))
+            else:
+                j = _join_by_rank(g, n, b, st, groups)
         j.meta = {k: v for k, v in n.meta.items() if k not in (CHUNK_KEY,)}
         j.meta["val"] = _rerun(j, None)
         stamp_like(j, n, "chunk_join")
         for u in outside:
             u.replace_input_with(n, j)
         plan.joins[j] = n
-        added += 1
-    return added
+    return len(g.nodes) - before
 
 
-def _split_before(g: fx.Graph, x: fx.Node, d: int, n0: fx.Node, tag: str) -> tuple[fx.Node, fx.Node]:
+def _with_meta(new: fx.Node, like: fx.Node, tag) -> fx.Node:
+    """``new`` gets ``like``'s module path and AC tags, its fake value from
+    its inputs and a fold stamp of its own."""
+    for key in ("custom", "recompute", "ac_graph_id", "partitioner_tag", "stack_trace", "nn_module_stack"):
+        if key in like.meta:
+            new.meta[key] = like.meta[key]
+    new.meta["val"] = _rerun(new, None)
+    stamp_like(new, like, tag)
+    return new
+
+
+def _contiguous_view(g: fx.Graph, x: fx.Node, shape: list[int], like: fx.Node, tag) -> fx.Node:
+    """``x`` viewed as ``shape``, copied first where its layout cannot be
+    viewed so (a chunk's rows of every group are strided)."""
+    if not fake_val(x).is_contiguous():
+        x = _with_meta(
+            g.call_function(_aten.clone.default, (x,), {"memory_format": torch.contiguous_format}), like, (tag, "copy")
+        )
+    return _with_meta(g.call_function(_aten.view.default, (x, shape)), like, (tag, "view"))
+
+
+def _join_by_rank(g: fx.Graph, a: fx.Node, b: fx.Node, d: int, groups: int) -> fx.Node:
+    """The whole value from chunk A's and B's rows along ``d``, each the
+    first or second half of every one of ``groups`` groups
+    (:func:`~.chunk_dims.rows_of_chunk`): both viewed ``[groups, half]``,
+    concatenated along the halves, merged back (inserted at the graph's
+    insert point). The returned node's meta is the caller's to set."""
+    shape = list(fake_val(a).shape)
+    grouped = shape[:d] + [groups, shape[d] // groups] + shape[d + 1 :]
+    whole = shape[:d] + [2 * shape[d]] + shape[d + 1 :]
+    va = _contiguous_view(g, a, grouped, a, ("chunk_join_rows", 0))
+    vb = _contiguous_view(g, b, grouped, a, ("chunk_join_rows", 1))
+    cat = _with_meta(g.call_function(_aten.cat.default, ([va, vb], d + 1)), a, "chunk_join_cat")
+    return g.call_function(_aten.view.default, (cat, whole))
+
+
+def _split_before(g: fx.Graph, x: fx.Node, d: int, n0: fx.Node, tag: str, groups: int = 1) -> tuple[fx.Node, fx.Node]:
     """Split ``x`` in two halves along ``d`` right before its first chunked
-    consumer ``n0``; the halves (chunk A's, chunk B's)."""
+    consumer ``n0``; the halves (chunk A's, chunk B's). ``groups > 1``: each half is the first or second half of
+    every one of ``groups`` groups of rows (:func:`~.chunk_dims.rows_of_chunk`)."""
     from ..apply.unfold import FOLD_KEY
 
-    size = fake_val(x).shape[d] // 2
+    v = fake_val(x)
+    shape = list(v.shape)
+    made: list[fx.Node] = []
+    src, at = x, d
     with g.inserting_before(n0):
-        sp = g.call_function(_aten.split.Tensor, (x, size, d))
+        if groups > 1:
+            if not v.is_contiguous():
+                src = g.call_function(_aten.clone.default, (x,), {"memory_format": torch.contiguous_format})
+                made.append(src)
+            src = g.call_function(_aten.view.default, (src, shape[:d] + [groups, shape[d] // groups] + shape[d + 1 :]))
+            made.append(src)
+            at = d + 1
+        size = fake_val(x).shape[d] // (2 * groups)
+        sp = g.call_function(_aten.split.Tensor, (src, size, at))
         ha = g.call_function(operator.getitem, (sp, 0))
         hb = g.call_function(operator.getitem, (sp, 1))
-    v = fake_val(x)
+        made += [sp, ha, hb]
+        if groups > 1:
+            half = shape[:d] + [shape[d] // 2] + shape[d + 1 :]
+            halves = []
+            for h in (ha, hb):
+                c = g.call_function(_aten.clone.default, (h,), {"memory_format": torch.contiguous_format})
+                halves.append(g.call_function(_aten.view.default, (c, half)))
+                made += [c, halves[-1]]
+            ha, hb = halves
     with fake_mode_of([v]) or _null():
-        sp.meta["val"] = v.split(size, d)
-    ha.meta["val"], hb.meta["val"] = sp.meta["val"][0], sp.meta["val"][1]
-    for k, m in enumerate((sp, ha, hb)):
+        for m in made:
+            m.meta["val"] = _rerun(m, None)
+    for k, m in enumerate(made):
         # the consumer's module path and AC tags; folded like the split value
         for key in ("custom", "recompute", "ac_graph_id", "partitioner_tag", "stack_trace", "nn_module_stack"):
             if key in n0.meta:
@@ -360,10 +426,12 @@ def chunk_graph(
     *,
     copies=lambda node: 1,
     early_sums: bool = True,
+    exactness: ChunkExactness = "tolerance",
 ) -> ChunkRegionsStats:
     """Chunk the regions of ``gm`` that ``modules`` (pattern -> "batch" or
     "seq") names, in place. ``seeds``: mode -> {placeholder: dim} where the
-    split dim starts (user inputs, tangents)."""
+    split dim starts (user inputs, tangents). ``exactness``: see
+    :func:`~.chunk_analysis.plan_region`."""
     for pattern, mode in modules.items():
         if mode not in MODE_INPUT_DIM:
             raise ValueError(f"chunk_modules[{pattern!r}] = {mode!r}: the mode must be one of {sorted(MODE_INPUT_DIM)}")
@@ -371,12 +439,12 @@ def chunk_graph(
     mesh = getattr(ctx, "mesh", None)
     token = MESH_SIZES.set(frozenset(mesh.shape) if mesh is not None else frozenset())
     try:
-        return _chunk_graph(gm, modules, seeds, ctx, copies, stats, early_sums)
+        return _chunk_graph(gm, modules, seeds, ctx, copies, stats, early_sums, exactness)
     finally:
         MESH_SIZES.reset(token)
 
 
-def _chunk_graph(gm, modules, seeds, ctx, copies, stats, early_sums) -> ChunkRegionsStats:
+def _chunk_graph(gm, modules, seeds, ctx, copies, stats, early_sums, exactness) -> ChunkRegionsStats:
     regions = find_regions(gm, modules)
     if not regions:
         logger.warning("chunk_regions: nothing chunked: no node belongs to a module matching %s", sorted(modules))
@@ -389,7 +457,7 @@ def _chunk_graph(gm, modules, seeds, ctx, copies, stats, early_sums) -> ChunkReg
         rep = RegionReport(region, mode, chunked=False)
         n_copies = copies(members[0])
         try:
-            plan = plan_region(region, mode, members, dims_by_mode[mode], early_sums, whys[mode])
+            plan = plan_region(region, mode, members, dims_by_mode[mode], early_sums, whys[mode], exactness)
         except ChunkRefused as e:
             rep.reason = str(e)
             stats.regions_refused += n_copies
@@ -447,4 +515,7 @@ def chunk_regions(gm: fx.GraphModule, ctx: PassContext) -> ChunkRegionsStats | N
     if ctx.local is None:
         raise ValueError("chunk_regions runs on a rank-local joint graph (ctx.local is not set)")
     early = getattr(ctx.options, "chunk_early_grad_sum", True)
-    return chunk_graph(gm, dict(modules), split_seeds(gm, ctx), ctx, copies=ctx.copies, early_sums=early)
+    exactness = getattr(ctx.options, "chunk_exactness", "tolerance")
+    return chunk_graph(
+        gm, dict(modules), split_seeds(gm, ctx), ctx, copies=ctx.copies, early_sums=early, exactness=exactness
+    )

@@ -187,6 +187,100 @@ def test_chunked_bitwise_equals_eager_chunking_localtensor(fake_world):
                 torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
 
 
+def _gathered_outside_and_inside(group: str):
+    """Sequence-parallel shape: ``x`` (this rank's rows) is gathered before
+    the region (a replicated activation), the incoming gradient ``g``
+    inside it; the weight gradient pairs their rows, the output leaves
+    with the gathered rows."""
+
+    def step(x, w, g):
+        xg = c10d.wait_tensor(c10d.all_gather_into_tensor(x, WORLD, group))
+        with fxt.annotate({"module_path": "layers.0.mlp"}):
+            gg = c10d.wait_tensor(c10d.all_gather_into_tensor(g, WORLD, group))
+            return (xg @ w).relu(), xg.t() @ gg
+
+    return step
+
+
+def _scattered_inside(group: str):
+    """The region reads every row (replicated) and reduce-scatters its
+    result to this rank's rows, which leave it."""
+
+    def step(x, w, b):
+        with fxt.annotate({"module_path": "layers.0.mlp"}):
+            h = c10d.wait_tensor(c10d.reduce_scatter_tensor(x @ w, "sum", WORLD, group))
+            return h * b
+
+    return step
+
+
+def _sum_bound(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """What reordering the row sum of ``x.t() @ y`` may change, per entry
+    (docs/chunking.md): ``2 * n * eps * (|x|.t() @ |y|)``, n the rows."""
+    return 2 * x.shape[0] * torch.finfo(x.dtype).eps * (x.abs().t() @ y.abs())
+
+
+def test_rows_gathered_inside_and_outside_the_region_line_up(fake_world):
+    """The region gathers the gradient's rows over the mesh and pairs them
+    with rows gathered before it: each chunk must hold every rank's half of
+    both. Bitwise chunking (contiguous halves of every live-in) refuses;
+    the default splits the gathered live-in rank by rank (and rebuilds the
+    output rank by rank): the output equals the unchunked one bitwise, the
+    weight gradient within the reordered-sum bound."""
+    fake_world(WORLD)
+    group = dist.group.WORLD.group_name
+    step = _gathered_outside_and_inside(group)
+    shapes = ((B // 2, D), (D, H), (B // 2, D))
+    gm = _trace(step, *shapes)
+    x, _, g = _placeholders(gm)
+    stats = chunk_graph(gm, {"layers.*.mlp": "batch"}, {"batch": {x: 0, g: 0}}, exactness="bitwise")
+    assert stats.regions_chunked == 0
+    (why,) = stats.refused.values()
+    assert "combines rows in different orders" in why and "chunk_exactness='tolerance'" in why, why
+    stats = chunk_graph(gm, {"layers.*.mlp": "batch"}, {"batch": {x: 0, g: 0}})
+    gm.graph.lint()
+    assert stats.regions_chunked == 1 and not stats.refused, stats.refused
+    assert _count(gm, AG) == 3  # the gradient's gathered per chunk, x's once outside
+    ref_gm = _trace(step, *shapes)
+    gen = torch.Generator().manual_seed(0)
+    full = [torch.randn(WORLD, *s, generator=gen) for s in shapes]
+    with LocalTensorMode(WORLD) as lm:
+        args = [lm.rank_map(lambda r, t=t: t[r].clone()) for t in full]
+        got, ref = gm(*args), ref_gm(*args)
+    xg, gg = full[0].reshape(B, D), full[2].reshape(B, D)
+    for r in range(WORLD):
+        assert torch.equal(got[0]._local_tensors[r], ref[0]._local_tensors[r])
+        diff = (got[1]._local_tensors[r] - ref[1]._local_tensors[r]).abs()
+        assert (diff <= _sum_bound(xg, gg)).all(), diff.max()
+
+
+def test_rows_scattered_inside_the_region_leave_it_whole(fake_world):
+    """The region reduce-scatters its rows (each rank keeps its half): a
+    contiguous half of the replicated input would scatter to rows of other
+    ranks. The default splits the input rank by rank, so that each chunk
+    holds half of this rank's rows after the scatter."""
+    fake_world(WORLD)
+    group = dist.group.WORLD.group_name
+    step = _scattered_inside(group)
+    shapes = ((B, D), (D, H), (B // WORLD, H))
+    gm = _trace(step, *shapes)
+    x, _, b = _placeholders(gm)
+    seeds = {"batch": {x: 0, b: 0}}
+    stats = chunk_graph(gm, {"layers.*.mlp": "batch"}, seeds, exactness="bitwise")
+    assert stats.regions_chunked == 0, "bitwise chunking of scattered rows"
+    stats = chunk_graph(gm, {"layers.*.mlp": "batch"}, seeds)
+    assert stats.regions_chunked == 1 and not stats.refused, stats.refused
+    ref_gm = _trace(step, *shapes)
+    gen = torch.Generator().manual_seed(0)
+    full = [torch.randn(WORLD, *s, generator=gen) for s in shapes]
+    with LocalTensorMode(WORLD) as lm:
+        args = [lm.rank_map(lambda r, t=t: t[r].clone()) for t in full]
+        got, ref = gm(*args), ref_gm(*args)
+    for r in range(WORLD):
+        # row-wise work and a sum over ranks (not over the split rows): the same bits
+        assert torch.equal(got._local_tensors[r], ref._local_tensors[r])
+
+
 def _annotated(fn, path="layers.0.block"):
     def wrapped(*args):
         with fxt.annotate({"module_path": path}):
@@ -447,8 +541,7 @@ def test_moe_a2a_chunked_matches_single_device(fake_world, monkeypatch):
 
     fake_world(4)
     args = dataclasses.replace(MOE_CONFIGS["debug"], n_layers=2, aux_loss_alpha=0.0)
-    # 4 sequences per rank: a redistribution's [group 2, per-rank 2] reshape
-    # of 2 per rank could not be told apart (refused)
+    # 4 sequences per rank: the all-to-all's [group 2, per-rank 2] rows halve per chunk
     parallel, plan, mesh = _moe_chunked(args, {"layers.*.moe": "batch"}, a2a=True, batch=16)
     stats = plan.pass_stats["chunk_regions"]
     assert stats.regions_chunked == 1 and not stats.refused, stats.refused
