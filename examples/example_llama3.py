@@ -256,7 +256,9 @@ def plan_model(args: argparse.Namespace, mesh, model, config):
         input_constraints=[data_placements(mesh)],
         grad_reduction="mean",
     ) as autop:
-        autop.add_output_constraints([data_placements(mesh)])
+        if Shard(1) not in data_placements(mesh):
+            autop.add_output_constraints([data_placements(mesh)])
+        # else: the sequence is split over a cp dim; the logits' layout is left to the planner and the cp role
         if args.memory_high is not None:
             autop.add_parameter_memory_constraint(high=args.memory_high)
         if plan is not None:
@@ -314,19 +316,26 @@ def mesh_names(args: argparse.Namespace, ndim: int) -> tuple[str, ...]:
 DATA_PARALLEL_NAMES = ("dp", "data", "batch")
 
 
+# mesh dim names that carry the sequence (context parallelism)
+CONTEXT_PARALLEL_NAMES = ("cp", "context")
+
+
 def data_placements(mesh) -> tuple:
     """The batch sharded over the data-parallel dims (names starting with
-    :data:`DATA_PARALLEL_NAMES`; the first dim when none does), replicated over the others."""
-    names = mesh.mesh_dim_names or ()
-    dp = [i for i, n in enumerate(names) if n.lower().startswith(DATA_PARALLEL_NAMES)] or [0]
-    return tuple(Shard(0) if i in dp else Replicate() for i in range(mesh.ndim))
+    :data:`DATA_PARALLEL_NAMES`; the first dim when none does), the sequence
+    over the context-parallel dims (:data:`CONTEXT_PARALLEL_NAMES`),
+    replicated over the others."""
+    names = [n.lower() for n in (mesh.mesh_dim_names or ())]
+    dp = [i for i, n in enumerate(names) if n.startswith(DATA_PARALLEL_NAMES)] or [0]
+    cp = [i for i, n in enumerate(names) if n.startswith(CONTEXT_PARALLEL_NAMES) and i not in dp]
+    return tuple(Shard(0) if i in dp else Shard(1) if i in cp else Replicate() for i in range(mesh.ndim))
 
 
 def batch_replicas(mesh) -> int:
     """How many ranks hold each shard of the batch: the mesh size over the
     data-parallel dims' (2 on a 2x2x2 HSDP mesh, where the batch splits over
     dp_replicate and dp_shard; not mesh.size() // mesh.size(0))."""
-    split = math.prod(mesh.size(i) for i, p in enumerate(data_placements(mesh)) if isinstance(p, Shard))
+    split = math.prod(mesh.size(i) for i, p in enumerate(data_placements(mesh)) if p == Shard(0))
     return mesh.size() // split
 
 

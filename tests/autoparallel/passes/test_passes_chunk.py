@@ -520,8 +520,7 @@ def test_moe_ep_chunked_matches_single_device(fake_world, monkeypatch):
     from autoparallel.models import MOE_CONFIGS
 
     fake_world(4)
-    # the sequence-wise balance loss averages over the batch: chunking would
-    # change it (tested refused below), so it is off here
+    # the balance loss off; with it on: test_moe_with_balance_loss_chunked_matches_single_device
     args = dataclasses.replace(MOE_CONFIGS["debug"], n_layers=2, aux_loss_alpha=0.0)
     parallel, plan, mesh = _moe_chunked(args, {"layers.*.moe": "batch"})
     stats = plan.pass_stats["chunk_regions"]
@@ -555,15 +554,21 @@ def test_moe_a2a_chunked_matches_single_device(fake_world, monkeypatch):
 
 
 @pytest.mark.slow
-def test_moe_balance_loss_over_the_batch_is_refused(fake_world):
+def test_moe_with_balance_loss_chunked_matches_single_device(fake_world, monkeypatch):
+    """The sequence-wise balance loss on: the MoE region chunked along the
+    batch still equals single device (loss and every gradient), so
+    chunking it is allowed, not refused."""
+    import test_moe
     from autoparallel.models import MOE_CONFIGS
 
     fake_world(4)
     args = dataclasses.replace(MOE_CONFIGS["debug"], n_layers=2)
     assert args.aux_loss_alpha > 0
-    _, plan, _ = _moe_chunked(args, {"layers.*.moe": "batch"})
+    parallel, plan, mesh = _moe_chunked(args, {"layers.*.moe": "batch"})
     stats = plan.pass_stats["chunk_regions"]
-    assert stats.regions_chunked == 0 and "layers.1.moe" in stats.refused
+    assert stats.regions_chunked == 1 and not stats.refused, stats.refused
+    monkeypatch.setattr(test_moe, "BATCH", 8)
+    test_moe._compare_one_step(parallel, mesh, args)
 
 
 # ---------------------------------------------------------------------------
