@@ -223,6 +223,9 @@ class StepMemoryModel:
     row_categories: list[str] = field(default_factory=lambda: list(CATEGORIES[:6]))
     # what the peak assumes of the caller's loss (:class:`~.memory_peaks.LossSpec`)
     loss_rule: str = ""
+    # bytes per rank whatever the placements, per category (the optimizer's
+    # per-tensor state): in the estimate, and off the row's bound
+    fixed: dict[str, float] = field(default_factory=dict)
 
     def peak(self, parts: dict[str, float]) -> float:
         """The step's peak per rank from per-category bytes: the state and
@@ -288,6 +291,7 @@ class StepMemoryModel:
         (``plan.nodes``: name -> NodePlan); ``row``: the budget row's value
         there, which bounds it (recomputed values at their per-option bound)."""
         out = dict.fromkeys(CATEGORIES, 0.0)
+        out.update({c: b for c, b in self.fixed.items()})
         for key in self.terms:
             name, k = self.site(key)
             n = plan_nodes[name]
@@ -313,6 +317,7 @@ class StepMemoryModel:
                 "recomputed_inputs": {k: list(v) for k, v in d.get("recomputed_inputs", {}).items()},
                 "row_categories": list(d.get("row_categories", CATEGORIES[:6])),
                 "reduced_inputs": dict(d.get("reduced_inputs", {})),
+                "fixed": dict(d.get("fixed", {})),
             }
         )
 
@@ -383,6 +388,9 @@ def step_memory_model(
         extra = loss.fp32_copies * val.numel() * 4 - (nbytes(tangent) if tangent is not None else 0)
         if extra > 0:
             terms.setdefault(node.name, {})["loss"] = float(extra)
+        # its targets, held by the caller through the step: one per row
+        if loss.target_bytes and val.dim() > 1:
+            terms.setdefault(node.name, {})["inputs"] = float(loss.target_bytes * val.numel() // val.shape[-1])
     # the batch and the buffers, held throughout
     for node in [*traced.input_nodes, *traced.buffer_nodes.values()]:
         strat = strategies.get(node) if node is not None else None
@@ -412,6 +420,11 @@ def step_memory_model(
         loss_rule=loss.name,
         reduced_inputs=reduced,
     )
+    with_grads = sum(1 for fqn, node in traced.param_nodes.items() if traced.grad_nodes.get(fqn) is not None)
+    if optimizer.bytes_per_tensor and with_grads:
+        model.fixed["optimizer"] = float(optimizer.bytes_per_tensor * with_grads)
+    if any("loss" in t for t in terms.values()):
+        model.fixed["inputs"] = float(loss.value_bytes)  # the loss itself, held to the step's end
     model.row_categories = _row_categories(model, strategies)
     return model
 
@@ -514,6 +527,7 @@ def budget_constraint(
 
     def exact(choice: dict[str, int]) -> float:
         parts = dict.fromkeys(CATEGORIES, 0.0)
+        parts.update({c: b for c, b in model.fixed.items()})
         for name, cats in by_category.items():
             for cat, w in cats.items():
                 parts[cat] += w[choice[name]]
@@ -528,7 +542,8 @@ def budget_constraint(
         return model.peak(parts)
 
     # bytes are exact in float up to 2**53; the slack absorbs summation order
-    return BudgetRow(BUDGET_NAME, terms, high=budget * (1 + 1e-9), exact=exact)
+    fixed = model.row_bytes(model.fixed)
+    return BudgetRow(BUDGET_NAME, terms, high=(budget - fixed) * (1 + 1e-9), exact=lambda c: exact(c) - fixed)
 
 
 def smallest(
@@ -541,6 +556,7 @@ def smallest(
     labels: dict[tuple, list[str]] = {}
     best: dict[tuple, str] = {}
     out = dict.fromkeys(CATEGORIES, 0.0)
+    out.update({c: b for c, b in model.fixed.items()})
     for key, cats in model.terms.items():
         name, k = model.site(key)
         node = by_name[name]

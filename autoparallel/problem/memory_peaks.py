@@ -48,16 +48,21 @@ from .param_memory import placement_tokens
 class LossSpec:
     """What the caller's loss holds beyond each floating output and its
     incoming gradient: ``fp32_copies`` fp32 tensors the output's size at
-    the loss's peak."""
+    the loss's peak, and its targets (``target_bytes`` per output row)
+    through the step."""
 
     name: str = "cross-entropy in fp32"
     # the log-softmax (saved), its incoming gradient and the gradient of the
     # fp32 input, live together in the log-softmax's backward
     fp32_copies: int = 3
+    # the targets per output row (int64 class indices), held by the caller
+    target_bytes: int = 8
+    # the loss value (an fp32 scalar)
+    value_bytes: int = 4
 
 
 CROSS_ENTROPY = LossSpec()
-NO_LOSS = LossSpec("none", 0)
+NO_LOSS = LossSpec("none", 0, 0, 0)
 
 # AdamW (foreach, torch.optim.adam._multi_tensor_adam): fp32 intermediates
 # per parameter element beyond its state: the second moment's square root

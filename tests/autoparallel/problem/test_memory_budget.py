@@ -140,10 +140,14 @@ def test_estimate_matches_a_run(fake_world, ac, budget):
     # layout are weighed per option, from above)
     row = used_bytes(problem, plan.solution.choice)
     model = StepMemoryModel.from_json(plan.constraints[BUDGET_NAME]["model"])
-    assert model.row_bytes(model.estimate(plan.nodes, plan.mesh_shape, row=True)) == pytest.approx(row, rel=1e-9)
+    # (bytes whatever the placements, AdamW's step counts, are off the row's bound)
+    fixed = model.row_bytes(model.fixed)
+    assert model.row_bytes(model.estimate(plan.nodes, plan.mesh_shape, row=True)) == pytest.approx(
+        row + fixed, rel=1e-9
+    )
     # the budget bounds the planner's estimate, the figure the report shows;
     # applied, the scheduler's live bytes of the graphs are shown beside it
-    assert est.planned <= row * (1 + 1e-9)
+    assert est.planned <= (row + fixed) * (1 + 1e-9)
     assert est.budget == pytest.approx(budget if isinstance(budget, float) else 0.9 * 80e9)
     assert est.planned <= est.budget and est.total == est.planned
     assert est.scheduler_activations is not None and est.applied == pytest.approx(est.state + est.scheduler_activations)
@@ -167,7 +171,7 @@ def test_estimate_matches_a_run(fake_world, ac, budget):
     print(f"ac={ac} budget={budget}: (estimate, measured) bytes per rank: {figures}")
     for k in ("parameters", "gradients"):
         assert figures[k][0] == got[k], k
-    # AdamW's per-parameter scalar step (4 bytes) is not modelled
+    # with AdamW's per-parameter scalar step (4 bytes)
     assert figures["optimizer"][0] == pytest.approx(got["optimizer"], rel=1e-3)
     assert est.activations == pytest.approx(got["activations"], rel=0.15)
     assert est.state + est.activations == pytest.approx(sum(got.values()), rel=0.15)
