@@ -145,8 +145,8 @@ class MemoryBreakdown:
                     out.append(f"{name:12s} {size_text(b):>10s} ({what})")
             if any(b for _, b, _ in moments):
                 out.append(
-                    "             the peak counts the largest of these moments: they do not overlap "
-                    "(the optimizer step's against everything held in the backward)"
+                    "             these moments do not overlap: the peak counts the larger of the transients and "
+                    "the loss with the saved activations and the outputs' gradients, or the optimizer step"
                 )
         else:
             shown = self.scheduler_activations if self.scheduler_activations is not None else self.activations
