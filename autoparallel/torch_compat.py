@@ -439,3 +439,22 @@ def autograd_below_custom_op() -> Iterator[None]:
     exclude = exclude.remove(DispatchKey.AutogradFunctionality).remove(DispatchKey.ADInplaceOrView)
     with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
         yield
+
+
+def memory_tracker():
+    """torch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``, a
+    private module): counts every tensor storage of a step by category, under
+    ``FakeTensorMode`` too (benchmarks/memory_tracker.py). Checked on 2.13."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    return MemTracker()
+
+
+def tracker_peak(tracker, device: torch.device) -> tuple[int, dict[str, int]]:
+    """(peak bytes, {category: bytes at that peak}) of ``tracker`` on
+    ``device``; the categories are MemTracker's reference types by their
+    names ("Parameter", "Gradient", "Optstate", "Activation", "Temp", ...)."""
+    snap = tracker.get_tracker_snapshot("peak")
+    mine = next((v for d, v in snap.items() if torch.device(d).type == device.type), {})
+    total_key = "Total"
+    return int(mine.get(total_key, 0)), {k: int(v) for k, v in mine.items() if k != total_key}

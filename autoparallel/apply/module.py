@@ -173,7 +173,10 @@ class ParallelModuleMixin:
         # pipeline stages, say), but all of its ranks must exist and this
         # rank must be one of them.
         world = dist.get_world_size()
-        ranks = st.mesh.mesh.flatten().tolist()
+        # the mesh's rank tensor is a real CPU tensor: read it outside any
+        # fake mode the step runs under (MemTracker's fake-tensor runs)
+        with unset_fake_temporarily():
+            ranks = st.mesh.mesh.flatten().tolist()
         if max(ranks) >= world:
             raise ApplyError(
                 f"the plan is for a mesh of {st.mesh.size()} ranks {tuple(st.mesh.shape)} (ranks up to "

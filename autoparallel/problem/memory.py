@@ -7,14 +7,16 @@ placement shards it over. :func:`param_state_bytes` is that coefficient per
 option, so an ILP can bound the sum the way the parameter-memory
 constraint does; :func:`breakdown` reports a plan's memory per rank.
 
-One figure, in GB (10^9 bytes): the peak per rank = parameters + gradients
-+ optimizer state + the peak of activations and transients. Once applied,
-that peak is the overlap scheduler's live-bytes peak of the forward and
-backward graphs; before, the planner's estimate (activations saved for
-backward, the step's outputs and their gradients), which is what the memory
-budget (:mod:`autoparallel.problem.memory_budget`) bounds. Plans made
-without the step's memory model get parameters from their placements and
-activations from the scheduler's peak.
+One figure, in GB (10^9 bytes): the peak per rank, the planner's estimate
+(:class:`MemoryBreakdown`), which the memory budget
+(:mod:`autoparallel.problem.memory_budget`) bounds and ``plan.summary()``
+shows: parameters + gradients + optimizer state + the saved activations,
+the step's outputs and their gradients, and the largest of the moments that
+allocate more (the backward's transients, the caller's loss, the optimizer
+step: :mod:`autoparallel.problem.memory_peaks`). Once applied, the overlap
+scheduler's live-bytes peak of the forward and backward graphs is shown
+beside it. Plans made without the step's memory model get parameters from
+their placements and activations from the scheduler's peak.
 """
 
 from __future__ import annotations
@@ -41,13 +43,17 @@ from .param_memory import (  # noqa: F401 - re-exported: the memory vocabulary
 class MemoryBreakdown:
     """Bytes per rank.
 
-    The one figure is :attr:`total`, the peak per rank: parameters +
-    gradients + optimizer state + the peak of activations and transients.
-    Once the plan is applied that peak is the overlap scheduler's live-bytes
-    peak of the forward and backward graphs (:attr:`scheduler_activations`);
-    before, the planner's estimate: activations saved for backward plus the
-    step's outputs and their incoming gradients (:attr:`planned`, what the
-    memory budget's ILP row bounds)."""
+    The one figure is :attr:`total`, the peak per rank. For a plan made with
+    the step's memory model it is the planner's estimate (:attr:`planned`,
+    what the memory budget bounds): parameters + gradients + optimizer state
+    + the larger of (saved activations + the step's outputs and their
+    incoming gradients + the larger of the backward's transients and the
+    caller's loss's fp32 copies of the outputs) and the optimizer step's
+    intermediates (:meth:`~autoparallel.problem.memory_budget.StepMemoryModel.peak`).
+    Once applied, the overlap scheduler's live-bytes peak of the forward and
+    backward graphs (:attr:`scheduler_activations`) is shown beside it: it
+    covers the graphs only, not the loss or the optimizer step. Plans made
+    without the model take their activations from the scheduler's peak."""
 
     parameters: float
     gradients: float
@@ -65,6 +71,16 @@ class MemoryBreakdown:
     scheduler_activations: float | None = None
     # the step's outputs and their incoming gradients (the planner's estimate)
     outputs: float = 0.0
+    # the moments beyond (the planner's estimate): the backward's largest
+    # live set of transients, the caller's loss's fp32 copies of the
+    # outputs, the optimizer step's intermediates
+    transients: float = 0.0
+    loss: float = 0.0
+    inputs: float = 0.0  # the batch and the buffers
+    optimizer_step: float = 0.0
+    loss_rule: str = ""
+    # the planner's peak (None: a plan made without the step's memory model)
+    planned_peak: float | None = None
 
     @property
     def state(self) -> float:
@@ -73,42 +89,44 @@ class MemoryBreakdown:
 
     @property
     def planned(self) -> float:
-        """The planner's estimate, which the memory budget bounds."""
+        """The planner's estimate of the peak, which the memory budget bounds."""
+        if self.planned_peak is not None:
+            return self.planned_peak
         return self.state + self.activations + self.outputs
 
     @property
     def peak_activations(self) -> float:
-        """Activations and transients at the step's peak: the scheduler's
-        once applied, else the planner's saved activations and outputs."""
-        if self.scheduler_activations is not None:
+        """Everything at the peak beyond the state."""
+        if self.planned_peak is None and self.scheduler_activations is not None:
             return self.scheduler_activations
-        return self.activations + self.outputs
+        return self.planned - self.state
 
     @property
     def total(self) -> float:
-        """The peak per rank: :attr:`state` + :attr:`peak_activations`."""
+        """The peak per rank: the planner's estimate, or for plans made
+        without the step's memory model the state + the scheduler's peak."""
         return self.state + self.peak_activations
+
+    @property
+    def applied(self) -> float | None:
+        """State + the overlap scheduler's live-bytes peak of the applied
+        graphs (None before apply)."""
+        return None if self.scheduler_activations is None else self.state + self.scheduler_activations
 
     @property
     def fits(self) -> bool:
         return self.total <= self.hbm and (self.budget is None or self.total <= self.budget * (1 + 1e-9))
 
     def lines(self) -> list[str]:
-        applied = self.scheduler_activations is not None
+        modelled = self.planned_peak is not None
         out = [
             f"parameters   {size_text(self.parameters):>10s}",
             f"gradients    {size_text(self.gradients):>10s}",
             f"optimizer    {size_text(self.optimizer):>10s} ({self.optimizer_name})",
         ]
-        planned_parts = f"saved activations {size_text(self.activations)}" + (
-            f" + outputs and their gradients {size_text(self.outputs)}" if self.outputs else ""
-        )
-        if applied:
-            out.append(
-                f"activations  {size_text(self.scheduler_activations):>10s} (activations and transients at the overlap "
-                f"scheduler's live-bytes peak; the planner estimated {planned_parts})"
-            )
-        else:
+        if modelled:
+            if self.inputs:
+                out.append(f"inputs       {size_text(self.inputs):>10s} (the batch and the buffers)")
             out.append(
                 f"activations  {size_text(self.activations):>10s}"
                 + (f" ({self.activations_source})" if self.activations_source else "")
@@ -117,27 +135,50 @@ class MemoryBreakdown:
                 out.append(
                     f"outputs      {size_text(self.outputs):>10s} (the step's outputs and their incoming gradients)"
                 )
+            moments = [
+                ("transients", self.transients, "the backward's largest live set beyond the saved values"),
+                ("loss", self.loss, f"the caller's loss: {self.loss_rule}" if self.loss_rule else "the caller's loss"),
+                ("optim. step", self.optimizer_step, f"{self.optimizer_name}'s foreach intermediates"),
+            ]
+            for name, b, what in moments:
+                if b:
+                    out.append(f"{name:12s} {size_text(b):>10s} ({what})")
+            if any(b for _, b, _ in moments):
+                out.append(
+                    "             these moments do not overlap: the peak counts the larger of the transients and "
+                    "the loss with the saved activations and the outputs' gradients, or the optimizer step"
+                )
+        else:
+            shown = self.scheduler_activations if self.scheduler_activations is not None else self.activations
+            out.append(
+                f"activations  {size_text(shown):>10s}"
+                + (
+                    " (activations and transients at the overlap scheduler's live-bytes peak)"
+                    if self.scheduler_activations is not None
+                    else ""
+                )
+            )
         out.append(
             f"peak         {size_text(self.total):>10s} per rank of {size_text(self.hbm)} HBM "
-            f"({_percent(self.total / self.hbm)})"
-            + (
-                ""
-                if applied
-                else "; the planner's estimate: apply the plan for the scheduler's peak with all transients"
-            )
+            f"({_percent(self.total / self.hbm)})" + ("; the planner's estimate" if modelled else "")
         )
+        if modelled and self.applied is not None:
+            out.append(
+                f"applied      {size_text(self.applied):>10s} (state + the overlap scheduler's live-bytes peak of the "
+                "applied forward and backward graphs: without the caller's loss and the optimizer step)"
+            )
         if self.budget is not None:
             line = (
                 f"budget       {size_text(self.budget):>10s} ({self.budget_source}): bounds the planner's estimate, "
                 f"{size_text(self.planned)} ({_percent(self.planned / self.budget)})"
             )
-            if applied:
+            if self.total != self.planned:  # a plan made without the step's memory model, applied
                 line += f"; the peak is {_percent(self.total / self.budget)} of it"
             out.append(line)
-            if applied and self.total > self.budget * (1 + 1e-9):
+            worst = max(self.total, self.applied or 0.0)
+            if worst > self.budget * (1 + 1e-9):
                 out.append(
-                    f"WARNING: the peak, {size_text(self.total)}, exceeds the budget: transients the planner's estimate "
-                    "leaves out (gathered weights, activation gradients, communication buffers); lower the budget "
+                    f"WARNING: {size_text(worst)} per rank exceeds the budget: lower the budget "
                     "(add_memory_budget) by the difference and plan again"
                 )
         elif self.budget_source:
@@ -213,7 +254,7 @@ def _budget_breakdown(plan, entry: dict, optimizer: OptimizerSpec | None, hbm: f
             "estimated by a memory model that charged values recomputed for the backward below zero "
             "(plans made before that was fixed): plan again for a corrected estimate"
         ]
-    slack = sum(model.estimate(plan.nodes, plan.mesh_shape, row=True).values()) - sum(est.values())
+    slack = model.row_bytes(model.estimate(plan.nodes, plan.mesh_shape, row=True)) - model.row_bytes(est)
     if slack > 1e-9 * sum(est.values()):
         notes = notes + [
             f"the budget's ILP row counts {size_text(slack)} more: a value recomputed for the backward but read "
@@ -236,7 +277,13 @@ def _budget_breakdown(plan, entry: dict, optimizer: OptimizerSpec | None, hbm: f
         budget=entry.get("budget_bytes"),
         budget_source=entry.get("source", ""),
         scheduler_activations=_scheduler_activations(plan, est["parameters"], est["gradients"]),
-        outputs=est.get("outputs", 0.0),
+        outputs=est.get("outputs", 0.0) + est.get("output_grads", 0.0),
+        transients=est.get("transients", 0.0),
+        loss=est.get("loss", 0.0),
+        inputs=est.get("inputs", 0.0),
+        optimizer_step=est.get("optimizer_step", 0.0),
+        loss_rule=model.loss_rule,
+        planned_peak=model.peak(est),
     )
 
 

@@ -32,9 +32,17 @@ parameters, gradients and AdamW state exact, saved activations within 6%;
 LLaMA-3 8B on 16 x 8 (selective AC): 3.78 GB estimated, 4.20 GB saved by
 the partitioned forward (-10%; before the AC region's recomputed
 collectives were told apart, :func:`~autoparallel.capture.saved_activations._regathers`, the estimate was 7.54 GB:
-it kept each layer's tp-gathered feed-forward input). Not counted: the
-backward's transient buffers (activation gradients, re-gathered weights),
-which the default margin is for.
+it kept each layer's tp-gathered feed-forward input; the reduce-scattered
+feed-forward outputs the policy keeps, :func:`~.memory_peaks.reduced_inputs`,
+0.54 GB).
+
+Beyond what the step holds throughout, the model counts the moments that
+allocate more (:mod:`.memory_peaks`): the backward's largest live set of
+transients, the caller's loss's fp32 copies of the outputs, the optimizer
+step's intermediates; the peak (:meth:`StepMemoryModel.peak`) takes the
+largest. The linear row sums the state, the saved activations, the outputs
+and the one moment largest at the most sharded layouts
+(:attr:`StepMemoryModel.row_categories`).
 
 :class:`StepMemoryModel` is the one place the estimate is computed: the ILP's
 weights (:meth:`StepMemoryModel.weights`) and the plan's report
@@ -52,6 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -61,6 +70,8 @@ import torch.fx
 import solver
 
 from .param_memory import ADAMW, HBM_BYTES, OptimizerSpec, shard_factor, size_text
+from .memory_peaks import CROSS_ENTROPY, LossSpec, backward_transients, optimizer_step_bytes, reduced_inputs, reduces
+from ..capture.activation_checkpointing import forward_nodes
 from ..options.placements import SpecLabels
 from ..capture.saved_activations import (  # noqa: F401  (saved_activation_nodes: public here too)
     nbytes,
@@ -75,14 +86,35 @@ logger = logging.getLogger(__name__)
 # The resource constraint's (and the constraint log's) name.
 BUDGET_NAME = "memory budget"
 # Default budget: the device's HBM less this fraction, for what the estimate
-# leaves out: the CUDA context and communication buffers, allocator
-# fragmentation, and the transient tensors of the backward (gathered weights,
-# activation gradients) beyond the saved activations.
+# leaves out: the CUDA context, NCCL's buffers, allocator fragmentation and
+# rounding, and the applied graphs' collective buffers (gathered weights
+# read at their gathered size, bucket buffers).
 DEFAULT_HBM_MARGIN = 0.10
 
-# "outputs": the step's outputs (held by the caller through its loss) and
-# their incoming gradients, by their layout
-CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "outputs")
+# "outputs": the step's outputs (held by the caller through its loss and
+# the optimizer step), "output_grads": their incoming gradients, by their
+# layout; the last three are the moments
+# the step allocates more (:mod:`.memory_peaks`): the backward's largest
+# live set of transients, the caller's loss's fp32 copies of the outputs,
+# the optimizer step's intermediates. They do not overlap: the peak counts
+# the largest (:meth:`StepMemoryModel.peak`).
+CATEGORIES = (
+    "parameters",
+    "gradients",
+    "optimizer",
+    "inputs",
+    "activations",
+    "outputs",
+    "output_grads",
+    "transients",
+    "loss",
+    "optimizer_step",
+)
+# held throughout the step ("inputs": the batch and the buffers)
+STATE = ("parameters", "gradients", "optimizer", "inputs")
+# the moments beyond the saved activations and outputs, one of which the
+# peak counts; the optimizer's step competes with all activations
+DURING_BACKWARD = ("transients", "loss")
 
 # -- the budget the user asked for -------------------------------------------------
 
@@ -179,6 +211,36 @@ class StepMemoryModel:
     # redistributed copy is charged only beyond the producer at that
     # factor, never below zero (see :func:`~autoparallel.capture.saved_activations.redistributed_inputs`)
     recomputed_inputs: dict[str, list] = field(default_factory=dict)
+    # reader-input terms of a value the backward recomputes whose forward
+    # value arrives through a reduction (a Partial producer read unreduced
+    # by the reader's layout): the AC policy saves the reduced tensor, kept
+    # in full (key -> the producer's name); the row charges it per reader
+    # option, from above (:func:`reduced_inputs`)
+    reduced_inputs: dict[str, str] = field(default_factory=dict)
+    # the categories the budget's one linear row sums: the state, and of the
+    # moments that do not overlap (:meth:`peak`) the one largest with every
+    # term at its most sharded layout (:func:`step_memory_model`)
+    row_categories: list[str] = field(default_factory=lambda: list(CATEGORIES[:6]))
+    # what the peak assumes of the caller's loss (:class:`~.memory_peaks.LossSpec`)
+    loss_rule: str = ""
+    # bytes per rank whatever the placements, per category (the optimizer's
+    # per-tensor state): in the estimate, and off the row's bound
+    fixed: dict[str, float] = field(default_factory=dict)
+
+    def peak(self, parts: dict[str, float]) -> float:
+        """The step's peak per rank from per-category bytes: the state and
+        the outputs (the caller holds them to the step's end), plus the
+        larger of (saved activations + the outputs' gradients + the larger
+        of the backward's transients and the loss's copies) and the
+        optimizer step's intermediates."""
+        state = sum(parts.get(c, 0.0) for c in STATE) + parts.get("outputs", 0.0)
+        during = parts.get("activations", 0.0) + parts.get("output_grads", 0.0)
+        during += max(parts.get(c, 0.0) for c in DURING_BACKWARD)
+        return state + max(during, parts.get("optimizer_step", 0.0))
+
+    def row_bytes(self, parts: dict[str, float]) -> float:
+        """What the budget's row sums of per-category bytes."""
+        return sum(parts.get(c, 0.0) for c in self.row_categories)
 
     def per_rank(self, key: str, placements: str, mesh_shape: list[int]) -> dict[str, float]:
         """Bytes per rank of term ``key`` laid out as ``placements``
@@ -189,8 +251,18 @@ class StepMemoryModel:
     def held(self, key: str, placements: str, producer_placements: str, mesh_shape: list[int]) -> dict[str, float]:
         """:meth:`per_rank`, a recomputed value's reader-input term at its
         producer's placements (``producer_placements``) as well."""
+        if key in self.reduced_inputs:
+            out = self.per_rank(key, placements, mesh_shape)
+            if not reduces(producer_placements, placements):
+                out["activations"] = 0.0
+            return out
         most = shard_factor(producer_placements, mesh_shape) if key in self.recomputed_inputs else None
         return self._per_rank(key, shard_factor(placements, mesh_shape), most)
+
+    def two_decision(self) -> dict[str, str]:
+        """Terms whose bytes depend on their producer's placement too: key ->
+        the producer's name."""
+        return {**{k: v[0] for k, v in self.recomputed_inputs.items()}, **self.reduced_inputs}
 
     def _per_rank(self, key: str, factor: int, producer_factor: int | None) -> dict[str, float]:
         out = {cat: b / factor for cat, b in self.terms[key].items()}
@@ -200,7 +272,13 @@ class StepMemoryModel:
         return out
 
     def weights(self, key: str, labels: list[str], mesh_shape: list[int]) -> list[float]:
-        return [sum(self.per_rank(key, p, mesh_shape).values()) for p in labels]
+        """The row's weight of term ``key`` per option (its row categories)."""
+        return [self.row_bytes(self.per_rank(key, p, mesh_shape)) for p in labels]
+
+    def category_weights(self, key: str, labels: list[str], mesh_shape: list[int]) -> dict[str, list[float]]:
+        """Per category, term ``key``'s bytes per option."""
+        per = [self.per_rank(key, p, mesh_shape) for p in labels]
+        return {c: [d.get(c, 0.0) for d in per] for c in self.terms[key]}
 
     @staticmethod
     def site(key: str) -> tuple[str, int | None]:
@@ -213,15 +291,16 @@ class StepMemoryModel:
         (``plan.nodes``: name -> NodePlan); ``row``: the budget row's value
         there, which bounds it (recomputed values at their per-option bound)."""
         out = dict.fromkeys(CATEGORIES, 0.0)
+        out.update({c: b for c, b in self.fixed.items()})
         for key in self.terms:
             name, k = self.site(key)
             n = plan_nodes[name]
             placements = n.output_placements if k is None else n.input_placements[k]
-            if row or key not in self.recomputed_inputs:
+            pair = self.two_decision()
+            if row or key not in pair:
                 parts = self.per_rank(key, placements, mesh_shape)
             else:
-                producer = plan_nodes[self.recomputed_inputs[key][0]].output_placements
-                parts = self.held(key, placements, producer, mesh_shape)
+                parts = self.held(key, placements, plan_nodes[pair[key]].output_placements, mesh_shape)
             for cat, b in parts.items():
                 out[cat] += b
         return out
@@ -236,15 +315,24 @@ class StepMemoryModel:
                 **d,
                 "terms": {k: dict(v) for k, v in d["terms"].items()},
                 "recomputed_inputs": {k: list(v) for k, v in d.get("recomputed_inputs", {}).items()},
+                "row_categories": list(d.get("row_categories", CATEGORIES[:6])),
+                "reduced_inputs": dict(d.get("reduced_inputs", {})),
+                "fixed": dict(d.get("fixed", {})),
             }
         )
 
 
 def step_memory_model(
-    traced, strategies: dict[torch.fx.Node, Any], optimizer: OptimizerSpec = ADAMW
+    traced,
+    strategies: dict[torch.fx.Node, Any],
+    optimizer: OptimizerSpec = ADAMW,
+    loss: LossSpec = CROSS_ENTROPY,
 ) -> StepMemoryModel:
-    """The terms of the step's memory: parameters (with their gradients and
-    optimizer state) and saved activations, per decision of ``strategies``."""
+    """The terms of the step's memory: parameters (with their gradients,
+    optimizer state and the optimizer step's intermediates), saved
+    activations, the outputs and their gradients, the caller's loss's fp32
+    copies of the outputs (``loss``) and the backward's largest live set of
+    transients, per decision of ``strategies``."""
     terms: dict[str, dict[str, float]] = {}
     per_elem_opt = optimizer.state_bytes_per_element + optimizer.master_bytes_per_element
     for fqn, node in traced.param_nodes.items():
@@ -258,6 +346,7 @@ def step_memory_model(
             "parameters": float(numel * val.element_size()),
             "gradients": float(numel * gval.element_size()) if isinstance(gval, torch.Tensor) else 0.0,
             "optimizer": float(numel * per_elem_opt) if grad is not None else 0.0,
+            "optimizer_step": optimizer_step_bytes(numel) if grad is not None and per_elem_opt else 0.0,
         }
     skipped = 0
     from .builder import forward_param_chain
@@ -273,6 +362,7 @@ def step_memory_model(
         terms.setdefault(node.name, {})["activations"] = float(nbytes(node))
         counted.add(node)
     recomputed_inputs = redistributed_inputs(traced.gm, strategies, chain, remade, counted, terms)
+    reduced = reduced_inputs(traced.gm, strategies, counted, terms)
     # the outputs live from the forward's end through the caller's loss and
     # backward, their gradients from the backward's start: the largest
     # buffers beyond the saved activations (LLaMA's logits)
@@ -283,17 +373,91 @@ def step_memory_model(
             continue
         if strat.getitem_index is None and not single_output(strat):
             continue
-        terms.setdefault(node.name, {})["outputs"] = float(nbytes(node))
+        category = "output_grads" if node.op == "placeholder" else "outputs"  # tangents are graph inputs
+        terms.setdefault(node.name, {})[category] = float(nbytes(node))
         counted.add(node)
+    # the caller's loss: its fp32 copies of each floating output, beyond the
+    # output's incoming gradient (made after them, counted in "output_grads")
+    for i, node in enumerate(traced.output_nodes):
+        strat, val = strategies.get(node), node.meta.get("val")
+        if strat is None or not isinstance(val, torch.Tensor) or not val.is_floating_point() or not loss.fp32_copies:
+            continue
+        if strat.getitem_index is None and not single_output(strat):
+            continue
+        tangent = traced.tangent_nodes.get(i)
+        extra = loss.fp32_copies * val.numel() * 4 - (nbytes(tangent) if tangent is not None else 0)
+        if extra > 0:
+            terms.setdefault(node.name, {})["loss"] = float(extra)
+        # its targets, held by the caller through the step: one per row
+        if loss.target_bytes and val.dim() > 1:
+            terms.setdefault(node.name, {})["inputs"] = float(loss.target_bytes * val.numel() // val.shape[-1])
+    # the batch and the buffers, held throughout
+    for node in [*traced.input_nodes, *traced.buffer_nodes.values()]:
+        strat = strategies.get(node) if node is not None else None
+        if strat is None or node in counted or not isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        if strat.getitem_index is None and not single_output(strat):
+            continue
+        terms.setdefault(node.name, {})["inputs"] = float(nbytes(node))
+    # the backward's largest live set beyond what is counted; the forward
+    # casts of parameters the backward reads are gathered again there
+    grads = {g for g in traced.grad_nodes.values() if g is not None}
+    fwd = forward_nodes(traced.gm)
+    regathered = {n for n in chain if n.op == "call_function" and any(u not in fwd for u in n.users)}
+    for node in backward_transients(traced.gm, counted | set(saved), set(remade) | regathered, grads):
+        strat = strategies.get(node)
+        if strat is None or strat.getitem_index is None and not single_output(strat):
+            continue
+        terms.setdefault(node.name, {})["transients"] = float(nbytes(node))
     if skipped:
         logger.warning("memory model: %d saved values without a single-output decision not counted", skipped)
-    return StepMemoryModel(
+    model = StepMemoryModel(
         terms,
         optimizer.name,
         per_elem_opt,
         "forward values the backward reads, less AC-recomputed ones",
         recomputed_inputs,
+        loss_rule=loss.name,
+        reduced_inputs=reduced,
     )
+    with_grads = sum(1 for fqn, node in traced.param_nodes.items() if traced.grad_nodes.get(fqn) is not None)
+    if optimizer.bytes_per_tensor and with_grads:
+        model.fixed["optimizer"] = float(optimizer.bytes_per_tensor * with_grads)
+    if any("loss" in t for t in terms.values()):
+        model.fixed["inputs"] = float(loss.value_bytes)  # the loss itself, held to the step's end
+    model.row_categories = _row_categories(model, strategies)
+    return model
+
+
+def _row_categories(model: StepMemoryModel, strategies: dict[torch.fx.Node, Any]) -> list[str]:
+    """The state, and of the moments that do not overlap (:meth:`StepMemoryModel.peak`)
+    the largest with every term at its most sharded layout: a linear row
+    bounds one of them, and the report checks the plan against all."""
+    by_name = {n.name: n for n in strategies}
+    cache: dict[tuple, int] = {}
+    smallest = dict.fromkeys(CATEGORIES, 0.0)
+    for key, cats in model.terms.items():
+        name, k = model.site(key)
+        factor = _most_sharded_factor(strategies[by_name[name]], k, cache)
+        for cat, b in cats.items():
+            smallest[cat] += b / factor
+    during = max(DURING_BACKWARD, key=lambda c: smallest[c])
+    if smallest["optimizer_step"] > smallest["activations"] + smallest["output_grads"] + smallest[during]:
+        return [*STATE, "outputs", "optimizer_step"]
+    return [*STATE, "activations", "outputs", "output_grads", during]
+
+
+def _most_sharded_factor(strat, k: int | None, cache: dict) -> int:
+    hit = cache.get((id(strat.options), k))
+    if hit is None:
+        best = 1
+        for o in strat.options:
+            spec = o.output_specs if k is None else o.input_specs[k]
+            if isinstance(spec, (tuple, list)) or spec is None:
+                continue
+            best = max(best, math.prod(spec.mesh.size(d) for d, pl in enumerate(spec.placements) if pl.is_shard()))
+        hit = cache[(id(strat.options), k)] = best
+    return hit
 
 
 # -- the constraint ---------------------------------------------------------------------
@@ -313,9 +477,14 @@ def _labels(strategies, node, cache: dict, k: int | None = None) -> list[str]:
 @dataclass(eq=False)
 class BudgetRow(solver.ResourceConstraint):
     """The budget's resource row, and ``exact``: the plan's estimate at a
-    solution's choice (decision name -> option index), which the row bounds
-    from above (:func:`~autoparallel.capture.saved_activations.redistributed_inputs`); :func:`solve_within_budget`
-    checks an unbudgeted plan with it."""
+    solution's choice (decision name -> option index), the step's peak
+    (:meth:`StepMemoryModel.peak`); :func:`solve_within_budget` checks an
+    unbudgeted plan with it. The row is linear: it sums the state, saved
+    activations and outputs and, of the moments that do not overlap, the
+    one that is largest at the most sharded layouts
+    (:attr:`StepMemoryModel.row_categories`), so it bounds the estimate
+    where that moment stays the largest; a binding plan is checked again
+    with ``exact``."""
 
     exact: Callable[[dict[str, int]], float] | None = field(default=None, repr=False)
 
@@ -336,34 +505,45 @@ def budget_constraint(
     """``sum over decisions of weights[chosen option] <= budget``."""
     by_name = {n.name: n for n in strategies}
     labels: dict[tuple, list[str]] = {}
-    cache: dict[tuple, list[float]] = {}
+    cache: dict[tuple, dict[str, list[float]]] = {}
     terms: dict[str, list[float]] = {}
+    # per decision and category, the bytes per option: the peak at a choice
+    by_category: dict[str, dict[str, list[float]]] = {}
     for key, cats in model.terms.items():
         name, k = model.site(key)
         node = by_name[name]
         most = model.recomputed_inputs[key][1] if key in model.recomputed_inputs else None
         ckey = (id(strategies[node].options), k, tuple(sorted(cats.items())), most)
-        w = cache.get(ckey)
-        if w is None:
-            w = cache[ckey] = model.weights(key, _labels(strategies, node, labels, k), mesh_shape)
-        if name in terms:  # several terms on one decision: one weight per option
-            w = [a + b for a, b in zip(terms[name], w)]
-        terms[name] = w
+        cw = cache.get(ckey)
+        if cw is None:
+            cw = cache[ckey] = model.category_weights(key, _labels(strategies, node, labels, k), mesh_shape)
+        mine = by_category.setdefault(name, {})
+        for cat, w in cw.items():  # several terms on one decision: one weight per option
+            mine[cat] = [a + b for a, b in zip(mine[cat], w)] if cat in mine else list(w)
+    for name, cats in by_category.items():
+        row = [cats[c] for c in model.row_categories if c in cats]
+        if row:
+            terms[name] = [sum(ws) for ws in zip(*row)]
 
     def exact(choice: dict[str, int]) -> float:
-        total = sum(w[choice[name]] for name, w in terms.items())
-        for key, (producer, _) in model.recomputed_inputs.items():
+        parts = dict.fromkeys(CATEGORIES, 0.0)
+        parts.update({c: b for c, b in model.fixed.items()})
+        for name, cats in by_category.items():
+            for cat, w in cats.items():
+                parts[cat] += w[choice[name]]
+        for key, producer in model.two_decision().items():
             if producer not in choice:  # not a decision of this problem: the bound stands
                 continue
             reader, k = model.site(key)
             i = _labels(strategies, by_name[reader], labels, k)[choice[reader]]
             o = _labels(strategies, by_name[producer], labels)[choice[producer]]
             held, bound = model.held(key, i, o, mesh_shape), model.per_rank(key, i, mesh_shape)
-            total += held["activations"] - bound["activations"]
-        return total
+            parts["activations"] += held["activations"] - bound["activations"]
+        return model.peak(parts)
 
     # bytes are exact in float up to 2**53; the slack absorbs summation order
-    return BudgetRow(BUDGET_NAME, terms, high=budget * (1 + 1e-9), exact=exact)
+    fixed = model.row_bytes(model.fixed)
+    return BudgetRow(BUDGET_NAME, terms, high=(budget - fixed) * (1 + 1e-9), exact=lambda c: exact(c) - fixed)
 
 
 def smallest(
@@ -376,6 +556,7 @@ def smallest(
     labels: dict[tuple, list[str]] = {}
     best: dict[tuple, str] = {}
     out = dict.fromkeys(CATEGORIES, 0.0)
+    out.update({c: b for c, b in model.fixed.items()})
     for key, cats in model.terms.items():
         name, k = model.site(key)
         node = by_name[name]
@@ -484,6 +665,16 @@ def solve_within_budget(problem: solver.Problem, solve: Callable[[solver.Problem
     # planning time includes the first solve
     for k, v in t.items():
         full.timings[f"unbudgeted {k}"] = v
+    if isinstance(budget, BudgetRow) and budget.exact and full.choice:
+        peak = budget.exact(full.choice)
+        if peak > budget.high:
+            logger.warning(
+                "memory budget: the plan's estimated peak, %.4g bytes per rank, exceeds the budget of %.4g: "
+                "a moment the budget's row does not sum (the caller's loss, the backward's transients or the "
+                "optimizer step) is the largest at this plan; lower the budget by the difference",
+                peak,
+                budget.high,
+            )
     return full, True
 
 

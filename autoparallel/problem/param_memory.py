@@ -43,9 +43,12 @@ class OptimizerSpec:
     state_bytes_per_element: int = 8
     # an fp32 master copy when parameters are kept in low precision
     master_bytes_per_element: int = 0
+    # per parameter tensor, whatever its size (AdamW's step count: one fp32
+    # scalar, on the parameter's device on CPU; on the host beside a GPU)
+    bytes_per_tensor: int = 0
 
 
-ADAMW = OptimizerSpec()
+ADAMW = OptimizerSpec(bytes_per_tensor=4)
 
 
 def param_state_bytes(

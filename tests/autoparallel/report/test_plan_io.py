@@ -114,7 +114,8 @@ def test_memory_matches_traced_sizes(saved_plan):
     b = memory.breakdown(plan)
     # the ILP's parameter-memory term is computed from the traced tensors
     assert b.parameters == pytest.approx(plan.parameter_bytes_per_rank)
-    assert b.optimizer == pytest.approx(2 * b.parameters)
+    # AdamW's two fp32 moments, and its step count per parameter tensor
+    assert b.optimizer == pytest.approx(2 * b.parameters, rel=1e-3) and b.optimizer > 2 * b.parameters
     assert b.activations > 0  # measured by the overlap scheduler on apply
     text = plan.summary()
     assert "estimated step" in text and "overlap scheduler" in text and "traffic/rank" in text
