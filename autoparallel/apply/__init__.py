@@ -38,6 +38,7 @@ from .collectives import Collective, collectives, summarize
 from .cudagraphs import CudaGraphError, CudaGraphSession, check_capturable, release_cuda_graphs, static_inputs
 from ..capture.repeated_layers import find_repeated_layers
 from .fold import MIDDLE, FoldRejected
+from .inductor import CompiledStep, compile_step
 from .fold import fold_layers as fold_layers_of
 from .local_graph import ApplyError, LocalJoint, build_local_joint, full_local_joint, local_shape
 from .module import InputSlot, ParallelModuleMixin, ParallelState, make_parallel_module
@@ -58,6 +59,7 @@ __all__ = [
     "GradReduction",
     "Partitioner",
     "Collective",
+    "CompiledStep",
     "CudaGraphError",
     "InputSlot",
     "LocalJoint",
@@ -155,6 +157,7 @@ def apply_placement(
     pass_options: passes.PassOptions | None = None,
     fold_layers: bool = True,
     cudagraphs: bool = False,
+    compile: bool = False,
 ) -> nn.Module:
     """Build the parallel module for ``plan`` (see the module docstring),
     running the rewrite passes of :mod:`autoparallel.passes` on the way.
@@ -169,7 +172,12 @@ def apply_placement(
     ``cudagraphs``: run the forward and the backward graph each as a
     captured CUDA graph after one warm-up step (:mod:`.cudagraphs`);
     refused, naming the nodes, where the step cannot be captured, and
-    without a CUDA device."""
+    without a CUDA device.
+
+    ``compile``: compile the forward and the backward graph with Inductor
+    (:mod:`.inductor`), keeping the plan's saves, recomputes, buckets and
+    collective order; a graph Inductor cannot compile runs eagerly, with a
+    warning naming it."""
     from ..checks.provenance import resolve_choice
 
     strategies = state.strategies
@@ -204,6 +212,8 @@ def apply_placement(
         check_capturable(graphs)
         step.cuda_graphs = CudaGraphSession(static_inputs(local, graphs))
         logger.info("CUDA graphs after one warm-up step:\n%s", step.cuda_graphs.inputs.describe())
+    if compile:
+        step.compiled = compile_step(graphs)
     in_spec, slots = _input_slots(state.inputs, local, traced.input_nodes)
     out_spec = getattr(traced.joint, "out_spec", None)
     model = make_parallel_module(state.model, step, in_spec, slots, out_spec, traced.tied_params)
