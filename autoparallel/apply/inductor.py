@@ -118,8 +118,17 @@ _CALL = re.compile(r"torch\.ops\._c10d_functional\.(\w+)\.\w+\(")
 
 def compiled_collective_sequence(source_code: str) -> list[str]:
     """The collectives and waits the generated wrapper calls, in code order
-    (an ``_out`` variant counts as its op)."""
-    return [name.removesuffix("_out") for name in _CALL.findall(source_code)]
+    (an ``_out`` or in-place variant counts as its op: Inductor re-inplaces
+    ``all_reduce`` into ``all_reduce_``)."""
+    return [name.removesuffix("_out").rstrip("_") for name in _CALL.findall(source_code)]
+
+
+def _first_difference(planned: list[str], generated: list[str]) -> str:
+    k = next((i for i, (p, g) in enumerate(zip(planned, generated)) if p != g), min(len(planned), len(generated)))
+    return (
+        f"{len(planned)} planned, {len(generated)} in the generated code; first difference at #{k}: "
+        f"planned {planned[k : k + 4]}, compiled {generated[k : k + 4]}"
+    )
 
 
 def _data_dependent(gm: torch.fx.GraphModule) -> list[str]:
@@ -225,10 +234,9 @@ def compile_graph(gm: torch.fx.GraphModule, graph: str, settings: dict[str, Any]
         record.collective_order_kept = planned == generated
         if not record.collective_order_kept:
             logger.warning(
-                "Inductor changed the order of the %s graph's collectives: planned %s, compiled %s",
+                "Inductor changed the order of the %s graph's collectives and waits: %s",
                 graph,
-                planned[:12],
-                generated[:12],
+                _first_difference(planned, generated),
             )
     return compiled.run, record
 

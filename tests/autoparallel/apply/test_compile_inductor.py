@@ -197,11 +197,13 @@ def test_collective_sequence_of_generated_code_ignores_strings_and_comments():
         "assert_size_stride(buf0, (16, 64), (64, 1), 'torch.ops._c10d_functional.all_gather_into_tensor.default')\n"
         "torch.ops._c10d_functional.reduce_scatter_tensor_out.default(buf1, 'sum', 2, '3', out=buf2)\n"
         "torch.ops._c10d_functional.wait_tensor.default(buf0)\n"
+        "torch.ops._c10d_functional.all_reduce_.default(buf3, 'sum', '1')\n"
     )
     assert inductor.compiled_collective_sequence(code) == [
         "all_gather_into_tensor",
         "reduce_scatter_tensor",
         "wait_tensor",
+        "all_reduce",
     ]
 
 
