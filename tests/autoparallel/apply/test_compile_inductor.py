@@ -257,10 +257,12 @@ def _train(parallel, state, tokens, steps=3):
 
     parallel.to_empty(device="cpu")
     _load(parallel, state)
-    # lr 1e-3: Adam divides by sqrt(v), so a gradient entry near zero turns a
-    # rounding difference (fused kernels sum in another order) into a step
-    # of up to lr; at 1e-2 that drifts GPT-2's loss 2.7e-5 apart in one step
-    opt = torch.optim.AdamW(parallel.parameters(), lr=1e-3)
+    # Adam's first steps move every entry by about lr * sign(gradient): an
+    # entry whose gradient is rounding noise (~1e-9; fused kernels sum in
+    # another order) would get a random +-lr step and drift the next
+    # gradients apart. eps 1e-6 makes such entries' steps proportional to
+    # their (negligible) gradient; real entries (up to ~1e-2) take Adam's step.
+    opt = torch.optim.AdamW(parallel.parameters(), lr=1e-3, eps=1e-6)
     losses, grads = [], []
     for _ in range(steps):
         loss = parallel(tokens)
