@@ -625,6 +625,7 @@ class AutoParallel:
         pass_options: PassOptions | None = None,
         fold_layers: bool = True,
         cudagraphs: bool = False,
+        compile: bool = False,
     ) -> nn.Module:
         """A copy of the model whose parameters are DTensors laid out as ``plan``
         says and whose forward runs the plan on per-rank local inputs (see
@@ -635,7 +636,9 @@ class AutoParallel:
         the full graphs instead of copying a middle layer's (slower, same
         result; see :mod:`autoparallel.apply.fold`). ``cudagraphs=True`` runs
         the forward and backward graphs as captured CUDA graphs after one
-        warm-up step (:mod:`autoparallel.apply.cudagraphs`)."""
+        warm-up step (:mod:`autoparallel.apply.cudagraphs`). ``compile=True``
+        compiles the forward and backward graphs with Inductor, keeping the
+        plan's decisions (:mod:`autoparallel.apply.inductor`)."""
         self._require_open()
         from .apply.state import ApplyState
         from .apply_plan import apply_placement
@@ -678,6 +681,7 @@ class AutoParallel:
                 pass_options=pass_options,
                 fold_layers=fold_layers,
                 cudagraphs=cudagraphs,
+                compile=compile,
             )
         # what the plan's report shows of the applied step; warns past the memory budget
         record_applied(plan, model, self.mesh, self.device)

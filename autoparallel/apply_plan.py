@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_flatten_with_path
 from . import passes
 from .apply.cudagraphs import CudaGraphSession, check_capturable, static_inputs
 from .apply.fold import MIDDLE, FoldRejected
+from .apply.inductor import compile_step
 from .apply.fold import fold_layers as fold_layers_of
 from .apply.local_graph import LocalJoint, build_local_joint, full_local_joint
 from .apply.module import InputSlot, make_parallel_module
@@ -114,6 +115,7 @@ def apply_placement(
     pass_options: passes.PassOptions | None = None,
     fold_layers: bool = True,
     cudagraphs: bool = False,
+    compile: bool = False,
 ) -> nn.Module:
     """Build the parallel module for ``plan`` (see :mod:`autoparallel.apply`),
     running the rewrite passes of :mod:`autoparallel.passes` on the way.
@@ -128,7 +130,12 @@ def apply_placement(
     ``cudagraphs``: run the forward and the backward graph each as a
     captured CUDA graph after one warm-up step (:mod:`~autoparallel.apply.cudagraphs`);
     refused, naming the nodes, where the step cannot be captured, and
-    without a CUDA device."""
+    without a CUDA device.
+
+    ``compile``: compile the forward and the backward graph with Inductor
+    (:mod:`.apply.inductor`), keeping the plan's saves, recomputes, buckets and
+    collective order; a graph Inductor cannot compile runs eagerly, with a
+    warning naming it."""
     strategies = state.strategies
     disabled = passes.check_disabled(disable_passes)
     traced = state.traced
@@ -161,6 +168,8 @@ def apply_placement(
         check_capturable(graphs)
         step.cuda_graphs = CudaGraphSession(static_inputs(local, graphs))
         logger.info("CUDA graphs after one warm-up step:\n%s", step.cuda_graphs.inputs.describe())
+    if compile:
+        step.compiled = compile_step(graphs)
     in_spec, slots = _input_slots(state.inputs, local, traced.input_nodes)
     out_spec = getattr(traced.joint, "out_spec", None)
     model = make_parallel_module(state.model, step, in_spec, slots, out_spec, traced.tied_params)

@@ -458,3 +458,104 @@ def tracker_peak(tracker, device: torch.device) -> tuple[int, dict[str, int]]:
     mine = next((v for d, v in snap.items() if torch.device(d).type == device.type), {})
     total_key = "Total"
     return int(mine.get(total_key, 0)), {k: int(v) for k, v in mine.items() if k != total_key}
+
+
+# ---------------------------------------------------------------------------
+# Inductor (apply_placement(compile=True))
+
+# Inductor settings that would change what the plan decided: its own
+# reordering of collectives (compute/communication overlap, peak-memory and
+# locality reordering, the aten-level overlap scheduler), its own bucketing
+# of collectives, its fusion of TP matmuls with their collectives, and CUDA
+# graph trees (the project's CUDA graphs capture the compiled step instead).
+# Names per release differ: a key this torch lacks is skipped (logged once).
+INDUCTOR_KEEP_PLAN: dict[str, Any] = {
+    "reorder_for_compute_comm_overlap": False,
+    "reorder_for_peak_memory": False,
+    "reorder_for_locality": False,
+    "bucket_all_gathers_fx": "none",
+    "bucket_reduce_scatters_fx": "none",
+    "bucket_all_reduces_fx": "none",
+    "_micro_pipeline_tp": False,
+    "_fuse_ddp_communication": False,
+    "aten_distributed_optimizations.enable_overlap_scheduling": False,
+    "triton.cudagraphs": False,
+}
+
+
+def inductor_settings(wanted: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``wanted`` (default :data:`INDUCTOR_KEEP_PLAN`) restricted to the
+    keys ``torch._inductor.config`` of this torch has."""
+    import torch._inductor.config as inductor_config
+
+    out = {}
+    for key, value in (INDUCTOR_KEEP_PLAN if wanted is None else wanted).items():
+        obj = inductor_config
+        *parents, last = key.split(".")
+        for p in parents:
+            obj = getattr(obj, p, None)
+        if obj is not None and hasattr(obj, last):
+            out[key] = value
+        else:
+            say_once(("inductor", key), "torch %s's Inductor has no setting %s: not set", TORCH_VERSION, key)
+    return out
+
+
+def inductor_decompose(gm: torch.fx.GraphModule, example_inputs: list) -> torch.fx.GraphModule:
+    """``gm`` re-traced with Inductor's decompositions (what AOT autograd does
+    before it hands a graph to Inductor), on the fake ``example_inputs``.
+    Node meta (``custom``, stack traces, module stacks) is carried over."""
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch._guards import detect_fake_mode
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx import traceback as fx_traceback
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    fake_mode = detect_fake_mode(example_inputs)
+    if fake_mode is None:
+        raise ValueError("the graph's example inputs are not fake tensors (no node.meta['val'] on its placeholders?)")
+    with fake_mode, enable_python_dispatcher(), fx_traceback.preserve_node_meta():
+        return make_fx(torch.fx.Interpreter(gm).run, decomposition_table=select_decomp_table())(*example_inputs)
+
+
+@dataclass
+class InductorGraph:
+    """One graph compiled by Inductor: ``run(*args)`` returns its outputs."""
+
+    run: Callable[..., Any]
+    source_code: str | None  # the generated Python wrapper (None where torch does not keep it)
+
+
+def inductor_compile(
+    gm: torch.fx.GraphModule, example_inputs: list, *, is_backward: bool, settings: dict[str, Any]
+) -> InductorGraph:
+    """``compile_fx_inner`` on an already decomposed ATen graph (the call
+    AOT autograd makes per partitioned graph), under ``settings`` (see
+    :func:`inductor_settings`). Keyword arguments only: the positional ones
+    after ``example_inputs`` changed between releases."""
+    import torch._inductor.config as inductor_config
+    from torch._guards import TracingContext, detect_fake_mode, tracing
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    fake_mode = detect_fake_mode(example_inputs)
+    with tracing(TracingContext(fake_mode)), inductor_config.patch(settings):
+        compiled = compile_fx_inner(gm, example_inputs, is_backward=is_backward, is_inference=False)
+
+    def run(*args):
+        # the compiled graph takes its inputs boxed, and empties the list to
+        # free each input after its last use
+        return compiled(list(args))
+
+    return InductorGraph(run, getattr(compiled, "source_code", None))
+
+
+def source_node_names(node: torch.fx.Node) -> list[str]:
+    """Names of the nodes of the graph ``node`` was re-traced from
+    (``meta["from_node"]`` where torch records it), else ``[]``."""
+    sources = node.meta.get("from_node") or []
+    names = []
+    for src in sources:
+        name = getattr(src, "name", None)
+        if isinstance(name, str) and name not in names:
+            names.append(name)
+    return names

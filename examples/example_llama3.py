@@ -144,6 +144,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="run the applied step as captured CUDA graphs (a CUDA device only; see docs/cudagraphs.md)",
     )
     ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the applied step's forward and backward graphs with Inductor, keeping the plan's "
+        "saves, recomputes, buckets and collective order (see docs/compile.md)",
+    )
+    ap.add_argument(
         "--baselines",
         action="store_true",
         help="also plan, apply and estimate the hand layouts (DDP, FSDP, FSDP x TP + SP, HSDP) and print "
@@ -169,6 +175,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.chunk is not None and args.no_apply:
         ap.error("--chunk chunks the applied graphs: it does nothing with --no-apply (drop one of them)")
+    if args.compile and args.no_apply:
+        ap.error("--compile compiles the applied step: it does nothing with --no-apply (drop one of them)")
     if args.cudagraphs and (args.no_apply or not torch.cuda.is_available()):
         ap.error("--cudagraphs runs the applied step on a CUDA device: it needs one, and no --no-apply")
     for flag in ("layers", "dim", "seq", "batch", "steps"):
@@ -271,7 +279,9 @@ def plan_model(args: argparse.Namespace, mesh, model, config):
             plan = autop.optimize_placement()
         if not args.no_apply:
             wall, cpu = time.perf_counter(), time.process_time()
-            parallel = autop.apply_placement(plan, pass_options=chunking, cudagraphs=args.cudagraphs)
+            parallel = autop.apply_placement(
+                plan, pass_options=chunking, cudagraphs=args.cudagraphs, compile=args.compile
+            )
             report = ApplyReport.of(parallel, mesh, time.perf_counter() - wall, time.process_time() - cpu)
         if args.baselines:
             from autoparallel import baselines

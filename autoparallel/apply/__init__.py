@@ -28,6 +28,7 @@ Usage, inside the ``AutoParallel`` context::
 from __future__ import annotations
 
 from .collectives import Collective, collectives, summarize
+from .inductor import CompiledStep
 from .cudagraphs import CudaGraphError, release_cuda_graphs
 from .local_graph import ApplyError, LocalJoint, build_local_joint, local_shape
 from .module import InputSlot, ParallelModuleMixin, ParallelState
@@ -42,6 +43,7 @@ __all__ = [
     "GradReduction",
     "Partitioner",
     "Collective",
+    "CompiledStep",
     "CudaGraphError",
     "InputSlot",
     "LocalJoint",

@@ -18,6 +18,9 @@ The backend's partitioner instead saves exactly the tagged values:
 
 Compilers are aot_eager-style (the graphs run as FX code), so this runs on
 CPU; ``autoparallel_backend(fw_compiler=..., bw_compiler=...)`` swaps them.
+For the step compiled by Inductor, use ``apply_placement(plan, compile=True)``
+(:mod:`.inductor`): it compiles the planned graphs directly, with no dynamo
+re-trace and no second partition (docs/compile.md).
 
 >>> # compiled = torch.compile(parallel_module, backend=autoparallel_backend())
 """

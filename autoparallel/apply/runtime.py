@@ -9,6 +9,7 @@ from there, through ``DTensor.to_local``, the DTensor parameters).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -26,24 +27,30 @@ class ParallelStep:
     # per differentiable output, the factor its incoming gradient is scaled
     # by (grad_reduction="mean": 1 / the number of shards of that output)
     grad_scales: list[float] = field(default_factory=list)
+    # Set when the graphs run compiled by Inductor (apply_placement(compile=True)):
+    # an .inductor.CompiledStep whose forward/backward callables stand in for
+    # graphs.fw / graphs.bw (and are what CUDA graphs capture).
+    compiled: Any = None
 
     def __call__(self, primals: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         return _StepFunction.apply(self, *primals)
 
     def run_forward(self, primals) -> tuple:
         g = self.graphs
+        fw = g.fw if self.compiled is None else self.compiled.forward
         if self.cuda_graphs is None:
-            return tuple(g.fw(*primals))
-        outs = self.cuda_graphs.forward(g.fw, primals)
+            return tuple(fw(*primals))
+        outs = self.cuda_graphs.forward(fw, primals)
         # The user's outputs (the loss) leave the graph's memory, which the
         # next step overwrites; saved values stay for the backward graph.
         n = g.num_fwd_outputs
         return tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in outs[:n]) + tuple(outs[n:])
 
     def run_backward(self, args) -> list:
+        bw = self.graphs.bw if self.compiled is None else self.compiled.backward
         if self.cuda_graphs is None:
-            return list(self.graphs.bw(*args))
-        return list(self.cuda_graphs.backward(self.graphs.bw, args))
+            return list(bw(*args))
+        return list(self.cuda_graphs.backward(bw, args))
 
 
 class _StepFunction(torch.autograd.Function):

@@ -128,6 +128,21 @@ class SACPolicy:
     def __post_init__(self):
         object.__setattr__(self, "save_ops", frozenset(map(_op_name, self.save_ops)))
         object.__setattr__(self, "counted_ops", frozenset(map(_op_name, self.counted_ops)))
+        # A plain function (not a bound method) for ``checkpoint(context_fn=...)``:
+        # under torch.compile, dynamo takes a method's underlying function and
+        # calls it without ``self``. Made here, outside any traced code, so
+        # dynamo sees an existing function object (not a field: eq/hash and
+        # the annotation stay the policy's fields).
+        policy = self
+
+        def checkpoint_context_fn():
+            return policy.context_fn()
+
+        object.__setattr__(self, "checkpoint_context_fn", checkpoint_context_fn)
+
+    def __reduce__(self):
+        # the local function above does not pickle: rebuild from the fields
+        return (type(self), (self.save_ops, self.counted_ops, self.recompute_every))
 
     def decider(self) -> Callable[[Any], CheckpointPolicy]:
         """A fresh stateful decision function for one run of one region."""
@@ -242,7 +257,7 @@ class _ACBlock:
             )
         if cfg.mode == "full":
             return checkpoint(inner, *args, use_reentrant=False, **kwargs)
-        return checkpoint(inner, *args, use_reentrant=False, context_fn=policy.context_fn, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, context_fn=policy.checkpoint_context_fn, **kwargs)
 
 
 _ac_class_cache: dict[type, type] = {}
