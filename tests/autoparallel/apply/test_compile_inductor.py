@@ -140,7 +140,7 @@ def test_compile_with_cudagraphs_is_refused_on_cpu_before_compiling(fake_world, 
     def must_not_compile(graphs):
         raise AssertionError("compiled although CUDA graphs were refused")
 
-    monkeypatch.setattr("autoparallel.apply.compile_step", must_not_compile)
+    monkeypatch.setattr("autoparallel.apply_plan.compile_step", must_not_compile)
     try:
         with pytest.raises(CudaGraphError, match="CUDA device"):
             autop.apply_placement(plan, compile=True, cudagraphs=True)
