@@ -32,8 +32,6 @@ import dataclasses
 import json
 import math
 import os
-import resource
-import subprocess
 import sys
 import time
 
@@ -277,20 +275,10 @@ def print_breakdown(rows: list[dict]) -> None:
 
 
 def _child(name: str, with_baselines: bool, max_gb: float, breakdown_too: bool = False) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", name] + (["--baselines"] if with_baselines else [])
-    cmd += ["--breakdown"] if breakdown_too else []
+    from _row_child import run_row_child
 
-    def limit():
-        b = int(max_gb * 2**30)
-        resource.setrlimit(resource.RLIMIT_AS, (b, b))
-
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=limit, env=env)
-    for line in reversed(r.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
-    return {"row": name, "error": f"exit {r.returncode}: {tail}"}
+    extra = (["--baselines"] if with_baselines else []) + (["--breakdown"] if breakdown_too else [])
+    return run_row_child(__file__, name, extra, max_gb)
 
 
 def _ms(s):

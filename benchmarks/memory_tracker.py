@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -211,19 +209,9 @@ def run_row(name: str, trace: bool = False) -> dict:
 
 
 def _child(name: str, max_gb: float, trace: bool) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", name] + (["--trace"] if trace else [])
+    from _row_child import run_row_child
 
-    def limit():
-        b = int(max_gb * 2**30)
-        resource.setrlimit(resource.RLIMIT_AS, (b, b))
-
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=limit, env=env)
-    for line in reversed(r.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
-    return {"row": name, "error": f"exit {r.returncode}: {tail}"}
+    return run_row_child(__file__, name, ["--trace"] if trace else [], max_gb)
 
 
 def _size(b: float) -> str:
