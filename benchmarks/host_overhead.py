@@ -74,17 +74,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def model_config(a):
-    from autoparallel.models.llama3 import LLAMA3_CONFIGS
+    from gpu_rank_check import model_config as rank_check_config  # the same 8B-shaped config
 
-    return dataclasses.replace(
-        LLAMA3_CONFIGS["8B"],
-        n_layers=a.layers,
-        dim=a.dim,
-        n_heads=a.heads,
-        n_kv_heads=a.kv_heads,
-        vocab_size=a.vocab,
-        max_seq_len=max(a.seq, 8),
-    )
+    return rank_check_config(a)
 
 
 def meta_model(a):
