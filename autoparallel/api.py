@@ -35,7 +35,7 @@ from .problem import pricing as option_pricing
 from .problem.memory import ADAMW, OptimizerSpec
 from .plan import Plan
 from . import to_plan
-from .checks.provenance import PlanMismatch, check_applicable, provenance  # noqa: F401 - PlanMismatch re-exported
+from .checks.provenance import PlanMismatch, PlanTarget, check_applicable, provenance  # noqa: F401 - PlanMismatch re-exported
 from .progress import Stages, gc_paused
 from .problem.param_budget import PARAM_BUDGET, default_bound_entry, with_default_bound
 from .problem.builder import DEFAULT_MAX_PROBLEM_BYTES, BuiltProblem, Constraints, build_problem
@@ -605,6 +605,17 @@ class AutoParallel:
             self.timings["dump"] = seconds
             logger.info("wrote solver dumps to %s in %.2fs", directory, seconds)
 
+    def _plan_target(self) -> PlanTarget:
+        """What a plan made or applied here is for (the provenance record's source)."""
+        return PlanTarget(
+            model=self.model,
+            traced=self.traced,
+            mesh=self.mesh,
+            device=self.device,
+            mp_policy=self.mp_policy,
+            pins=self._constraints.pins,
+        )
+
     def _make_plan(self, built: BuiltProblem, solution: solver.Solution) -> Plan:
         return to_plan.make_plan(
             built,
@@ -613,7 +624,7 @@ class AutoParallel:
             self.mesh,
             constraints=dict(self._constraint_log),
             timings=dict(self.timings),
-            provenance=provenance(self),
+            provenance=provenance(self._plan_target()),
         )
 
     def apply_placement(
@@ -654,7 +665,7 @@ class AutoParallel:
         # was made for another model, mesh or input shape, naming which.
         ranks = agreement.mesh_ranks(self.mesh)
         try:
-            check_applicable(plan, self)
+            check_applicable(plan, self._plan_target())
         except PlanMismatch as exc:  # the other ranks fail at once, naming this one
             agreement.agree(None, ranks, what="applied plan", error=exc)
             raise

@@ -20,12 +20,9 @@ concerned and says what would be valid.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import solver
-
-if TYPE_CHECKING:
-    from .problem.size_figures import ProblemSize
 
 __all__ = [
     "AutoParallelError",
@@ -62,8 +59,10 @@ class DataDependentTraceError(AutoParallelError, RuntimeError):
 class ProblemTooLarge(AutoParallelError, RuntimeError):
     """The estimated problem exceeds ``Constraints.max_problem_bytes``."""
 
-    def __init__(self, message: str, size: "ProblemSize"):
+    def __init__(self, message: str, size: Any):
         super().__init__(message)
+        # an autoparallel.problem.size_figures.ProblemSize: errors sits below
+        # every pipeline stage, so it names the type without importing it
         self.size = size
 
 

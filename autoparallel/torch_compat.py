@@ -364,9 +364,10 @@ def last_node(graph: torch.fx.Graph | None) -> torch.fx.Node | None:
     return next(iter(reversed(graph.nodes)), None)
 
 
-# Name the trampoline below reads in _func_map's globals (its code runs as
+# Names the trampolines below read in _func_map's globals (their code runs as
 # _local_map_wrapped's, whose globals are that module's).
 _LOCAL_MAP_HANDLER = "_autoparallel_local_map_handler"
+_LOCAL_MAP_REFUSAL = "_autoparallel_local_map_refusal"
 
 
 def _local_map_trampoline(
@@ -377,42 +378,106 @@ def _local_map_trampoline(
     )
 
 
+def _local_map_refusal_trampoline(*args, **kwargs):
+    return _autoparallel_local_map_refusal(args)  # noqa: F821 (a global of _func_map while refusing)
+
+
+def local_map_wrapper_problem(wrapped) -> str | None:
+    """Why ``wrapped`` (torch's ``_func_map._local_map_wrapped``) cannot
+    take the trampoline, or None when it can: the trampoline replaces its
+    code, so it must have no closure and take (func, out_placements,
+    in_placements, in_grad_placements, device_mesh, redistribute_inputs)."""
+    if wrapped is None or not hasattr(wrapped, "__code__"):
+        return "has no _func_map._local_map_wrapped function"
+    code = wrapped.__code__
+    if code.co_freevars:
+        return "_local_map_wrapped is a closure"
+    if code.co_argcount != 6:
+        return f"_local_map_wrapped takes {code.co_argcount} positional parameters, not 6"
+    return None
+
+
+def _first_callable(args) -> Any:
+    return next((a for a in args if callable(a)), None)
+
+
 @contextlib.contextmanager
-def intercept_local_map(handler: Callable) -> Iterator[bool]:
+def _swapped_code(module, wrapped, code, global_name: str, value) -> Iterator[None]:
+    original = wrapped.__code__
+    previous = module.__dict__.get(global_name)
+    module.__dict__[global_name] = value
+    wrapped.__code__ = code
+    try:
+        yield
+    finally:
+        wrapped.__code__ = original
+        if previous is None:
+            module.__dict__.pop(global_name, None)
+        else:
+            module.__dict__[global_name] = previous
+
+
+@contextlib.contextmanager
+def _calls_into(filename: str, refuse: Callable[[Any], None]) -> Iterator[None]:
+    """While open, a call of any Python function defined in ``filename``
+    runs ``refuse(that call's func argument or None)`` first (which raises).
+    A profile hook: slow, only for a wrapper whose code cannot be swapped."""
+    import sys
+
+    previous = sys.getprofile()
+
+    def profile(frame, event, arg):
+        if callable(previous):
+            previous(frame, event, arg)
+        if event == "call" and frame.f_code.co_filename == filename:
+            refuse(frame.f_locals.get("func"))
+
+    sys.setprofile(profile)
+    try:
+        yield
+    finally:
+        sys.setprofile(previous)
+
+
+@contextlib.contextmanager
+def intercept_local_map(handler: Callable, refuse: Callable[[Any, str], None]) -> Iterator[bool]:
     """While open, every call of a function wrapped by
     ``torch.distributed.tensor.experimental.local_map`` goes to
     ``handler(func, out_placements, in_placements, in_grad_placements,
-    device_mesh, redistribute_inputs, args, kwargs)``; yields whether it
-    could be intercepted.
+    device_mesh, redistribute_inputs, args, kwargs)``; yields True.
 
     ``local_map`` returns ``functools.partial(_local_map_wrapped, func,
     ...)``, created whenever the user's module was imported, so the partial
     cannot be swapped: the wrapped function's code is, for the duration
     (torch 2.4-2.15 keep that signature). On plain (fake) tensors the
     wrapper would call ``func`` on global tensors, which silently computes
-    something else than a body written for local shards."""
+    something else than a body written for local shards; so where this
+    torch's wrapper has another shape (:func:`local_map_wrapper_problem`),
+    yields False and every local_map call while open runs ``refuse(func,
+    why)`` instead (``func``: the user's function where it can be told,
+    else None), which must raise. Without local_map calls nothing changes."""
     try:
         from torch.distributed.tensor.experimental import _func_map
-    except ImportError:
+    except ImportError:  # no local_map in this torch: nothing can call it
         yield False
         return
     wrapped = getattr(_func_map, "_local_map_wrapped", None)
-    if wrapped is None or wrapped.__code__.co_freevars or wrapped.__code__.co_argcount != 6:
-        logger.warning("torch's local_map wrapper changed shape: local_map regions are not intercepted")
-        yield False
+    problem = local_map_wrapper_problem(wrapped)
+    if problem is None:
+        with _swapped_code(_func_map, wrapped, _local_map_trampoline.__code__, _LOCAL_MAP_HANDLER, handler):
+            yield True
         return
-    original = wrapped.__code__
-    previous = _func_map.__dict__.get(_LOCAL_MAP_HANDLER)
-    _func_map.__dict__[_LOCAL_MAP_HANDLER] = handler
-    wrapped.__code__ = _local_map_trampoline.__code__
-    try:
-        yield True
-    finally:
-        wrapped.__code__ = original
-        if previous is None:
-            _func_map.__dict__.pop(_LOCAL_MAP_HANDLER, None)
-        else:
-            _func_map.__dict__[_LOCAL_MAP_HANDLER] = previous
+    why = f"torch {TORCH_VERSION}'s local_map wrapper {problem}"
+    logger.warning("%s: local_map regions are refused", why)
+    if wrapped is not None and hasattr(wrapped, "__code__") and not wrapped.__code__.co_freevars:
+        code = _local_map_refusal_trampoline.__code__
+        with _swapped_code(
+            _func_map, wrapped, code, _LOCAL_MAP_REFUSAL, lambda args: refuse(_first_callable(args), why)
+        ):
+            yield False
+        return
+    with _calls_into(_func_map.__file__, lambda func: refuse(func, why)):
+        yield False
 
 
 @contextlib.contextmanager

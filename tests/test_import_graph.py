@@ -8,8 +8,9 @@ it counts as importing them too, except those that hold the importing module its
 A package `__init__` that re-exports its submodules therefore closes a circle with every module outside the
 package that it reaches and that imports any of the package's submodules.
 
-Imports under `if TYPE_CHECKING:` are not counted: they never run (annotations are strings under
-`from __future__ import annotations`), so they cannot take part in an import circle at runtime.
+Imports under `if TYPE_CHECKING:` count too: they never run, but they are a dependency all the same (the type
+checker and the reader follow them), and a circle through them is a layering circle. A module that annotates with
+something from above it uses a Protocol defined at or below its own level instead.
 
 Two checks:
 - the module graph has no strongly connected component of more than one module (nor a module importing itself);
@@ -45,24 +46,9 @@ def _modules() -> dict[str, Path]:
     return modules
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _import_nodes(tree: ast.AST):
-    """Every Import/ImportFrom that can run, skipping the bodies of `if TYPE_CHECKING:`."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield node
-            continue
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            stack.extend(node.orelse)
-            continue
-        stack.extend(ast.iter_child_nodes(node))
+    """Every Import/ImportFrom anywhere in the module: module level, functions, `if TYPE_CHECKING:` bodies."""
+    return (node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)))
 
 
 def _imported_modules(name: str, source: str, is_package: bool, modules) -> set[str]:
@@ -186,8 +172,8 @@ def test_packages_import_downwards():
 
 
 def test_checker_sees_function_level_and_relative_imports():
-    """The collector counts imports inside functions, resolves relative imports (a submodule when the name is
-    one, the package's __init__ otherwise) and skips `if TYPE_CHECKING:` bodies."""
+    """The collector counts imports inside functions and `if TYPE_CHECKING:` bodies and resolves relative
+    imports (a submodule when the name is one, the package's __init__ otherwise)."""
     modules = {"p", "p.errors", "p.cost_model", "p.cost_model.comm", "p.x", "p.x.y", "p.late"}
     source = (
         "from typing import TYPE_CHECKING\n"
@@ -198,7 +184,12 @@ def test_checker_sees_function_level_and_relative_imports():
         "    from .. import errors\n"
         "    import torch\n"
     )
-    assert _imported_modules("p.x.y", source, False, modules) == {"p.cost_model.comm", "p.cost_model", "p.errors"}
+    assert _imported_modules("p.x.y", source, False, modules) == {
+        "p.cost_model.comm",
+        "p.cost_model",
+        "p.errors",
+        "p.late",
+    }
     assert _imported_modules("p.x", "from . import y\nfrom .y import z\n", True, modules) == {"p.x.y"}
 
 

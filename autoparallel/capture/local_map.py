@@ -13,7 +13,8 @@ rank's shards.
 What cannot be honoured is refused with :class:`LocalMapError`, naming the
 function and the module calling it: tensor keyword arguments, non-tensor
 outputs, a tensor input without placements, placements for another mesh,
-shards that do not divide evenly.
+shards that do not divide evenly, and any local_map call at all on a torch
+whose local_map wrapper cannot be intercepted.
 
 Example::
 
@@ -147,5 +148,15 @@ def capture_local_map(mesh_shape: Sequence[int] | None, running: Sequence[str], 
         results = local_map_region(tensors, len(REGIONS) - 1, False)
         return tree_unflatten(list(results), out_spec)
 
-    with intercept_local_map(handler):
+    def refuse(func, why: str) -> None:
+        where = running[-1] if running and running[-1] else "the root module"
+        name = _region_name(func, running) if func is not None else f"a local_map function (called in {where})"
+        raise LocalMapError(
+            f"local_map region {name}: this torch release is not supported for local_map regions ({why}), so "
+            "the call cannot be traced as a region; traced as global ops, a body written for local shards "
+            "would compute something else. Use a torch release whose local_map wrapper the planner can intercept "
+            "(checked on 2.13), or call the body without local_map"
+        )
+
+    with intercept_local_map(handler, refuse):
         yield

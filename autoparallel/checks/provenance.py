@@ -5,8 +5,9 @@ another model, mesh or input shape those indices mean something else
 (a plan for a (4, 2) mesh applied on a (2, 4) mesh shards by 4 where it
 planned 2). :func:`provenance` records the traced graph's name-free
 fingerprint, the input shapes, the mesh and the cost model;
-:func:`check_applicable` compares them with an ``AutoParallel`` context and
-names what differs, and :func:`resolve_choice` maps the plan's placements
+:func:`check_applicable` compares them with a :class:`PlanTarget` (what an
+``AutoParallel`` context holds: model, traced step, mesh, cost model, pins)
+and names what differs, and :func:`resolve_choice` maps the plan's placements
 back to option indices of the context's strategies (by placement, not by
 position, so a plan survives a change in option enumeration order).
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import weakref
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,8 +26,26 @@ from ..errors import PlanMismatch
 from ..options.strategies import format_specs
 
 if TYPE_CHECKING:
-    from ..api import AutoParallel
+    import torch.nn as nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ..capture.tracing import TracedStep
+    from ..cost_model import DeviceSpec
     from ..plan import Plan
+
+
+@dataclass(frozen=True)
+class PlanTarget:
+    """What a plan is made for, or applied to: the pieces of an
+    ``AutoParallel`` context that its provenance records and checks."""
+
+    model: nn.Module
+    traced: TracedStep
+    mesh: DeviceMesh
+    device: DeviceSpec
+    mp_policy: Any  # torch MixedPrecisionPolicy or None
+    # node name -> (constraint name, placements): the layouts the user pinned
+    pins: dict[str, tuple[str, tuple]]
 
 
 # joint graph -> its fingerprint: hashing a large graph takes a while and
@@ -48,29 +68,29 @@ def graph_fingerprint(gm: torch.fx.GraphModule) -> str:
     return hashlib.sha1("\n".join(hashes[n] for n in gm.graph.nodes).encode()).hexdigest()
 
 
-def _input_shapes(autop: "AutoParallel") -> list:
+def _input_shapes(target: PlanTarget) -> list:
     out = []
-    for node in autop.traced.input_nodes:
+    for node in target.traced.input_nodes:
         v = node.meta.get("val") if node is not None else None
         out.append(None if not isinstance(v, torch.Tensor) else [list(v.shape), str(v.dtype).replace("torch.", "")])
     return out
 
 
-def provenance(autop: "AutoParallel") -> dict[str, Any]:
+def provenance(target: PlanTarget) -> dict[str, Any]:
     """The record stored in the plan (JSON-able)."""
-    gm = autop.traced.gm
+    gm = target.traced.gm
     fp = _FINGERPRINTS.get(gm)
     if fp is None:
         fp = _FINGERPRINTS[gm] = graph_fingerprint(gm)
-    mp = autop.mp_policy
+    mp = target.mp_policy
     return {
-        "model": type(autop.model).__name__,
+        "model": type(target.model).__name__,
         # distinct parameters (tied weights once), for the report's title
-        "parameters": sum(p.numel() for p in autop.model.parameters()),
+        "parameters": sum(p.numel() for p in target.model.parameters()),
         "graph_fingerprint": fp,
-        "num_graph_nodes": len(autop.traced.gm.graph.nodes),
-        "input_shapes": _input_shapes(autop),
-        "device": dataclasses.asdict(autop.device),
+        "num_graph_nodes": len(target.traced.gm.graph.nodes),
+        "input_shapes": _input_shapes(target),
+        "device": dataclasses.asdict(target.device),
         "mp_policy": None
         if mp is None
         else {k: str(getattr(mp, k, None)).replace("torch.", "") for k in ("param_dtype", "reduce_dtype")},
@@ -78,12 +98,12 @@ def provenance(autop: "AutoParallel") -> dict[str, Any]:
     }
 
 
-def check_applicable(plan: "Plan", autop: "AutoParallel") -> None:
+def check_applicable(plan: "Plan", target: PlanTarget) -> None:
     """Raise :class:`PlanMismatch` naming the first thing that differs
-    between what ``plan`` was made for and ``autop`` (input shapes, mesh,
+    between what ``plan`` was made for and ``target`` (input shapes, mesh,
     model graph); the cost model only matters for the solve, so a different
     one is allowed (the plan's estimates are then the plan's own)."""
-    mesh = autop.mesh
+    mesh = target.mesh
     names = list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
     if [int(s) for s in plan.mesh_shape] != list(mesh.shape) or (
         plan.mesh_dim_names is not None and names is not None and list(plan.mesh_dim_names) != names
@@ -94,9 +114,9 @@ def check_applicable(plan: "Plan", autop: "AutoParallel") -> None:
         )
     prov = plan.provenance
     if not prov:
-        _check_pins(plan, autop)  # a plan without a record (older JSON): only its layouts can be checked
+        _check_pins(plan, target)  # a plan without a record (older JSON): only its layouts can be checked
         return
-    mine = provenance(autop)
+    mine = provenance(target)
     want, got = prov.get("input_shapes"), mine["input_shapes"]
     if want is not None and want != got:
         if len(want) != len(got):
@@ -113,16 +133,16 @@ def check_applicable(plan: "Plan", autop: "AutoParallel") -> None:
             f"{prov['graph_fingerprint'][:12]} ({prov.get('num_graph_nodes')} nodes); same model code, "
             "config, activation checkpointing and mixed-precision policy are needed"
         )
-    _check_pins(plan, autop)
+    _check_pins(plan, target)
 
 
-def _check_pins(plan: "Plan", autop: "AutoParallel") -> None:
-    """The constraints of ``autop`` hold in ``plan``: a plan made with other
+def _check_pins(plan: "Plan", target: PlanTarget) -> None:
+    """The constraints of ``target`` hold in ``plan``: a plan made with other
     input or output layouts would run on inputs laid out another way than
     the caller feeds (wrong numbers, no error)."""
     from ..options.placements import format_placement
 
-    for node_name, (cname, placements) in autop._constraints.pins.items():
+    for node_name, (cname, placements) in target.pins.items():
         n = plan.nodes.get(node_name)
         want = "".join(format_placement(p) for p in placements)
         if n is not None and n.output_placements != want:

@@ -9,7 +9,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Mapping, Protocol
 
 if TYPE_CHECKING:
     import torch.fx as fx
@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from ..apply.local_graph import LocalJoint
     from ..capture.tracing import TracedStep
     from ..options.strategies import NodeStrategy
-    from ..plan import Plan
 
 # the package's logger: the passes' log lines read "autoparallel.passes"
 logger = logging.getLogger(__package__)
@@ -78,12 +77,30 @@ class PassOptions:
     chunk_exactness: ChunkExactness = "tolerance"
 
 
+class PlanNodeEntry(Protocol):
+    """A plan's entry for one graph node as passes update it (an
+    :class:`autoparallel.plan.NodePlan`)."""
+
+    comm_cost: float
+    # (producer name, producer placement, seconds) for non-free transitions
+    incoming: list[tuple[str, str, float]]
+
+
+class PlanLike(Protocol):
+    """What passes read of an :class:`autoparallel.plan.Plan`: its per-node
+    entries. A Protocol, since plan.py sits above passes (it stores their
+    stats) and passes may not import it."""
+
+    @property
+    def nodes(self) -> Mapping[str, PlanNodeEntry]: ...
+
+
 @dataclass
 class PassContext:
     """What passes may read: the mesh, the plan and the apply state so far."""
 
     mesh: DeviceMesh
-    plan: Plan
+    plan: PlanLike
     options: PassOptions = field(default_factory=PassOptions)
     # Set by apply as it goes (None until that stage).
     traced: TracedStep | None = None

@@ -6,7 +6,7 @@ the applied graphs' live bytes exceed the estimate."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -15,14 +15,23 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from ..cost_model import DeviceSpec
-    from ..plan import Plan
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["record_applied"]
 
 
-def record_applied(plan: Plan, model: nn.Module, mesh: DeviceMesh, device: DeviceSpec) -> None:
+class AppliedPlan(Protocol):
+    """What :func:`record_applied` sets on an :class:`autoparallel.plan.Plan`
+    (it hands the whole plan to :func:`~autoparallel.problem.memory.breakdown`).
+    A Protocol, since plan.py sits above report (its summaries are report
+    code) and report may not import it."""
+
+    collectives: list[dict]
+    timeline: dict[str, Any]
+
+
+def record_applied(plan: AppliedPlan, model: nn.Module, mesh: DeviceMesh, device: DeviceSpec) -> None:
     """Set ``plan.collectives`` and ``plan.timeline`` from the applied
     ``model``'s forward and backward graphs; log a warning when the step's
     peak memory (:func:`~autoparallel.problem.memory.breakdown`) exceeds the

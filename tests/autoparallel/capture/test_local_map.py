@@ -164,3 +164,42 @@ def test_region_traces_as_one_node_with_its_layouts(fake_world):
     assert targets.count("autoparallel.local_map_region.default") == 1
     assert targets.count("autoparallel.local_map_region_backward.default") == 1
     assert "aten.div.Tensor" not in targets  # the body's division stays inside the region
+
+
+def _trace(model, inputs):
+    from autoparallel import AutoParallel
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with AutoParallel(model, mesh, (torch.empty(*inputs, device="meta"),)) as autop:
+        return [n for n in autop.traced.gm.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("how", ["shape", "missing"])
+def test_local_map_is_refused_where_torch_wrapper_cannot_be_intercepted(fake_world, monkeypatch, how):
+    """A torch whose local_map wrapper has another shape: a local_map call is
+    refused, naming the function and the release, never traced as global ops
+    ("shape": the wrapper's code is swapped for a refusal; "missing": no
+    wrapper function to swap, the calls are caught on entry); a model
+    without local_map traces as before."""
+    from torch.distributed.tensor.experimental import _func_map
+
+    from autoparallel import torch_compat
+
+    wrapper_code = normalise.func.__code__
+    if how == "shape":
+        monkeypatch.setattr(torch_compat, "local_map_wrapper_problem", lambda wrapped: "changed (test)")
+    else:
+        monkeypatch.delattr(_func_map, "_local_map_wrapped")
+    fake_world(4)
+    with torch.device("meta"):
+        with_region, without = Calls(normalise), Calls(nn.Identity())
+    with pytest.raises(LocalMapError) as info:
+        _trace(with_region, (8, 8))
+    msg = str(info.value)
+    assert f"local_map region {__name__}.normalise (called in the root module)" in msg, msg
+    assert "this torch release is not supported for local_map regions" in msg, msg
+    assert _trace(without, (8, 8))  # traces: nothing calls local_map
+    # the wrapper is left as it was
+    assert normalise.func.__code__ is wrapper_code
+    assert _func_map.__dict__.get(torch_compat._LOCAL_MAP_REFUSAL) is None
