@@ -17,12 +17,14 @@ For each: planning time, the solver's step estimate, the planner's peak
 memory per rank against the budget (HBM less 10%), and the attention ops'
 placements. A variant that cannot fit the budget prints the smallest
 estimate the planner can reach (``InfeasibleConstraintError``). Plans only
-(no apply): the applied 8B step at 131k tokens is too heavy for a CPU
-machine. Asserts nothing::
+by default; ``--track`` also applies each plan and runs rank 0's step
+under ``FakeTensorMode`` with ``MemTracker`` (``benchmarks/memory_tracker.py``)
+under an address-space limit. Asserts nothing::
 
     python benchmarks/long_context.py
     python benchmarks/long_context.py --layers 2 --seq 16384   # a quick look
     python benchmarks/long_context.py --only split
+    python benchmarks/long_context.py --only split --track --max-gb 10
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import time
 from unittest import mock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for p in (ROOT, os.path.join(ROOT, "examples")):
+for p in (ROOT, os.path.join(ROOT, "benchmarks"), os.path.join(ROOT, "examples")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
@@ -68,6 +70,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="8B")
     p.add_argument("--device", default="H100", help="cost-model preset (its HBM sets the budget)")
     p.add_argument("--only", choices=sorted(VARIANTS), default=None, help="plan one variant only")
+    p.add_argument(
+        "--track",
+        action="store_true",
+        help="also apply each plan and run rank 0's step under FakeTensorMode with MemTracker "
+        "(benchmarks/memory_tracker.py; heavy at 8B x 131072)",
+    )
+    p.add_argument("--max-gb", type=float, default=10.0, help="address-space limit of the process with --track")
     return p.parse_args(argv)
 
 
@@ -99,12 +108,11 @@ def plan_variant(args: argparse.Namespace, name: str) -> list[str]:
         t0 = time.perf_counter()
         try:
             with sequence_split_attention(offered):
-                plan = plan_step(ex_args, mesh, model, config)
+                plan, wall, tracked = plan_step(ex_args, mesh, model, config, track=args.track)
         except InfeasibleConstraintError as e:
             lines.append(f"  planning time {time.perf_counter() - t0:.1f} s: no plan fits")
             lines += ["  " + line for line in str(e).splitlines()]
             return lines
-        wall = time.perf_counter() - t0
     finally:
         dist.destroy_process_group()
     b = memory.breakdown(plan)
@@ -112,6 +120,11 @@ def plan_variant(args: argparse.Namespace, name: str) -> list[str]:
     lines += ["  " + line for line in numbers.step_lines(plan)]
     lines.append(f"  memory per rank (planner's peak, {memory.UNIT_NOTE}):")
     lines += ["    " + line for line in b.lines()]
+    if tracked is not None:
+        diff = (b.total - tracked.peak) / tracked.peak
+        lines.append(
+            f"  MemTracker's peak of the applied step (rank 0): {tracked.peak / 1e9:.2f} GB, planner {diff:+.1%}"
+        )
     lines.append(f"  attention placements (mesh dims {tuple(plan.mesh_dim_names)}):")
     for (phase, op, signature), count in attention_placements(plan).items():
         lines.append(f"    {phase:9s} {op}: {signature} (x{count})")
@@ -122,10 +135,13 @@ def plan_variant(args: argparse.Namespace, name: str) -> list[str]:
     return lines
 
 
-def plan_step(ex_args: argparse.Namespace, mesh, model, config):
+def plan_step(ex_args: argparse.Namespace, mesh, model, config, track: bool = False):
     """The step planned as the example plans it (bf16 compute, mean
     gradient reduction, the tokens laid out by the mesh dims' names), the
-    logits' layout left to the planner in both variants."""
+    logits' layout left to the planner in both variants. With ``track``:
+    the plan applied and rank 0's step measured by MemTracker (else None).
+    Returns (plan, planning seconds: tracing to plan, the tracked step)."""
+    t0 = time.perf_counter()
 
     def inputs():
         return torch.randint(0, config.vocab_size, (ex_args.batch, ex_args.seq), device="meta")
@@ -139,7 +155,17 @@ def plan_step(ex_args: argparse.Namespace, mesh, model, config):
         input_constraints=[ex.data_placements(mesh)],
         grad_reduction="mean",
     ) as autop:
-        return autop.optimize_placement()
+        plan = autop.optimize_placement()
+        wall = time.perf_counter() - t0
+        if not track:
+            return plan, wall, None
+        from memory_tracker import tracked_step
+
+        from autoparallel.apply import local_shape
+
+        parallel = autop.apply_placement(plan)
+        spec = parallel.parallel_state.inputs[0].spec
+        return plan, wall, tracked_step(parallel, tuple(local_shape(spec)), config.vocab_size, labels_like_logits=True)
 
 
 def attention_placements(plan) -> dict[tuple[str, str, str], int]:
@@ -160,6 +186,9 @@ def rss_gb() -> float:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.track:
+        limit = int(args.max_gb * 1e9)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     print(
         f"LLaMA-3 {args.model}{f' ({args.layers} layers)' if args.layers else ''}: batch {args.batch} x seq "
         f"{args.seq} on a fake {' x '.join(map(str, args.mesh))} mesh, device model {args.device}"
