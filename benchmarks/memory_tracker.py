@@ -82,12 +82,16 @@ def tracked_step(
     device: str = "cpu",
     steps: int = 2,
     trace: bool = False,
+    labels_like_logits: bool = False,
 ) -> TrackedStep:
     """Run ``steps`` training steps of rank 0's ``parallel`` module (its
     local shard of a token batch of ``local_input_shape``) under a fresh
     ``FakeTensorMode`` and ``MemTracker``: forward, cross-entropy of the
     fp32 logits (as ``examples/example_llama3.py`` trains), backward, AdamW
-    step, ``zero_grad``. Returns the tracker's peak over all steps."""
+    step, ``zero_grad``. Returns the tracker's peak over all steps.
+    ``labels_like_logits``: the labels take the local logits' batch and
+    sequence dims (a plan whose logits are not split like the tokens, such
+    as a sequence split over cp that the planner undoes before the output)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from autoparallel.torch_compat import memory_tracker, tracker_peak
@@ -111,6 +115,8 @@ def tracked_step(
         with tracker, _OpTrace(tracker, live) if trace else _nothing():
             for _ in range(steps):
                 logits = parallel(tokens)
+                if labels_like_logits and logits.shape[:2] != labels.shape:
+                    labels = torch.randint(0, vocab_size, tuple(logits.shape[:2]), device=dev)
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
                 loss.backward()
                 for p, shard in zip(params, shards):
