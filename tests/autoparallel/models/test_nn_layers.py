@@ -116,8 +116,13 @@ def test_apply_error_names_node_module_and_placements(fake_world, monkeypatch):
     import autoparallel.apply.local_graph as local_graph
     from autoparallel.apply.redistribute import ApplyError
 
+    import autoparallel.options.rules.attention as attention_rules
+
     fake_world(4)
     monkeypatch.setattr(local_graph, "_viewable_args", lambda op, args, kwargs: args)
+    # attention split by batch or heads only: with the sequence split offered
+    # the pinned view's local input is a contiguous gathered tensor
+    monkeypatch.setattr(attention_rules, "sequence_options", lambda *args: [])
     build = lambda: MeanSquare(_encoder(False))  # noqa: E731
     # the view replicated (its local input is then the whole permuted,
     # non-contiguous tensor), as the greedy redistribution costs planned it;
