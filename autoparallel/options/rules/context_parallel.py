@@ -103,6 +103,8 @@ def sequence_shardable(node) -> bool:
         return False
     mask = user_mask(node, sig)
     if mask is not None:
+        if is_causal(node, sig):
+            return False  # both masks at once: the lowering would replace the user's with the causal one
         m, q = mask.meta["val"], node.args[sig.query].meta["val"]
         if m.dim() > 4 or (m.dim() >= 2 and m.shape[-2] not in (1, q.shape[sig.seq_dim])):
             return False
