@@ -10,7 +10,10 @@ forward
     local queries to the full keys; a causal op gets an explicit additive
     mask whose rows are offset by the rank's first query position
     (``coords[cp] * L/n``), since ``is_causal`` on the local shapes would
-    mask as if the rank's queries started at position 0.
+    mask as if the rank's queries started at position 0. An op given a
+    mask (``attn_mask``) receives its local rows (the option splits the
+    mask's query dim like the queries and keeps its key dim whole) and
+    runs with them unchanged.
 backward
     gather K and V again, run the backward with the same mask, and
     reduce-scatter the full-length dK and dV (every rank's queries

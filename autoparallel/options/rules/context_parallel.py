@@ -6,8 +6,10 @@ therefore does not run the same op on local shards. It declares, per
 attention op, where its query, key and value sit (:class:`AttentionSignature`),
 and :mod:`autoparallel.apply.context_parallel` runs the option as "gather K
 and V over the cp dim, then attend the rank's queries to every key with the
-causal mask offset by the rank's first query position"; its backward
-attends the same way and reduce-scatters dK and dV back to sequence shards.
+causal mask offset by the rank's first query position" (or, for an op
+given a mask, with the mask's rows of the rank's queries: the option splits
+the mask's query dim like the queries); its backward attends the same way
+and reduce-scatters dK and dV back to sequence shards.
 
 The planner sees the option as a sequence split of every attention tensor
 (q, k, v, output, logsumexp, their gradients: ``Shard(seq_dim)`` on the cp
@@ -29,8 +31,9 @@ import itertools
 from dataclasses import dataclass
 
 import torch
+import torch.fx
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
-from torch.distributed.tensor.placement_types import Shard
+from torch.distributed.tensor.placement_types import Replicate, Shard
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
 from ..placements import InOpWork, Option, is_evenly_sharded, tensor_meta_of
@@ -81,18 +84,45 @@ def _arg(node, index: int, default):
     return node.args[index] if len(node.args) > index else default
 
 
+def user_mask(node, sig: AttentionSignature):
+    """The node's additive/boolean mask argument (an fx Node), or None."""
+    mask = _arg(node, sig.mask, None) if isinstance(sig.mask, int) else node.kwargs.get(sig.mask)
+    return mask if isinstance(mask, torch.fx.Node) else None
+
+
 def sequence_shardable(node) -> bool:
     """Whether ``node`` (an op of :data:`SEQUENCE_SHARDED_ATTENTION`) may be
-    sequence-sharded: no user mask (an arbitrary mask would need its own
-    offset rows and columns) and no dropout (its random stream is per
-    global position)."""
+    sequence-sharded: no dropout (its random stream is per global
+    position), and a user mask (Hugging Face models pass their causal mask
+    as one) only if its query rows can follow the queries' split: its
+    query dim (``-2``) is either the full query length (split like the
+    queries, each rank keeping its rows against every key, as the keys are
+    gathered) or broadcast (size 1, or a mask of fewer than two dims)."""
     sig = SEQUENCE_SHARDED_ATTENTION.get(node.target)
     if sig is None:
         return False
-    user_mask = _arg(node, sig.mask, None) if isinstance(sig.mask, int) else node.kwargs.get(sig.mask)
-    if user_mask is not None:
-        return False
+    mask = user_mask(node, sig)
+    if mask is not None:
+        if is_causal(node, sig):
+            return False  # both masks at once: the lowering would replace the user's with the causal one
+        m, q = mask.meta["val"], node.args[sig.query].meta["val"]
+        if m.dim() > 4 or (m.dim() >= 2 and m.shape[-2] not in (1, q.shape[sig.seq_dim])):
+            return False
     return float(_arg(node, sig.dropout_p, node.kwargs.get("dropout_p", 0.0))) == 0.0
+
+
+def mask_placement(p, mask: torch.Tensor, q_shape) -> object:
+    """A mask's placement on a mesh dim where q, k, v have ``p``: the
+    mask's dim that broadcasts against the sharded ``[B, H, L, D]`` dim
+    (the batch, the heads, or the query rows for the sequence split) is
+    sharded where the mask holds it in full, replicated where it
+    broadcasts. The key dim is never split: the keys are gathered."""
+    if not isinstance(p, Shard):
+        return p
+    dim = p.dim - (4 - mask.dim())
+    if dim >= 0 and mask.shape[dim] == q_shape[p.dim] and q_shape[p.dim] > 1:
+        return Shard(dim)
+    return Replicate()
 
 
 def is_causal(node, sig: AttentionSignature) -> bool:
@@ -160,10 +190,19 @@ def sequence_options(node, tensors: list[torch.Tensor], out_val, mesh, per_dim_c
     tensor ``Shard(seq_dim)`` there) and take ``per_dim_choices`` (uniform
     batch / heads / replicate placements) on the others."""
     sig = SEQUENCE_SHARDED_ATTENTION.get(node.target)
-    if sig is None or not sequence_shardable(node) or len(tensors) != sig.tensor_inputs:
+    if sig is None or not sequence_shardable(node):
         return []
+    mask = user_mask(node, sig)
+    # the mask comes after q, k, v (and the backward's other tensors) in
+    # the node's tensor inputs: keyword ``attn_mask`` last
+    if len(tensors) != sig.tensor_inputs + (mask is not None):
+        return []
+    mask_index = sig.tensor_inputs if mask is not None and isinstance(sig.mask, str) else None
+    if mask is not None and mask_index is None:
+        return []  # a positional mask (attn_bias) sits among the inputs: no such kernel is registered yet
+    q_shape = tensors[sig.query].shape
     outs = out_val if isinstance(out_val, (tuple, list)) else (out_val,)
-    all_tensors = [*tensors, *[o for o in outs if isinstance(o, torch.Tensor)]]
+    out_tensors = [o for o in outs if isinstance(o, torch.Tensor)]
     seq = Shard(sig.seq_dim)
     options = []
     for cp_dim in range(mesh.ndim):
@@ -171,15 +210,20 @@ def sequence_options(node, tensors: list[torch.Tensor], out_val, mesh, per_dim_c
             continue
         for rest in itertools.product(per_dim_choices, repeat=mesh.ndim - 1):
             combo = (*rest[:cp_dim], seq, *rest[cp_dim:])
-            if not all(is_evenly_sharded(t.shape, combo, mesh) for t in all_tensors):
+            in_placements = [combo] * len(tensors)
+            if mask_index is not None:
+                in_placements[mask_index] = tuple(mask_placement(p, tensors[mask_index], q_shape) for p in combo)
+            placed = [*zip(tensors, in_placements), *((o, combo) for o in out_tensors)]
+            if not all(is_evenly_sharded(t.shape, p, mesh) for t, p in placed):
                 continue
 
-            def spec(t):
-                return DTensorSpec(mesh, combo, tensor_meta=tensor_meta_of(t))
+            def spec(t, placements=combo):
+                return DTensorSpec(mesh, placements, tensor_meta=tensor_meta_of(t))
 
             out_specs = tuple(spec(o) if isinstance(o, torch.Tensor) else None for o in outs)
             if not isinstance(out_val, (tuple, list)):
                 out_specs = out_specs[0]
             work = in_op_work(node, sig, combo, mesh, cp_dim)
-            options.append(Option(out_specs, tuple(spec(t) for t in tensors), in_op=work))
+            in_specs = tuple(spec(t, p) for t, p in zip(tensors, in_placements))
+            options.append(Option(out_specs, in_specs, in_op=work))
     return options

@@ -175,8 +175,9 @@ def test_cudnn_plan_equals_cpu_kernel_plan(fake_world):
 
 
 def test_broadcast_mask_is_replicated_and_correct(fake_world):
-    """A 2-D mask broadcasts over batch and heads: never sharded (its dim 0
-    is the query position, not the batch), and the step is exact."""
+    """A 2-D mask broadcasts over batch and heads: never sharded with them
+    (its dim 0 is the query position, not the batch); under the sequence
+    split its query rows (dim 0) split like the queries. The step is exact."""
     fake_world(4)
     strategies, _ = _strategies(lambda: Attention(mask=True), None)
     for op in (aten._scaled_dot_product_flash_attention_for_cpu.default,):
@@ -185,8 +186,15 @@ def test_broadcast_mask_is_replicated_and_correct(fake_world):
         from autoparallel.options.strategies import tensor_inputs
 
         k = tensor_inputs(node).index(mask)
-        assert {tuple(o.input_specs[k].placements) for o in strat.options} == {(Replicate(), Replicate())}
-        assert len(strat.options) == 9
+        batch_head = [o for o in strat.options if Shard(2) not in o.input_specs[0].placements]
+        assert {tuple(o.input_specs[k].placements) for o in batch_head} == {(Replicate(), Replicate())}
+        assert len(batch_head) == 9
+        # sequence split over one mesh dim, batch / heads / replicate on the other
+        sequence = [o for o in strat.options if Shard(2) in o.input_specs[0].placements]
+        assert len(sequence) == 6
+        for o in sequence:
+            rows = [Shard(0) if p == Shard(2) else Replicate() for p in o.input_specs[0].placements]
+            assert list(o.input_specs[k].placements) == rows, o
     parallel, plan, mesh = plan_and_apply(lambda: Attention(mask=True), _inputs(), device=slow_compute_device())
     check_step(parallel, mesh, lambda: Attention(mask=True), _inputs())
 
