@@ -4,7 +4,9 @@
 #   2. benchmarks/gpu_rank_check.py: rank 0 of the LLaMA-3 8B 16 x 8 plan, the hand FSDP2 + TP + SP layout and
 #      the plan run as captured CUDA graphs, with the --json record autoparallel.cost_model.measured reads,
 #   3. benchmarks/calibrate_device.py,
-#   4. the smoke tests with CUDA visible.
+#   4. the smoke tests with CUDA visible,
+#   5. with COMPILED_LAYERS=N set: the rank check's compiled ranks (the plan with compile=True, the hand layout
+#      with each block under torch.compile) on N layers.
 #
 #   BUDGET=540 bash benchmarks/gpu_check.sh      # from anywhere; runs from the repository root
 #
@@ -51,5 +53,12 @@ fi
 if (( $(left) > 45 )); then
   echo "== smoke tests with CUDA visible (left $(left) s)"
   timeout $(cap 150) python3 -m pytest -q -m smoke -n 8 -p no:cacheprovider > "$OUT/smoke.log" 2>&1; echo "rc $?"; tail -3 "$OUT/smoke.log"
+fi
+if [[ -n "${COMPILED_LAYERS:-}" ]] && (( $(left) > 60 )); then
+  # opt-in (COMPILED_LAYERS=8, say): Inductor compiles each rank's graphs first, a one-off cost per layer count
+  echo "== rank check, $COMPILED_LAYERS layers: compiled, hand_compiled (left $(left) s)"
+  timeout $(cap 300) python3 benchmarks/gpu_rank_check.py --layers "$COMPILED_LAYERS" --ranks compiled hand_compiled \
+    --json "$OUT/rank_check_compiled.json" > "$OUT/rank_check_compiled.log" 2>&1; echo "rc $?"
+  grep -v Warning "$OUT/rank_check_compiled.log" | tail -12
 fi
 echo "== done, $(left) s of the budget left"

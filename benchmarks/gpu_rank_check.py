@@ -34,6 +34,7 @@ any other exception is an error (exit status 1).
     python benchmarks/gpu_rank_check.py --json rank_check.json   # one H100 or H200, all 32 layers
     python benchmarks/gpu_rank_check.py --layers 8               # a quicker run (fewer blocks)
     python benchmarks/gpu_rank_check.py --ranks autoparallel hand cudagraphs --json rank_check.json
+    python benchmarks/gpu_rank_check.py --ranks compiled hand_compiled --json rank_check_compiled.json
     python benchmarks/gpu_rank_check.py --device cpu --layers 2 --dim 256 --heads 8 --kv-heads 8 \\
         --vocab 1024 --seq 64 --mesh 2 2 --batch 4                  # dry mode (seconds)
 
@@ -65,7 +66,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
-RANKS = ("autoparallel", "hand", "cudagraphs")  # cudagraphs: the plan run as captured CUDA graphs
+# cudagraphs: the plan run as captured CUDA graphs; compiled: the plan's graphs compiled by Inductor
+# (apply_placement(..., compile=True)); hand_compiled: the hand layout with each block under torch.compile,
+# as torchtitan trains it
+RANKS = ("autoparallel", "hand", "cudagraphs", "compiled", "hand_compiled")
 CUDA_GRAPH_WARMUP = 2  # untimed steps a captured step needs: the eager warm-up, then the capture
 
 
@@ -95,7 +99,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         nargs="+",
         default=["autoparallel", "hand"],
         choices=RANKS,
-        help="which layouts to run (cudagraphs: the plan with apply_placement(..., cudagraphs=True), CUDA only)",
+        help="which layouts to run (cudagraphs: the plan with apply_placement(..., cudagraphs=True), CUDA only; "
+        "compiled: the plan with compile=True; hand_compiled: the hand layout, each block under torch.compile)",
     )
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled step (no per-kind times)")
     ap.add_argument("--json", default=None, help="write the record (measurements and estimates) here")
@@ -177,7 +182,7 @@ class RankResult:
         return d
 
 
-def plan_rank(a, mesh, device, cudagraphs: bool = False):
+def plan_rank(a, mesh, device, cudagraphs: bool = False, compile: bool = False):
     """The example's plan of the model, applied; rank 0's module on ``device``."""
     import example_llama3
 
@@ -188,6 +193,7 @@ def plan_rank(a, mesh, device, cudagraphs: bool = False):
     config = model_config(a)
     args = example_args(a)
     args.cudagraphs = cudagraphs
+    args.compile = compile
     plan, parallel, _, _ = example_llama3.plan_model(args, mesh, meta_model(a, config), config)
     e = step_estimate(plan)
     ms = lambda s: None if s is None else s * 1e3  # noqa: E731
@@ -206,12 +212,16 @@ def plan_rank(a, mesh, device, cudagraphs: bool = False):
     return parallel, estimate, by_kind
 
 
-def hand_rank(a, mesh, device):
-    """The hand FSDP2 + TP + SP layout of the same model, rank 0's shards on ``device``."""
+def hand_rank(a, mesh, device, compile: bool = False):
+    """The hand FSDP2 + TP + SP layout of the same model, rank 0's shards on
+    ``device``; ``compile``: each transformer block under ``torch.compile``."""
     from _hand_plan import hand_fsdp_tp
     from example_llama3 import mp_policy
 
     model = hand_fsdp_tp(meta_model(a, model_config(a)), mesh, mp_policy=mp_policy(example_args(a)))
+    if compile:
+        for block in model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers:
+            block.compile()
     model.to_empty(device=device)
     torch.manual_seed(0)
     with torch.no_grad():
@@ -302,15 +312,20 @@ def profile_by_kind(model, tokens, grad, device) -> dict[str, float]:
 def run_rank(name, a, mesh, device) -> RankResult:
     t0 = time.perf_counter()
     estimate = by_kind_est = None
-    if name in ("autoparallel", "cudagraphs"):
-        model, estimate, by_kind_est = plan_rank(a, mesh, device, cudagraphs=name == "cudagraphs")
+    if name in ("autoparallel", "cudagraphs", "compiled"):
+        model, estimate, by_kind_est = plan_rank(
+            a, mesh, device, cudagraphs=name == "cudagraphs", compile=name == "compiled"
+        )
     else:
-        model = hand_rank(a, mesh, device)
+        model = hand_rank(a, mesh, device, compile=name == "hand_compiled")
     setup = time.perf_counter() - t0
     dp = a.mesh[0]
     tokens = torch.randint(0, a.vocab, (a.batch // dp, a.seq), generator=torch.Generator().manual_seed(1))
     if name == "cudagraphs":
         warmup, profile = max(a.warmup, CUDA_GRAPH_WARMUP), False
+    elif name in ("compiled", "hand_compiled"):
+        # the first step compiles; generated kernels carry no aten op names for the per-kind profile
+        warmup, profile = max(a.warmup, 1), False
     else:
         warmup, profile = a.warmup, True
     fwd_bwd, optim, peak, by_kind = measure(model, tokens.to(device), device, a, warmup=warmup, profile=profile)
