@@ -114,7 +114,6 @@ def _setup(kind: str, a: dict):
 
 def run_row(name: str, with_baselines: bool, breakdown_too: bool = False) -> dict:
     """Plan, apply and estimate one row (in this process)."""
-    from torch.distributed.tensor import Replicate, Shard
 
     from autoparallel import AutoParallel, baselines
     from autoparallel.problem.memory import breakdown
@@ -125,11 +124,7 @@ def run_row(name: str, with_baselines: bool, breakdown_too: bool = False) -> dic
     out: dict = {"row": name}
     parallel = None
     with AutoParallel(model, mesh, inputs, mp_policy=mp) as autop:
-        if ins == "batch_on_dp":
-            ins = [(Shard(0),) + (Replicate(),) * (mesh.ndim - 1)] * len(autop.traced.input_nodes)
-        autop.add_input_constraints(ins)
-        if outs is not None:
-            autop.add_output_constraints(outs)
+        constrain(autop, mesh, ins, outs)
         t0 = time.perf_counter()
         plan = autop.optimize_placement()
         out["plan_s"] = time.perf_counter() - t0
@@ -272,6 +267,18 @@ def print_breakdown(rows: list[dict]) -> None:
         print(f"{r['row']}: collectives (time on the link / exposed, ms)")
         for key, t, e in b["collectives"]:
             print(f"  {key:48s} {t * 1e3:9.2f} {e * 1e3:9.2f}")
+
+
+def constrain(autop, mesh, ins, outs) -> None:
+    """A row's input and output constraints (``ins == "batch_on_dp"``: every
+    input's batch split over the first mesh dim)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if ins == "batch_on_dp":
+        ins = [(Shard(0),) + (Replicate(),) * (mesh.ndim - 1)] * len(autop.traced.input_nodes)
+    autop.add_input_constraints(ins)
+    if outs is not None:
+        autop.add_output_constraints(outs)
 
 
 def _child(name: str, with_baselines: bool, max_gb: float, breakdown_too: bool = False) -> dict:

@@ -161,7 +161,6 @@ class _OpTrace(torch.utils._python_dispatch.TorchDispatchMode):
 
 def run_row(name: str, trace: bool = False) -> dict:
     """Plan, apply and track one row (in this process)."""
-    from torch.distributed.tensor import Replicate, Shard
 
     import estimate_agreement as ea
     from autoparallel import AutoParallel
@@ -176,11 +175,7 @@ def run_row(name: str, trace: bool = False) -> dict:
     out: dict = {"row": name}
     t0 = time.perf_counter()
     with AutoParallel(model, mesh, inputs, mp_policy=mp) as autop:
-        if ins == "batch_on_dp":
-            ins = [(Shard(0),) + (Replicate(),) * (mesh.ndim - 1)] * len(autop.traced.input_nodes)
-        autop.add_input_constraints(ins)
-        if outs is not None:
-            autop.add_output_constraints(outs)
+        ea.constrain(autop, mesh, ins, outs)
         plan = autop.optimize_placement()
         parallel = autop.apply_placement(plan)
         spec = parallel.parallel_state.inputs[0].spec
