@@ -50,22 +50,27 @@ def _chunks(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
     return x.unflatten(dim, (2 * n, size // (2 * n)))
 
 
-def _reorder(x: torch.Tensor, dim: int, n: int, order: list[int]) -> torch.Tensor:
-    index = torch.tensor(order, dtype=torch.int64, device=x.device)
+def _reorder(x: torch.Tensor, dim: int, n: int, index: torch.Tensor) -> torch.Tensor:
     return _chunks(x, dim, n).index_select(dim, index).flatten(dim, dim + 1)
+
+
+# The permutations are computed from ``arange`` rather than written as
+# constants: a constant is a new graph input per call, and the repeated
+# layers of a plan must trace to identical nodes to be folded.
 
 
 def to_balanced(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
     """A whole dim in natural order -> the rank-major concatenation of the
     ``n`` balanced shards (what a reduce-scatter then splits evenly)."""
-    return _reorder(x, dim, n, balanced_chunk_order(n))
+    p = torch.arange(2 * n, device=x.device)
+    return _reorder(x, dim, n, torch.where(p % 2 == 0, p // 2, 2 * n - 1 - p // 2))
 
 
 def from_balanced(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
     """The rank-major concatenation of ``n`` balanced shards (what an
     all-gather returns) -> the dim in natural order."""
-    order = balanced_chunk_order(n)
-    return _reorder(x, dim, n, [order.index(k) for k in range(2 * n)])
+    k = torch.arange(2 * n, device=x.device)
+    return _reorder(x, dim, n, torch.where(k < n, 2 * k, 4 * n - 1 - 2 * k))
 
 
 def balanced_shard_of_replicated(x: torch.Tensor, dim: int, n: int, coord: torch.Tensor) -> torch.Tensor:
