@@ -41,6 +41,7 @@ from .problem.param_budget import PARAM_BUDGET, default_bound_entry, with_defaul
 from .problem.builder import DEFAULT_MAX_PROBLEM_BYTES, BuiltProblem, Constraints, build_problem
 from .capture.repeated_layers import RepeatedLayers, find_repeated_layers
 from .options.strategies import NodeStrategy, StrategyEnumerator
+from .capture.attention_kernels import FUSED_ATTENTION_KERNELS, traced_attention_kernel
 from .capture.tracing import TracedStep, module_path, trace_training_step
 
 if TYPE_CHECKING:
@@ -134,6 +135,12 @@ class AutoParallel:
             and FSDP average: with each rank's loss the mean over its local
             batch, gradients equal a single device's for the global batch
             and a mean loss.
+        attention_kernel: trace ``F.scaled_dot_product_attention`` as this
+            fused CUDA kernel (``"cudnn"``, ``"flash"`` or ``"efficient"``)
+            on any mesh, so a plan made on a CPU machine has the options and
+            prices of the kernel the GPU runs
+            (:func:`autoparallel.capture.attention_kernels.traced_attention_kernel`);
+            None (default): the kernel torch picks for the mesh's device.
     """
 
     def __init__(
@@ -156,6 +163,7 @@ class AutoParallel:
         input_constraints: Sequence[Sequence[Placement] | None] | None = None,
         mesh_roles: dict[str | int, str] | None = None,
         grad_reduction: GradReduction = "sum",
+        attention_kernel: str | None = None,
     ):
         validation.check_arguments(
             model=model,
@@ -210,6 +218,13 @@ class AutoParallel:
                 f"mean over the data-parallel shards, as DDP and FSDP), got {grad_reduction!r}"
             )
         self.grad_reduction = grad_reduction
+        if attention_kernel is not None and attention_kernel not in FUSED_ATTENTION_KERNELS:
+            raise ValueError(
+                f"attention_kernel must be None (the kernel torch picks for the mesh's device) or one of "
+                f"{', '.join(map(repr, FUSED_ATTENTION_KERNELS))} (the fused CUDA kernels, traced on any mesh), "
+                f"got {attention_kernel!r}"
+            )
+        self.attention_kernel = attention_kernel
         self._stack: contextlib.ExitStack | None = None
         self._closed = False
         self.traced: TracedStep | None = None
@@ -288,7 +303,7 @@ class AutoParallel:
     def _trace(self) -> None:
         self._stages = Stages(self.timings)
         self._stack.callback(self._stages.close)
-        with self._stages.stage("tracing", "tracing"):
+        with self._stages.stage("tracing", "tracing"), traced_attention_kernel(self.attention_kernel):
             self.traced = trace_training_step(
                 self.model,
                 self.inputs,

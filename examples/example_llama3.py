@@ -172,7 +172,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="chunk_regions: split these modules' work in two chunks so one chunk's communication "
         "overlaps the other's compute (no value: layers.*.attention=batch layers.*.feed_forward=batch)",
     )
+    ap.add_argument(
+        "--attention-kernel",
+        choices=["cudnn", "flash", "efficient"],
+        default=None,
+        help="trace attention as this fused CUDA kernel (what a GPU runs; cuDNN on H100/H200), to plan on a CPU "
+        "machine for GPUs (default: the kernel torch picks for the mesh's device)",
+    )
     args = ap.parse_args(argv)
+    if args.attention_kernel and args.real and not torch.cuda.is_available():
+        ap.error("--attention-kernel traces a CUDA kernel: --real on a machine without a GPU cannot run it")
     if args.chunk is not None and args.no_apply:
         ap.error("--chunk chunks the applied graphs: it does nothing with --no-apply (drop one of them)")
     if args.compile and args.no_apply:
@@ -263,6 +272,7 @@ def plan_model(args: argparse.Namespace, mesh, model, config):
         mp_policy=mp_policy(args),
         input_constraints=[data_placements(mesh)],
         grad_reduction="mean",
+        attention_kernel=args.attention_kernel,
     ) as autop:
         if Shard(1) not in data_placements(mesh):
             autop.add_output_constraints([data_placements(mesh)])

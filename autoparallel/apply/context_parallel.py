@@ -61,24 +61,40 @@ def causal_mask(lq: int, lk: int, first_row: torch.Tensor, dtype: torch.dtype, d
     return torch.zeros((lq, lk), dtype=dtype, device=device).masked_fill(rows[:, None] < cols[None, :], float("-inf"))
 
 
-def _sequence_sharded(op, sig: AttentionSignature, option, cp_dim: int, coords: torch.Tensor, device: DeviceSpec):
+def _query_positions(lq: int, coord: torch.Tensor, n: int, balanced: bool, device) -> torch.Tensor:
+    """The global sequence positions of a rank's ``lq`` local query rows."""
+    if not balanced:
+        return torch.arange(lq, device=device) + coord * lq
+    c = lq // 2
+    head = torch.arange(c, device=device)
+    return torch.cat([head + coord * c, head + (2 * n - 1 - coord) * c])
+
+
+def _sequence_sharded(
+    op, sig: AttentionSignature, option, cp_dim: int, coords: torch.Tensor, device: DeviceSpec, balanced: bool
+):
     specs = option.input_specs
     gathered = {i: _with(specs[i], cp_dim, Replicate()) for i in (sig.key, sig.value)}
+    layout = frozenset({cp_dim}) if balanced else frozenset()
+    n = option.input_specs[sig.query].mesh.size(cp_dim)
 
     def run(*args, **kwargs):
         args = list(args)
         for i, full in gathered.items():
-            args[i] = redistribute(args[i], specs[i], full, coords, device=device)
+            args[i] = redistribute(args[i], specs[i], full, coords, device=device, src_balanced=layout)
         # is_causal as the node passes it: positional, by name, or left to its default (False)
         causal = args[sig.is_causal] if len(args) > sig.is_causal else kwargs.get("is_causal", False)
         if causal:
             q, k = args[sig.query], args[sig.key]
             lq, lk = q.shape[sig.seq_dim], k.shape[sig.seq_dim]
-            first_row = coords[cp_dim] * lq
+            rows = _query_positions(lq, coords[cp_dim], n, balanced, q.device)
             if len(args) > sig.is_causal:
                 args[sig.is_causal] = False
             kwargs = {**kwargs, "is_causal": False} if "is_causal" in kwargs else dict(kwargs)
-            mask = causal_mask(lq, lk, first_row, q.dtype, q.device)
+            cols = torch.arange(lk, device=q.device)
+            mask = torch.zeros((lq, lk), dtype=q.dtype, device=q.device).masked_fill(
+                rows[:, None] < cols[None, :], float("-inf")
+            )
             if isinstance(sig.mask, int):
                 args[sig.mask] = mask
             else:
@@ -89,14 +105,24 @@ def _sequence_sharded(op, sig: AttentionSignature, option, cp_dim: int, coords: 
         out = list(out)
         for pos, i in zip(sig.grad_key_value, (sig.key, sig.value)):
             # every rank's queries contributed to every key's gradient
-            out[pos] = redistribute(out[pos], _with(gathered[i], cp_dim, Partial()), specs[i], coords, device=device)
+            out[pos] = redistribute(
+                out[pos], _with(gathered[i], cp_dim, Partial()), specs[i], coords, device=device, dst_balanced=layout
+            )
         return tuple(out)
 
     return run
 
 
 def lower_attention(
-    op, option, mesh: DeviceMesh, coords: torch.Tensor, largs, lkwargs, device: DeviceSpec = H100
+    op,
+    option,
+    mesh: DeviceMesh,
+    coords: torch.Tensor,
+    largs,
+    lkwargs,
+    device: DeviceSpec = H100,
+    *,
+    balanced: bool = False,
 ) -> tuple[Callable, tuple, dict] | None:
     """``(fn, args, kwargs)`` that run ``op`` under a sequence-sharded
     ``option`` on the local shards ``largs``; None when ``op`` is not a
@@ -108,4 +134,4 @@ def lower_attention(
     cp_dim = cp_mesh_dim(option, sig)
     if cp_dim is None:
         return None
-    return _sequence_sharded(op, sig, option, cp_dim, coords, device), tuple(largs), dict(lkwargs)
+    return _sequence_sharded(op, sig, option, cp_dim, coords, device, balanced), tuple(largs), dict(lkwargs)

@@ -46,6 +46,7 @@ from ..torch_compat import last_node, scalar_shape_adjusters, squeeze_dims_varia
 from ..options.strategies import NodeStrategy, format_specs
 from ..capture.tracing import TracedStep, module_path
 from .context_parallel import lower_attention
+from .sequence_layout import SequenceLayout, plan_sequence_layout
 from . import local_map  # noqa: F401  (registers the local_map regions' lowerings)
 from .moe_dispatch import LOCAL_LOWERINGS
 from .node_templates import Template, has_mask_partial, nodes_after, template_key, tracer_of_proxy_mode
@@ -223,6 +224,8 @@ class _Interpreter:
         self.use_templates = True
         self.templates: dict[tuple, Template] = {}
         self.template_hits = 0
+        # which shards are in the balanced sequence layout (context parallelism)
+        self.sequence_layout = SequenceLayout()
 
     # -- helpers ---------------------------------------------------------------
     def _tracer_graph(self) -> torch.fx.Graph | None:
@@ -230,14 +233,26 @@ class _Interpreter:
         return tracer.graph if tracer is not None else None
 
     def _redistribute(self, x, src: DTensorSpec, dst: DTensorSpec, what: str, producer=None, consumer=None):
-        if same_placements(src.placements, dst.placements):
+        src_balanced = self.sequence_layout.dims_of(producer)
+        dst_balanced = self.sequence_layout.dims_of(consumer)
+        if same_placements(src.placements, dst.placements) and src_balanced == dst_balanced:
             return x
         graph = self._tracer_graph()
         last = last_node(graph)
         src_masks = self.masks.get(producer) if producer is not None else None
         dst_masks = self.masks.setdefault(consumer, {}) if consumer is not None else None
         try:
-            out = redistribute(x, src, dst, self.coords, src_masks=src_masks, dst_masks=dst_masks, device=self.device)
+            out = redistribute(
+                x,
+                src,
+                dst,
+                self.coords,
+                src_masks=src_masks,
+                dst_masks=dst_masks,
+                device=self.device,
+                src_balanced=src_balanced,
+                dst_balanced=dst_balanced,
+            )
         except NotImplementedError as e:
             raise ApplyError(f"{what}: cannot redistribute {format_specs(src)} -> {format_specs(dst)}: {e}") from e
         if graph is not None:
@@ -290,6 +305,10 @@ class _Interpreter:
             return self._trace_node(node, strat, opt)
         inputs = [self.env[p] for p in strat.inputs]
         key = template_key(node, [self.spec[p] for p in strat.inputs], opt, inputs, self.env)
+        if key is not None and self.sequence_layout.balanced:
+            # the shards' layouts change what the node's redistributions emit
+            dims = self.sequence_layout.dims_of
+            key = (*key, dims(node), tuple(dims(p) for p in strat.inputs))
         if key is None:
             return self._trace_node(node, strat, opt)
         template = self.templates.get(key)
@@ -350,7 +369,8 @@ class _Interpreter:
         lower = LOCAL_LOWERINGS.get(op_)
         lowered = lower(opt, self.mesh, largs, lkwargs) if lower is not None else None
         if lowered is None:  # sequence-sharded attention gathers K/V itself
-            lowered = lower_attention(op_, opt, self.mesh, self.coords, largs, lkwargs, self.device)
+            balanced = bool(self.sequence_layout.dims_of(node))
+            lowered = lower_attention(op_, opt, self.mesh, self.coords, largs, lkwargs, self.device, balanced=balanced)
         if lowered is not None:  # an op whose option runs its own collectives
             op_, largs, lkwargs = lowered
         out = op_(*largs, **lkwargs)
@@ -366,7 +386,7 @@ class _Interpreter:
             args = (list(local_shape(spec)),) + tuple(node.args[1:])
             return node.target(*args, **node.kwargs)
         out = node.target(*node.args, **node.kwargs)
-        return self._redistribute(out, replicate_spec(spec), spec, f"factory {node.name}")
+        return self._redistribute(out, replicate_spec(spec), spec, f"factory {node.name}", consumer=node)
 
     # -- whole graph -------------------------------------------------------------
     def run(self, primals: list[torch.Tensor], tangents: list[torch.Tensor], layout: "_Layout"):
@@ -470,6 +490,7 @@ def build_local_joint(
     *,
     copy_repeated: bool = True,
     device: DeviceSpec = H100,
+    balance_sequence: bool = True,
 ) -> LocalJoint:
     """Trace the rank-local joint graph of ``traced`` under the plan ``choice``
     (node name -> option index into ``strategies[node].options``).
@@ -477,7 +498,10 @@ def build_local_joint(
     ``copy_repeated``: trace each structurally identical node once and copy
     its local nodes for the others (same graph, much faster on repeated
     layers); False traces every node. ``device``: the one the plan was
-    costed for (redistributions run the plan costed for it)."""
+    costed for (redistributions run the plan costed for it).
+    ``balance_sequence``: causal attention split along the sequence runs on
+    the balanced layout where the plan allows it (:mod:`.sequence_layout`);
+    False keeps DTensor's contiguous shards everywhere."""
     t0 = time.perf_counter()
 
     def spec_of(node):
@@ -513,6 +537,8 @@ def build_local_joint(
 
     interp = _Interpreter(traced, strategies, choice, mesh, device)
     interp.use_templates = copy_repeated
+    if balance_sequence:
+        interp.sequence_layout = plan_sequence_layout(traced.gm.graph, strategies, choice, mesh)
 
     def joint(primals, tangents):
         return interp.run(list(primals), list(tangents), layout)

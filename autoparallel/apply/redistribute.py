@@ -34,6 +34,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from ..cost_model.comm import min_cost_plan
 from ..cost_model.devices import H100, DeviceSpec
 from ..errors import ApplyError, UnsupportedRedistribution  # noqa: F401 - ApplyError re-exported
+from .balanced_layout import balanced_shard_of_replicated, from_balanced, to_balanced
 from ..graph_vocab import REDISTRIBUTE_KEY, SOURCE_KEY  # noqa: F401 - node.meta keys apply writes, re-exported
 
 __all__ = ["mask_indices", "redistribute", "same_placements", "shard_of_replicated", "UnsupportedRedistribution"]
@@ -122,9 +123,15 @@ def _step(
     coords: torch.Tensor,
     src_masks: dict | None = None,
     dst_masks: dict | None = None,
+    src_balanced: bool = False,
+    dst_balanced: bool = False,
 ) -> torch.Tensor:
+    """One step on ``mesh_dim``; ``src_balanced`` / ``dst_balanced``: the
+    shard before / after the step is in the balanced layout
+    (:mod:`.balanced_layout`) rather than DTensor's contiguous one."""
     mesh = spec.mesh
     n = mesh.size(mesh_dim)
+    coord = coords[mesh_dim : mesh_dim + 1]
     if isinstance(cur, _MaskPartial):
         # the embedding's output: zero the rows looked up elsewhere, then reduce
         x = _apply_mask(x, (src_masks or {}).get(mesh_dim), f"{cur} -> {dst}")
@@ -132,7 +139,7 @@ def _step(
     if isinstance(dst, _MaskPartial):
         if not cur.is_replicate():
             raise UnsupportedRedistribution(f"redistribution {cur} -> {dst} on mesh dim {mesh_dim}")
-        x, mask = mask_indices(x, dst, n, coords[mesh_dim : mesh_dim + 1])
+        x, mask = mask_indices(x, dst, n, coord)
         if dst_masks is not None:
             dst_masks[mesh_dim] = mask
         return x
@@ -140,14 +147,26 @@ def _step(
         if cur.is_partial():
             return cast(Partial, cur)._reduce_value(x, mesh, mesh_dim)
         if cur.is_shard():
-            return cast(Shard, cur)._to_replicate_tensor(x, mesh, mesh_dim, logical_shape)
+            full = cast(Shard, cur)._to_replicate_tensor(x, mesh, mesh_dim, logical_shape)
+            return from_balanced(_wait(full), cast(Shard, cur).dim, n) if src_balanced else full
     elif dst.is_shard():
         shard = cast(Shard, dst)
         if cur.is_partial():
+            if dst_balanced:
+                x = to_balanced(x, shard.dim, n)
             return cast(Partial, cur)._reduce_shard_value(x, mesh, mesh_dim, shard)
         if cur.is_replicate():
-            return shard_of_replicated(x, shard.dim, n, coords[mesh_dim : mesh_dim + 1])
+            if dst_balanced:
+                return balanced_shard_of_replicated(x, shard.dim, n, coord)
+            return shard_of_replicated(x, shard.dim, n, coord)
         if cur.is_shard():
+            if src_balanced or dst_balanced:
+                # through the whole dim: the balanced chunks do not line up
+                # with an all-to-all's contiguous pieces
+                full = _step(x, cur, Replicate(), spec, mesh_dim, logical_shape, coords, src_balanced=src_balanced)
+                return _step(
+                    _wait(full), Replicate(), dst, spec, mesh_dim, logical_shape, coords, dst_balanced=dst_balanced
+                )
             return shard_to_shard(x, cast(Shard, cur).dim, shard.dim, mesh, mesh_dim)
     elif dst.is_partial():
         if cur.is_replicate():
@@ -164,35 +183,73 @@ def redistribute(
     src_masks: dict | None = None,
     dst_masks: dict | None = None,
     device: DeviceSpec = H100,
+    src_balanced: frozenset[int] = frozenset(),
+    dst_balanced: frozenset[int] = frozenset(),
 ) -> torch.Tensor:
     """The local shard of ``x`` (laid out as ``src``) laid out as ``dst``.
 
     Row-sharded embeddings (``_MaskPartial``): partitioning the indices writes
     the mask per mesh dim into ``dst_masks``; reducing the embedding's output
     reads it from ``src_masks``. ``device``: the one the plan was costed for
-    (the min-cost plan depends on it).
+    (the min-cost plan depends on it). ``src_balanced`` / ``dst_balanced``:
+    the mesh dims whose shard is in the balanced layout
+    (:mod:`.balanced_layout`) in ``src`` / ``dst``; a shard that keeps its
+    placement but changes layout is gathered and split again.
     """
-    if same_placements(src.placements, dst.placements):
+    reorder = {
+        m
+        for m in src_balanced ^ dst_balanced
+        if src.placements[m].is_shard() and same_placement(src.placements[m], dst.placements[m])
+    }
+    if same_placements(src.placements, dst.placements) and not reorder:
         return x
     if src.tensor_meta is None:
         src = DTensorSpec(src.mesh, src.placements, tensor_meta=dst.tensor_meta)
+    balanced = {m: m in src_balanced for m in range(src.mesh.ndim)}
+
+    def run(x, mesh_dim, cur, target, logical):
+        if src.mesh.size(mesh_dim) == 1:
+            return x
+        if cur.is_shard() and target.is_shard() and same_placement(cur, target):
+            if balanced[mesh_dim] == (mesh_dim in dst_balanced):
+                return x
+        from_b = balanced[mesh_dim] and cur.is_shard()
+        to_b = mesh_dim in dst_balanced and target.is_shard()
+        balanced[mesh_dim] = to_b
+        return _wait(_step(x, cur, target, src, mesh_dim, logical, coords, src_masks, dst_masks, from_b, to_b))
+
+    def logical_shape(x, mesh_dim, cur):
+        # even shards only (the plan's states are), so the gathered shape is
+        # the logical one: no padding
+        logical = list(x.shape)
+        if cur.is_shard():
+            logical[cast(Shard, cur).dim] *= src.mesh.size(mesh_dim)
+        return logical
+
+    def convert_layouts(x):
+        # shards that keep their placement but change layout (no step of the
+        # plan below touches their mesh dim)
+        for m in sorted(reorder):
+            if balanced[m] != (m in dst_balanced):
+                p = src.placements[m]
+                x = run(x, m, p, p, logical_shape(x, m, p))
+        return x
+
     steps = min_cost_plan(src, dst, device)
     if steps is not None:
+        reorder -= {mesh_dim for mesh_dim, *_ in steps}
+        x = convert_layouts(x)
         for mesh_dim, cur, target, *_ in steps:
-            if src.mesh.size(mesh_dim) == 1:
-                continue
-            # even shards only (the plan's states are), so the gathered
-            # shape is the logical one: no padding
-            logical = list(x.shape)
-            if cur.is_shard():
-                logical[cast(Shard, cur).dim] *= src.mesh.size(mesh_dim)
-            x = _wait(_step(x, cur, target, src, mesh_dim, logical, coords, src_masks, dst_masks))
+            x = run(x, mesh_dim, cur, target, logical_shape(x, mesh_dim, cur))
         return x
-    for info in _gen_transform_infos_non_cached(src, dst):
+    infos = [] if same_placements(src.placements, dst.placements) else _gen_transform_infos_non_cached(src, dst)
+    reorder -= {info.mesh_dim for info in infos}
+    x = convert_layouts(x)
+    for info in infos:
         cur, target = info.src_dst_placements
-        if same_placement(cur, target) or src.mesh.size(info.mesh_dim) == 1:
+        if same_placement(cur, target) and balanced[info.mesh_dim] == (info.mesh_dim in dst_balanced):
             continue
-        x = _wait(_step(x, cur, target, src, info.mesh_dim, info.logical_shape, coords, src_masks, dst_masks))
+        x = run(x, info.mesh_dim, cur, target, info.logical_shape)
     return x
 
 

@@ -283,9 +283,8 @@ def _check_device_traceable(device_type: str) -> None:
         raise RuntimeError(
             "the mesh's device type is 'cuda' but this torch is a CPU-only build, which cannot trace on CUDA "
             "tensors. Plan on a 'cpu' mesh of the same shape (the cost model's device is set apart, with "
-            "AutoParallel(device=...)); to trace the fused attention kernel a GPU would run, enter "
-            "autoparallel.capture.attention_kernels.traced_attention_kernel('cudnn') (or 'flash', 'efficient') "
-            "around AutoParallel"
+            "AutoParallel(device=...)); to trace the fused attention kernel a GPU would run, pass "
+            "AutoParallel(..., attention_kernel='cudnn') (or 'flash', 'efficient')"
         )
 
 

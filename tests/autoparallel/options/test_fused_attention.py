@@ -241,7 +241,7 @@ def test_cuda_mesh_on_cpu_build_says_what_to_do(fake_world):
     with torch.device("meta"):
         model = Attention()
     x = torch.empty(BATCH, SEQ, DIM, device="meta")
-    with pytest.raises(RuntimeError, match="traced_attention_kernel"):
+    with pytest.raises(RuntimeError, match="attention_kernel='cudnn'"):
         with AutoParallel(model, mesh, (x,)):
             pass
 
