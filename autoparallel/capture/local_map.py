@@ -41,7 +41,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import AutoParallelError
-from ..ops.local_map import REGIONS, Region, local_map_region, local_shape, with_body_graphs
+from ..ops.local_map import REGIONS, TENSOR, Region, local_map_region, local_shape, with_body_graphs
 from ..torch_compat import intercept_local_map, outside_tracing
 
 __all__ = ["LocalMapError", "capture_local_map"]
@@ -125,7 +125,7 @@ def capture_local_map(mesh_shape: Sequence[int] | None, running: Sequence[str], 
             if not isinstance(leaf, torch.Tensor):
                 constants.append(leaf)
                 continue
-            constants.append(None)
+            constants.append(TENSOR)
             tensors.append(leaf)
             lay = _check_layout(name, f"input {k}", ins[k], shape, leaf.shape)
             in_pl.append(lay)
@@ -140,7 +140,7 @@ def capture_local_map(mesh_shape: Sequence[int] | None, running: Sequence[str], 
                 for t, p in zip(tensors, in_pl)
             ]
             it = iter(shards)
-            probe = func(*tree_unflatten([next(it) if c is None else c for c in constants], in_spec), **kwargs)
+            probe = func(*tree_unflatten([next(it) if c is TENSOR else c for c in constants], in_spec), **kwargs)
         flat_out, out_spec = tree_flatten(probe)
         if not flat_out or not all(isinstance(o, torch.Tensor) for o in flat_out):
             raise LocalMapError(

@@ -51,12 +51,23 @@ __all__ = [
     "LOCAL_MAP_REGION_BACKWARD",
     "REGIONS",
     "Region",
+    "TENSOR",
     "body_graphs",
     "global_shape",
     "local_map_region",
     "local_map_region_backward",
     "local_shape",
 ]
+
+
+class _TensorSlot:
+    def __repr__(self) -> str:
+        return "TENSOR"
+
+
+# where a region's argument leaves hold a tensor input (None is a leaf of
+# its own: a body may take None arguments)
+TENSOR = _TensorSlot()
 
 
 @dataclass(frozen=True)
@@ -85,7 +96,7 @@ class BodyGraphs:
 class Region:
     """One ``local_map`` call site as traced: ``func`` is the user's body,
     called as ``func(*args, **kwargs)`` with the tensor leaves of ``args``
-    (``in_spec``; ``constants`` holds the other leaves, ``None`` at tensor
+    (``in_spec``; ``constants`` holds the other leaves, :data:`TENSOR` at tensor
     slots) replaced by the op's inputs. Placements are per tensor input
     (``in_placements``, ``in_grad_placements``) and per tensor output
     (``out_placements``, in the order of ``out_spec``'s leaves), one entry
@@ -113,12 +124,12 @@ class Region:
     def tensor_positions(self) -> list[int]:
         """The position of each tensor input among the flattened arguments
         (what errors call "input k", as local_map's ``in_placements`` count)."""
-        return [k for k, c in enumerate(self.constants) if c is None]
+        return [k for k, c in enumerate(self.constants) if c is TENSOR]
 
     def call(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """The body on ``tensors`` (local shards); its tensor outputs."""
         it = iter(tensors)
-        leaves = [next(it) if c is None else c for c in self.constants]
+        leaves = [next(it) if c is TENSOR else c for c in self.constants]
         out = self.func(*tree_unflatten(leaves, self.in_spec), **self.kwargs)
         flat, _ = tree_flatten(out)
         if len(flat) != len(self.out_placements) or not all(isinstance(t, torch.Tensor) for t in flat):

@@ -381,3 +381,32 @@ def test_a_body_not_traced_apart_reruns_in_its_backward(fake_world, monkeypatch,
     (forward,) = _region_nodes(plan)
     assert forward.output_placements == "(S(0)R)", forward  # no residual
     check_step(parallel, mesh, lambda: CountedNet(reference=True), inputs)
+
+
+@local_map(
+    out_placements=[(Shard(0), Replicate())],
+    in_placements=[(Shard(0), Replicate()), None, None],
+    redistribute_inputs=True,
+)
+def scaled(x, bias, k):
+    """Non-tensor arguments, None among them (a pytree leaf of its own)."""
+    return torch.tanh(x) * k if bias is None else x + bias
+
+
+class ScaledNet(nn.Module):
+    def __init__(self, reference: bool = False, d: int = 8):
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.region = scaled.args[0] if reference else scaled
+
+    def forward(self, x):
+        return self.region(self.inp(x), None, 3.0).pow(2).mean()
+
+
+def test_a_region_with_none_and_constant_arguments(fake_world):
+    """A None argument is passed to the body as None (not taken for a
+    tensor's slot), a constant as itself; the step equals the single device."""
+    fake_world(4)
+    inputs = (torch.randn(8, 8, generator=torch.Generator().manual_seed(9)),)
+    parallel, plan, mesh = plan_and_apply(ScaledNet, inputs)
+    check_step(parallel, mesh, lambda: ScaledNet(reference=True), inputs)
