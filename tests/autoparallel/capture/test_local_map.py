@@ -410,3 +410,65 @@ def test_a_region_with_none_and_constant_arguments(fake_world):
     inputs = (torch.randn(8, 8, generator=torch.Generator().manual_seed(9)),)
     parallel, plan, mesh = plan_and_apply(ScaledNet, inputs)
     check_step(parallel, mesh, lambda: ScaledNet(reference=True), inputs)
+
+
+ROWS = (Shard(0), Replicate())
+
+
+def _view_of_input(x, w, m):
+    return x.view(x.shape[0], -1)  # an output aliasing the input
+
+
+def _saves_views_of_inputs(x, w, m):
+    return torch.sigmoid((w.t() @ x.t()).t())  # the backward saves x.t() and w.t(): residuals copied
+
+
+def _in_place_inside(x, w, m):
+    y = x * 2
+    y.add_(1)
+    return torch.sigmoid(y)
+
+
+def _integer_input(x, w, m):
+    return torch.tanh(x) * m.float()  # no gradient for m
+
+
+class BodyNet(nn.Module):
+    """A row-local body (the same on row shards and on the whole) of the
+    activations, a replicated weight (its gradient a partial sum over the
+    row shards) and an integer tensor."""
+
+    def __init__(self, body, reference: bool = False, d: int = 8):
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.w = nn.Parameter(torch.randn(d, d))
+        self.body = (
+            body
+            if reference
+            else local_map(
+                body,
+                out_placements=[ROWS],
+                in_placements=[ROWS, (Replicate(), Replicate()), ROWS],
+                in_grad_placements=[ROWS, (Partial(), Replicate()), ROWS],
+                redistribute_inputs=True,
+            )
+        )
+
+    def forward(self, x, m):
+        # the weight also feeds the loss directly: it has a gradient where the body leaves it unused
+        return self.body(self.inp(x), self.w, m).pow(2).mean() + self.w.pow(2).mean()
+
+
+@pytest.mark.parametrize("body", [_view_of_input, _saves_views_of_inputs, _in_place_inside, _integer_input])
+def test_bodies_split_into_forward_and_backward(fake_world, body):
+    """Bodies whose split needs care (an output aliasing an input, saved
+    views of inputs, an in-place op, an integer input): split at capture,
+    and the step equals the single device."""
+    from autoparallel.ops.local_map import REGIONS
+
+    fake_world(4)
+    g = torch.Generator().manual_seed(11)
+    inputs = (torch.randn(8, 8, generator=g), torch.randint(0, 3, (8, 8), generator=g))
+    parallel, plan, mesh = plan_and_apply(lambda: BodyNet(body), inputs)
+    assert REGIONS[-1].graphs is not None
+    check_step(parallel, mesh, lambda: BodyNet(body, reference=True), inputs)
