@@ -319,6 +319,15 @@ def forward_backward_graphs(joint: Callable, primals: list, tangents: list, num_
     return default_partition(gm, None, num_fwd_outputs=num_fwd_outputs)
 
 
+def storage_key(t: torch.Tensor) -> Any:
+    """A hashable key equal for tensors sharing storage (fake tensors too):
+    ``torch.multiprocessing.reductions.StorageWeakRef``, as AOT autograd
+    tells aliases apart. Checked on 2.13."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())
+
+
 # ---------------------------------------------------------------------------
 # Process groups and simulated ranks
 

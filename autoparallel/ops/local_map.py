@@ -23,8 +23,8 @@ The body's forward and backward are traced apart once, on fake shards, when
 the region is captured (:func:`body_graphs`, torch's default partitioner,
 as AOT autograd splits a joint graph): the region's forward runs the
 forward graph and puts out, after the body's outputs, the *residuals*, the
-values the body's backward needs that are neither inputs nor recomputable
-from nothing (a ``tanh``'s output, a dropout mask); the backward runs the
+values the body's backward needs other than its inputs (a ``tanh``'s
+output, a dropout mask); the backward runs the
 backward graph on the inputs, the residuals and the outputs' gradients, so
 the body's forward runs once per step. Residuals are rank-local values (the
 shapes the body saw): the planner lays them out ``Replicate()``, which gives
@@ -43,7 +43,7 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from ..torch_compat import autograd_below_custom_op, forward_backward_graphs
+from ..torch_compat import autograd_below_custom_op, forward_backward_graphs, storage_key
 
 __all__ = [
     "BodyGraphs",
@@ -180,10 +180,6 @@ def _global_only(region: Region, what: str):
     )
 
 
-def _storage(t: torch.Tensor):
-    return t.untyped_storage()._cdata
-
-
 def body_graphs(region: Region, shards: list[torch.Tensor]) -> BodyGraphs:
     """``region``'s body split into forward and backward graphs, traced on
     ``shards`` (fake tensors of its inputs' local shapes, in the fake mode
@@ -209,8 +205,11 @@ def body_graphs(region: Region, shards: list[torch.Tensor]) -> BodyGraphs:
     placeholders = [n for n in forward.graph.nodes if n.op == "placeholder"]
     output = next(n for n in forward.graph.nodes if n.op == "output")
     saved = list(output.args[0][len(outs) :])
+    takes = [n.name for n in backward.graph.nodes if n.op == "placeholder"]
+    if takes[: len(saved)] != [n.name for n in saved] or len(takes) != len(saved) + len(tangents):
+        raise NotImplementedError(f"the backward graph takes {takes}, not the saved values then the tangents")
     saved_inputs = tuple(placeholders.index(n) if n in placeholders else None for n in saved)
-    residuals, clone, seen = [], [], {_storage(n.meta["val"]) for n in placeholders}
+    residuals, clone, seen = [], [], {storage_key(n.meta["val"]) for n in placeholders}
     for node, source in zip(saved, saved_inputs):
         if source is not None:
             continue
@@ -218,8 +217,8 @@ def body_graphs(region: Region, shards: list[torch.Tensor]) -> BodyGraphs:
         if not isinstance(val, torch.Tensor):
             raise NotImplementedError(f"the body's backward saves a {type(val).__name__}, not a tensor")
         residuals.append((tuple(val.shape), val.dtype))
-        clone.append(_storage(val) in seen)
-        seen.add(_storage(val))
+        clone.append(storage_key(val) in seen)
+        seen.add(storage_key(val))
     return BodyGraphs(forward, backward, saved_inputs, tuple(residuals), tuple(clone), tangent_outputs, grad_inputs)
 
 
