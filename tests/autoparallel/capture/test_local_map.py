@@ -472,3 +472,31 @@ def test_bodies_split_into_forward_and_backward(fake_world, body):
     parallel, plan, mesh = plan_and_apply(lambda: BodyNet(body), inputs)
     assert REGIONS[-1].graphs is not None
     check_step(parallel, mesh, lambda: BodyNet(body, reference=True), inputs)
+
+
+def _compiled_gloo_rank(rank: int, world: int) -> None:
+    import warnings
+
+    from autoparallel import AutoParallel
+    from _parity import batch_placement
+    from torch.distributed.device_mesh import init_device_mesh
+
+    warnings.filterwarnings("ignore")
+    inputs = (torch.randn(8, 8, generator=torch.Generator().manual_seed(7)),)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with torch.device("meta"):
+        model = CountedNet()
+    with AutoParallel(model, mesh, (inputs[0].to("meta"),)) as autop:
+        autop.add_input_constraints([batch_placement(inputs[0], mesh)])
+        parallel = autop.apply_placement(autop.optimize_placement(), compile=True)
+    forward, backward = parallel.parallel_state.step.compiled.records
+    assert forward.compiled and backward.compiled
+    check_step_on_rank(parallel, mesh, lambda: CountedNet(reference=True), inputs, rank)
+
+
+@pytest.mark.slow
+def test_compiled_regions_on_gloo():
+    """``compile=True``: Inductor compiles the graphs around the region ops
+    (opaque to it: its forward graph with residuals, its backward graph),
+    and the step on 4 gloo processes equals the single device."""
+    run_ranks(_compiled_gloo_rank, 4, timeout=600)
