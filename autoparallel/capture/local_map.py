@@ -160,6 +160,7 @@ def capture_local_map(mesh_shape: Sequence[int] | None, running: Sequence[str], 
             out_pl,
             shape,
             redistribute_inputs=bool(redistribute),
+            input_shards=tuple((tuple(x.shape), x.dtype) for x in shards),
         )
         try:
             with outside_tracing(), fake_mode:

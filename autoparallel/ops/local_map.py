@@ -18,7 +18,9 @@ it with ``local=True``: the body on the rank's shards
 (:mod:`autoparallel.apply.local_map`).
 
 ``local_map_region_backward(grads, inputs, residuals, region, local)`` is
-its backward, one gradient per input, laid out as ``in_grad_placements``.
+its backward, one gradient per input, laid out as ``in_grad_placements``;
+``inputs`` are the inputs it reads (:attr:`Region.backward_inputs`), the
+only ones the step keeps for it.
 The body's forward and backward are traced apart once, on fake shards, when
 the region is captured (:func:`body_graphs`, torch's default partitioner,
 as AOT autograd splits a joint graph): the region's forward runs the
@@ -115,11 +117,21 @@ class Region:
     out_placements: tuple[tuple[Placement, ...], ...]
     mesh_shape: tuple[int, ...]
     redistribute_inputs: bool = False
+    # per tensor input: (local shape, dtype), the shard the body sees
+    input_shards: tuple[tuple[tuple[int, ...], torch.dtype], ...] = ()
     graphs: BodyGraphs | None = None
 
     @property
     def residuals(self) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
         return self.graphs.residuals if self.graphs is not None else ()
+
+    @property
+    def backward_inputs(self) -> tuple[int, ...]:
+        """The inputs the backward reads (so the step keeps them for it):
+        those its backward graph saved, or all where the body re-runs."""
+        if self.graphs is None:
+            return tuple(range(len(self.in_placements)))
+        return tuple(sorted({k for k in self.graphs.saved_inputs if k is not None}))
 
     def tensor_positions(self) -> list[int]:
         """The position of each tensor input among the flattened arguments
@@ -273,12 +285,15 @@ def local_map_region_backward(
         found = _recomputed_grads(r, grads, inputs)
     else:
         g = r.graphs
-        left = iter(residuals)
-        saved = [inputs[source] if source is not None else next(left) for source in g.saved_inputs]
+        given, left = dict(zip(r.backward_inputs, inputs)), iter(residuals)
+        saved = [given[source] if source is not None else next(left) for source in g.saved_inputs]
         by_input = dict(zip(g.grad_inputs, g.backward(*saved, *[grads[k] for k in g.tangent_outputs])))
-        found = [by_input.get(k) for k in range(len(inputs))]
+        found = [by_input.get(k) for k in range(len(r.input_shards))]
     # a custom op's outputs may not alias its inputs (a sum's gradient is a view of its grad)
-    return [torch.zeros_like(x) if g is None else g.detach().clone() for g, x in zip(found, inputs)]
+    return [
+        grads[0].new_zeros(shape, dtype=dtype) if g is None else g.detach().clone()
+        for g, (shape, dtype) in zip(found, r.input_shards)
+    ]
 
 
 def _recomputed_grads(r: Region, grads, inputs) -> list[torch.Tensor | None]:
@@ -298,21 +313,28 @@ def _recomputed_grads(r: Region, grads, inputs) -> list[torch.Tensor | None]:
 
 @local_map_region_backward.register_fake
 def _(grads, inputs, residuals, region, local):
-    return [_fresh(x) for x in inputs]
+    r = REGIONS[region]
+    return [
+        grads[0].new_empty(shape if local else global_shape(shape, p, r.mesh_shape), dtype=dtype)
+        for (shape, dtype), p in zip(r.input_shards, r.in_placements)
+    ]
 
 
 def _setup_context(ctx, inputs, output) -> None:
     tensors, region, local = inputs
-    n = len(REGIONS[region].out_placements)
-    ctx.save_for_backward(*tensors, *output[n:])
-    ctx.region, ctx.local, ctx.inputs, ctx.outputs = region, local, len(tensors), n
+    r = REGIONS[region]
+    n = len(r.out_placements)
+    # only the inputs the backward reads stay alive for it
+    ctx.save_for_backward(*[tensors[k] for k in r.backward_inputs], *output[n:])
+    ctx.region, ctx.local, ctx.kept, ctx.outputs = region, local, len(r.backward_inputs), n
 
 
 def _backward(ctx, grads):
     saved = ctx.saved_tensors
-    xs, residuals = saved[: ctx.inputs], saved[ctx.inputs :]
+    xs, residuals = saved[: ctx.kept], saved[ctx.kept :]
     gx = local_map_region_backward(list(grads[: ctx.outputs]), list(xs), list(residuals), ctx.region, ctx.local)
-    return [g if x.is_floating_point() else None for g, x in zip(gx, xs)], None, None
+    differentiable = [dtype.is_floating_point for _, dtype in REGIONS[ctx.region].input_shards]
+    return [g if d else None for g, d in zip(gx, differentiable)], None, None
 
 
 local_map_region.register_autograd(_backward, setup_context=_setup_context)

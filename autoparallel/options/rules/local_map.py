@@ -4,7 +4,8 @@ A region is a kernel written for the layouts its author declared, so its
 only option is that layout: inputs as ``in_placements``, outputs as
 ``out_placements``. Its backward takes each output's gradient as the output
 was laid out (a ``Partial()`` output's gradient whole: ``Replicate()``),
-the inputs as declared, and gives each input's gradient as
+the inputs it reads (``Region.backward_inputs``) as declared, and gives
+each input's gradient as
 ``in_grad_placements``. Producers and consumers around it are redistributed
 by the plan like around any op (unless ``redistribute_inputs=False``:
 :mod:`autoparallel.problem.local_map`). The body's residuals (values its
@@ -62,6 +63,7 @@ def local_map_region_backward_rule(node, input_candidates, mesh) -> list[Option]
     grads, inputs, residuals = node.args[0], node.args[1], node.args[2]
     grad_in = [grad_placements_of_output(p) for p in region.out_placements]
     in_specs = tuple(_spec(mesh, p, g) for g, p in zip(grads, grad_in, strict=True))
-    in_specs += tuple(_spec(mesh, p, x) for x, p in zip(inputs, region.in_placements, strict=True))
+    kept = [region.in_placements[k] for k in region.backward_inputs]
+    in_specs += tuple(_spec(mesh, p, x) for x, p in zip(inputs, kept, strict=True))
     in_specs += tuple(_spec(mesh, p, r) for r, p in zip(residuals, _replicated(region, mesh), strict=True))
     return [Option(_outputs(node, mesh, region.in_grad_placements), in_specs)]

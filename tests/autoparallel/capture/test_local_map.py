@@ -345,7 +345,7 @@ def test_backward_reuses_the_forward_and_does_not_rerun_the_body(fake_world):
     """The region's backward runs the body's backward graph on the values
     its forward saved (the tanh output, put out by the forward region node
     as a rank-local residual): the body is not run again in the backward,
-    and the step equals the single device."""
+    the input is not kept for it, and the step equals the single device."""
     from _parity import local_inputs
     from torch.distributed._local_tensor import LocalTensorMode
 
@@ -354,6 +354,9 @@ def test_backward_reuses_the_forward_and_does_not_rerun_the_body(fake_world):
     parallel, plan, mesh = plan_and_apply(CountedNet, inputs)
     (forward,) = _region_nodes(plan)
     assert forward.output_placements == "(S(0)R, RR)", forward  # the output, then the residual
+    # the backward takes the output's gradient and the residual, not the input (its backward never reads it)
+    (backward,) = [n for n in plan.nodes.values() if n.op == "autoparallel.local_map_region_backward.default"]
+    assert backward.input_placements == ["S(0)R", "RR"], backward
     check_step(parallel, mesh, lambda: CountedNet(reference=True), inputs)
     with LocalTensorMode(mesh.size()) as lm:
         loss = parallel(*local_inputs(lm, inputs, mesh))
@@ -380,6 +383,9 @@ def test_a_body_not_traced_apart_reruns_in_its_backward(fake_world, monkeypatch,
     assert "its backward re-runs the body" in caplog.text
     (forward,) = _region_nodes(plan)
     assert forward.output_placements == "(S(0)R)", forward  # no residual
+    # the re-running backward reads the input
+    (backward,) = [n for n in plan.nodes.values() if n.op == "autoparallel.local_map_region_backward.default"]
+    assert backward.input_placements == ["S(0)R", "S(0)R"], backward
     check_step(parallel, mesh, lambda: CountedNet(reference=True), inputs)
 
 
