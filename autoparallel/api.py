@@ -30,6 +30,7 @@ from .checks import agreement, preflight
 from .problem import mesh_roles as mesh_roles_mod
 from .options import rules  # noqa: F401 - rules register on import
 from .problem import coarse_seed, infeasibility
+from .problem import local_map as local_map_mod
 from .problem import memory_budget as memory_budget_mod
 from .problem import pricing as option_pricing
 from .problem.memory import ADAMW, OptimizerSpec
@@ -325,6 +326,8 @@ class AutoParallel:
         for i, placements in enumerate(self.traced.input_placements):
             if placements is not None:
                 self._pin_input(i, placements, "DTensor input")
+        for node, placements, cname, subject in local_map_mod.no_redistribution_pins(self.traced.gm):
+            self._pin(node, placements, cname, subject)
 
     # -- constraints -------------------------------------------------------------
     def _check_placements(self, placements: Sequence, node: Any, what: str) -> tuple:

@@ -294,6 +294,40 @@ def extract_fwd_bwd_modules(joint, saved: list, sym: list, opaque: list, *, num_
     return _extract_fwd_bwd_modules(joint, saved, sym, **kwargs)
 
 
+def forward_backward_graphs(joint: Callable, primals: list, tangents: list, num_fwd_outputs: int):
+    """``joint(primals, tangents)`` (returning the forward's
+    ``num_fwd_outputs`` outputs, then the gradients of ``primals``) traced
+    with ``make_fx`` on fake tensors and split by torch's default
+    partitioner, as AOT autograd splits a joint graph: (forward graph:
+    primals -> outputs + saved values, backward graph: saved values +
+    tangents -> gradients). The forward is every node the outputs need
+    (``partitioner_tag``, how AOT marks its forward nodes); the backward
+    saves what autograd saved. Checked on 2.13."""
+    from torch._functorch.partitioners import default_partition
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(joint, tracing_mode="fake")(primals, tangents)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    todo = [n for n in output.args[0][:num_fwd_outputs] if isinstance(n, torch.fx.Node)]
+    forward: set[torch.fx.Node] = set()
+    while todo:
+        node = todo.pop()
+        if node not in forward:
+            forward.add(node)
+            node.meta["partitioner_tag"] = "is_forward"
+            todo.extend(node.all_input_nodes)
+    return default_partition(gm, None, num_fwd_outputs=num_fwd_outputs)
+
+
+def storage_key(t: torch.Tensor) -> Any:
+    """A hashable key equal for tensors sharing storage (fake tensors too):
+    ``torch.multiprocessing.reductions.StorageWeakRef``, as AOT autograd
+    tells aliases apart. Checked on 2.13."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())
+
+
 # ---------------------------------------------------------------------------
 # Process groups and simulated ranks
 

@@ -8,7 +8,13 @@ else than its author meant, silently. While tracing, :func:`capture_local_map`
 turns each call into one ``autoparallel::local_map_region`` node
 (:mod:`autoparallel.ops.local_map`) whose only layout is the declared one;
 the planner plans around it and the applied plan runs the body on the
-rank's shards.
+rank's shards. With local_map's ``redistribute_inputs=False`` (its default)
+the plan may not redistribute in front of the region: each input's producer
+is pinned to the declared layout (:mod:`autoparallel.problem.local_map`).
+The body's forward and backward are traced apart here, once, on fake shards
+(:func:`autoparallel.ops.local_map.body_graphs`), so the applied backward
+reuses what the forward saved instead of re-running the body; a body that
+cannot be split is logged and keeps the re-running backward.
 
 What cannot be honoured is refused with :class:`LocalMapError`, naming the
 function and the module calling it: tensor keyword arguments, non-tensor
@@ -27,6 +33,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Sequence
 
 import torch
@@ -34,10 +41,12 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import AutoParallelError
-from ..ops.local_map import REGIONS, Region, local_map_region, local_shape
+from ..ops.local_map import REGIONS, TENSOR, Region, local_map_region, local_shape, with_body_graphs
 from ..torch_compat import intercept_local_map, outside_tracing
 
 __all__ = ["LocalMapError", "capture_local_map"]
+
+logger = logging.getLogger(__name__)
 
 
 class LocalMapError(AutoParallelError, NotImplementedError):
@@ -116,7 +125,7 @@ def capture_local_map(mesh_shape: Sequence[int] | None, running: Sequence[str], 
             if not isinstance(leaf, torch.Tensor):
                 constants.append(leaf)
                 continue
-            constants.append(None)
+            constants.append(TENSOR)
             tensors.append(leaf)
             lay = _check_layout(name, f"input {k}", ins[k], shape, leaf.shape)
             in_pl.append(lay)
@@ -126,13 +135,12 @@ def capture_local_map(mesh_shape: Sequence[int] | None, running: Sequence[str], 
             raise LocalMapError(f"local_map region {name}: no tensor input; nothing to lay out")
         # the body on fake shards says how many values to lay out, and their structure
         with outside_tracing(), fake_mode, torch.no_grad():
-            shards = iter(
-                [
-                    torch.empty(local_shape(t.shape, p, shape), dtype=t.dtype, device=t.device)
-                    for t, p in zip(tensors, in_pl)
-                ]
-            )
-            probe = func(*tree_unflatten([next(shards) if c is None else c for c in constants], in_spec), **kwargs)
+            shards = [
+                torch.empty(local_shape(t.shape, p, shape), dtype=t.dtype, device=t.device)
+                for t, p in zip(tensors, in_pl)
+            ]
+            it = iter(shards)
+            probe = func(*tree_unflatten([next(it) if c is TENSOR else c for c in constants], in_spec), **kwargs)
         flat_out, out_spec = tree_flatten(probe)
         if not flat_out or not all(isinstance(o, torch.Tensor) for o in flat_out):
             raise LocalMapError(
@@ -142,11 +150,32 @@ def capture_local_map(mesh_shape: Sequence[int] | None, running: Sequence[str], 
         outs = _placements(out_placements, len(flat_out), "out_placements", name)
         out_pl = tuple(_check_layout(name, f"output {k}", p, shape) for k, p in enumerate(outs))
         region = Region(
-            name, func, in_spec, tuple(constants), dict(kwargs), tuple(in_pl), tuple(grad_pl), out_pl, shape
+            name,
+            func,
+            in_spec,
+            tuple(constants),
+            dict(kwargs),
+            tuple(in_pl),
+            tuple(grad_pl),
+            out_pl,
+            shape,
+            redistribute_inputs=bool(redistribute),
+            input_shards=tuple((tuple(x.shape), x.dtype) for x in shards),
         )
+        try:
+            with outside_tracing(), fake_mode:
+                region = with_body_graphs(region, shards)
+        except Exception as exc:  # the body then re-runs in its backward: correct, slower
+            logger.warning(
+                "local_map region %s: its forward and backward could not be traced apart (%s: %s); its backward "
+                "re-runs the body",
+                name,
+                type(exc).__name__,
+                exc,
+            )
         REGIONS.append(region)
         results = local_map_region(tensors, len(REGIONS) - 1, False)
-        return tree_unflatten(list(results), out_spec)
+        return tree_unflatten(list(results[: len(flat_out)]), out_spec)
 
     def refuse(func, why: str) -> None:
         where = running[-1] if running and running[-1] else "the root module"

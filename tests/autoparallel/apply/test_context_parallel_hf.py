@@ -34,9 +34,10 @@ B, SEQ, VOCAB = 2, 64, 128
 
 class HFLlamaLoss(nn.Module):
     """A tiny Hugging Face Llama (causal, sdpa attention) and a scalar loss
-    of its logits; ``ac``: checkpoint each decoder layer."""
+    of its logits; ``ac``: checkpoint each decoder layer; ``seq``: the
+    longest sequence (rotary positions)."""
 
-    def __init__(self, ac: str | None = None):
+    def __init__(self, ac: str | None = None, seq: int = SEQ):
         super().__init__()
         config = transformers.LlamaConfig(
             vocab_size=VOCAB,
@@ -45,7 +46,7 @@ class HFLlamaLoss(nn.Module):
             num_hidden_layers=2,
             num_attention_heads=4,
             num_key_value_heads=2,
-            max_position_embeddings=SEQ,
+            max_position_embeddings=seq,
             attn_implementation="sdpa",
             use_cache=False,
         )
@@ -57,7 +58,7 @@ class HFLlamaLoss(nn.Module):
         return self.model(tokens).logits.float().pow(2).mean()
 
 
-def _cp_placement(placements: str) -> str:
+def cp_placement(placements: str) -> str:
     """The placement on mesh dim 1 ("cp") of one tensor's ``"RS(2)"`` or of
     the first output of a tuple's ``"(RS(2), RS(2))"``."""
     first = placements[1:-1].split(", ")[0] if placements.startswith("(") else placements
@@ -84,8 +85,8 @@ def test_hf_llama_cp_step_matches_single_device(fake_world, ac, slow_compute):
     assert len(attention) == 4, [n.op for n in attention]
     for n in attention:
         # q, k, v, the output and the mask's query rows split on the sequence over "cp"
-        assert all(_cp_placement(p) == "S(2)" for p in n.input_placements), n
-        assert _cp_placement(n.output_placements) == "S(2)", n
+        assert all(cp_placement(p) == "S(2)" for p in n.input_placements), n
+        assert cp_placement(n.output_placements) == "S(2)", n
     check_step(parallel, mesh, build, (tokens,), rel=1e-4)
     kinds = {(c.kind, c.mesh_dim, c.phase) for c in collectives(parallel.parallel_graph, mesh)}
     assert ("all_gather_into_tensor", 1, "forward") in kinds
@@ -121,7 +122,7 @@ def test_cp_with_broadcast_query_mask_matches_single_device(fake_world):
     keep[1, 5:] = False
     parallel, plan, mesh = plan_and_apply(PaddedEncoder, (x, keep), mesh_dim_names=("dp", "cp"))
     attention = [n for n in plan.nodes.values() if n.op in (SDPA, SDPA_BACKWARD)]
-    assert len(attention) == 2 and all(_cp_placement(n.output_placements) == "S(2)" for n in attention), attention
+    assert len(attention) == 2 and all(cp_placement(n.output_placements) == "S(2)" for n in attention), attention
     for n in attention:
-        assert _cp_placement(n.input_placements[-1]) == "R", n  # the [B, 1, 1, L] mask
+        assert cp_placement(n.input_placements[-1]) == "R", n  # the [B, 1, 1, L] mask
     check_step(parallel, mesh, PaddedEncoder, (x, keep), rel=1e-4)
