@@ -42,7 +42,7 @@ from .problem.param_budget import PARAM_BUDGET, default_bound_entry, with_defaul
 from .problem.builder import DEFAULT_MAX_PROBLEM_BYTES, BuiltProblem, Constraints, build_problem
 from .capture.repeated_layers import RepeatedLayers, find_repeated_layers
 from .options.strategies import NodeStrategy, StrategyEnumerator
-from .capture.attention_kernels import FUSED_ATTENTION_KERNELS, traced_attention_kernel
+from .capture.attention_kernels import traced_attention_kernel
 from .capture.tracing import TracedStep, module_path, trace_training_step
 
 if TYPE_CHECKING:
@@ -177,6 +177,7 @@ class AutoParallel:
             backend=backend,
             time_limit=time_limit,
             rel_gap=rel_gap,
+            attention_kernel=attention_kernel,
         )
         self.model = model
         self.mesh = mesh
@@ -219,12 +220,6 @@ class AutoParallel:
                 f"mean over the data-parallel shards, as DDP and FSDP), got {grad_reduction!r}"
             )
         self.grad_reduction = grad_reduction
-        if attention_kernel is not None and attention_kernel not in FUSED_ATTENTION_KERNELS:
-            raise ValueError(
-                f"attention_kernel must be None (the kernel torch picks for the mesh's device) or one of "
-                f"{', '.join(map(repr, FUSED_ATTENTION_KERNELS))} (the fused CUDA kernels, traced on any mesh), "
-                f"got {attention_kernel!r}"
-            )
         self.attention_kernel = attention_kernel
         self._stack: contextlib.ExitStack | None = None
         self._closed = False

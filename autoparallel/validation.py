@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, Shard
 from torch.utils._pytree import TreeSpec, tree_flatten
 
+from .capture.attention_kernels import FUSED_ATTENTION_KERNELS
 from .errors import ConstraintError
 from .options.placements import format_placement, on_mesh
 
@@ -89,6 +90,7 @@ def check_arguments(
     backend: Any,
     time_limit: Any,
     rel_gap: Any,
+    attention_kernel: Any = None,
 ) -> None:
     """Types and ranges of ``AutoParallel(...)``'s arguments (inputs are
     checked where they are flattened, in tracing)."""
@@ -121,6 +123,12 @@ def check_arguments(
         check_number("time_limit", time_limit, minimum=0, minimum_inclusive=False)
     if rel_gap is not None:
         check_number("rel_gap", rel_gap, minimum=0, maximum=1)
+    if attention_kernel is not None and attention_kernel not in FUSED_ATTENTION_KERNELS:
+        raise ValueError(
+            f"attention_kernel must be None (the kernel torch picks for the mesh's device) or one of "
+            f"{', '.join(map(repr, FUSED_ATTENTION_KERNELS))} (the fused CUDA kernels, traced on any mesh), "
+            f"got {attention_kernel!r}"
+        )
 
 
 def check_dtensor_inputs(inputs: Any, mesh: DeviceMesh) -> None:
