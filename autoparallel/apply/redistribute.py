@@ -160,14 +160,21 @@ def _step(
                 return balanced_shard_of_replicated(x, shard.dim, n, coord)
             return shard_of_replicated(x, shard.dim, n, coord)
         if cur.is_shard():
-            if src_balanced or dst_balanced:
-                # through the whole dim: the balanced chunks do not line up
-                # with an all-to-all's contiguous pieces
+            src_dim = cast(Shard, cur).dim
+            if src_dim == shard.dim:
+                # the same dim in the other layout: through the whole dim
                 full = _step(x, cur, Replicate(), spec, mesh_dim, logical_shape, coords, src_balanced=src_balanced)
                 return _step(
                     _wait(full), Replicate(), dst, spec, mesh_dim, logical_shape, coords, dst_balanced=dst_balanced
                 )
-            return shard_to_shard(x, cast(Shard, cur).dim, shard.dim, mesh, mesh_dim)
+            # one all-to-all, the balanced chunks put in place locally: the
+            # whole destination dim ordered so that its contiguous pieces are
+            # the ranks' balanced shards, the source dim's received pieces
+            # (rank-major) put back in order
+            if dst_balanced:
+                x = to_balanced(x, shard.dim, n)
+            y = shard_to_shard(x, src_dim, shard.dim, mesh, mesh_dim)
+            return from_balanced(y, src_dim, n) if src_balanced else y
     elif dst.is_partial():
         if cur.is_replicate():
             return cast(Partial, dst)._partition_value(x, mesh, mesh_dim)

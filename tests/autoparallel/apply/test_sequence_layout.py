@@ -74,6 +74,8 @@ def test_redistribute_between_contiguous_and_balanced_shards(fake_world):
         expect(redistribute(x, rep, s0, coords, dst_balanced=bal), lambda r: each(balanced)[r])
         expect(redistribute(parts, partial, s0, coords, dst_balanced=bal), lambda r: each(balanced)[r])
         expect(redistribute(balanced, s0, s1, coords, src_balanced=bal), lambda r: x.chunk(n, dim=1)[r])
+        columns = lm.rank_map(lambda r: x.chunk(n, dim=1)[r].clone())
+        expect(redistribute(columns, s1, s0, coords, dst_balanced=bal), lambda r: each(balanced)[r])
         expect(redistribute(natural, s0, s0, coords, src_balanced=bal, dst_balanced=bal), lambda r: x.chunk(n)[r])
 
 
