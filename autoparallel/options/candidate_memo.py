@@ -11,7 +11,10 @@ candidate) is run through DTensor and converted to an :class:`Option` once;
 a node's options are its candidates' options, deduplicated in candidate
 order, which is what the all-at-once call gives (and, when some candidates
 raise, what :func:`~autoparallel.options.strategies.dtensor_options`' one-by-one
-retry gives).
+retry gives). ``_StridedShard(d, split_factor=1)`` is read as ``Shard(d)``
+here as in the all-at-once conversion. The options of an extra rule
+(:data:`~autoparallel.options.rule_registry.EXTRA_RULES`) are appended by
+the enumerator after these, in both ways, from the node's candidates.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from ..torch_compat import TORCH_VERSION, CODE_ERRORS, rule_error, say_once, str
 from .cache_keys import arg_key, val_key
 from .conversion import OpSpecConverter, SpecPool
 from .dtensor_query import build_schema, dtensor_rule_name, dtensor_strategy_for, node_out_meta, propagator
-from .placements import Option, tensor_meta_of
+from .placements import Option, plain_shards, tensor_meta_of
 from .rule_registry import RULES
 
 # DTensor strategy functions (module, qualified name) that map each input
@@ -163,7 +166,8 @@ class PerCandidateOptions:
     def _convert_views(self, node, inputs, op_key, missing: list, dim_map, strict_view: bool) -> None:
         """What :meth:`_convert` makes of DTensor's reshape_strategy, from
         its per-candidate step: the input's target and the output's
-        placements, pooled with the node's metas where even."""
+        placements (``_StridedShard(d, 1)`` read as ``Shard(d)``), pooled
+        with the node's metas where even."""
         from torch.distributed.tensor._ops._view_ops import propagate_shape_and_sharding
 
         pool, memo = self.pool, self._memo
@@ -186,7 +190,8 @@ class PerCandidateOptions:
             except Exception as e:  # noqa: BLE001 - this candidate has no option
                 memo[(op_key, id(c))] = (None, e, c)
                 continue
-            in_target, out = tuple(in_target), tuple(out)
+            # as OpSpecConverter reads DTensor's specs: _StridedShard(d, 1) is Shard(d)
+            in_target, out = plain_shards(tuple(in_target)), plain_shards(tuple(out))
             converted = None
             if pool.evenly_sharded(out_meta.shape, out) and pool.evenly_sharded(in_meta.shape, in_target):
                 out_spec, in_spec = pool.get(out, out_meta), pool.get(in_target, in_meta)

@@ -1,8 +1,10 @@
 """DTensor's strategies as :class:`~autoparallel.options.placements.Option` lists
 (the conversion step of :mod:`.strategies`): DTensor's OpSpecs, or the
 numpy table of :mod:`.fast_expand`, become options over pooled specs with
-the node's tensor metas, uneven layouts (and ``_StridedShard``) dropped,
-deduplicated in DTensor's order.
+the node's tensor metas, ``_StridedShard(d, split_factor=1)`` read as
+``Shard(d)`` (:func:`~autoparallel.options.placements.plain_shards`), uneven
+layouts (and every other ``_StridedShard``) dropped, deduplicated in
+DTensor's order.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from torch.distributed.tensor._op_schema import OpSpec, TupleStrategy
 
 from .dtensor_query import node_out_meta
 from .fast_expand import ExpandedStrategy, even_key, new_spec, placements_of_numbers
-from .placements import Option, Specs, format_specs, is_evenly_sharded, placements_of, tensor_meta_of
+from .placements import Option, Specs, format_specs, is_evenly_sharded, placements_of, plain_shards, tensor_meta_of
 
 
 class SpecPool:
@@ -107,7 +109,7 @@ def out_placements_ok(out, meta, mesh: DeviceMesh) -> bool:
     """Whether every output spec of ``out`` shards its tensor (``meta``) evenly over ``mesh``."""
     if isinstance(out, DTensorSpec):
         m = meta if isinstance(meta, TensorMeta) else out.tensor_meta
-        return not isinstance(m, TensorMeta) or is_evenly_sharded(m.shape, out.placements, mesh)
+        return not isinstance(m, TensorMeta) or is_evenly_sharded(m.shape, plain_shards(out.placements), mesh)
     if isinstance(out, (tuple, list)):
         metas = meta if isinstance(meta, (tuple, list)) else [None] * len(out)
         return all(out_placements_ok(o, m, mesh) for o, m in zip(out, metas))
@@ -120,7 +122,7 @@ def pooled_output(out, meta, pool: SpecPool) -> Specs:
     spec (with the input's shape) for a replicated output."""
     if isinstance(out, DTensorSpec):
         m = meta if isinstance(meta, TensorMeta) else out.tensor_meta
-        return pool.get(out.placements, m if isinstance(m, TensorMeta) else None)
+        return pool.get(plain_shards(out.placements), m if isinstance(m, TensorMeta) else None)
     if isinstance(out, (tuple, list)):
         metas = meta if isinstance(meta, (tuple, list)) else [None] * len(out)
         return tuple(pooled_output(o, m, pool) for o, m in zip(out, metas))
@@ -159,7 +161,8 @@ def options_from_op_strategy(
 
 class OpSpecConverter:
     """DTensor's OpSpecs of one node as :class:`Option`: pooled specs with
-    the node's tensor metas, uneven layouts (and _StridedShard) filtered.
+    the node's tensor metas, uneven layouts (and _StridedShard other than
+    :func:`plain_shards` reads as Shard) filtered.
 
     DTensor's options share spec objects (fast_expand builds one per
     placements), so the filters and the pool run once per (position, spec
@@ -178,7 +181,7 @@ class OpSpecConverter:
     def _pooled_input(self, k: int, spec):
         hit = self._in_memo.get((k, id(spec)))
         if hit is None:
-            p, m, pool = spec.placements, self.in_metas[k], self.pool
+            p, m, pool = plain_shards(spec.placements), self.in_metas[k], self.pool
             hit = self._in_memo[(k, id(spec))] = (pool.get(p, m) if pool.evenly_sharded(m.shape, p) else None, spec)
         return hit[0]
 
@@ -199,7 +202,7 @@ class OpSpecConverter:
                 pooled_output(out, out_meta, self.pool) if out_placements_ok(out, out_meta, self.pool.mesh) else None
             )
             # multi-output: a new tuple per strategy, keyed by its placements
-            out_key = id(pooled) if isinstance(pooled, DTensorSpec) else placements_of(out)
+            out_key = id(pooled) if isinstance(pooled, DTensorSpec) else placements_of(pooled)
             out_hit = self._out_memo[id(raw_out)] = (pooled, out_key, raw_out)
         pooled_out, out_key = out_hit[0], out_hit[1]
         n_inputs = len(self.in_metas)
@@ -259,7 +262,7 @@ def _options_from_table(
                 outs.append(None)
                 continue
             pooled = pooled_output(out, out_meta, pool)
-            outs.append((id(pooled) if isinstance(pooled, DTensorSpec) else placements_of(out), pooled))
+            outs.append((id(pooled) if isinstance(pooled, DTensorSpec) else placements_of(pooled), pooled))
         out_code, out_pooled = _numbered_distinct(outs)
         codes = [np.array(out_code, dtype=np.int64)[out_inverse.reshape(-1)]]
     in_pooled: list[list[DTensorSpec]] = []

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
 
 __all__ = [
     "InOpWork",
@@ -25,6 +25,7 @@ __all__ = [
     "format_specs",
     "is_evenly_sharded",
     "placements_of",
+    "plain_shards",
     "tensor_meta_of",
     "tp_outer_placements",
 ]
@@ -62,6 +63,18 @@ def is_evenly_sharded(shape: torch.Size, placements: tuple[Placement, ...], mesh
             return False
         ways[d] *= mesh_shape[mesh_dim]
     return all(ways[d] == 1 or shape[d] % ways[d] == 0 for d in range(len(shape)))
+
+
+def plain_shards(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
+    """``placements`` with every ``_StridedShard(d, split_factor=1)`` read
+    as ``Shard(d)``: one group split over the mesh dim is the plain split
+    (DTensor's flatten of ``[B, L, D]`` with ``S(0)`` over dp and ``S(1)``
+    over cp gives it over cp when the local batch is 1: the rank's rows of
+    ``[B*L, D]`` are then one contiguous block). Other placements, the
+    same tuple when nothing changes."""
+    if not any(type(p) is _StridedShard and p.split_factor == 1 for p in placements):
+        return placements
+    return tuple(Shard(p.dim) if type(p) is _StridedShard and p.split_factor == 1 else p for p in placements)
 
 
 def on_mesh(placements: tuple[Placement, ...], mesh_shape: tuple[int, ...]) -> tuple[Placement, ...]:

@@ -1,7 +1,7 @@
 """The registry of placement rules: ops whose options a registered function
-gives instead of DTensor's sharding propagation (see
-:mod:`autoparallel.options.strategies`, which consults it, and
-:mod:`autoparallel.options.rules`, which fills it)."""
+gives instead of DTensor's sharding propagation (:data:`RULES`), or adds
+after DTensor's (:data:`EXTRA_RULES`). :mod:`autoparallel.options.strategies`
+consults them and :mod:`autoparallel.options.rules` fills them."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
+from .conversion import SpecPool
 from .placements import Option
 
 RuleFn = Callable[[torch.fx.Node, list[list[DTensorSpec]], DeviceMesh], list[Option]]
@@ -27,6 +28,27 @@ def register_rule(*ops: Any) -> Callable[[RuleFn], RuleFn]:
     def wrap(fn: RuleFn) -> RuleFn:
         for op in ops:
             RULES[op] = fn
+        return fn
+
+    return wrap
+
+
+ExtraRuleFn = Callable[[torch.fx.Node, list[list[DTensorSpec]], SpecPool], list[Option]]
+EXTRA_RULES: dict[Any, ExtraRuleFn] = {}
+
+
+def register_extra_rule(*ops: Any) -> Callable[[ExtraRuleFn], ExtraRuleFn]:
+    """Register ``fn(node, input_candidates, pool) -> list[Option]`` for
+    ``ops``: options DTensor's rule lacks, appended to its options (those
+    equal to one of them dropped). ``pool`` gives the specs (one object per
+    placements and tensor meta, as DTensor's converted options use); the
+    options must depend only on the candidates, the node's arguments and
+    its tensors' metas, the keys the enumeration caches them under.
+    """
+
+    def wrap(fn: ExtraRuleFn) -> ExtraRuleFn:
+        for op in ops:
+            EXTRA_RULES[op] = fn
         return fn
 
     return wrap

@@ -17,7 +17,10 @@ ImportError, NameError: a bug, or a torch API this release lacks) is a
 the torch version.
 
 Options that shard a tensor dim unevenly, or use ``_StridedShard``, are
-dropped at planning time so that planning and apply always agree. One
+dropped at planning time so that planning and apply always agree
+(``_StridedShard(d, split_factor=1)`` is read as the ``Shard(d)`` it is;
+:data:`EXTRA_RULES` add options to DTensor's where it lacks a plain
+layout, such as the flatten views of :mod:`.rules.flat_views`). One
 exception: a parameter on a 2-D mesh may also be sharded on one tensor dim
 over both mesh dims tp-outer (``_StridedShard(d, tp), Shard(d)``, FSDP2 +
 TP's layout, :func:`~autoparallel.cost_model.tp_outer_placements`), where
@@ -62,7 +65,13 @@ from .conversion import (  # noqa: F401 - SpecPool: imported from here by rules
     pooled_output,
 )
 
-from .rule_registry import RULES, RuleFn, register_rule  # noqa: F401 - imported from here by rules and users
+from .rule_registry import (  # noqa: F401 - imported from here by rules and users
+    EXTRA_RULES,
+    RULES,
+    RuleFn,
+    register_extra_rule,
+    register_rule,
+)
 
 # the placement helpers moved to .placements; imported from here by rules and users
 from .placements import (  # noqa: F401
@@ -339,6 +348,12 @@ class StrategyEnumerator:
             options = dtensor_options(node, inputs, candidates, self._pool, failures)
         if not options and len(inputs) == 1 and isinstance(inputs[0].meta.get("val"), torch.Tensor):
             options = self._every_input_layout(node, inputs, failures)
+        extra = EXTRA_RULES.get(op)
+        if extra is not None:
+            try:
+                options = _joined(options, extra(node, candidates, self._pool))
+            except CODE_ERRORS as e:
+                raise rule_error(op, node.name, qualified_name(extra), e) from e
         if options:
             return options, "dtensor"
         if failures:
@@ -469,8 +484,30 @@ def _candidate_free(op) -> bool:
     """Whether ``op``'s options do not depend on its inputs' candidate
     specs: DTensor's single-mesh-dim strategies expand over the mesh
     whatever the inputs hold (:func:`dtensor_strategy` hands them one
-    representative spec per input); a registered rule sees the candidates."""
-    return op not in RULES and single_dim_rule(op) is not None
+    representative spec per input); a registered rule, or extra rule, sees
+    the candidates."""
+    return op not in RULES and op not in EXTRA_RULES and single_dim_rule(op) is not None
+
+
+def _joined(options: list[Option], extra: list[Option]) -> list[Option]:
+    """``options`` followed by the ``extra`` options that differ from every
+    one of them (and each other); specs are pooled, so equal specs are one
+    object."""
+    if not extra:
+        return options
+
+    def key(o: Option) -> tuple:
+        out = id(o.output_specs) if isinstance(o.output_specs, DTensorSpec) else placements_of(o.output_specs)
+        return (out, *map(id, o.input_specs))
+
+    seen = {key(o) for o in options}
+    joined = list(options)
+    for o in extra:
+        k = key(o)
+        if k not in seen:
+            seen.add(k)
+            joined.append(o)
+    return joined
 
 
 def _module_path(node: torch.fx.Node) -> str:

@@ -3,4 +3,4 @@
 Importing this package registers them in :data:`autoparallel.options.strategies.RULES`.
 """
 
-from . import attention, fused_attention, grouped_mm, linalg, local_map, moe, stack  # noqa: F401
+from . import attention, flat_views, fused_attention, grouped_mm, linalg, local_map, moe, stack  # noqa: F401
