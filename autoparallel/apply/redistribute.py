@@ -235,11 +235,27 @@ def redistribute(
 
     def convert_layouts(x):
         # shards that keep their placement but change layout (no step of the
-        # plan below touches their mesh dim)
+        # plan touches their mesh dim): gathered and split again over that
+        # mesh dim alone, where its shard is the innermost one of its tensor
+        # dim; later mesh dims splitting the same dim are gathered first
         for m in sorted(reorder):
-            if balanced[m] != (m in dst_balanced):
-                p = src.placements[m]
+            if balanced[m] == (m in dst_balanced):
+                continue
+            p = cast(Shard, src.placements[m])
+            later = [k for k in range(m + 1, src.mesh.ndim) if _splits(src.placements[k], p.dim)]
+            if later:
+                whole = DTensorSpec(
+                    src.mesh,
+                    tuple(Replicate() if k in later else q for k, q in enumerate(src.placements)),
+                    tensor_meta=src.tensor_meta,
+                )
+                keep = frozenset(d for d, b in balanced.items() if b)
+                x = redistribute(x, src, whole, coords, device=device, src_balanced=keep, dst_balanced=keep)
                 x = run(x, m, p, p, logical_shape(x, m, p))
+                after = frozenset(d for d, b in balanced.items() if b)
+                x = redistribute(x, whole, src, coords, device=device, src_balanced=after, dst_balanced=after)
+                continue
+            x = run(x, m, p, p, logical_shape(x, m, p))
         return x
 
     steps = min_cost_plan(src, dst, device)
@@ -258,6 +274,10 @@ def redistribute(
             continue
         x = run(x, info.mesh_dim, cur, target, info.logical_shape)
     return x
+
+
+def _splits(p: Placement, dim: int) -> bool:
+    return p.is_shard() and cast(Shard, p).dim == dim
 
 
 def replicate_spec(spec: DTensorSpec) -> DTensorSpec:

@@ -20,12 +20,16 @@ an edge from or to them whose layouts differ is converted by the
 redistribution (gather, then split the other way; for token ids and labels
 that is a few kilobytes per step).
 
+The layout is that of the mesh dim's own shard: where later mesh dims
+split the same tensor dim further (the linear layers' flattened token rows
+split over dp, cp and tp), they split the balanced shard contiguously, as
+DTensor nests shards in mesh order; a redistribution step on the mesh dim
+acts when its shard is the innermost one, as every step does.
+
 A group is left contiguous when the balanced layout would not be well
-defined for one of its shards: the mesh dim is not the innermost one
-splitting that tensor dim (a later mesh dim splits the same dim, so the
-shard is not a run of whole rows), it is a strided shard, or the local
-size along the dim is odd (no two equal chunks). Its attention ops then run
-the contiguous lowering, which computes every block (logged).
+defined for one of its shards: a strided shard, or an odd local size along
+the dim (no two equal chunks). Its attention ops then run the contiguous
+lowering, which computes every block (logged).
 """
 
 from __future__ import annotations
@@ -76,9 +80,6 @@ def _why_not_balanced(spec: DTensorSpec, mesh_dim: int) -> str | None:
         return f"a strided shard {p}"
     if not isinstance(p, Shard):
         return None
-    for later, q in enumerate(spec.placements[mesh_dim + 1 :], start=mesh_dim + 1):
-        if isinstance(q, (Shard, _StridedShard)) and q.dim == p.dim:
-            return f"mesh dim {later} also splits tensor dim {p.dim}"
     size = spec.tensor_meta.shape[p.dim] if spec.tensor_meta is not None else None
     if size is None:
         return "no shape"

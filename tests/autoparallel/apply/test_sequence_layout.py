@@ -12,7 +12,7 @@ from test_context_parallel import LlamaLoss
 from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
 from autoparallel.apply import local_graph
 from autoparallel.apply.balanced_layout import (
@@ -79,11 +79,49 @@ def test_redistribute_between_contiguous_and_balanced_shards(fake_world):
         expect(redistribute(natural, s0, s0, coords, src_balanced=bal, dst_balanced=bal), lambda r: x.chunk(n)[r])
 
 
-def test_a_shard_without_whole_row_chunks_is_not_balanced(fake_world):
+def test_redistribute_a_balanced_shard_split_further_by_a_later_mesh_dim(fake_world):
+    """On a (cp, tp) mesh splitting one tensor dim over both, the cp shard is
+    balanced and tp splits it contiguously (DTensor's nesting in mesh order);
+    changing the cp layout gathers tp first."""
     fake_world(4)
     mesh = init_device_mesh("cpu", (2, 2))
-    assert _why_not_balanced(_spec(mesh, [Shard(0), Shard(0)], (8, 4)), 0) == "mesh dim 1 also splits tensor dim 0"
+    x = torch.randn(16, 4)
+    nested, cp_only, rep = (
+        _spec(mesh, p, x.shape) for p in ([Shard(0), Shard(0)], [Shard(0), Replicate()], [Replicate()] * 2)
+    )
+    bal = frozenset({0})
+    with LocalTensorMode(4) as lm:
+        coords = lm.rank_map(lambda r: torch.tensor([r // 2, r % 2]))
+
+        def cp_shard(r, balanced):
+            if balanced:
+                return balanced_shard_of_replicated(x, 0, 2, torch.tensor([r // 2]))
+            return x.chunk(2)[r // 2]
+
+        def per_rank(t):
+            return [t._local_tensors[r] for r in range(4)]
+
+        natural = lm.rank_map(lambda r: cp_shard(r, False).chunk(2)[r % 2].clone())
+        balanced = lm.rank_map(lambda r: cp_shard(r, True).chunk(2)[r % 2].clone())
+        cases = [
+            (balanced, nested, cp_only, bal, bal, lambda r: cp_shard(r, True)),
+            (balanced, nested, rep, bal, frozenset(), lambda r: x),
+            (natural, nested, nested, frozenset(), bal, lambda r: per_rank(balanced)[r]),
+            (balanced, nested, nested, bal, frozenset(), lambda r: per_rank(natural)[r]),
+        ]
+        for value, src, dst, src_bal, dst_bal, want in cases:
+            got = redistribute(value, src, dst, coords, src_balanced=src_bal, dst_balanced=dst_bal)
+            for r in range(4):
+                torch.testing.assert_close(per_rank(got)[r], want(r))
+
+
+def test_a_shard_without_two_equal_chunks_is_not_balanced(fake_world):
+    fake_world(4)
+    mesh = init_device_mesh("cpu", (2, 2))
+    assert _why_not_balanced(_spec(mesh, [Shard(0), Shard(0)], (8, 4)), 0) is None  # nested: 4 rows on dim 0
     assert _why_not_balanced(_spec(mesh, [Shard(0), Shard(0)], (8, 4)), 1) is None
+    assert "odd" in _why_not_balanced(_spec(mesh, [Shard(0), Shard(0)], (12, 4)), 1)
+    assert "strided" in _why_not_balanced(_spec(mesh, [Replicate(), _StridedShard(0, split_factor=2)], (8, 4)), 1)
     assert "odd" in _why_not_balanced(_spec(mesh, [Replicate(), Shard(0)], (6, 4)), 1)
     assert _why_not_balanced(_spec(mesh, [Replicate(), Replicate()], (6, 4)), 1) is None
 
