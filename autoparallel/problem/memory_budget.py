@@ -225,14 +225,16 @@ class StepMemoryModel:
     # in full (key -> the producer's name); the row charges it per reader
     # option, from above (:func:`reduced_inputs`)
     reduced_inputs: dict[str, str] = field(default_factory=dict)
-    # saved matmul outputs the backward reads only through readers it
-    # recomputes (key -> per reader [the value it reads, its reader-input
-    # key, {"<value's placements>|<reader's input placements>": the kept
-    # copy's shard factor}]): where every reader takes the value through a
-    # reduce-scatter the AC policy saves, the reduced tensor is kept instead
+    # saved matmul outputs read through reduce-scatters the AC policy saves
+    # (key -> per reader, per edge of the views between: [the edge's
+    # source, its reader-input key, a table id]; table id ->
+    # {"<source's placements>|<reader's input placements>": the kept copy's
+    # shard factor}): where every reader takes the value through one such
+    # reduce-scatter, the reduced tensor is kept instead
     # (:func:`~.memory_peaks.reduce_scattered_saves`); the row charges the
     # value as produced, from above
     reduce_scattered: dict[str, list[list]] = field(default_factory=dict)
+    reduce_scatter_tables: dict[str, dict[str, int]] = field(default_factory=dict)
     # the categories the budget's one linear row sums: the state, and of the
     # moments that do not overlap (:meth:`peak`) the one largest with every
     # term at its most sharded layout (:func:`step_memory_model`)
@@ -276,17 +278,28 @@ class StepMemoryModel:
         return self._per_rank(key, shard_factor(placements, mesh_shape), most)
 
     def kept_reduce_scattered(
-        self, key: str, placements: str, read: list[tuple[str, str]], mesh_shape: list[int]
+        self, key: str, placements: str, read: list[list[tuple[str, str]]], mesh_shape: list[int]
     ) -> dict[str, float]:
         """:meth:`per_rank` of a term of :attr:`reduce_scattered` laid out
-        as ``placements``, its readers reading it as ``read`` (per reader:
-        the read value's placements, the reader's input placements): one
-        reduce-scattered copy where every reader takes the same one, else
-        the value as produced (never more than :meth:`per_rank`)."""
+        as ``placements``, ``read`` its readers' edges' placements (per
+        reader, per edge: the source's output, the reader's input): one
+        reduce-scattered copy where every reader takes the value through the
+        same reduce-scatter (every other edge keeps the layout), else the
+        value as produced (never more than :meth:`per_rank`)."""
         out = self.per_rank(key, placements, mesh_shape)
-        factors = {table.get(f"{v}|{r}") for (_, _, table), (v, r) in zip(self.reduce_scattered[key], read)}
-        if len(set(read)) == 1 and len(factors) == 1 and None not in factors:
-            out["activations"] = min(out["activations"], self.terms[key]["activations"] / factors.pop())
+        copies = set()
+        for edges, pairs in zip(self.reduce_scattered[key], read):
+            moved = [(src, a, b, tid) for (src, _, tid), (a, b) in zip(edges, pairs) if a != b]
+            if len(moved) != 1:
+                return out
+            src, a, b, tid = moved[0]
+            factor = self.reduce_scatter_tables.get(tid, {}).get(f"{a}|{b}")
+            if factor is None:
+                return out
+            copies.add((src, a, b, factor))
+        if len(copies) == 1:
+            factor = copies.pop()[3]
+            out["activations"] = min(out["activations"], self.terms[key]["activations"] / factor)
         return out
 
     def two_decision(self) -> dict[str, str]:
@@ -328,10 +341,13 @@ class StepMemoryModel:
             placements = n.output_placements if k is None else n.input_placements[k]
             pair = self.two_decision()
             if not row and key in self.reduce_scattered:
-                read = []
-                for value, site, _ in self.reduce_scattered[key]:
-                    r, j = self.site(site)
-                    read.append((plan_nodes[value].output_placements, plan_nodes[r].input_placements[j]))
+                read = [
+                    [
+                        (plan_nodes[src].output_placements, plan_nodes[r].input_placements[j])
+                        for src, (r, j) in ((src, self.site(site)) for src, site, _ in edges)
+                    ]
+                    for edges in self.reduce_scattered[key]
+                ]
                 parts = self.kept_reduce_scattered(key, placements, read, mesh_shape)
             elif row or key not in pair:
                 parts = self.per_rank(key, placements, mesh_shape)
@@ -354,9 +370,9 @@ class StepMemoryModel:
                 "row_categories": list(d.get("row_categories", CATEGORIES[:6])),
                 "reduced_inputs": dict(d.get("reduced_inputs", {})),
                 "reduce_scattered": {
-                    k: [[value, site, dict(table)] for value, site, table in v]
-                    for k, v in d.get("reduce_scattered", {}).items()
+                    k: [[list(e) for e in edges] for edges in v] for k, v in d.get("reduce_scattered", {}).items()
                 },
+                "reduce_scatter_tables": {k: dict(v) for k, v in d.get("reduce_scatter_tables", {}).items()},
                 "fixed": dict(d.get("fixed", {})),
             }
         )
@@ -406,7 +422,7 @@ def step_memory_model(
         counted.add(node)
     recomputed_inputs = redistributed_inputs(traced.gm, strategies, chain, remade, counted, terms)
     reduced = reduced_inputs(traced.gm, strategies, counted, terms)
-    reduce_scattered = reduce_scattered_saves(traced.gm, strategies, counted, set(remade), terms, device)
+    reduce_scattered, rs_tables = reduce_scattered_saves(traced.gm, strategies, counted, set(remade), terms, device)
     # the outputs live from the forward's end through the caller's loss and
     # backward, their gradients from the backward's start: the largest
     # buffers beyond the saved activations (LLaMA's logits)
@@ -464,6 +480,7 @@ def step_memory_model(
         loss_rule=loss.name,
         reduced_inputs=reduced,
         reduce_scattered=reduce_scattered,
+        reduce_scatter_tables=rs_tables,
     )
     with_grads = sum(1 for fqn, node in traced.param_nodes.items() if traced.grad_nodes.get(fqn) is not None)
     if optimizer.bytes_per_tensor and with_grads:
@@ -584,17 +601,21 @@ def budget_constraint(
             o = _labels(strategies, by_name[producer], labels)[choice[producer]]
             held, bound = model.held(key, i, o, mesh_shape), model.per_rank(key, i, mesh_shape)
             parts["activations"] += held["activations"] - bound["activations"]
-        for key, entries in model.reduce_scattered.items():
-            sites = [(value, *model.site(site)) for value, site, _ in entries]
-            if key not in choice or any(v not in choice or r not in choice for v, r, _ in sites):
+        for key, readers in model.reduce_scattered.items():
+            sites = [[(src, *model.site(site)) for src, site, _ in edges] for edges in readers]
+            names = {key} | {n for edges in sites for src, r, _ in edges for n in (src, r)}
+            if any(n not in choice for n in names):
                 continue  # not decisions of this problem: the bound stands
             o = _labels(strategies, by_name[key], labels)[choice[key]]
             read = [
-                (
-                    _labels(strategies, by_name[v], labels)[choice[v]],
-                    _labels(strategies, by_name[r], labels, j)[choice[r]],
-                )
-                for v, r, j in sites
+                [
+                    (
+                        _labels(strategies, by_name[src], labels)[choice[src]],
+                        _labels(strategies, by_name[r], labels, j)[choice[r]],
+                    )
+                    for src, r, j in edges
+                ]
+                for edges in sites
             ]
             kept = model.kept_reduce_scattered(key, o, read, mesh_shape)["activations"]
             parts["activations"] += kept - model.per_rank(key, o, mesh_shape)["activations"]

@@ -234,28 +234,47 @@ def reduced_inputs(gm, strategies: dict, counted: set, terms: dict) -> dict[str,
 
 def reduce_scattered_saves(
     gm, strategies: dict, counted: set, remade: set, terms: dict, device=None
-) -> dict[str, list[list]]:
+) -> tuple[dict[str, list[list]], dict[str, dict[str, int]]]:
     """Saved matmul outputs (output terms in ``terms``, with a Partial
-    option) that the backward reads only through ops it recomputes
-    (``remade``), each reading the matmul's output (through views that keep
-    its size) in a checkpointed region whose policy saves reduce-scatters:
-    where the plan reduce-scatters the Partial value into every such reader
-    (the redistribution apply runs, :func:`~autoparallel.cost_model.comm.redistribute_steps`
-    for ``device``, has a reduce-scatter and no all-gather or all-reduce),
-    the partitioner keeps the reduce-scattered tensor and not the Partial
-    one. LLaMA-3 8B at 131072 tokens on dp 4 x 8 x tp 4 under selective AC:
-    each layer's query projection, Partial over tp and reduce-scattered into
-    the rotary embedding, 134 MB per rank counted, 34 MB saved. Returns
-    producer key -> per reader ``[the value it reads (the producer or its
-    last view), its reader-input key, {"<value's placements>|<reader's
-    input placements>": shard factor of the kept copy}]`` (see
+    option) read (through views that keep their size) by ops the backward
+    recomputes (``remade``) in a checkpointed region whose policy saves
+    reduce-scatters, and otherwise by backward ops or forward ones the
+    backward does not need: where the plan reduce-scatters the Partial
+    value on one edge of the views into every such reader alike (the
+    redistribution apply runs there,
+    :func:`~autoparallel.cost_model.comm.redistribute_steps` for ``device``,
+    has a reduce-scatter and no all-gather or all-reduce; apply
+    redistributes a value once for all readers of one layout), the
+    partitioner keeps the reduce-scattered tensor and not the Partial one.
+    LLaMA-3 8B at 131072 tokens under selective AC: on dp 4 x 8 x tp 4 each
+    layer's query projection, Partial over tp and reduce-scattered into the
+    rotary embedding, 134 MB per rank counted, 34 MB saved; on
+    dp 2 x 16 x tp 4 each layer's gate projection, reduce-scattered into the
+    SiLU and its backward, 235 MB counted, 59 MB saved. Returns (producer
+    key -> per reader, per edge from the producer through its views to the
+    reader ``[the edge's source, its reader-input key, a table id]``; table
+    id -> ``{"<source's placements>|<reader's input placements>": shard
+    factor of the kept copy}``, the pairs that reduce-scatter) (see
     :attr:`StepMemoryModel.reduce_scattered`)."""
     from torch._functorch.partitioners import get_default_op_list
 
     ops = get_default_op_list()
     reduce_scatter = torch.ops._c10d_functional.reduce_scatter_tensor.default
     fwd = forward_nodes(gm)
-    tables: dict[tuple, dict[str, int]] = {}
+    table_ids: dict[tuple, str] = {}
+    tables: dict[str, dict[str, int]] = {}
+
+    def edge(src: torch.fx.Node, dst: torch.fx.Node) -> list | None:
+        ss, ds = strategies.get(src), strategies.get(dst)
+        if ss is None or ds is None or ds.getitem_index is not None or not single_output(ss) or src not in ds.inputs:
+            return None
+        k = ds.inputs.index(src)
+        key = (id(ss.options), id(ds.options), k)
+        if key not in table_ids:
+            table_ids[key] = str(len(table_ids))
+            tables[table_ids[key]] = _reduce_scatter_table(ss, ds, k, device or H100)
+        return [src.name, f"{dst.name}:in:{k}", table_ids[key]]
+
     out: dict[str, list[list]] = {}
     for p in gm.graph.nodes:
         if p not in counted or "activations" not in terms.get(p.name, {}) or not ops.is_compute_intensive(p):
@@ -265,58 +284,44 @@ def reduce_scattered_saves(
             continue
         if not any(pl.is_partial() for o in ps.options for pl in o.output_specs.placements):
             continue
-        readers = _readers_through_views(p)
-        # a backward reader reads the value as produced; a forward one the
-        # backward does not recompute reads it in the forward only
-        if any(r not in fwd for r, _ in readers):
-            continue
-        entries: list[list] = []
-        for r, v in readers:
-            if r not in remade:
-                continue
-            rs, vs = strategies.get(r), strategies.get(v)
-            usable = (
-                rs is not None
-                and vs is not None
-                and rs.getitem_index is None
-                and single_output(vs)
-                and v in rs.inputs
-                and r.meta.get("recompute") is not None
-                and not recomputes_op(r, reduce_scatter)
-                and nbytes(v) == nbytes(p)
+        readers: list[list] = []
+        recomputed = False
+        for chain in _chains_through_views(p):
+            r = chain[-1]
+            backward = r not in fwd
+            if not backward and r not in remade:
+                continue  # read in the forward only
+            ok = all(nbytes(v) == nbytes(p) for v in chain[:-1]) and (
+                backward or (r.meta.get("recompute") is not None and not recomputes_op(r, reduce_scatter))
             )
-            if not usable:
-                entries = []
+            edges = [edge(a, b) for a, b in zip(chain, chain[1:])] if ok else [None]
+            if None in edges or not any(tables[e[2]] for e in edges):
+                readers = []
                 break
-            k = rs.inputs.index(v)
-            key = (id(vs.options), id(rs.options), k)
-            if key not in tables:
-                tables[key] = _reduce_scatter_table(vs, rs, k, device or H100)
-            if not tables[key]:
-                entries = []
-                break
-            entries.append([v.name, f"{r.name}:in:{k}", tables[key]])
-        if entries:
-            out[p.name] = entries
-    return out
+            recomputed |= not backward
+            readers.append(edges)
+        if recomputed and readers:
+            out[p.name] = readers
+    used = {e[2] for readers in out.values() for edges in readers for e in edges}
+    return out, {t: tables[t] for t in sorted(used, key=int)}
 
 
-def _reduce_scatter_table(value_strat, reader_strat, k: int, device) -> dict[str, int]:
-    """Per pair of the value's output placements and the reader's ``k``-th
+def _reduce_scatter_table(src_strat, dst_strat, k: int, device) -> dict[str, int]:
+    """Per pair of the source's output placements and the reader's ``k``-th
     input placements that apply turns into each other with reduce-scatters
     (and all-to-alls, local slices), the kept copy's shard factor
     (:func:`reduce_scattered_factor`)."""
     fmt = SpecLabels()
-    values = {fmt(o.output_specs): o.output_specs for o in value_strat.options}
-    reads = {fmt(o.input_specs[k]): o.input_specs[k] for o in reader_strat.options}
+    values = {fmt(o.output_specs): o.output_specs for o in src_strat.options}
+    reads = {fmt(o.input_specs[k]): o.input_specs[k] for o in dst_strat.options}
     table: dict[str, int] = {}
     for vl, vspec in values.items():
-        if not any(pl.is_partial() for pl in vspec.placements):
+        if not any(pl.is_partial() for pl in vspec.placements) or vspec.tensor_meta is None:
             continue
         mesh_shape = list(vspec.mesh.shape)
         for rl, rspec in reads.items():
             factor = reduce_scattered_factor(vl, [rl], mesh_shape)
-            if factor is None or vspec.tensor_meta is None:
+            if factor is None:
                 continue
             kinds = [s.kind for s in redistribute_steps(vspec, rspec, device)]
             if any("reduce_scatter" in kd for kd in kinds) and not any(
@@ -326,19 +331,17 @@ def _reduce_scatter_table(value_strat, reader_strat, k: int, device) -> dict[str
     return table
 
 
-def _readers_through_views(p: torch.fx.Node) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
-    """(reader, the value it reads: ``p`` or a view of it) for every
-    non-view user of ``p`` and of its views."""
-    out, todo, seen = [], [p], {p}
+def _chains_through_views(p: torch.fx.Node) -> list[list[torch.fx.Node]]:
+    """``[p, its views..., reader]`` for every non-view user of ``p`` and
+    of its views."""
+    out, todo = [], [[p]]
     while todo:
-        cur = todo.pop()
-        for u in cur.users:
-            if _is_view(u) and u.args and u.args[0] is cur:
-                if u not in seen:
-                    seen.add(u)
-                    todo.append(u)
+        chain = todo.pop()
+        for u in chain[-1].users:
+            if _is_view(u) and u.args and u.args[0] is chain[-1]:
+                todo.append([*chain, u])
             elif u.op != "output":
-                out.append((u, cur))
+                out.append([*chain, u])
     return out
 
 

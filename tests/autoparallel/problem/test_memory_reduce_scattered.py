@@ -32,9 +32,15 @@ def test_the_kept_copy_is_sharded_as_after_the_reduce_scatter():
 
 def _model() -> StepMemoryModel:
     # a query projection's output (1 GiB replicated), read through a view
-    # by the rotary embedding's first op, reduce-scattered over tp there
+    # by the rotary embedding's first op; the reduce-scatter over tp on
+    # either edge (table "0": matmul -> view, "1": view -> its reader)
     table = {"S(0)S(1)P|S(0)S(2)S(2)": 128, "S(0)S(1)P|S(0)S(1)S(2)": 128}
-    return StepMemoryModel({"mm": {"activations": 2.0**30}}, reduce_scattered={"mm": [["view", "rope:in:0", table]]})
+    edges = [["mm", "view:in:0", "0"], ["view", "rope:in:0", "1"]]
+    return StepMemoryModel(
+        {"mm": {"activations": 2.0**30}},
+        reduce_scattered={"mm": [edges]},
+        reduce_scatter_tables={"0": table, "1": table},
+    )
 
 
 def _node(out: str, ins: tuple[str, ...] = ()):
@@ -43,14 +49,22 @@ def _node(out: str, ins: tuple[str, ...] = ()):
 
 def test_the_estimate_counts_the_reduce_scattered_copy_and_the_row_the_partial_one():
     model = _model()
-    nodes = {"mm": _node("S(0)S(1)P"), "view": _node("S(0)S(1)P"), "rope": _node("S(0)S(2)S(2)", ("S(0)S(2)S(2)",))}
+    partial, reduced = "S(0)S(1)P", "S(0)S(2)S(2)"
+    # reduced between the view and its reader
+    nodes = {"mm": _node(partial), "view": _node(partial, (partial,)), "rope": _node(reduced, (reduced,))}
     assert model.estimate(nodes, MESH)["activations"] == 2.0**30 / 128
     assert model.estimate(nodes, MESH, row=True)["activations"] == 2.0**30 / 32  # Partial: 4 x 8 ways
+    # reduced between the matmul and the view
+    nodes["view"] = _node("S(0)S(1)S(2)", ("S(0)S(1)S(2)",))
+    nodes["rope"] = _node(reduced, ("S(0)S(1)S(2)",))
+    assert model.estimate(nodes, MESH)["activations"] == 2.0**30 / 128
     # all-reduced (not in the table): kept as produced
+    nodes["view"] = _node(partial, (partial,))
     nodes["rope"] = _node("S(0)S(2)R", ("S(0)S(2)R",))
     assert model.estimate(nodes, MESH)["activations"] == 2.0**30 / 32
-    # reduced before the view: the view's own layout, not the producer's, is read
-    nodes["view"], nodes["rope"] = _node("S(0)S(1)S(2)"), _node("S(0)S(2)S(2)", ("S(0)S(2)S(2)",))
+    # two edges move it: kept as produced
+    nodes["view"] = _node(partial, ("S(0)S(1)S(2)",))
+    nodes["rope"] = _node(reduced, (reduced,))
     assert model.estimate(nodes, MESH)["activations"] == 2.0**30 / 32
     # the model survives its JSON form (the plan's constraint log)
     assert StepMemoryModel.from_json(model.to_json()) == model
@@ -72,10 +86,11 @@ def test_the_traced_llama_finds_its_candidates_and_the_row_bounds_them(fake_worl
         row = budget_constraint(mem, autop.strategies, [2, 2], 80e9)
         choice = plan.solution.choice
     assert mem.reduce_scattered, "no candidate in a selective-AC LLaMA"
-    for key, entries in mem.reduce_scattered.items():
+    for key, readers in mem.reduce_scattered.items():
         assert "activations" in mem.terms[key]
-        for value, site, table in entries:
-            assert table and all(f in (2, 4) for f in table.values())
+        for edges in readers:
+            assert any(mem.reduce_scatter_tables[tid] for _, _, tid in edges)
+    assert all(f in (2, 4) for table in mem.reduce_scatter_tables.values() for f in table.values())
     est = mem.estimate(plan.nodes, plan.mesh_shape)
     assert est["activations"] <= mem.estimate(plan.nodes, plan.mesh_shape, row=True)["activations"]
     assert row.exact(choice) <= sum(w[choice[n]] for n, w in row.terms.items()) * (1 + 1e-9)
