@@ -421,7 +421,7 @@ def step_memory_model(
         terms.setdefault(node.name, {})["activations"] = float(nbytes(node))
         counted.add(node)
     recomputed_inputs = redistributed_inputs(traced.gm, strategies, chain, remade, counted, terms)
-    reduced = reduced_inputs(traced.gm, strategies, counted, terms)
+    reduced = reduced_inputs(traced.gm, strategies, counted, set(remade), terms)
     reduce_scattered, rs_tables = reduce_scattered_saves(traced.gm, strategies, counted, set(remade), terms, device)
     # the outputs live from the forward's end through the caller's loss and
     # backward, their gradients from the backward's start: the largest

@@ -185,16 +185,19 @@ def reduces(producer: str, reader: str) -> bool:
     )
 
 
-def reduced_inputs(gm, strategies: dict, counted: set, terms: dict) -> dict[str, str]:
-    """Reader-input terms of the forward ops of a checkpointed region whose
-    input comes from a matmul (through views) with a Partial option,
-    through a reduction the region's policy saves (a selective policy keeps
-    reduce-scatters and all-reduces): the partitioner keeps the reduced
-    tensor. LLaMA-3 8B on 16 x 8 under selective AC: each layer's
-    feed-forward output, reduce-scattered into the residual add, 537 MB per
-    rank the partitioned forward saved beyond the estimate. Returns the
-    keys' producers (see :attr:`StepMemoryModel.reduced_inputs`); the terms
-    go into ``terms``."""
+def reduced_inputs(gm, strategies: dict, counted: set, remade: set, terms: dict) -> dict[str, str]:
+    """Reader-input terms of the forward ops of a checkpointed region that
+    the backward recomputes (``remade``) whose input comes from a matmul
+    (through views) with a Partial option, through a reduction the region's
+    policy saves (a selective policy keeps reduce-scatters): the
+    partitioner keeps the reduced tensor for the recomputation. LLaMA-3 8B
+    at 131072 tokens on dp 4 x 8 x tp 4 under selective AC: each layer's
+    attention output, reduce-scattered into the residual add the backward
+    recomputes. A reader the backward does not recompute (the block's last
+    residual add, saved at the region's boundary) keeps nothing of its
+    input (:func:`~autoparallel.apply.partition.drop_unread_saved`).
+    Returns the keys' producers (see :attr:`StepMemoryModel.reduced_inputs`);
+    the terms go into ``terms``."""
     from torch._functorch.partitioners import get_default_op_list
 
     ops = get_default_op_list()
@@ -204,7 +207,9 @@ def reduced_inputs(gm, strategies: dict, counted: set, terms: dict) -> dict[str,
     fwd = forward_nodes(gm)
     for c in gm.graph.nodes:
         # a forward op of a checkpointed region whose policy saves reductions
-        if c not in fwd or _is_view(c) or c.meta.get("recompute") is None or recomputes_op(c, reduce_scatter):
+        if c not in remade or c not in fwd or _is_view(c) or c.meta.get("recompute") is None:
+            continue
+        if recomputes_op(c, reduce_scatter):
             continue
         strat = strategies.get(c)
         if strat is None or strat.getitem_index is not None:

@@ -14,7 +14,9 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from autoparallel import AutoParallel
+from autoparallel.capture.saved_activations import saved_and_needed
 from autoparallel.models import LLAMA3_CONFIGS, Transformer, apply_ac
+from autoparallel.problem.builder import forward_param_chain
 from autoparallel.problem.memory_budget import StepMemoryModel, budget_constraint, step_memory_model
 from autoparallel.problem.memory_peaks import reduce_scattered_factor
 
@@ -83,9 +85,15 @@ def test_the_traced_llama_finds_its_candidates_and_the_row_bounds_them(fake_worl
     with AutoParallel(model, mesh, torch.empty(4, 64, dtype=torch.long, device="meta")) as autop:
         plan = autop.optimize_placement()
         mem = step_memory_model(autop.traced, autop.strategies)
+        _, remade = saved_and_needed(autop.traced.gm, forward_param_chain(autop.traced))
+        by_name = {n.name: n for n in autop.traced.gm.graph.nodes}
         row = budget_constraint(mem, autop.strategies, [2, 2], 80e9)
         choice = plan.solution.choice
     assert mem.reduce_scattered, "no candidate in a selective-AC LLaMA"
+    # a reduced copy is charged only for a reader the backward recomputes:
+    # the block's last residual add is saved, and keeps nothing of its input
+    assert mem.reduced_inputs
+    assert all(by_name[mem.site(key)[0]] in remade for key in mem.reduced_inputs)
     for key, readers in mem.reduce_scattered.items():
         assert "activations" in mem.terms[key]
         for edges in readers:
