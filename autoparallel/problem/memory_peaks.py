@@ -241,21 +241,24 @@ def reduce_scattered_saves(
     gm, strategies: dict, counted: set, remade: set, terms: dict, device=None
 ) -> tuple[dict[str, list[list]], dict[str, dict[str, int]]]:
     """Saved matmul outputs (output terms in ``terms``, with a Partial
-    option) read (through views that keep their size) by ops the backward
+    option) read (through views) by ops the backward
     recomputes (``remade``) in a checkpointed region whose policy saves
     reduce-scatters, and otherwise by backward ops or forward ones the
     backward does not need: where the plan reduce-scatters the Partial
     value on one edge of the views into every such reader alike (the
     redistribution apply runs there,
     :func:`~autoparallel.cost_model.comm.redistribute_steps` for ``device``,
-    has a reduce-scatter and no all-gather or all-reduce; apply
-    redistributes a value once for all readers of one layout), the
-    partitioner keeps the reduce-scattered tensor and not the Partial one.
+    has a reduce-scatter and no all-gather or all-reduce, before any view
+    that changes the size; apply redistributes a value once for all readers
+    of one layout), the partitioner keeps the reduce-scattered tensor and
+    not the Partial one.
     LLaMA-3 8B at 131072 tokens under selective AC: on dp 4 x 8 x tp 4 each
     layer's query projection, Partial over tp and reduce-scattered into the
     rotary embedding, 134 MB per rank counted, 34 MB saved; on
     dp 2 x 16 x tp 4 each layer's gate projection, reduce-scattered into the
-    SiLU and its backward, 235 MB counted, 59 MB saved. Returns (producer
+    SiLU and its backward, 235 MB counted, 59 MB saved; LLaMA-3 70B on
+    16 x 8, each layer's value projection, reduce-scattered before the
+    grouped-query expand, 34 MB counted, 4 MB saved. Returns (producer
     key -> per reader, per edge from the producer through its views to the
     reader ``[the edge's source, its reader-input key, a table id]``; table
     id -> ``{"<source's placements>|<reader's input placements>": shard
@@ -269,15 +272,17 @@ def reduce_scattered_saves(
     table_ids: dict[tuple, str] = {}
     tables: dict[str, dict[str, int]] = {}
 
-    def edge(src: torch.fx.Node, dst: torch.fx.Node) -> list | None:
+    def edge(src: torch.fx.Node, dst: torch.fx.Node, size: int) -> list | None:
         ss, ds = strategies.get(src), strategies.get(dst)
         if ss is None or ds is None or ds.getitem_index is not None or not single_output(ss) or src not in ds.inputs:
             return None
         k = ds.inputs.index(src)
-        key = (id(ss.options), id(ds.options), k)
+        # a view that changes the size (an expand) before the reduction:
+        # not counted as reduced there
+        key = (id(ss.options), id(ds.options), k, nbytes(src) == size)
         if key not in table_ids:
             table_ids[key] = str(len(table_ids))
-            tables[table_ids[key]] = _reduce_scatter_table(ss, ds, k, device or H100)
+            tables[table_ids[key]] = _reduce_scatter_table(ss, ds, k, device or H100) if key[3] else {}
         return [src.name, f"{dst.name}:in:{k}", table_ids[key]]
 
     out: dict[str, list[list]] = {}
@@ -296,10 +301,8 @@ def reduce_scattered_saves(
             backward = r not in fwd
             if not backward and r not in remade:
                 continue  # read in the forward only
-            ok = all(nbytes(v) == nbytes(p) for v in chain[:-1]) and (
-                backward or (r.meta.get("recompute") is not None and not recomputes_op(r, reduce_scatter))
-            )
-            edges = [edge(a, b) for a, b in zip(chain, chain[1:])] if ok else [None]
+            ok = backward or (r.meta.get("recompute") is not None and not recomputes_op(r, reduce_scatter))
+            edges = [edge(a, b, nbytes(p)) for a, b in zip(chain, chain[1:])] if ok else [None]
             if None in edges or not any(tables[e[2]] for e in edges):
                 readers = []
                 break
