@@ -73,6 +73,7 @@ def split_joint(local: LocalJoint, partitioner: Partitioner = "min_cut") -> Step
     fw, bw = _LazyGraphModule.from_graphmodule(fw), _LazyGraphModule.from_graphmodule(bw)
     drop_dead_collectives(fw, bw)
     _drop_needless_rng_states(fw, bw)
+    drop_unread_saved(fw, bw, n_out)
     fw_outs = output_nodes(fw)
     saved = fw_outs[n_out:]
     for node in saved:
@@ -132,6 +133,34 @@ def drop_dead_collectives(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) ->
     for gm in (fw, bw):
         gm.graph.eliminate_dead_code(is_impure_node=_keep_if_dead)
         gm.recompile()
+
+
+def drop_unread_saved(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, num_fwd_outputs: int) -> None:
+    """Stop saving the values the backward no longer reads. The partitioner
+    drops a saved value its backward does not read, but a value read only
+    by a recomputed collective the backward does not need stays saved until
+    :func:`drop_dead_collectives` removes that reader: LLaMA-3 8B on 16 x 8
+    under selective AC kept each layer's reduce-scattered feed-forward
+    output (its residual add is saved; the all-to-all after the
+    reduce-scatter was copied into the backward), 537 MB per rank."""
+    unread = {ph.name: ph for ph in bw.graph.find_nodes(op="placeholder") if not ph.users}
+    if not unread:
+        return
+    (out,) = fw.graph.find_nodes(op="output")
+    outputs = list(out.args[0])
+    saved = outputs[num_fwd_outputs:]
+    dropped = {
+        o.name for o in saved if isinstance(o, torch.fx.Node) and o.name in unread and not _is_saved_rng_state(o)
+    }
+    if not dropped:
+        return
+    out.args = (tuple(outputs[:num_fwd_outputs] + [o for o in saved if getattr(o, "name", None) not in dropped]),)
+    for name in dropped:
+        bw.graph.erase_node(unread[name])
+    fw.graph.eliminate_dead_code(is_impure_node=_keep_if_dead)
+    fw.recompile()
+    bw.recompile()
+    logger.debug("partition: %d saved values the backward does not read dropped", len(dropped))
 
 
 def _dropout_free(op, args: tuple, kwargs: dict) -> bool:

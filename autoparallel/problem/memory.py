@@ -258,7 +258,7 @@ def _budget_breakdown(plan, entry: dict, optimizer: OptimizerSpec | None, hbm: f
     if slack > 1e-9 * sum(est.values()):
         notes = notes + [
             f"the budget's ILP row counts {size_text(slack)} more: a value recomputed for the backward but read "
-            "in another layout, weighed one option at a time, is bounded from above"
+            "in another layout, or saved reduce-scattered, weighed one option at a time, is bounded from above"
         ]
     name = model.optimizer
     if optimizer is not None and model.optimizer_bytes_per_element:
