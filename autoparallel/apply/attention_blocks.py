@@ -159,7 +159,7 @@ def blocks_forward(
         _blocks(v_full, plan.key_chunks, plan.key_chunk),
         False,
     )
-    out_o = _per_block(result_o[0], nb).float()  # [nb, B, H, c, D]
+    out_o = _per_block(result_o[0], nb)  # [nb, B, H, c, D]
     lse_o = _per_block(lse_o, nb)  # [nb, B, H, c]
     if plan.valid is not None:
         lse_o = torch.where(plan.valid.view(nb, 1, 1, 1), lse_o, float("-inf"))
@@ -171,7 +171,8 @@ def blocks_forward(
     # the diagonal is finite on every row (a query sees itself): lse is too
     weight_d = (lse_chunks - lse).exp().unsqueeze(-1)
     weight_o = (lse_o - lse.index_select(0, plan.query_chunk)).exp().unsqueeze(-1)
-    out = weight_d * split_chunks(out_d, m).float() + _sum_per_chunk(weight_o * out_o, plan.query_chunk, m)
+    # float32 weights times the kernel's outputs: the products and their sums in float32
+    out = weight_d * split_chunks(out_d, m) + _sum_per_chunk(weight_o * out_o, plan.query_chunk, m)
     return diagonal, _join_chunks(out).to(out_d.dtype), _join_chunks(lse)
 
 
@@ -203,11 +204,17 @@ def blocks_backward(
         False,
     )
     dq_o, dk_o, dv_o = (_per_block(g, nb) for g in (dq_o, dk_o, dv_o))
+    query_chunk, key_chunk, spare = plan.query_chunk, plan.key_chunk, 0
     if plan.valid is not None:
-        # a block weighted 0 contributes nothing (where: its recomputed
-        # probabilities may overflow against the merged logsumexp)
-        keep = plan.valid.view(nb, 1, 1, 1, 1)
-        dq_o, dk_o, dv_o = (torch.where(keep, g, 0.0) for g in (dq_o, dk_o, dv_o))
-    dq = dq_d + _join_chunks(_sum_per_chunk(dq_o, plan.query_chunk, m)).to(dq_d.dtype)
-    dk_full, dv_full = (_join_chunks(_sum_per_chunk(g, plan.key_chunk, plan.key_chunks)) for g in (dk_o, dv_o))
+        spare = 1
+        # a block weighted 0 contributes nothing: its gradients are summed
+        # into one chunk past the end, dropped (no masked copy of them; its
+        # recomputed probabilities may overflow against the merged logsumexp)
+        query_chunk = torch.where(plan.valid, query_chunk, m)
+        key_chunk = torch.where(plan.valid, key_chunk, plan.key_chunks)
+    dq_o = _sum_per_chunk(dq_o, query_chunk, m + spare)[:m]
+    dq = dq_d + _join_chunks(dq_o).to(dq_d.dtype)
+    dk_full, dv_full = (
+        _join_chunks(_sum_per_chunk(g, key_chunk, plan.key_chunks + spare)[: plan.key_chunks]) for g in (dk_o, dv_o)
+    )
     return dq, dk_d, dv_d, dk_full, dv_full

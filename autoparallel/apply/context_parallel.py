@@ -49,6 +49,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from ..cost_model.devices import H100, DeviceSpec
+from ..errors import ApplyError
 from ..options.rules.context_parallel import SEQUENCE_SHARDED_ATTENTION, AttentionSignature, cp_mesh_dim
 from .attention_blocks import block_plan, blocks_backward, blocks_forward, natural_chunk_order, split_chunks
 from .redistribute import redistribute
@@ -190,7 +191,13 @@ class SequenceShardedAttention:
         k_full, v_full = self._gather(k, sig.key), self._gather(v, sig.value)
         if bool(_get(op, args, kwargs, sig.is_causal, False)):
             # the rule offers no causal op with a mask (sequence_shardable)
-            plan = block_plan(self.n, args[sig.query].shape[sig.seq_dim], self.coords[self.cp_dim], self.balanced)
+            local_len = args[sig.query].shape[sig.seq_dim]
+            if self.balanced and local_len % 2:
+                raise ApplyError(
+                    f"{op}: the balanced sequence layout holds two chunks per rank, but the local sequence has "
+                    f"{local_len} rows (odd): lay this attention's sequence out contiguously (balanced=False)"
+                )
+            plan = block_plan(self.n, local_len, self.coords[self.cp_dim], self.balanced)
             if sig.backward:
                 return self._blocks_backward(args, kwargs, k_full, v_full, plan)
             return self._blocks_forward(args, kwargs, k_full, v_full, plan)
