@@ -49,6 +49,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ..capture.activation_checkpointing import forward_nodes
 from ..graph_vocab import ALL_GATHER as _AG, ALL_TO_ALL, WAIT
+from ..options.rules.context_parallel import SEQUENCE_SHARDED_ATTENTION
 from .base import PassContext, register_pass
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
     "recompute_all_gathers",
     "saved_for_backward",
     "param_gather_chains",
+    "attention_input_chains",
     "is_chain_op",
 ]
 
@@ -99,6 +101,9 @@ class RecomputeAllGathersStats:
     nodes_tagged: int = 0
     # per rank: bytes of the gathered weights (all-gather outputs) in the chains
     gathered_bytes: int = 0
+    # sequence-sharded attention: inputs gathered over cp or stacked as blocks
+    attention_chains: int = 0
+    attention_nodes_tagged: int = 0
 
 
 def _nbytes(node: fx.Node) -> int:
@@ -167,6 +172,57 @@ def param_gather_chains(
     return chains
 
 
+def attention_input_chains(gm: fx.GraphModule) -> list[list[fx.Node]]:
+    """The chains that make a sequence-sharded attention kernel's inputs
+    (:mod:`autoparallel.apply.context_parallel`) out of other values by
+    collectives and data moves: K and V gathered over the cp dim (from the
+    all-gather on), and the blocks stacked from them or from another
+    kernel input (``index_select`` of the local q, the merged output or
+    logsumexp). Chains that read a tangent (the output gradient's blocks)
+    or a mask are left out, and a chain never reaches past an all-gather or
+    into a value another attention kernel call reads as is (the local q,
+    k, v, out, logsumexp). Untagged, the partitioner merges the backward's
+    chains with the forward's (CSE), runs them in the forward and saves
+    their results: several times a layer's K and V; tagged, the backward
+    gathers and stacks again from the local tensors it reads anyway."""
+    tangent_dependent: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if (n.op == "placeholder" and "tangents" in str(n.target)) or any(
+            a in tangent_dependent for a in n.all_input_nodes
+        ):
+            tangent_dependent.add(n)
+    kernels = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in SEQUENCE_SHARDED_ATTENTION]
+    read_as_is = {a for k in kernels for a in k.all_input_nodes}
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    chains: list[list[fx.Node]] = []
+    claimed: set[fx.Node] = set()
+    for kernel in kernels:
+        sig = SEQUENCE_SHARDED_ATTENTION[kernel.target]
+        positions = (sig.query, sig.key, sig.value, sig.out, sig.logsumexp)
+        for position in positions:
+            start = kernel.args[position] if position is not None and position < len(kernel.args) else None
+            if not isinstance(start, fx.Node):
+                continue
+            chain: set[fx.Node] = set()
+            stack, blocks_of_input = [start], False
+            while stack:
+                n = stack.pop()
+                if n in chain or n in tangent_dependent or not is_chain_op(n):
+                    continue
+                if n is not start and n in read_as_is:
+                    blocks_of_input = True
+                    continue
+                chain.add(n)
+                if n.target is not _AG:
+                    stack.extend(n.all_input_nodes)
+            gathers = any(n.target is _AG for n in chain)
+            stacks = blocks_of_input and any(n.target is _aten.index_select.default for n in chain)
+            if (gathers or stacks) and chain - claimed:
+                claimed |= chain
+                chains.append(sorted(chain, key=order.__getitem__))
+    return chains
+
+
 @register_pass("recompute_all_gathers", "joint")
 def recompute_all_gathers(gm: fx.GraphModule, ctx: PassContext) -> RecomputeAllGathersStats:
     """Tag parameter all-gather chains of the joint graph ``gm`` (in place)."""
@@ -195,6 +251,16 @@ def recompute_all_gathers(gm: fx.GraphModule, ctx: PassContext) -> RecomputeAllG
                 n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
                 n.meta.pop("ac_graph_id", None)
                 stats.nodes_tagged += copies
+    if recompute:
+        tagged: set[fx.Node] = set()
+        for chain in attention_input_chains(gm):
+            stats.attention_chains += 1
+            for n in chain:
+                if n not in tagged:
+                    tagged.add(n)
+                    n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+                    n.meta["ac_graph_id"] = CHAIN_AC_GRAPH_ID
+        stats.attention_nodes_tagged = len(tagged)
     return stats
 
 

@@ -203,3 +203,35 @@ def test_cp_with_heads_split_on_3d_mesh(fake_world):
     )
     assert {n.output_placements for n in plan.nodes.values() if n.op == SDPA} == {"(S(0)S(2)S(1), S(0)S(2)S(1))"}
     check_step(parallel, mesh, build, (tokens, targets), rel=1e-4)
+
+
+def test_cp_backward_gathers_again(fake_world):
+    """The backward of the sequence-sharded attention gathers K and V (and
+    stacks its blocks) again from the local tensors: the forward saves no
+    gathered K/V and no stacked blocks for it (untagged, the partitioner
+    merges the backward's gathers with the forward's and saves them)."""
+    from autoparallel.apply.partition import output_nodes
+    from autoparallel.graph_vocab import ALL_GATHER
+    from autoparallel.passes.recompute_all_gathers import attention_input_chains, is_chain_op
+
+    fake_world(4)
+    seq = 64
+    tokens = torch.randint(0, 256, (2, seq))
+    parallel, plan, mesh = plan_and_apply(lambda: LlamaLoss(seq), (tokens, tokens), mesh_dim_names=("dp", "cp"))
+    assert plan.pass_stats["recompute_all_gathers"].attention_chains > 0
+    # the gathers and block stacks that feed the attention kernels (names as the partitioner keeps them)
+    picks = (ALL_GATHER, torch.ops.aten.index_select.default)
+    feeding = {n.name for c in attention_input_chains(parallel.parallel_graph) for n in c if n.target in picks}
+    assert feeding
+    graphs = parallel.parallel_state.step.graphs
+    for saved in output_nodes(graphs.fw)[graphs.num_fwd_outputs :]:
+        chain, stack = set(), [saved]
+        while stack:  # the data moves that made the saved value
+            n = stack.pop()
+            if n not in chain and is_chain_op(n):
+                chain.add(n)
+                stack.extend(n.all_input_nodes)
+        picked = [n.name for n in chain if n.name in feeding]
+        assert not picked, (saved.name, picked)
+    backward = [c for c in collectives(graphs.bw, mesh) if c.kind == "all_gather_into_tensor" and c.mesh_dim == 1]
+    assert len(backward) >= 4, backward  # K and V of both layers
