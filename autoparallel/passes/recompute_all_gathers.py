@@ -173,51 +173,42 @@ def param_gather_chains(
 
 
 def attention_input_chains(gm: fx.GraphModule) -> list[list[fx.Node]]:
-    """The chains that make a sequence-sharded attention kernel's inputs
-    (:mod:`autoparallel.apply.context_parallel`) out of other values by
-    collectives and data moves: K and V gathered over the cp dim (from the
-    all-gather on), and the blocks stacked from them or from another
-    kernel input (``index_select`` of the local q, the merged output or
-    logsumexp). Chains that read a tangent (the output gradient's blocks)
-    or a mask are left out, and a chain never reaches past an all-gather or
-    into a value another attention kernel call reads as is (the local q,
-    k, v, out, logsumexp). Untagged, the partitioner merges the backward's
-    chains with the forward's (CSE), runs them in the forward and saves
-    their results: several times a layer's K and V; tagged, the backward
-    gathers and stacks again from the local tensors it reads anyway."""
+    """The chains of collectives and data moves that make a sequence-sharded
+    attention kernel's q, k, v, output and logsumexp inputs
+    (:mod:`autoparallel.apply.context_parallel`), where they gather (K and
+    V over the cp dim) or pick (``index_select``: the stacked blocks, a
+    rank's shard), up to the ops that computed the values. Chains that read
+    a tangent (the output gradient's blocks) are left out, and so is a
+    mask (its local rows would be recomputed from the replicated mask).
+    Untagged, the partitioner merges the backward's chains with the
+    forward's (CSE), runs them in the forward and saves their results:
+    several times a layer's K and V; tagged, the backward gathers and
+    stacks again from what computed them."""
     tangent_dependent: set[fx.Node] = set()
     for n in gm.graph.nodes:
         if (n.op == "placeholder" and "tangents" in str(n.target)) or any(
             a in tangent_dependent for a in n.all_input_nodes
         ):
             tangent_dependent.add(n)
-    kernels = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in SEQUENCE_SHARDED_ATTENTION]
-    read_as_is = {a for k in kernels for a in k.all_input_nodes}
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    picks = {_aten.index_select.default, _AG}
     chains: list[list[fx.Node]] = []
     claimed: set[fx.Node] = set()
-    for kernel in kernels:
+    for kernel in gm.graph.nodes:
+        if kernel.op != "call_function" or kernel.target not in SEQUENCE_SHARDED_ATTENTION:
+            continue
         sig = SEQUENCE_SHARDED_ATTENTION[kernel.target]
-        positions = (sig.query, sig.key, sig.value, sig.out, sig.logsumexp)
-        for position in positions:
+        for position in (sig.query, sig.key, sig.value, sig.out, sig.logsumexp):
             start = kernel.args[position] if position is not None and position < len(kernel.args) else None
-            if not isinstance(start, fx.Node):
-                continue
             chain: set[fx.Node] = set()
-            stack, blocks_of_input = [start], False
+            stack = [start] if isinstance(start, fx.Node) else []
             while stack:
                 n = stack.pop()
                 if n in chain or n in tangent_dependent or not is_chain_op(n):
                     continue
-                if n is not start and n in read_as_is:
-                    blocks_of_input = True
-                    continue
                 chain.add(n)
-                if n.target is not _AG:
-                    stack.extend(n.all_input_nodes)
-            gathers = any(n.target is _AG for n in chain)
-            stacks = blocks_of_input and any(n.target is _aten.index_select.default for n in chain)
-            if (gathers or stacks) and chain - claimed:
+                stack.extend(n.all_input_nodes)
+            if chain - claimed and any(n.target in picks for n in chain):
                 claimed |= chain
                 chains.append(sorted(chain, key=order.__getitem__))
     return chains
