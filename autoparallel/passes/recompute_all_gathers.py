@@ -28,6 +28,13 @@ alone, which the partitioner would otherwise run in the forward and save
 the chain's collectives are MUST_SAVE even inside a selective-AC region, so
 the gathered weights are kept for backward and never re-gathered.
 
+Context parallelism's sequence-sharded attention gathers K and V over the
+cp dim and stacks blocks of its inputs (:mod:`autoparallel.apply.context_parallel`);
+the backward does so again. The partitioner would merge the two and save
+the gathered values or blocks of every layer; :func:`attention_input_chains`
+finds those chains, tagged ``MUST_RECOMPUTE`` like a parameter's (not with
+``reshard_after_forward=False``, which is about weights).
+
 Tags (read by ``torch._functorch.partitioners``): ``meta["recompute"]`` and
 ``meta["ac_graph_id"]``. The id is a large constant: the partitioner turns a
 recomputed node into MUST_SAVE when one of its recomputed users has a larger
@@ -48,7 +55,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..capture.activation_checkpointing import forward_nodes
-from ..graph_vocab import ALL_GATHER as _AG, ALL_TO_ALL, WAIT
+from ..graph_vocab import ALL_GATHER as _AG, ALL_TO_ALL, REDISTRIBUTE_KEY, SOURCE_KEY, WAIT
 from ..options.rules.context_parallel import SEQUENCE_SHARDED_ATTENTION
 from .base import PassContext, register_pass
 
@@ -198,6 +205,7 @@ def attention_input_chains(gm: fx.GraphModule) -> list[list[fx.Node]]:
         if kernel.op != "call_function" or kernel.target not in SEQUENCE_SHARDED_ATTENTION:
             continue
         sig = SEQUENCE_SHARDED_ATTENTION[kernel.target]
+        found = []
         for position in (sig.query, sig.key, sig.value, sig.out, sig.logsumexp):
             start = kernel.args[position] if position is not None and position < len(kernel.args) else None
             chain: set[fx.Node] = set()
@@ -208,7 +216,19 @@ def attention_input_chains(gm: fx.GraphModule) -> list[list[fx.Node]]:
                     continue
                 chain.add(n)
                 stack.extend(n.all_input_nodes)
-            if chain - claimed and any(n.target in picks for n in chain):
+            if any(n.target in picks for n in chain):
+                found.append(chain)
+        # only the sequence-sharded lowering's kernels: an all-gather of the
+        # op itself (not a layout change of its inputs) feeds them
+        source = kernel.meta.get(SOURCE_KEY)
+        if not any(
+            n.target is _AG and REDISTRIBUTE_KEY not in n.meta and n.meta.get(SOURCE_KEY) == source
+            for chain in found
+            for n in chain
+        ):
+            continue
+        for chain in found:
+            if chain - claimed:
                 claimed |= chain
                 chains.append(sorted(chain, key=order.__getitem__))
     return chains
