@@ -28,6 +28,13 @@ alone, which the partitioner would otherwise run in the forward and save
 the chain's collectives are MUST_SAVE even inside a selective-AC region, so
 the gathered weights are kept for backward and never re-gathered.
 
+Context parallelism's sequence-sharded attention gathers K and V over the
+cp dim and stacks blocks of its inputs (:mod:`autoparallel.apply.context_parallel`);
+the backward does so again. The partitioner would merge the two and save
+the gathered values or blocks of every layer; :func:`attention_input_chains`
+finds those chains, tagged ``MUST_RECOMPUTE`` like a parameter's (not with
+``reshard_after_forward=False``, which is about weights).
+
 Tags (read by ``torch._functorch.partitioners``): ``meta["recompute"]`` and
 ``meta["ac_graph_id"]``. The id is a large constant: the partitioner turns a
 recomputed node into MUST_SAVE when one of its recomputed users has a larger
@@ -48,7 +55,8 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..capture.activation_checkpointing import forward_nodes
-from ..graph_vocab import ALL_GATHER as _AG, ALL_TO_ALL, WAIT
+from ..graph_vocab import ALL_GATHER as _AG, ALL_TO_ALL, REDISTRIBUTE_KEY, SOURCE_KEY, WAIT
+from ..options.rules.context_parallel import SEQUENCE_SHARDED_ATTENTION
 from .base import PassContext, register_pass
 
 __all__ = [
@@ -56,6 +64,7 @@ __all__ = [
     "recompute_all_gathers",
     "saved_for_backward",
     "param_gather_chains",
+    "attention_input_chains",
     "is_chain_op",
 ]
 
@@ -99,6 +108,9 @@ class RecomputeAllGathersStats:
     nodes_tagged: int = 0
     # per rank: bytes of the gathered weights (all-gather outputs) in the chains
     gathered_bytes: int = 0
+    # sequence-sharded attention: inputs gathered over cp or stacked as blocks
+    attention_chains: int = 0
+    attention_nodes_tagged: int = 0
 
 
 def _nbytes(node: fx.Node) -> int:
@@ -167,6 +179,61 @@ def param_gather_chains(
     return chains
 
 
+def attention_input_chains(gm: fx.GraphModule) -> list[list[fx.Node]]:
+    """The chains of collectives and data moves that make a sequence-sharded
+    attention kernel's q, k, v, output and logsumexp inputs
+    (:mod:`autoparallel.apply.context_parallel`), where they gather (K and
+    V over the cp dim) or pick (``index_select``: the stacked blocks, a
+    rank's shard), up to the ops that computed the values. Chains that read
+    a tangent (the output gradient's blocks) are left out, and so is a
+    mask (its local rows would be recomputed from the replicated mask).
+    Untagged, the partitioner merges the backward's chains with the
+    forward's (CSE), runs them in the forward and saves their results:
+    several times a layer's K and V; tagged, the backward gathers and
+    stacks again from what computed them."""
+    tangent_dependent: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if (n.op == "placeholder" and "tangents" in str(n.target)) or any(
+            a in tangent_dependent for a in n.all_input_nodes
+        ):
+            tangent_dependent.add(n)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    picks = {_aten.index_select.default, _AG}
+    chains: list[list[fx.Node]] = []
+    claimed: set[fx.Node] = set()
+    for kernel in gm.graph.nodes:
+        if kernel.op != "call_function" or kernel.target not in SEQUENCE_SHARDED_ATTENTION:
+            continue
+        sig = SEQUENCE_SHARDED_ATTENTION[kernel.target]
+        found = []
+        for position in (sig.query, sig.key, sig.value, sig.out, sig.logsumexp):
+            start = kernel.args[position] if position is not None and position < len(kernel.args) else None
+            chain: set[fx.Node] = set()
+            stack = [start] if isinstance(start, fx.Node) else []
+            while stack:
+                n = stack.pop()
+                if n in chain or n in tangent_dependent or not is_chain_op(n):
+                    continue
+                chain.add(n)
+                stack.extend(n.all_input_nodes)
+            if any(n.target in picks for n in chain):
+                found.append(chain)
+        # only the sequence-sharded lowering's kernels: an all-gather of the
+        # op itself (not a layout change of its inputs) feeds them
+        source = kernel.meta.get(SOURCE_KEY)
+        if not any(
+            n.target is _AG and REDISTRIBUTE_KEY not in n.meta and n.meta.get(SOURCE_KEY) == source
+            for chain in found
+            for n in chain
+        ):
+            continue
+        for chain in found:
+            if chain - claimed:
+                claimed |= chain
+                chains.append(sorted(chain, key=order.__getitem__))
+    return chains
+
+
 @register_pass("recompute_all_gathers", "joint")
 def recompute_all_gathers(gm: fx.GraphModule, ctx: PassContext) -> RecomputeAllGathersStats:
     """Tag parameter all-gather chains of the joint graph ``gm`` (in place)."""
@@ -195,6 +262,16 @@ def recompute_all_gathers(gm: fx.GraphModule, ctx: PassContext) -> RecomputeAllG
                 n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
                 n.meta.pop("ac_graph_id", None)
                 stats.nodes_tagged += copies
+    if recompute:
+        tagged: set[fx.Node] = set()
+        for chain in attention_input_chains(gm):
+            stats.attention_chains += 1
+            for n in chain:
+                if n not in tagged:
+                    tagged.add(n)
+                    n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+                    n.meta["ac_graph_id"] = CHAIN_AC_GRAPH_ID
+        stats.attention_nodes_tagged = len(tagged)
     return stats
 
 

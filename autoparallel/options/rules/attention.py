@@ -14,8 +14,8 @@ where it broadcasts over it (a 2-D causal mask is replicated whatever q
 holds). Tensors of fewer than three dims (random-number state, empty debug
 masks) are replicated. The CPU kernel may also split the sequence over
 one mesh dim (context parallelism): those options come from
-:mod:`.context_parallel`, whose apply gathers K and V and offsets the causal
-mask.
+:mod:`.context_parallel`, whose apply gathers K and V and runs causal
+attention as blocks merged by their logsumexps.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from .context_parallel import sequence_options
 
 aten = torch.ops.aten
 
-_PER_DIM_CHOICES = (Replicate(), Shard(0), Shard(1))
+PER_DIM_CHOICES = (Replicate(), Shard(0), Shard(1))
 # schema names of the inputs that broadcast against (batch, heads, q_len, k_len)
 MASK_ARGUMENTS = ("attn_mask", "attn_bias")
 # attention tensors have batch, heads and at least one more dim; smaller
@@ -80,7 +80,7 @@ def batch_head_options(
     outs = out_val if isinstance(out_val, (tuple, list)) else (out_val,)
     pool = SpecPool(mesh)
     options = []
-    for combo in itertools.product(_PER_DIM_CHOICES, repeat=mesh.ndim):
+    for combo in itertools.product(PER_DIM_CHOICES, repeat=mesh.ndim):
 
         def placements(t: torch.Tensor, mask: bool = False, gradient: bool = False):
             if mask:
@@ -116,4 +116,4 @@ def sdpa_cpu_rule(node, input_candidates, mesh):
     query = node.args[0] if node.target is aten._scaled_dot_product_flash_attention_for_cpu.default else node.args[1]
     options = batch_head_options(node, mesh, query)
     tensors = [n.meta["val"] for n in tensor_inputs(node)]
-    return options + sequence_options(node, tensors, node.meta["val"], mesh, _PER_DIM_CHOICES)
+    return options + sequence_options(node, tensors, node.meta["val"], mesh, PER_DIM_CHOICES)

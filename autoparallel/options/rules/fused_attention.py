@@ -18,6 +18,10 @@ cum_seq_q/k) replicated or without a spec. Each rank's kernel draws its
 own philox state and its backward reads that same local state, so
 "replicated" there moves nothing. Variable-length attention (cum_seq_q/k
 given: dim 0 holds the packed tokens of every sequence) runs replicated.
+Like the CPU kernel's, every kernel's rule also offers the sequence split
+over one mesh dim (context parallelism, :mod:`.context_parallel`; the
+efficient kernel's only where the sequence is a multiple of 32, as its
+logsumexp is padded to one).
 
 Why rules of our own, when DTensor has strategies for all six ops
 (``torch/distributed/tensor/_ops/_matrix_ops.py``)? Their placements are
@@ -39,8 +43,9 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..strategies import Option, register_rule
-from .attention import batch_head_options
+from ..strategies import Option, register_rule, tensor_inputs
+from .attention import PER_DIM_CHOICES, batch_head_options
+from .context_parallel import sequence_options
 
 aten = torch.ops.aten
 
@@ -69,7 +74,8 @@ def _options(node: torch.fx.Node, mesh, query_index: int, mask_grad_outputs: tup
     options = batch_head_options(node, mesh, node.args[query_index], mask_grad_outputs)
     if _variable_length(node):
         return options[:1]  # the first combination is the replicated one
-    return options
+    tensors = [n.meta["val"] for n in tensor_inputs(node)]
+    return options + sequence_options(node, tensors, node.meta["val"], mesh, PER_DIM_CHOICES)
 
 
 @register_rule(

@@ -1,5 +1,5 @@
 """Context parallelism: attention sequence-sharded over a ``cp`` mesh dim
-(K and V gathered, the causal mask offset by the rank's position).
+(K and V gathered, causal attention as blocks merged by their logsumexps).
 
 The CP step of the LLaMA-3 debug model on a 2x2 ("dp", "cp") mesh equals the
 single-device step (loss and every gradient) on LocalTensorMode ranks; the
@@ -20,7 +20,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from autoparallel import AutoParallel
 from autoparallel.api import ConstraintError
 from autoparallel.apply.collectives import collectives
-from autoparallel.apply.context_parallel import causal_mask
 from autoparallel.models.llama3 import LLAMA3_CONFIGS, Transformer
 from autoparallel.options.rules import attention as attention_rules
 
@@ -44,14 +43,6 @@ class LlamaLoss(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.model(tokens)
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
-def test_causal_mask_offsets_rows():
-    full = causal_mask(8, 8, torch.tensor(0), torch.float32, "cpu")
-    for r in range(4):
-        part = causal_mask(2, 8, torch.tensor(2 * r), torch.float32, "cpu")
-        assert torch.equal(part, full[2 * r : 2 * r + 2])
-    assert torch.equal(full.isinf(), ~torch.ones(8, 8, dtype=torch.bool).tril())
 
 
 @pytest.mark.parametrize("seq", [64, pytest.param(256, marks=pytest.mark.slow)])
@@ -146,12 +137,15 @@ def test_cp_role_names_an_attention_op_it_cannot_split(fake_world):
             autop.optimize_placement()
 
 
-def test_sequence_option_prices_gathers_and_compute_over_cp_degree(fake_world):
-    """On 4 ranks a causal attention's sequence-sharded option costs each
-    rank 1/4 of the (unmasked) attention compute in all (its queries against
-    every key: the op's causal-halved local price plus the in-op flops), two
-    all-gathers of the K/V shards, and in the backward two reduce-scatters of
-    the full-length dK/dV."""
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_sequence_option_prices_gathers_and_block_compute(fake_world, causal):
+    """On 4 ranks the sequence-sharded option costs each rank, in all (the
+    op's own price on its local shapes, halved when causal, plus the in-op
+    flops): causal, half the unmasked attention / 4 (the balanced blocks:
+    the causal diagonal and 2n-2 = 6 full blocks of L/8 x L/8); not causal,
+    the unmasked attention / 4 (its queries against every key). Plus two
+    all-gathers of the K/V shards, and in the backward two reduce-scatters
+    of the full-length dK/dV."""
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
@@ -163,12 +157,13 @@ def test_sequence_option_prices_gathers_and_compute_over_cp_degree(fake_world):
     shape = (2, 4, 64, 8)
 
     def step(q, k, v, g):
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, out, lse, 0.0, True)
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, out, lse, 0.0, causal)
 
     gm = make_fx(step, tracing_mode="fake")(*(torch.randn(shape) for _ in range(4)))
     forward, backward = (n for n in gm.graph.nodes if n.op == "call_function" and "flash_attention" in str(n.target))
     local, kv_bytes = (2, 4, 16, 8), 2 * 4 * 16 * 8 * 4
+    own = 0.5 if causal else 1.0
     for node, formula, args in (
         (forward, sdpa_flop_count, (shape, shape, shape)),
         (backward, sdpa_backward_flop_count, (shape, shape, shape, shape)),
@@ -176,8 +171,8 @@ def test_sequence_option_prices_gathers_and_compute_over_cp_degree(fake_world):
         tensors = [a.meta["val"] for a in node.args if isinstance(a, torch.fx.Node)]
         (option,) = sequence_options(node, tensors, node.meta["val"], mesh, (torch.distributed.tensor.Replicate(),))
         local_args = (local,) * len(args)
-        total = option.in_op.flops + 0.5 * formula(*local_args)
-        assert total == pytest.approx(formula(*args) / 4)
+        total = option.in_op.flops + own * formula(*local_args)
+        assert total == pytest.approx(own * formula(*args) / 4)
         gathers = [("all_gather", kv_bytes, 0)] * 2
         assert list(option.in_op.collectives) == gathers + (
             [("reduce_scatter", 4 * kv_bytes, 0)] * 2 if node is backward else []
@@ -208,3 +203,35 @@ def test_cp_with_heads_split_on_3d_mesh(fake_world):
     )
     assert {n.output_placements for n in plan.nodes.values() if n.op == SDPA} == {"(S(0)S(2)S(1), S(0)S(2)S(1))"}
     check_step(parallel, mesh, build, (tokens, targets), rel=1e-4)
+
+
+def test_cp_backward_gathers_again(fake_world):
+    """The backward of the sequence-sharded attention gathers K and V (and
+    stacks its blocks) again from the local tensors: the forward saves no
+    gathered K/V and no stacked blocks for it (untagged, the partitioner
+    merges the backward's gathers with the forward's and saves them)."""
+    from autoparallel.apply.partition import output_nodes
+    from autoparallel.graph_vocab import ALL_GATHER
+    from autoparallel.passes.recompute_all_gathers import attention_input_chains, is_chain_op
+
+    fake_world(4)
+    seq = 64
+    tokens = torch.randint(0, 256, (2, seq))
+    parallel, plan, mesh = plan_and_apply(lambda: LlamaLoss(seq), (tokens, tokens), mesh_dim_names=("dp", "cp"))
+    assert plan.pass_stats["recompute_all_gathers"].attention_chains > 0
+    # the gathers and block stacks that feed the attention kernels (names as the partitioner keeps them)
+    picks = (ALL_GATHER, torch.ops.aten.index_select.default)
+    feeding = {n.name for c in attention_input_chains(parallel.parallel_graph) for n in c if n.target in picks}
+    assert feeding
+    graphs = parallel.parallel_state.step.graphs
+    for saved in output_nodes(graphs.fw)[graphs.num_fwd_outputs :]:
+        chain, stack = set(), [saved]
+        while stack:  # the data moves that made the saved value
+            n = stack.pop()
+            if n not in chain and is_chain_op(n):
+                chain.add(n)
+                stack.extend(n.all_input_nodes)
+        picked = [n.name for n in chain if n.name in feeding]
+        assert not picked, (saved.name, picked)
+    backward = [c for c in collectives(graphs.bw, mesh) if c.kind == "all_gather_into_tensor" and c.mesh_dim == 1]
+    assert len(backward) >= 4, backward  # K and V of both layers

@@ -110,12 +110,19 @@ def _tensor_specs(option, node):
 def test_fused_kernel_options(fake_world, kernel):
     """Batch and heads on each mesh dim, every attention tensor alike, the
     random-number state and other small tensors replicated: the CPU
-    kernel's nine layouts on a 2x2 mesh, forward and backward."""
+    kernel's nine layouts on a 2x2 mesh, forward and backward; and the
+    sequence split (context parallelism) over one mesh dim with batch,
+    heads or replicate on the other, except for the efficient kernel at 16
+    tokens: it pads its logsumexp to 32 rows, which do not split as the
+    queries do."""
     fake_world(4)
     strategies, fallback = _strategies(Attention, kernel)
     assert not fallback, fallback
     rep = (Replicate(), Replicate())
     every_layout = set(itertools.product((Replicate(), Shard(0), Shard(1)), repeat=2))
+    if kernel != "efficient":
+        others = (Replicate(), Shard(0), Shard(1))
+        every_layout |= {(Shard(2), p) for p in others} | {(p, Shard(2)) for p in others}
     for op, query_index in ((FORWARD[kernel], 0), (BACKWARD[kernel], 1)):
         node, strat = _node(strategies, op)
         assert strat.source == "rule", (op, strat.source)

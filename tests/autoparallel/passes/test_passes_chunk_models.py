@@ -184,16 +184,21 @@ def step_tolerance(tokens: int, dtype=torch.float32) -> float:
     return 2 * tokens * torch.finfo(dtype).eps
 
 
-def test_sequence_parallel_layer_chunks_within_tolerance(fake_world):
+def test_sequence_parallel_layer_chunks_within_tolerance(fake_world, monkeypatch):
     """A whole LLaMA-3 layer under the hand FSDP x TP + SP layout (the layer
     gathers the sequence-parallel rows over tp inside it and pairs them with
     rows gathered before it), on a compute-bound device: bitwise chunking
     refuses it in one line per reason; the default splits the gathered
     live-ins rank by rank and chunks it; the chunked step equals the
-    unchunked one within the reordered-sum tolerance."""
+    unchunked one within the reordered-sum tolerance. Attention runs as in
+    the hand layout, heads over tp: the sequence-sharded option (context
+    parallelism, the same causal compute on this device) is not offered."""
     from _hand_plan import pin_hand_layout
     from _parity import reference_step
 
+    from autoparallel.options.rules import attention as attention_rules
+
+    monkeypatch.setattr(attention_rules, "sequence_options", lambda *args: [])
     fake_world(4)
     build, args = _our_model("llama3", n_layers=1)
     tokens = (torch.randint(0, args.vocab_size, (8, 16), generator=torch.Generator().manual_seed(1)),)
