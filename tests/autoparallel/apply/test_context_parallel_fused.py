@@ -13,8 +13,6 @@ and return the CUDA kernels' layouts."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 from _parity import plan_and_apply
@@ -22,7 +20,7 @@ from test_context_parallel import SDPA, LlamaLoss
 
 from autoparallel.apply import local_graph
 from autoparallel.apply.collectives import collectives
-from autoparallel.apply.context_parallel import lower_attention
+from autoparallel.apply.sequence_layout import SequenceLayout
 from autoparallel.capture.attention_kernels import traced_attention_kernel
 
 pytestmark = [
@@ -53,15 +51,15 @@ KERNELS = {
     ["cudnn", pytest.param("flash", marks=pytest.mark.slow), pytest.param("efficient", marks=pytest.mark.slow)],
 )
 def test_fused_kernel_plans_and_applies_sequence_split(fake_world, monkeypatch, kernel, balanced):
-    """``balanced``: the local graph built with the balanced lowering (as
-    the layout that holds each rank's two chunks calls it): the graph's
-    shapes, not its numbers, are checked here."""
+    """``balanced``: the local graph built on the balanced sequence layout
+    (apply's default for causal attention); otherwise on the contiguous
+    one: the graph's shapes, not its numbers, are checked here."""
     fake_world(4)
     seq = 64  # a multiple of 32: the efficient kernel's logsumexp is not padded
     tokens = torch.randint(0, 256, (2, seq))
     forward, backward = KERNELS[kernel]
-    if balanced:
-        monkeypatch.setattr(local_graph, "lower_attention", functools.partial(lower_attention, balanced=True))
+    if not balanced:
+        monkeypatch.setattr(local_graph, "plan_sequence_layout", lambda *args: SequenceLayout())
     with traced_attention_kernel(kernel):
         parallel, plan, mesh = plan_and_apply(lambda: LlamaLoss(seq), (tokens, tokens), mesh_dim_names=("dp", "cp"))
     attention = [n for n in plan.nodes.values() if n.op in (str(forward), str(backward))]
