@@ -155,17 +155,22 @@ def _meta_inputs():
     return (torch.empty(B, SEQ, dtype=torch.long, device="meta"),) * 2
 
 
+def _llama_strategies() -> dict:
+    """The options of the debug LLaMA-3 traced on a 2x2 ("dp", "cp") mesh."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    with torch.device("meta"):
+        model = LlamaLoss(SEQ)
+    with AutoParallel(model, mesh, _meta_inputs()) as autop:
+        return autop.strategies
+
+
 def _labels(strategy) -> set[str]:
     return {o.label for o in strategy.options}
 
 
 def test_linear_views_offer_the_sequence_split(fake_world):
     fake_world(4)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
-    with torch.device("meta"):
-        model = LlamaLoss(SEQ)
-    with AutoParallel(model, mesh, _meta_inputs()) as autop:
-        strategies = autop.strategies
+    strategies = _llama_strategies()
     flat, back = 0, 0
     for node, strategy in strategies.items():
         if node.target not in VIEWS or ".layers." not in (module_path(node) or ""):
@@ -194,11 +199,7 @@ def test_flatten_reads_dtensors_strided_shard_of_one_group(fake_world, monkeypat
         pytest.skip(f"DTensor's flatten of S(0)S(1) gives {out} on this torch")
     monkeypatch.setattr(strategies_module, "EXTRA_RULES", {})
     fake_world(4)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
-    with torch.device("meta"):
-        model = LlamaLoss(SEQ)
-    with AutoParallel(model, mesh, _meta_inputs()) as autop:
-        strategies = autop.strategies
+    strategies = _llama_strategies()
     flat = [
         (node, strategy)
         for node, strategy in strategies.items()
