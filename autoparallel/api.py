@@ -511,13 +511,7 @@ class AutoParallel:
         """The step's memory terms; the budget's entry in the constraint
         log; an error naming the budget when no plan can fit it."""
         b = self._memory_budget
-        model = memory_budget_mod.step_memory_model(
-            self.traced,
-            self.strategies,
-            b.optimizer,
-            device=self.device,
-            sequence_split="cp" in self.mesh_roles.values(),
-        )
+        model = memory_budget_mod.step_memory_model(self.traced, self.strategies, b.optimizer, device=self.device)
         budget, source = b.resolve(self.device)
         entry = {"budget_bytes": budget, "source": source, "model": model.to_json()}
         self._constraint_log[memory_budget_mod.BUDGET_NAME] = entry

@@ -384,7 +384,6 @@ def step_memory_model(
     optimizer: OptimizerSpec = ADAMW,
     loss: LossSpec = CROSS_ENTROPY,
     device: Any = None,
-    sequence_split: bool = False,
 ) -> StepMemoryModel:
     """The terms of the step's memory: parameters (with their gradients,
     optimizer state and the optimizer step's intermediates), saved
@@ -392,14 +391,7 @@ def step_memory_model(
     copies of the outputs (``loss``) and the backward's largest live set of
     transients, per decision of ``strategies``. ``device``: the one the
     plan is costed for, whose redistributions apply runs (which tells a
-    reduce-scatter from an all-reduce, :func:`~.memory_peaks.reduce_scattered_saves`).
-    ``sequence_split``: attention splits the sequence over a ``cp`` dim;
-    the context-parallel lowering then allocates buffers this model does
-    not count (its attention mask: 4.29 GB per rank for LLaMA-3 8B at
-    131072 tokens on dp 4 x cp 8 x tp 4, the applied step's peak), so the
-    Partial projections are counted as produced, not reduce-scattered,
-    which covers them (the peak 31.0 GB against 28.5 GB tracked; counted
-    reduce-scattered, 23.5 GB: below)."""
+    reduce-scatter from an all-reduce, :func:`~.memory_peaks.reduce_scattered_saves`)."""
     terms: dict[str, dict[str, float]] = {}
     per_elem_opt = optimizer.state_bytes_per_element + optimizer.master_bytes_per_element
     for fqn, node in traced.param_nodes.items():
@@ -430,11 +422,7 @@ def step_memory_model(
         counted.add(node)
     recomputed_inputs = redistributed_inputs(traced.gm, strategies, chain, remade, counted, terms)
     reduced = reduced_inputs(traced.gm, strategies, counted, set(remade), terms)
-    reduce_scattered, rs_tables = (
-        ({}, {})
-        if sequence_split
-        else reduce_scattered_saves(traced.gm, strategies, counted, set(remade), terms, device)
-    )
+    reduce_scattered, rs_tables = reduce_scattered_saves(traced.gm, strategies, counted, set(remade), terms, device)
     # the outputs live from the forward's end through the caller's loss and
     # backward, their gradients from the backward's start: the largest
     # buffers beyond the saved activations (LLaMA's logits)
