@@ -35,7 +35,7 @@ from .problem import memory_budget as memory_budget_mod
 from .problem import pricing as option_pricing
 from .problem.memory import ADAMW, OptimizerSpec
 from .plan import Plan
-from . import to_plan
+from . import to_plan, torch_compat
 from .checks.provenance import PlanMismatch, PlanTarget, check_applicable, provenance  # noqa: F401 - PlanMismatch re-exported
 from .progress import Stages, gc_paused
 from .problem.param_budget import PARAM_BUDGET, default_bound_entry, with_default_bound
@@ -69,14 +69,6 @@ ConstraintError = validation.ConstraintError
 
 def _dump_gzip() -> bool:
     return os.environ.get(DUMP_GZIP_ENV, "") not in ("", "0")
-
-
-def _clear_sharding_caches() -> None:
-    """Forget DTensor's sharding-propagation caches (Python and C++ fast path)."""
-    from torch.distributed.tensor.debug import _clear_fast_path_sharding_prop_cache, _clear_python_sharding_prop_cache
-
-    _clear_python_sharding_prop_cache()
-    _clear_fast_path_sharding_prop_cache()
 
 
 class AutoParallel:
@@ -136,11 +128,10 @@ class AutoParallel:
             and FSDP average: with each rank's loss the mean over its local
             batch, gradients equal a single device's for the global batch
             and a mean loss.
-        attention_kernel: trace ``F.scaled_dot_product_attention`` as this
-            fused CUDA kernel (``"cudnn"``, ``"flash"`` or ``"efficient"``)
-            on any mesh, so a plan made on a CPU machine has the options and
-            prices of the kernel the GPU runs
-            (:func:`autoparallel.capture.attention_kernels.traced_attention_kernel`);
+        attention_kernel: trace attention as this fused CUDA kernel
+            (``"cudnn"``, ``"flash"``, ``"efficient"``) on any mesh: a plan
+            made on a CPU machine for the GPU's kernel
+            (:func:`~.capture.attention_kernels.traced_attention_kernel`);
             None (default): the kernel torch picks for the mesh's device.
     """
 
@@ -258,7 +249,7 @@ class AutoParallel:
         # equal mesh of an earlier process group hit that cache: the new
         # parameters (``nn.Parameter(dtensor)`` runs ``detach``) would then
         # live on the old mesh object, whose groups may be gone.
-        _clear_sharding_caches()
+        torch_compat.clear_sharding_caches()
         self._closed = False
         self._stack = contextlib.ExitStack()
         self._stack.__enter__()

@@ -658,3 +658,11 @@ def source_node_names(node: torch.fx.Node) -> list[str]:
         if isinstance(name, str) and name not in names:
             names.append(name)
     return names
+
+
+def clear_sharding_caches() -> None:
+    """Forget DTensor's sharding-propagation caches (Python and C++ fast path)."""
+    from torch.distributed.tensor.debug import _clear_fast_path_sharding_prop_cache, _clear_python_sharding_prop_cache
+
+    _clear_python_sharding_prop_cache()
+    _clear_fast_path_sharding_prop_cache()
