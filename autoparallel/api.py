@@ -60,15 +60,9 @@ DUMP_DIR_ENV = "AUTOPARALLEL_DUMP_DIR"
 # unaffected, and the solver's branching proves the fractional 1-layer debug
 # LLaMA on 4x2 in 2-4 s.
 DEFAULT_TIME_LIMIT = 300.0
-# set to 1 to gzip the dumps (problem.json.gz, ...)
-DUMP_GZIP_ENV = "AUTOPARALLEL_DUMP_GZIP"
 
 
 ConstraintError = validation.ConstraintError
-
-
-def _dump_gzip() -> bool:
-    return os.environ.get(DUMP_GZIP_ENV, "") not in ("", "0")
 
 
 class AutoParallel:
@@ -604,7 +598,7 @@ class AutoParallel:
         status: str | None = None,
     ) -> None:
         """The solver dumps (see :func:`~.to_plan.write_dumps`)."""
-        seconds = to_plan.write_dumps(directory, self.mesh, built, solution, plan, status, gzip=_dump_gzip())
+        seconds = to_plan.write_dumps(directory, self.mesh, built, solution, plan, status)
         if seconds is not None:
             self.timings["dump"] = seconds
             logger.info("wrote solver dumps to %s in %.2fs", directory, seconds)

@@ -31,6 +31,10 @@ from .torch_compat import current_ranks
 __all__ = ["make_plan", "runner_ups", "write_dumps"]
 
 
+# set to 1 to gzip the dumps (problem.json.gz, ...)
+DUMP_GZIP_ENV = "AUTOPARALLEL_DUMP_GZIP"
+
+
 def write_dumps(
     directory: str,
     mesh: DeviceMesh,
@@ -39,14 +43,17 @@ def write_dumps(
     plan: Plan | None,
     status: str | None = None,
     *,
-    gzip: bool = False,
+    gzip: bool | None = None,
 ) -> float | None:
     """Write problem.json (each distinct cost table once: repeated layers
     cost one layer), solution.json and plan.json to ``directory``, from
-    rank 0 of the mesh only, each replaced atomically; ``gzip``: as .json.gz.
+    rank 0 of the mesh only, each replaced atomically; ``gzip``: as .json.gz
+    (None: when the environment sets ``AUTOPARALLEL_DUMP_GZIP`` to other than 0).
     A failed solve writes the problem with ``status`` saying why and removes
     the previous run's solution and plan, which would no longer match.
     Returns the seconds it took (None on the other ranks, which write nothing)."""
+    if gzip is None:
+        gzip = os.environ.get(DUMP_GZIP_ENV, "") not in ("", "0")
     from solver import serialize
 
     with unset_fake_temporarily():  # the mesh tensor, outside tracing's fake mode

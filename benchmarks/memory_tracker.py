@@ -166,6 +166,7 @@ def run_row(name: str, trace: bool = False) -> dict:
     from autoparallel import AutoParallel
     from autoparallel.apply.local_graph import local_shape
     from autoparallel.problem.memory import breakdown
+    from autoparallel.problem.step_memory import CATEGORIES
 
     kind, a = ea.ROWS[name]
     if kind == "zoo":
@@ -187,20 +188,8 @@ def run_row(name: str, trace: bool = False) -> dict:
     out.update(
         planner=mem.total,
         planned=mem.planned,
-        parts={
-            k: getattr(mem, k)
-            for k in (
-                "parameters",
-                "gradients",
-                "optimizer",
-                "inputs",
-                "activations",
-                "outputs",
-                "transients",
-                "loss",
-                "optimizer_step",
-            )
-        },
+        # the planner's categories; the outputs' gradients are in "outputs"
+        parts={k: getattr(mem, k) for k in CATEGORIES if k != "output_grads"},
         applied=mem.applied,
         tracked=tracked.peak,
         tracked_parts=tracked.by_category,

@@ -184,9 +184,9 @@ def _cp_rules(strategies: dict, d: int, cname: str, mesh: DeviceMesh, rules: dic
             raise ConstraintError(
                 f"{cname}: the attention op {node.name} ({module_path(node) or 'no module path'}) has no "
                 f"sequence-sharded option over {_dim_names(mesh)[d]!r} ({mesh.size(d)} ranks): the sequence must "
-                "divide evenly by that many ranks, the op may carry no dropout, and a mask (attn_mask) must "
-                "have its query dim (-2) whole or broadcast (size 1); use another mesh shape or give the dim "
-                "another role"
+                "divide evenly by that many ranks (and be a multiple of 32 for the memory-efficient kernel), a causal op "
+                "needs as many keys as queries, the op may carry no dropout, and a mask (attn_mask) must have its "
+                "query dim (-2) whole or broadcast (size 1); use another mesh shape or give the dim another role"
             )
         rules.setdefault(node.name, []).append(rule)
     if not found:
